@@ -1,0 +1,282 @@
+"""Config and weights of a GGUF file (llama, qwen2, qwen3 architectures).
+
+Weights are dequantized with ``gguf`` and renamed to Hugging Face names, so the
+models see the same state dict whether they were loaded from GGUF or HF.
+
+Two GGUF quirks matter:
+
+* llama.cpp's converter permutes the rows of Q and K for the ``llama``
+  architecture (HF's rotate-half RoPE layout -> GGML's interleaved layout). We
+  undo it exactly as ``transformers`` does; qwen2/qwen3 are stored unpermuted.
+* There is no ``output.weight`` when the LM head is tied to the embedding.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_loader import cache
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    import transformers
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Architectures whose Q/K rows llama.cpp permuted on conversion.
+_PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Tensors llama.cpp stores that HF recomputes from the config (llama3 RoPE factors).
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None if unknown."""
+    if m := _BLOCK_RE.match(gguf_name):
+        layer, part, kind = m.groups()
+        if part in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    elif m := _GLOBAL_RE.match(gguf_name):
+        part, kind = m.groups()
+        if part in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[part]}.{kind}"
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Header scan
+#
+# gguf.GGUFReader parses every metadata array element into numpy views, which
+# takes seconds for a 49k-token vocabulary. Config loading only needs the
+# scalar metadata and the tensor names, so we walk the header ourselves and
+# skip array bodies. Layout (GGUF v2/v3):
+#   magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+#   n_kv  x (string key | u32 type | value)
+#   n_tensors x (string name | u32 n_dims | u64 dims[n_dims] | u32 ggml_type | u64 offset)
+# where string = u64 length + utf-8 bytes, array = u32 item type + u64 count + items.
+# ----------------------------------------------------------------------------
+
+# GGUF metadata value type -> struct format (u8 i8 u16 i16 u32 i32 f32 bool u64 i64 f64).
+_SCALAR_FORMATS = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """Scalar metadata and tensor shapes of a GGUF file (array values omitted)."""
+
+    metadata: dict[str, str | int | float | bool]
+    array_lengths: dict[str, int]
+    tensor_shapes: dict[str, tuple[int, ...]]
+    """GGUF dims order (innermost first), i.e. reversed from PyTorch's."""
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        return arch if isinstance(arch, str) else "<missing>"
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap, order: str):
+        self.buf, self.order, self.pos = buf, order, 0
+
+    def scalar(self, fmt: str) -> int | float | bool:
+        (value,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(self.order + fmt)
+        return value
+
+    def string(self) -> str:
+        n = int(self.scalar("Q"))
+        if self.pos + n > len(self.buf):
+            raise ValueError("string runs past the end of the file")
+        s = self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def skip_value(self, vtype: int) -> None:
+        if vtype in _SCALAR_FORMATS:
+            self.pos += struct.calcsize(self.order + _SCALAR_FORMATS[vtype])
+        elif vtype == _STRING:
+            # Two statements: `pos += scalar()` would add to pos as it was before scalar() moved it.
+            length = int(self.scalar("Q"))
+            self.pos += length
+        elif vtype == _ARRAY:
+            item_type, count = int(self.scalar("I")), int(self.scalar("Q"))
+            if item_type in _SCALAR_FORMATS:
+                self.pos += count * struct.calcsize(self.order + _SCALAR_FORMATS[item_type])
+            else:
+                for _ in range(count):
+                    self.skip_value(item_type)
+        else:
+            raise ValueError(f"unknown metadata value type {vtype}")
+
+
+def read_gguf_header(path: str) -> GGUFHeader:
+    """Read a GGUF file's scalar metadata and tensor shapes in milliseconds."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != b"GGUF":
+                raise UnsupportedModelError(f"{path!r} is not a GGUF file (bad magic bytes).")
+            order = "<"
+            (version,) = struct.unpack_from("<I", buf, 4)
+            if version & 0xFFFF == 0:  # written on a big-endian machine
+                order = ">"
+                (version,) = struct.unpack_from(">I", buf, 4)
+            if version not in (2, 3):
+                raise UnsupportedModelError(
+                    f"{path!r} is GGUF version {version}; only versions 2 and 3 are supported."
+                )
+            cur = _Cursor(buf, order)
+            cur.pos = 8
+            n_tensors, n_kv = int(cur.scalar("Q")), int(cur.scalar("Q"))
+            metadata: dict[str, str | int | float | bool] = {}
+            array_lengths: dict[str, int] = {}
+            for _ in range(n_kv):
+                key = cur.string()
+                vtype = int(cur.scalar("I"))
+                if vtype in _SCALAR_FORMATS:
+                    metadata[key] = cur.scalar(_SCALAR_FORMATS[vtype])
+                elif vtype == _STRING:
+                    metadata[key] = cur.string()
+                else:
+                    start = cur.pos
+                    cur.skip_value(vtype)
+                    (array_lengths[key],) = struct.unpack_from(order + "Q", buf, start + 4)
+            shapes: dict[str, tuple[int, ...]] = {}
+            for _ in range(n_tensors):
+                name = cur.string()
+                n_dims = int(cur.scalar("I"))
+                shapes[name] = tuple(int(cur.scalar("Q")) for _ in range(n_dims))
+                cur.pos += 4 + 8  # ggml type, data offset
+    except (struct.error, ValueError, OSError) as e:
+        if isinstance(e, UnsupportedModelError):
+            raise
+        raise UnsupportedModelError(f"Could not read the GGUF header of {path!r}: {e}") from e
+    return GGUFHeader(metadata=metadata, array_lengths=array_lengths, tensor_shapes=shapes)
+
+
+def check_supported(arch: str, path: str) -> None:
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} of {path!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}."
+        )
+
+
+# ----------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------
+
+
+def load_gguf_config(path: str) -> transformers.PretrainedConfig:
+    """The transformers config of a GGUF, as ``AutoConfig(gguf_file=...)`` builds it."""
+    from transformers import AutoConfig
+
+    header = read_gguf_header(path)
+    check_supported(header.architecture, path)
+
+    def build() -> transformers.PretrainedConfig:
+        return AutoConfig.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+        )
+
+    config = cache.load_or_build(
+        "configs",
+        path,
+        build=build,
+        save=lambda c, d: c.save_pretrained(d),
+        load=lambda d: AutoConfig.from_pretrained(d, local_files_only=True),
+    )
+    # The LM head is tied exactly when the file stores no separate output matrix.
+    config.tie_word_embeddings = "output.weight" not in header.tensor_shapes
+    config.name_or_path = path
+    return config
+
+
+# ----------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------
+
+
+def reverse_llama_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of Q/K rows (same as transformers' GGUF loader).
+
+    llama.cpp: ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``.
+    """
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch_field = reader.get_field("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else "<missing>"
+    check_supported(arch, path)
+    n_head = n_head_kv = 0
+    if arch in _PERMUTED_QK_ARCHITECTURES:
+        n_head = int(reader.get_field(f"{arch}.attention.head_count").contents())
+        kv_field = reader.get_field(f"{arch}.attention.head_count_kv")
+        n_head_kv = int(kv_field.contents()) if kv_field is not None else n_head
+
+    for t in reader.tensors:
+        if t.name in _SKIPPED_TENSORS:
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            raise UnsupportedModelError(
+                f"GGUF tensor {t.name!r} in {path!r} has no Hugging Face equivalent for "
+                f"architecture {arch!r}."
+            )
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"GGUF tensor {t.name!r} in {path!r} uses quantization {t.tensor_type.name}, "
+                "which the gguf package cannot dequantize."
+            ) from e
+        if arch in _PERMUTED_QK_ARCHITECTURES:
+            if ".attn_q." in t.name:
+                w = reverse_llama_qk_permutation(w, n_head)
+            elif ".attn_k." in t.name:
+                w = reverse_llama_qk_permutation(w, n_head_kv)
+        if isinstance(w, np.memmap) or not w.flags.writeable:
+            # F32 tensors come back as read-only views of the file mapping.
+            w = np.array(w, dtype=np.float32)
+        else:
+            w = np.ascontiguousarray(w, dtype=np.float32)
+        yield name, torch.from_numpy(w)

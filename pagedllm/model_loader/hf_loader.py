@@ -1,0 +1,68 @@
+"""Config and weights of a local Hugging Face directory (safetensors only)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from pagedllm.errors import ModelNotFoundError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+# Buffers some old checkpoints saved; they are recomputed from the config.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_config(path: str) -> transformers.PretrainedConfig:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The safetensors files of the checkpoint in ``path``, in a stable order."""
+    index = os.path.join(path, _INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not os.path.isfile(os.path.join(path, name))]
+        if missing:
+            raise ModelNotFoundError(
+                f"{index} lists shard(s) that are not on disk: {', '.join(missing)}."
+            )
+        return [os.path.join(path, name) for name in files]
+    if os.path.isfile(os.path.join(path, _SINGLE_FILE)):
+        return [os.path.join(path, _SINGLE_FILE)]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        return [os.path.join(path, name) for name in files]
+    torch_files = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+    if torch_files:
+        raise UnsupportedModelError(
+            f"The model directory {path!r} has only PyTorch pickle weights "
+            f"({', '.join(torch_files)}); pagedllm only loads *.safetensors. Convert it with "
+            "`model.save_pretrained(dir, safe_serialization=True)`."
+        )
+    raise ModelNotFoundError(
+        f"The model directory {path!r} has a config.json but no *.safetensors weights."
+    )
+
+
+def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, float32 tensor)`` one tensor at a time, never the whole model."""
+    import torch
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_SKIPPED_SUFFIXES):
+                    continue
+                yield name, f.get_tensor(name).to(torch.float32)

@@ -1,0 +1,39 @@
+"""Format-independent entry points: the config and weights of a ``ModelSource``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from pagedllm.model_loader.resolve import ModelSource
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
+
+
+def load_config(src: ModelSource) -> transformers.PretrainedConfig:
+    """The model's transformers config (from config.json, or built from GGUF metadata)."""
+    if src.kind == "gguf":
+        from pagedllm.model_loader.gguf_loader import load_gguf_config
+
+        return load_gguf_config(src.path)
+    from pagedllm.model_loader.hf_loader import load_hf_config
+
+    return load_hf_config(src.path)
+
+
+def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_parameter_name, float32 tensor)`` one tensor at a time.
+
+    Names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``),
+    linear weights are ``[out_features, in_features]``, and ``lm_head.weight``
+    appears only when the checkpoint stores it (untied head).
+    """
+    if src.kind == "gguf":
+        from pagedllm.model_loader.gguf_loader import iter_gguf_weights
+
+        return iter_gguf_weights(src.path)
+    from pagedllm.model_loader.hf_loader import iter_hf_weights
+
+    return iter_hf_weights(src.path)

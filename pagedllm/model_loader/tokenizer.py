@@ -1,0 +1,60 @@
+"""Load the tokenizer of a model source.
+
+For GGUF files ``transformers`` rebuilds a fast tokenizer from the embedded
+vocabulary and merges; almost all of the seconds that takes go into
+``gguf.GGUFReader`` parsing ~100k vocabulary/merge strings into numpy views,
+plus the BPE conversion. The result is saved to the pagedllm cache (see
+``cache.py``) and later loads read only ``tokenizer.json`` (~0.2 s).
+Whatever transformers' GGUF tokenizer does (e.g. no BOS for SmolLM2) is the
+reference behaviour; the cached copy is saved and reloaded by transformers
+itself, so ids, special tokens and the chat template are preserved.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from pagedllm.model_loader import cache
+from pagedllm.model_loader.resolve import ModelSource, resolve_local
+
+if TYPE_CHECKING:
+    import transformers
+
+
+def load_tokenizer(
+    src: ModelSource, tokenizer: str | None = None
+) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer of ``src``, or of ``tokenizer`` (a path or cached org/name) if given."""
+    if tokenizer is not None:
+        src = resolve_local(tokenizer, what="tokenizer")
+    if src.kind == "gguf":
+        return load_gguf_tokenizer(src.path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+
+
+def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return cache.load_or_build(
+        "tokenizers",
+        path,
+        build=lambda: convert_gguf_tokenizer(path),
+        save=lambda tok, d: tok.save_pretrained(d),
+        load=lambda d: AutoTokenizer.from_pretrained(d, local_files_only=True),
+    )
+
+
+def convert_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
+    """transformers' own GGUF tokenizer conversion, uncached (the reference)."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.model_loader.gguf_loader import check_supported, read_gguf_header
+
+    # Fail fast and clearly before transformers' own (slower, vaguer) checks.
+    check_supported(read_gguf_header(path).architecture, path)
+    return AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+    )
