@@ -1,0 +1,38 @@
+"""pagedllm: a small, fast LLM inference and serving engine (paged KV cache, continuous batching).
+
+The top-level import stays light: heavy modules load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "ModelRegistry": "pagedllm.models.registry",
+    "EngineConfig": "pagedllm.config",
+}
+
+__all__ = list(_LAZY) + ["__version__"]
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.models.registry import ModelRegistry
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -1,0 +1,80 @@
+"""Plain-torch paged attention: the reference implementation and the test oracle for faster ones."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _, num_blocks, block_size, kvh, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kvh, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    # every new K/V is written before any is read: requests in this step may share blocks
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode(q[:nd], kv_cache, meta, scale, sliding_window)
+    qsl, seq_lens = meta.query_start_loc, meta.seq_lens_cpu
+    for i in range(nd, len(seq_lens)):
+        start, end = qsl[i], qsl[i + 1]
+        q_len, seq_len = end - start, seq_lens[i]
+        if q_len == seq_len:  # nothing cached before this chunk: use the fresh K/V directly
+            ki, vi = k[start:end], v[start:end]
+        else:
+            ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
+        out[start:end] = _prefill(q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale,
+                                  sliding_window)
+    return out
+
+
+def _gather(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int):
+    nb = -(-seq_len // block_size)
+    # index_select, not kv_cache[:, idx]: advanced indexing costs time proportional to the whole cache
+    blocks = kv_cache.index_select(1, block_row[:nb])  # [2, nb, bs, kvh, d]
+    kv = blocks.flatten(1, 2)[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def _prefill(q, k, v, ctx_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """q: [Q, H, D] at positions ctx_len.. ; k, v: [S, KVH, D] at positions 0..S-1."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if ctx_len == 0 and sliding_window is None:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(ctx_len, ctx_len + q_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            sliding_window: int | None) -> torch.Tensor:
+    """One query token per request, batched: gather each request's blocks and mask past its length."""
+    nd = q.shape[0]
+    seq_lens = meta.seq_lens[:nd]
+    max_len = max(meta.seq_lens_cpu[:nd])
+    nb = -(-max_len // meta.block_size)
+    table = meta.block_tables[:nd, :nb]
+    blocks = kv_cache.index_select(1, table.flatten())  # [2, nd * nb, bs, kvh, d]
+    kv = blocks.view(2, nd, nb * meta.block_size, *blocks.shape[-2:])  # [2, nd, L, kvh, d]
+    k, v = kv[0].transpose(1, 2).to(q.dtype), kv[1].transpose(1, 2).to(q.dtype)  # [nd, kvh, L, d]
+    pos = torch.arange(kv.shape[2], device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos >= (seq_lens[:, None] - sliding_window)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2)

@@ -1,0 +1,124 @@
+"""Engine configuration: one set of typed dataclasses is the single source of truth.
+
+``LLM(**kwargs)`` and the CLI flags are both generated from the fields below
+(see :func:`EngineConfig.from_kwargs` and :mod:`pagedllm.entrypoints.cli`), with
+vLLM's names so a vLLM user's habits carry over. Each field's help text lives in
+its ``metadata``; there is no second list of defaults anywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pagedllm.errors import InvalidParameterError
+
+GiB = 1 << 30
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    model: str | None = _f(None, "Path to an HF directory or .gguf file, or an HF repo id already in the local cache. Default: the embedded SmolLM2-135M-Instruct.", positional=True)
+    tokenizer: str | None = _f(None, "Tokenizer path; defaults to the model's own.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Weight and activation dtype. 'auto' is float32 on CPU and the checkpoint's dtype (or bfloat16) on CUDA.")
+    max_model_len: int | None = _f(None, "Context length (prompt + output). Defaults to the model's, capped to what the KV cache can hold.")
+    served_model_name: str | None = _f(None, "Name reported in outputs and the API. Defaults to the model argument.")
+    seed: int = _f(0, "Seed for requests that give none.")
+    max_logprobs: int = _f(20, "Largest `logprobs` a request may ask for.")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    block_size: int = _f(16, "Tokens per KV cache block.")
+    kv_cache_memory: int | None = _f(None, "Bytes for the KV cache on CPU (default 4 GiB, vLLM's CPU default).")
+    gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory the engine may use (weights + activations + KV cache).")
+    num_gpu_blocks_override: int | None = _f(None, "Use exactly this many KV blocks, whatever the memory budget says (for tests).")
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes across requests.")
+    kv_cache_dtype: Literal["auto"] = _f("auto", "KV cache dtype; 'auto' uses the model dtype.")
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _f(256, "Most requests running at once.")
+    max_num_batched_tokens: int = _f(2048, "Token budget of one engine step (prefill chunks + decodes).")
+    enable_chunked_prefill: bool = _f(True, "Split long prompts across steps to fit the token budget.")
+    scheduling_policy: Literal["fcfs", "priority"] = _f("fcfs", "Order of admission: arrival, or (priority, arrival) with lower values first.")
+
+
+@dataclass(slots=True, frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _f(1, "Number of tensor-parallel workers.")
+    pipeline_parallel_size: int = _f(1, "Number of pipeline stages.")
+
+
+_SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
+             "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig}
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @staticmethod
+    def all_fields() -> list[tuple[str, dataclasses.Field]]:
+        """Every user-settable field as (section, field), in declaration order."""
+        return [(sec, f) for sec, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Distribute flat vLLM-style keyword arguments to the section owning each name."""
+        per_section: dict[str, dict[str, Any]] = {sec: {} for sec in _SECTIONS}
+        owner = {f.name: sec for sec, f in cls.all_fields()}
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise InvalidParameterError(
+                    f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owner))}", param=name)
+            per_section[owner[name]][name] = value
+        config = cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in per_section.items()})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        m, c, s, p = self.model_config, self.cache_config, self.scheduler_config, self.parallel_config
+        _choice("dtype", m.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("device", m.device, ("auto", "cpu", "cuda"))
+        _choice("kv_cache_dtype", c.kv_cache_dtype, ("auto",))
+        _choice("scheduling_policy", s.scheduling_policy, ("fcfs", "priority"))
+        _positive("block_size", c.block_size)
+        _positive("max_num_seqs", s.max_num_seqs)
+        _positive("max_num_batched_tokens", s.max_num_batched_tokens)
+        _positive("max_logprobs", m.max_logprobs, allow_zero=True)
+        if m.max_model_len is not None:
+            _positive("max_model_len", m.max_model_len)
+        if c.num_gpu_blocks_override is not None:
+            _positive("num_gpu_blocks_override", c.num_gpu_blocks_override)
+        if c.kv_cache_memory is not None:
+            _positive("kv_cache_memory", c.kv_cache_memory)
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise InvalidParameterError(
+                f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}", "gpu_memory_utilization")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(p, name)
+            if value != 1:
+                raise InvalidParameterError(
+                    f"{name}={value} is not supported yet: pagedllm currently runs on a single device", name)
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise InvalidParameterError(f"{name} must be one of {list(allowed)}, got {value!r}", name)
+
+
+def _positive(name: str, value: Any, allow_zero: bool = False) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise InvalidParameterError(f"{name} must be an integer {bound}, got {value!r}", name)

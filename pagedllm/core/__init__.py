@@ -1,0 +1,1 @@
+"""CPU-side bookkeeping: block pool, KV cache manager, scheduler. No torch here."""

@@ -1,0 +1,287 @@
+"""Iteration-level scheduler: decides, each step, how many tokens of which requests to compute.
+
+One rule covers prefill, chunked prefill, prefix-cache hits and decode: a
+request is given ``min(budget, num_tokens - num_computed_tokens)`` tokens.
+Running requests go first (in admission order), then waiting ones (FCFS or
+priority). When the KV cache runs out, the lowest-priority (then newest)
+running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Everything the model runner needs to start (or restart after preemption) a request."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already knows: what changed since the last step."""
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or preempted since the last step: the runner drops their state
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One sampled token (and optional logprobs) for every request that reached the end of its tokens."""
+    sampled: dict[str, int]
+    logprobs: dict[str, "SampleLogprobs"] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SampleLogprobs:
+    token_ids: list[int]  # the sampled token first, then the top-N
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the distribution
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int  # since the last stats call
+    prefix_cache: PrefixCacheStats
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int):
+        self.config = sched
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = _WaitQueue(sched.scheduling_policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._num_preemptions_reported = 0
+
+    # -- request table --------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort_requests(self, req_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                aborted.append(req)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- one step ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_now = False
+        now = time.monotonic()
+
+        if self.config.scheduling_policy == "priority":
+            # serve the most important first, so victims (taken from the unserved tail) are the least
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                continue  # req itself was preempted and removed from running
+            num_scheduled[req.request_id] = n
+            cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks],
+                                                 req.num_computed_tokens))
+            budget -= n
+            i += 1
+
+        # admit waiting requests, unless we just had to preempt (no room anyway)
+        while (not preempted_now and len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting.peek()
+            hits, num_hit_tokens = ([], 0)
+            if req.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and n > budget:
+                break  # head-of-line waits for a step with enough budget
+            n = min(n, budget)
+            new_blocks = self.kv.allocate_slots(req, n, hits, num_hit_tokens)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            num_scheduled[req.request_id] = n
+            new_reqs.append(NewRequestData(
+                req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+                self.kv.get_block_ids(req.request_id), num_hit_tokens))
+            budget -= n
+
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                              sum(num_scheduled.values()), self.finished_req_ids)
+        self.finished_req_ids = set()
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, apply stop conditions; return the requests that got a new token or finished."""
+        now = time.monotonic()
+        touched: list[Request] = []
+        for rid, token in runner_out.sampled.items():
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._check_stop(req)
+            touched.append(req)
+        return touched
+
+    def _check_stop(self, req: Request) -> None:
+        last = req.output_token_ids[-1]
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens and last in sp._all_stop_token_ids:
+            req.stop_reason = None if last not in sp.stop_token_ids else last
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def finish_request(self, req_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish from outside the step (e.g. a stop string found by the detokenizer)."""
+        req = self.requests.get(req_id)
+        if req is not None and not req.status.finished:
+            req.stop_reason = stop_reason
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
+
+    def release(self, req_id: str) -> None:
+        """Forget a finished request once its output has been delivered."""
+        req = self.requests.get(req_id)
+        if req is not None and req.status.finished:
+            del self.requests[req_id]
+
+    # -- preemption -----------------------------------------------------------
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """The newest (FCFS) or least important (priority) request not yet served this step."""
+        candidates = self.running[first_unscheduled:]
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(req.request_id)  # the runner drops its state; it comes back as new
+        self.waiting.push_front(req)
+
+    # -- observability ----------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        new_preemptions = self.num_preemptions - self._num_preemptions_reported
+        self._num_preemptions_reported = self.num_preemptions
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+                              new_preemptions, self.kv.stats.reset())
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+            assert req.num_computed_tokens <= req.num_tokens
+        for rid in self.kv.req_blocks:
+            assert self.requests[rid].status == RequestStatus.RUNNING, f"{rid} holds blocks but is not running"
+
+
+class _WaitQueue:
+    """FCFS deque, or a heap ordered by (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: str):
+        self.fcfs = policy == "fcfs"
+        self._dq: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = 0
+
+    def __len__(self) -> int:
+        return len(self._dq) if self.fcfs else len(self._heap)
+
+    def __contains__(self, req: Request) -> bool:
+        return req in self._dq if self.fcfs else any(e[3] is req for e in self._heap)
+
+    def push(self, req: Request) -> None:
+        if self.fcfs:
+            self._dq.append(req)
+        else:
+            self._counter += 1
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, self._counter, req))
+
+    def push_front(self, req: Request) -> None:
+        # (priority, arrival) already puts a preempted request where it belongs in the heap
+        self._dq.appendleft(req) if self.fcfs else self.push(req)
+
+    def peek(self) -> Request:
+        return self._dq[0] if self.fcfs else self._heap[0][3]
+
+    def pop(self) -> Request:
+        return self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        if self.fcfs:
+            self._dq.remove(req)
+        else:  # aborts only: rare enough for O(n)
+            self._heap = [e for e in self._heap if e[3] is not req]
+            heapq.heapify(self._heap)

@@ -1,0 +1,1 @@
+"""The request path: Processor → EngineCore (schedule → execute → update) → OutputProcessor."""

@@ -1,0 +1,156 @@
+"""LLMEngine: builds the pieces from an EngineConfig and drives them synchronously."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.errors import InvalidParameterError
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker import kv_cache
+from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from pagedllm.model_loader import load_config, load_tokenizer, resolve_model
+
+        self.config = config
+        mc, cc = config.model_config, config.cache_config
+        self.source = resolve_model(mc.model)
+        self.model_name = mc.served_model_name or self.source.name
+        self.hf_config = load_config(self.source)
+        self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(torch.get_num_threads(), 1))
+        model = load_model(self.source, self.hf_config, self.dtype, self.device)
+
+        num_kv_heads, head_dim = model.kv_cache_shape_per_layer
+        num_layers = len(model.layers)
+        per_block = kv_cache.bytes_per_block(num_layers, cc.block_size, num_kv_heads, head_dim, self.dtype)
+        peak = self._profile_peak(model) if self.device.type == "cuda" else None
+        num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, per_block, peak)
+        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        caches = kv_cache.allocate_kv_caches(num_layers, num_blocks, cc.block_size, num_kv_heads, head_dim,
+                                             self.dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max_model_len %d; max concurrency %.1fx",
+                    num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.max_model_len,
+                    num_blocks * cc.block_size / self.max_model_len)
+        self.num_blocks = num_blocks
+        runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed)
+        self.core = EngineCore(config, runner, num_blocks, self.max_model_len)
+        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
+                                   mc.max_logprobs, self._eos_token_ids())
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        asked = self.config.model_config.max_model_len
+        if asked is not None and asked > model_max:
+            raise InvalidParameterError(
+                f"max_model_len={asked} exceeds the model's max_position_embeddings ({model_max})", "max_model_len")
+        capacity = num_blocks * self.config.cache_config.block_size
+        if capacity < 2:
+            raise InvalidParameterError(
+                f"the KV cache has room for {capacity} tokens: raise kv_cache_memory or num_gpu_blocks_override",
+                "kv_cache_memory")
+        if asked is not None and asked > capacity:
+            # a single request must always fit on its own, or preemption could never make progress
+            raise InvalidParameterError(
+                f"max_model_len={asked} is larger than the KV cache can hold ({capacity} tokens in "
+                f"{num_blocks} blocks); lower max_model_len or give the cache more memory", "max_model_len")
+        resolved = asked or min(model_max, capacity)
+        if asked is None and capacity < model_max:
+            logger.warning("max_model_len lowered to %d to fit the KV cache", resolved)
+        return resolved
+
+    def _profile_peak(self, model: torch.nn.Module) -> int:
+        """CUDA: memory in use after the weights plus a worst-case activation pass (no KV cache yet)."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = self.config.scheduler_config.max_num_batched_tokens
+        hidden = torch.zeros(n, model.config.hidden_size, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            for layer in model.layers:  # the MLP is the activation peak; attention needs the cache
+                layer.mlp(hidden)
+            model.compute_logits(hidden[: self.config.scheduler_config.max_num_seqs])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.hf_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        if self.source.kind == "hf_dir":
+            from transformers import GenerationConfig
+            try:
+                gen = GenerationConfig.from_pretrained(self.source.path).eos_token_id
+            except OSError:  # no generation_config.json
+                gen = None
+            ids.update([gen] if isinstance(gen, int) else (gen or []))
+        return frozenset(ids)
+
+    # -- requests ---------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0) -> str:
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
+        text, ids = self.processor.tokenize(prompt)
+        params = _copy_params(params)
+        max_tokens = self.processor.check(ids, params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise InvalidParameterError("priority needs scheduling_policy='priority'", "priority")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.core.scheduler.requests:
+            raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
+        req = Request(request_id, ids, params, max_tokens, priority=priority)
+        self.output_processor.add_request(req, text)
+        self.core.add_request(req)
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, to_stop = self.output_processor.process(self.core.step())
+        for rid, stop in to_stop:
+            self.core.finish_request(rid, stop)
+        return outputs
+
+    def get_num_unfinished_requests(self) -> int:
+        s = self.core.scheduler
+        return len(s.running) + len(s.waiting)
+
+
+def _copy_params(params: SamplingParams) -> SamplingParams:
+    """Each request gets its own copy: bind_eos must not leak into a params object shared by a batch."""
+    import copy
+
+    return copy.copy(params)
+
+
+def build_engine(**kwargs: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(**kwargs))

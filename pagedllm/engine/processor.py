@@ -1,0 +1,66 @@
+"""Processor: prompt → token ids, with every limit checked before the engine sees the request."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pagedllm.errors import InvalidParameterError, PromptTooLongError
+from pagedllm.sampling_params import SamplingParams
+
+# A prompt as vLLM accepts it: text, or a dict with "prompt" text or "prompt_token_ids".
+PromptType = Union[str, dict[str, Any]]
+
+
+class Processor:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 eos_token_ids: frozenset[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise InvalidParameterError(f"unsupported prompt fields: {sorted(unknown)}", "prompt")
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if text is None and ids is None:
+                raise InvalidParameterError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        else:
+            raise InvalidParameterError(
+                f"a prompt must be a string or a dict, got {type(prompt).__name__}", "prompt")
+        if ids is None:
+            if not isinstance(text, str):
+                raise InvalidParameterError(f"prompt text must be a string, got {type(text).__name__}", "prompt")
+            ids = self.tokenizer.encode(text) if text else []
+        ids = list(ids)
+        if not ids:
+            raise InvalidParameterError("the prompt is empty: it must have at least one token", "prompt")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidParameterError(
+                    f"prompt token id {t!r} is out of range [0, {self.vocab_size})", "prompt_token_ids")
+        return text, ids
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate against the model's limits; bind EOS; return the effective max_tokens."""
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens, but the model's context length (max_model_len) is "
+                f"{self.max_model_len}: it must be shorter to leave room for at least one output token",
+                "prompt")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise InvalidParameterError(
+                f"logprobs={params.logprobs} exceeds the maximum allowed ({self.max_logprobs}); "
+                "raise it with max_logprobs", "logprobs")
+        for tid in params.stop_token_ids:
+            if tid >= self.vocab_size:
+                raise InvalidParameterError(f"stop_token_ids contains {tid}, outside the vocabulary", "stop_token_ids")
+        params.bind_eos(self.eos_token_ids)
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)

@@ -1,0 +1,122 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.config import EngineConfig
+from pagedllm.errors import InvalidParameterError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Keyword arguments are the engine arguments (vLLM's names), e.g.
+    ``LLM(model="path/or.gguf", max_model_len=4096, enable_prefix_caching=False)``;
+    see :class:`pagedllm.config.EngineConfig` for all of them.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidParameterError(
+                f"priority has {len(priority)} entries for {len(prompts)} prompts", "priority")
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                ids.append(engine.add_request(None, prompt, sp, priority[i] if priority else 0))
+        except Exception:
+            engine.abort_request(ids)  # leave the engine clean for the next call
+            self._drain()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, chat_template, add_generation_prompt,
+                                                                 chat_template_kwargs)}
+                   for conv in conversations]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        tok = self.get_tokenizer()
+        for o in outs:
+            o.prompt = tok.decode(o.prompt_token_ids, skip_special_tokens=False)
+        return outs
+
+    def apply_chat_template(self, conversation: list[ChatMessage], chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        tok = self.get_tokenizer()
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise InvalidParameterError("this model's tokenizer has no chat template; pass chat_template=",
+                                        "chat_template")
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidParameterError(f"each chat message needs a 'role', got {m!r}", "messages")
+        text = tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+        # the template already contains the special tokens; don't let encode add a BOS twice
+        return tok.encode(text, add_special_tokens=False)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(done) < len(wanted):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])
+            self._drain()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def _drain(self) -> None:
+        """Deliver pending aborts so every block they held returns to the pool."""
+        while self.llm_engine.has_unfinished_requests():
+            self.llm_engine.step()
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise InvalidParameterError(f"got {len(params)} SamplingParams for {n} prompts", "sampling_params")
+    return params

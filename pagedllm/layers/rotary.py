@@ -1,0 +1,73 @@
+"""Rotary position embeddings (neox / rotate-half layout, as in transformers' Llama)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.errors import UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """Normalise transformers v4 (`rope_theta` + `rope_scaling`) and v5 (`rope_parameters`) configs."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_ctx = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise UnsupportedModelError(
+        f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, params)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        # plain attributes, not buffers: model.to(dtype) must not round these tables
+        self.cos_cache = freqs.cos()
+        self.sin_cache = freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, H, D], k: [T, KVH, D]; rotates both in place-free fashion."""
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(dtype)

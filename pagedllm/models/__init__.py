@@ -1,0 +1,3 @@
+from pagedllm.models.registry import ModelRegistry
+
+__all__ = ["ModelRegistry"]

@@ -1,0 +1,205 @@
+"""The Llama family, config-driven: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), SmolLM2.
+
+Projections are fused (q|k|v and gate|up) so each layer runs two big matmuls
+instead of five; :meth:`LlamaForCausalLM.load_weights` maps transformers'
+separate tensors into the fused ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata, get_attention_backend
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.attn = get_attention_backend()
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, rotary: RotaryEmbedding):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = self.attn(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu'")
+        bias = getattr(cfg, "mlp_bias", False)
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, qk_norm, sliding_window)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, kv_cache, meta, rotary):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, kv_cache, meta, rotary)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias_default = False
+    qk_norm = False
+    sliding_window_by_default = False  # Mistral applies config.sliding_window to every layer
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.config = cfg
+        partial = getattr(cfg, "partial_rotary_factor", 1.0)
+        if partial not in (None, 1.0):
+            raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
+        qkv_bias = getattr(cfg, "attention_bias", False) or self.qkv_bias_default
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i))
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _sliding_window(self, cfg: Any, i: int) -> int | None:
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if window is None:
+            return None
+        if layer_types is not None:
+            return window if layer_types[i] == "sliding_attention" else None
+        if self.sliding_window_by_default or getattr(cfg, "use_sliding_window", False):
+            return window
+        return None
+
+    # -- geometry the runner needs to size the KV cache --
+    @property
+    def kv_cache_shape_per_layer(self) -> tuple[int, int]:
+        a = self.layers[0].self_attn
+        return a.num_kv_heads, a.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv_cache, meta, self.rotary)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- weights --
+    _FUSED = {  # transformers' name -> (our fused parameter, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self._FUSED:
+                fused, shard = self._FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                param = params[target]
+                offset, size = self._shard_range(fused, shard)
+                param.data[offset:offset + size].copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+                continue
+            if name not in params:
+                raise UnsupportedModelError(f"checkpoint has unexpected weight {name!r} for {type(self).__name__}")
+            if params[name].shape != tensor.shape:
+                raise UnsupportedModelError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in self._expected_loads(params) if n not in loaded]
+        if missing:
+            raise UnsupportedModelError(f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+
+    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+        if fused == "qkv_proj":
+            a = self.layers[0].self_attn
+            sizes = [a.q_size, a.kv_size, a.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]
+
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> list[str]:
+        out = []
+        for name in params:
+            fused = name.split(".")[-2] if "." in name else ""
+            if fused == "qkv_proj":
+                out += [f"{name}#{i}" for i in range(3)]
+            elif fused == "gate_up_proj":
+                out += [f"{name}#{i}" for i in range(2)]
+            else:
+                out.append(name)
+        return out
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    sliding_window_by_default = True
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,60 @@
+"""Maps a checkpoint's `architectures` name to the model class that runs it.
+
+Users add their own with ``ModelRegistry.register_model("MyArch", MyModelClass)``;
+the class is built as ``cls(hf_config)`` and must offer ``forward(input_ids,
+positions, kv_caches, attn_metadata)``, ``compute_logits(hidden)`` and
+``load_weights(iterable of (name, tensor))`` like :class:`LlamaForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pagedllm.errors import UnsupportedModelError
+
+# name -> "module:Class" (imported lazily) or the class itself once registered by a user
+_BUILTIN = {
+    "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagedllm.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "pagedllm.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pagedllm.models.llama:Qwen3ForCausalLM",
+}
+
+
+# configs without `architectures` (e.g. built from GGUF metadata) are matched by model_type
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class _ModelRegistry:
+    def __init__(self) -> None:
+        self._models: dict[str, Any] = dict(_BUILTIN)
+
+    def register_model(self, architecture: str, model_cls: type) -> None:
+        self._models[architecture] = model_cls
+
+    def get_supported_archs(self) -> list[str]:
+        return sorted(self._models)
+
+    def resolve_for_config(self, hf_config: Any) -> type:
+        archs = getattr(hf_config, "architectures", None)
+        if not archs:
+            archs = [_MODEL_TYPE_TO_ARCH.get(getattr(hf_config, "model_type", None), "<unknown>")]
+        return self.resolve(archs)
+
+    def resolve(self, architectures: list[str] | None) -> type:
+        for arch in architectures or []:
+            if arch in self._models:
+                entry = self._models[arch]
+                if isinstance(entry, str):
+                    module, name = entry.split(":")
+                    entry = getattr(importlib.import_module(module), name)
+                return entry
+        raise UnsupportedModelError(
+            f"model architecture(s) {architectures} not supported; supported: "
+            f"{', '.join(self.get_supported_archs())}. Register your own with "
+            "pagedllm.ModelRegistry.register_model(name, cls)")
+
+
+ModelRegistry = _ModelRegistry()

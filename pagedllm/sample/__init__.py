@@ -1,0 +1,3 @@
+from pagedllm.sample.sampler import Sampler, SamplingBatch
+
+__all__ = ["Sampler", "SamplingBatch"]

@@ -1,0 +1,114 @@
+"""Batched sampling over one engine step.
+
+Order of operations (as in ../shared/design.md): raw logprobs are taken first
+(``logprobs`` report the model's raw distribution, vLLM's default
+``raw_logprobs`` mode); then min_tokens masking → temperature → top-k → top-p →
+min-p → sample. Greedy rows take the argmax of the raw logits.
+
+Random rows sample with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
+drawing E from a generator seeded by (request seed, output position). The draw
+for a token therefore depends only on the request's own seed and how many
+tokens it has produced: never on batch composition, arrival order or
+preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK = float("-inf")
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float; 0 for greedy rows
+    top_k: torch.Tensor  # [B] long; 0 = off
+    top_p: torch.Tensor  # [B] float; 1 = off
+    min_p: torch.Tensor  # [B] float; 0 = off
+    seeds: list[int]  # [B] per-row seed
+    positions: list[int]  # [B] number of tokens the row has generated so far
+    stop_masks: list[list[int] | None]  # token ids to forbid (min_tokens not reached), per row
+    num_logprobs: list[int | None]  # per row: how many top logprobs to return
+    all_greedy: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B]
+    logprob_token_ids: torch.Tensor | None = None  # [B, 1 + max_n]: sampled token first, then top-N
+    logprobs: torch.Tensor | None = None  # [B, 1 + max_n]
+    sampled_ranks: torch.Tensor | None = None  # [B]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(n is not None for n in batch.num_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for i, mask in enumerate(batch.stop_masks):
+            if mask:
+                logits[i, mask] = _MASK
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, batch)
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, tokens, batch, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_rows = batch.temperature == 0
+        greedy_tokens = logits.argmax(dim=-1)
+        temp = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temp.unsqueeze(1)
+        if not (batch.no_top_k and batch.no_top_p):
+            logits = apply_top_k_top_p(logits, None if batch.no_top_k else batch.top_k,
+                                       None if batch.no_top_p else batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if not batch.no_min_p:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
+        q = torch.empty_like(probs)
+        for i, (seed, pos) in enumerate(zip(batch.seeds, batch.positions)):
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(((seed * _MIX) ^ pos) & ((1 << 63) - 1))
+            q[i].exponential_(generator=gen)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(greedy_rows, greedy_tokens, sampled)
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch, out: SamplerOutput) -> None:
+        max_n = max(n or 0 for n in batch.num_logprobs)
+        sampled_lp = raw.gather(1, tokens.unsqueeze(1))
+        out.sampled_ranks = (raw > sampled_lp).sum(dim=-1) + 1
+        if max_n:
+            top_lp, top_ids = raw.topk(max_n, dim=-1)
+            out.logprob_token_ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
+            out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+        else:
+            out.logprob_token_ids, out.logprobs = tokens.unsqueeze(1), sampled_lp
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus p (k == 0 / p == 1 mean off). Keeps >= 1 token."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    if k is not None:
+        kk = torch.where(k <= 0, torch.full_like(k, vocab), k.clamp(max=vocab))
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= kk.unsqueeze(1), _MASK)
+    if p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop = cum_before >= p.unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

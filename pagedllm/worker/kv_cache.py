@@ -1,0 +1,54 @@
+"""Sizing and allocating the paged KV cache from a memory budget."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.config import GiB, CacheConfig
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def num_blocks_for_budget(cache: CacheConfig, device: torch.device, per_block: int,
+                          profiled_peak_bytes: int | None = None) -> int:
+    """How many blocks the budget allows: kv_cache_memory on CPU, gpu_memory_utilization on CUDA."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        budget = int(total * cache.gpu_memory_utilization) - (profiled_peak_bytes or 0)
+    else:
+        budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+    return max(budget // per_block, 0)
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, kv_heads, head_dim] view per layer into a single zeroed buffer.
+
+    On CPU a large buffer is taken with ``torch.empty``: the allocator maps fresh
+    pages, which the kernel zero-fills on first touch, so a 4 GiB cache costs
+    resident memory only for the blocks actually written. Small buffers (which
+    the C allocator may recycle, dirty) are zeroed explicitly. Unwritten slots
+    must read as zeros, never NaN: attention multiplies masked-out values by 0.
+    """
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and numel * itemsize >= _FRESH_MMAP_BYTES:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        buf = torch.zeros(shape, dtype=dtype, device=device)
+    return list(buf.unbind(0))
+
+
+# glibc serves allocations above its (dynamic, at most 32 MiB) mmap threshold from fresh mappings
+_FRESH_MMAP_BYTES = 256 << 20

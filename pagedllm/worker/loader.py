@@ -1,0 +1,51 @@
+"""Build the model for a resolved checkpoint: pick the class, place it, load weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from pagedllm.models.registry import ModelRegistry
+
+logger = logging.getLogger("pagedllm")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from pagedllm.errors import InvalidParameterError
+        raise InvalidParameterError("device='cuda' was asked for but no CUDA device is available", "device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # fp32 matmuls are the fast, exact path on most CPUs
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    from pagedllm.model_loader import iter_weights
+
+    t0 = time.perf_counter()
+    model_cls = ModelRegistry.resolve_for_config(hf_config)
+    with torch.device(device):
+        model = model_cls(hf_config)
+    model.load_weights(iter_weights(source))
+    model.to(dtype=dtype)
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%.1fM params, %s, %s) in %.1fs", model_cls.__name__, n_params / 1e6, dtype,
+                device, time.perf_counter() - t0)
+    return model

@@ -1,0 +1,151 @@
+"""Turns a SchedulerOutput into one flattened batch, runs the model, samples.
+
+Per-request state (known token ids, block ids, sampling settings) persists here
+across steps and is updated from the scheduler's deltas; each step only gathers
+the new tokens. The batch is ordered decodes first so the attention backend can
+run all one-token queries as one batched call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from pagedllm.sample import Sampler, SamplingBatch
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass(slots=True)
+class _ReqState:
+    token_ids: list[int]  # prompt + every output token known so far
+    num_prompt_tokens: int
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 device: torch.device, default_seed: int = 0):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.states: dict[str, _ReqState] = {}
+        self._default_seed = default_seed
+
+    def _seed_for(self, req_id: str, params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed
+        # unseeded requests still get a private stream, stable across preemption
+        digest = hashlib.sha256(f"{self._default_seed}:{req_id}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 2
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.states.pop(rid, None)
+        for new in so.new_reqs:
+            self.states[new.req_id] = _ReqState(
+                new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
+                new.sampling_params, self._seed_for(new.req_id, new.sampling_params), new.num_computed_tokens)
+        for c in so.cached_reqs:
+            st = self.states[c.req_id]
+            st.block_ids.extend(c.new_block_ids)
+            st.num_computed_tokens = c.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({})
+        # decodes first, then prefill chunks
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        bs = self.block_size
+        n_tok = so.total_num_scheduled_tokens
+        input_ids = np.empty(n_tok, dtype=np.int64)
+        positions = np.empty(n_tok, dtype=np.int64)
+        slots = np.empty(n_tok, dtype=np.int64)
+        qsl = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []  # index into `order` of rows that produce a token
+        max_blocks = max(len(self.states[r].block_ids) for r in order)
+        block_table = np.zeros((len(order), max_blocks), dtype=np.int64)
+        num_decodes = 0
+        for i, rid in enumerate(order):
+            st = self.states[rid]
+            n = so.num_scheduled_tokens[rid]
+            start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            a, b = qsl[-1], qsl[-1] + n
+            input_ids[a:b] = st.token_ids[start:end]
+            pos = np.arange(start, end)
+            positions[a:b] = pos
+            bids = np.asarray(st.block_ids, dtype=np.int64)
+            slots[a:b] = bids[pos // bs] * bs + pos % bs
+            block_table[i, :len(bids)] = bids
+            qsl.append(b)
+            seq_lens.append(end)
+            if n == 1:
+                num_decodes += 1
+            if end == len(st.token_ids):
+                sample_rows.append(i)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(block_table).to(dev),
+            seq_lens=torch.tensor(seq_lens, device=dev), num_decodes=num_decodes, query_start_loc=qsl,
+            seq_lens_cpu=seq_lens, block_size=bs)
+        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
+                            self.kv_caches, meta)
+        for rid in order:  # the scheduler already counted these tokens as computed
+            self.states[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
+        if not sample_rows:
+            return ModelRunnerOutput({})
+        logits_idx = torch.tensor([qsl[i + 1] - 1 for i in sample_rows], device=dev)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        rids = [order[i] for i in sample_rows]
+        out = self.sampler(logits, self._sampling_batch(rids))
+        tokens = out.token_ids.tolist()
+        result = ModelRunnerOutput(dict(zip(rids, tokens)))
+        for rid, tok in zip(rids, tokens):
+            self.states[rid].token_ids.append(tok)
+        if out.logprobs is not None:
+            lp_ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
+            for j, rid in enumerate(rids):
+                n = self.states[rid].params.logprobs
+                if n is not None:
+                    result.logprobs[rid] = SampleLogprobs(lp_ids[j][:n + 1], lps[j][:n + 1], ranks[j])
+        return result
+
+    def _sampling_batch(self, rids: list[str]) -> SamplingBatch:
+        sts = [self.states[r] for r in rids]
+        ps = [s.params for s in sts]
+        dev = self.device
+        temps = [0.0 if p.greedy else p.temperature for p in ps]
+        stop_masks = []
+        for st in sts:
+            n_out = len(st.token_ids) - st.num_prompt_tokens
+            ids = st.params._all_stop_token_ids
+            stop_masks.append(sorted(ids) if ids and n_out < st.params.min_tokens else None)
+        return SamplingBatch(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
+            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
+            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev),
+            seeds=[s.seed for s in sts],
+            positions=[len(s.token_ids) - s.num_prompt_tokens for s in sts],
+            stop_masks=stop_masks,
+            num_logprobs=[p.logprobs for p in ps],
+            all_greedy=all(t == 0.0 for t in temps),
+            no_top_k=all(p.top_k == 0 for p in ps),
+            no_top_p=all(p.top_p >= 1.0 for p in ps),
+            no_min_p=all(p.min_p == 0.0 for p in ps),
+        )
