@@ -1,0 +1,172 @@
+"""Scheduler + KV cache manager against a fake model that reads its context back from the paged cache.
+
+The fake runner writes each computed token id into its (block, offset) slot and
+derives the next token from the context it reads back through the block table.
+A wrong block table, a prefix-cache hit on the wrong block, a lost chunk or a
+bad recompute after preemption all change the outputs.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int):
+        self.slots: dict[int, int] = {}  # flat slot -> token id written there
+        self.state: dict[str, dict] = {}
+        self.num_computed_tokens_total = 0
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.state.pop(rid, None)
+        for new in so.new_reqs:
+            self.state[new.req_id] = {"tokens": new.prompt_token_ids + new.output_token_ids,
+                                      "blocks": list(new.block_ids), "computed": new.num_computed_tokens}
+        for c in so.cached_reqs:
+            st = self.state[c.req_id]
+            st["blocks"] += c.new_block_ids
+            assert st["computed"] == c.num_computed_tokens
+        sampled = {}
+        # write every new token first (as the real backend does), then read
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.state[rid]
+            for pos in range(st["computed"], st["computed"] + n):
+                self.slots[st["blocks"][pos // BS] * BS + pos % BS] = st["tokens"][pos]
+            self.num_computed_tokens_total += n
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.state[rid]
+            st["computed"] += n
+            if st["computed"] == len(st["tokens"]):
+                ctx = [self.slots[st["blocks"][p // BS] * BS + p % BS] for p in range(st["computed"])]
+                tok = zlib.crc32(repr(ctx).encode()) % 50 + 10
+                st["tokens"].append(tok)
+                sampled[rid] = tok
+        return ModelRunnerOutput(sampled)
+
+
+def run(prompts, *, num_blocks=64, budget=64, chunked=True, caching=True, max_seqs=16, max_tokens=12,
+        policy="fcfs", priorities=None, max_model_len=256, check=True):
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                      enable_chunked_prefill=chunked, scheduling_policy=policy),
+                      CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks, max_model_len)
+    runner = FakeRunner(num_blocks)
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = Request(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens), max_tokens,
+                    priority=(priorities or [0] * len(prompts))[i])
+        r.sampling_params.bind_eos(frozenset())
+        sched.add_request(r)
+        reqs.append(r)
+    steps = 0
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        assert so.total_num_scheduled_tokens <= budget
+        assert len(sched.running) <= max_seqs
+        sched.update_from_output(so, runner.execute(so))
+        if check:
+            sched.check_invariants()
+        steps += 1
+        assert steps < 10_000, "no progress: scheduler deadlocked"
+    sched.kv.check_invariants()
+    assert sched.kv.pool.num_free_blocks == num_blocks, "blocks leaked"
+    return [r.output_token_ids for r in reqs], sched, runner, reqs
+
+
+def _prompts(seed=0, n=10, shared_prefix=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(100) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def test_chunked_prefill_does_not_change_outputs():
+    prompts = _prompts()
+    ref, *_ = run(prompts, budget=1000, chunked=False)
+    for budget in (1, 3, 7, 32):
+        out, *_ = run(prompts, budget=budget)
+        assert out == ref, f"budget {budget}"
+
+
+def test_unchunked_prompt_waits_for_a_step_with_enough_budget():
+    out, sched, *_ = run([[1] * 30, [2] * 30], budget=40, chunked=False)
+    assert all(len(o) == 12 for o in out)
+
+
+def test_prefix_cache_hit_does_not_change_output_and_skips_work():
+    prompts = _prompts(shared_prefix=24)
+    ref, _, runner_off, _ = run(prompts, caching=False)
+    out, sched, runner_on, reqs = run(prompts, caching=True)
+    assert out == ref
+    assert sum(r.num_cached_tokens for r in reqs) > 0
+    assert runner_on.num_computed_tokens_total < runner_off.num_computed_tokens_total
+
+
+def test_preemption_under_tiny_cache_finishes_every_request():
+    prompts = _prompts(n=12)
+    ref, *_ = run(prompts, num_blocks=200)
+    for caching in (True, False):
+        out, sched, _, reqs = run(prompts, num_blocks=14, caching=caching, max_model_len=14 * BS)
+        assert out == ref
+        assert sched.num_preemptions > 0
+        assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+
+
+def test_priority_policy_preempts_the_least_important_request():
+    prompts = [[1] * 20, [2] * 20, [3] * 20]
+    out, sched, _, reqs = run(prompts, num_blocks=16, policy="priority", priorities=[5, 0, 9],
+                              max_tokens=30, max_model_len=64)
+    assert sched.num_preemptions > 0
+    # the most important request (priority 0) is never the victim
+    assert reqs[1].num_preemptions == 0
+    assert reqs[2].num_preemptions >= reqs[0].num_preemptions
+
+
+def test_priority_policy_admits_lower_values_first():
+    prompts = [[1] * 8, [2] * 8, [3] * 8]
+    _, _, _, reqs = run(prompts, max_seqs=1, policy="priority", priorities=[3, 1, 2])
+    order = sorted(reqs, key=lambda r: r.first_scheduled_time)
+    assert [r.request_id for r in order] == ["r1", "r2", "r0"]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    out, *_ = run(_prompts(n=9), max_seqs=2)
+    assert all(len(o) == 12 for o in out)
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8),
+                      CacheConfig(block_size=BS), 16, 64)
+    reqs = [Request(f"r{i}", [i] * 10, SamplingParams(max_tokens=5), 5) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    runner = FakeRunner(16)
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute(so))
+    aborted = sched.abort_requests(["r0", "r2", "nope"])
+    assert [r.request_id for r in aborted] == ["r0", "r2"]
+    assert all(r.status == RequestStatus.FINISHED_ABORTED for r in aborted)
+    sched.check_invariants()
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        sched.update_from_output(so, runner.execute(so))
+    assert sched.kv.pool.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_match_the_unconstrained_run(seed):
+    rng = random.Random(seed)
+    prompts = _prompts(seed=seed, n=rng.randint(2, 14), shared_prefix=rng.choice([0, 5, 16]))
+    ref, *_ = run(prompts, num_blocks=400, budget=1000, caching=False, max_model_len=14 * BS)
+    out, *_ = run(prompts, num_blocks=rng.randint(14, 40), budget=rng.randint(1, 48),
+                  caching=rng.random() < 0.5, max_seqs=rng.randint(1, 8), max_model_len=14 * BS)
+    assert out == ref
