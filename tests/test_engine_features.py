@@ -1,0 +1,183 @@
+"""Scheduler and cache features leave outputs unchanged, and show the effect they exist for."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from utils import check_greedy_close
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+
+
+def _prompts(seed: int, n: int, shared: int = 0, lo: int = 5, hi: int = 120) -> list[dict]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, 40000) for _ in range(shared)]
+    return [{"prompt_token_ids": prefix + [rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))]}
+            for _ in range(n)]
+
+
+def _same(ref, outs):
+    """On vs off must give the same greedy tokens, up to near-ties flipped by float summation order."""
+    check_greedy_close([o.outputs[0] for o in ref], [o.outputs[0] for o in outs], topk=5,
+                       min_exact_fraction=0.9, names=("off", "on"))
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tiny_model_factory):
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Outputs with every feature off and a cache large enough for everything at once."""
+    llm = LLM(model=tiny_llama_dir, enable_prefix_caching=False, enable_chunked_prefill=False,
+              max_num_batched_tokens=4096, max_model_len=512, num_gpu_blocks_override=512)
+    prompts = _prompts(0, 10) + _prompts(1, 6, shared=70)
+    return prompts, llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def _engine_is_clean(llm):
+    s = llm.llm_engine.core.scheduler
+    s.check_invariants()
+    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
+
+
+@pytest.mark.parametrize("budget", [32, 77])
+def test_chunked_prefill_does_not_change_outputs(tiny_llama_dir, reference, budget):
+    prompts, ref = reference
+    llm = LLM(model=tiny_llama_dir, enable_prefix_caching=False, enable_chunked_prefill=True,
+              max_num_batched_tokens=budget, max_model_len=512, num_gpu_blocks_override=512)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _same(ref, outs)
+    _engine_is_clean(llm)
+
+
+def test_prefix_cache_hit_does_not_change_output(tiny_llama_dir, reference):
+    prompts, ref = reference
+    llm = LLM(model=tiny_llama_dir, enable_prefix_caching=True, max_model_len=512, num_gpu_blocks_override=512)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _same(ref, first)
+    # the six prompts sharing a 70-token prefix: all but the first admitted reuse its 4 full blocks
+    assert sum(o.num_cached_tokens for o in first[10:]) >= 5 * 64
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)  # now every prompt's full blocks are cached
+    _same(ref, again)
+    assert all(o.num_cached_tokens >= 16 * ((len(p["prompt_token_ids"]) - 1) // 16)
+               for o, p in zip(again, prompts))
+    stats = llm.llm_engine.core.make_stats().prefix_cache
+    assert stats.hits > 0 and stats.queries >= stats.hits
+    _engine_is_clean(llm)
+
+
+def test_preemption_under_tiny_cache_finishes_every_request(tiny_llama_dir, reference):
+    prompts, ref = reference
+    for caching in (False, True):
+        llm = LLM(model=tiny_llama_dir, enable_prefix_caching=caching, max_model_len=224,
+                  num_gpu_blocks_override=14, max_num_batched_tokens=64)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        assert all(o.finished and len(o.outputs[0].token_ids) == 24 for o in outs)
+        _same(ref, outs)
+        _engine_is_clean(llm)
+
+
+def test_priority_scheduling_runs_and_matches(tiny_llama_dir, reference):
+    prompts, ref = reference
+    llm = LLM(model=tiny_llama_dir, scheduling_policy="priority", max_model_len=224,
+              num_gpu_blocks_override=14, max_num_batched_tokens=64, enable_prefix_caching=False)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[i % 3 for i in range(len(prompts))])
+    _same(ref, outs)
+    _engine_is_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=tiny_llama_dir, max_model_len=256, num_gpu_blocks_override=256)
+
+
+def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
+    prompts = ["Hello world, this is a longer prompt than the next one", "Hi",
+               {"prompt": "Bonjour"}, {"prompt_token_ids": [1, 2, 3]}]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 2, 4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5, 2, 4]
+    assert outs[0].prompt == prompts[0] and outs[2].prompt == "Bonjour" and outs[3].prompt is None
+    assert outs[3].prompt_token_ids == [1, 2, 3]
+    tok = llm.get_tokenizer()
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "length" and o.finished
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+        assert o.metrics.first_token_time >= o.metrics.arrival_time
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_order(llm):
+    p = {"prompt_token_ids": [11, 22, 33, 44]}
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = _prompts(5, 5)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    mixed = llm.generate(others[:2] + [p] + others[2:], [unseeded] * 2 + [sp] + [unseeded] * 3, use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    last = llm.generate(others + [p], [unseeded] * 5 + [sp], use_tqdm=False)
+    assert last[-1].outputs[0].token_ids == alone
+    different = llm.generate([p], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    assert different != alone
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompts = _prompts(7, 4)
+    greedy = _ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False))
+    topk1 = _ids(llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True,
+                                                      seed=3), use_tqdm=False))
+    assert topk1 == greedy
+
+
+def test_eos_stop_token_ids_min_tokens_and_ignore_eos(llm):
+    p = [{"prompt_token_ids": [100, 200, 300]}]
+    free = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    ids = free.outputs[0].token_ids
+    stop_tok = ids[5]
+    first = ids.index(stop_tok)
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens masks the stop token until enough tokens exist
+    later = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
+                                           min_tokens=first + 1), use_tqdm=False)[0].outputs[0]
+    assert len(later.token_ids) > first + 1 and stop_tok not in later.token_ids[:first + 1]
+    # the model's EOS ends generation unless ignore_eos
+    eos = llm.llm_engine.tokenizer.eos_token_id
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    sp.bind_eos(frozenset({eos}))
+    assert eos in sp._all_stop_token_ids
+
+
+def test_stop_strings_trim_the_text(llm):
+    p = [{"prompt_token_ids": [100, 200, 300]}]
+    full = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text.index(stop)
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                          include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[:cut + len(stop)]
+    _engine_is_clean(llm)
+
+
+def test_max_tokens_is_capped_by_the_context(llm):
+    out = llm.generate([{"prompt_token_ids": [9] * 250}], SamplingParams(temperature=0, max_tokens=100,
+                                                                       ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
