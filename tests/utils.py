@@ -1,0 +1,158 @@
+"""Shared helpers for tests that compare pagedllm's output with a reference.
+
+``hf_greedy`` is the oracle: transformers' own model, one prompt at a time (no
+padding), decoded greedily by hand so no generation-config logits processor
+can interfere. ``check_greedy_close`` is the project's rule for comparing two
+greedy runs (vLLM's ``check_logprobs_close``, plus logprob agreement and a
+floor on exact matches so a broken engine cannot pass by diverging early).
+
+Both sides are anything with ``.token_ids`` and ``.logprobs`` (one dict per
+generated token, token id -> float or :class:`pagedllm.outputs.Logprob`):
+``GreedyResult`` from ``hf_greedy`` or pagedllm's ``CompletionOutput``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+
+class GreedyResult(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]  # per step: the top-k tokens plus the chosen one
+
+
+class _Generation(Protocol):
+    token_ids: Sequence[int]
+    logprobs: Sequence[Mapping[int, Any]] | None
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int,
+              topk: int = 5) -> list[GreedyResult]:
+    """transformers greedy decoding, never stopping at EOS, with raw top-``topk`` logprobs per step.
+
+    ``model`` is a loaded ``PreTrainedModel`` or a directory to load one from (float32).
+    Logprobs are ``log_softmax`` of the raw logits (vLLM's ``raw_logprobs``).
+    """
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    device = next(model.parameters()).device
+    results = []
+    for ids in prompts_token_ids:
+        assert len(ids) > 0, "hf_greedy needs a non-empty prompt"
+        out = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, logits_to_keep=1)
+        tokens: list[int] = []
+        steps: list[dict[int, float]] = []
+        for step in range(max_new_tokens):
+            logprobs = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(logprobs.argmax())
+            top_lp, top_ids = logprobs.topk(topk)
+            entry = dict(zip(top_ids.tolist(), top_lp.tolist()))
+            entry[token] = float(logprobs[token])
+            tokens.append(token)
+            steps.append(entry)
+            if step + 1 < max_new_tokens:
+                out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
+                            use_cache=True, logits_to_keep=1)
+        results.append(GreedyResult(tokens, steps))
+    return results
+
+
+@dataclass(slots=True)
+class GreedyComparison:
+    """What ``check_greedy_close`` saw: per sequence, the first divergent position (None: exact match)."""
+
+    divergence: list[int | None]
+    max_logprob_diff: float  # over every compared (matching) position
+
+    @property
+    def num_exact(self) -> int:
+        return sum(d is None for d in self.divergence)
+
+
+def _lp(entry: Any) -> float:
+    return float(getattr(entry, "logprob", entry))
+
+
+def _top_k_ids(step: Mapping[int, Any], k: int) -> set[int]:
+    """The k most likely ids of one step's dict (which may also hold a sampled token outside the top-k)."""
+    return {t for t, _ in sorted(step.items(), key=lambda kv: -_lp(kv[1]))[:k]}
+
+
+def check_greedy_close(ref: Sequence[_Generation], ours: Sequence[_Generation], topk: int, *,
+                       logprob_atol: float = 1e-3, min_exact_fraction: float = 0.5,
+                       max_divergence_gap: float | None = None,
+                       names: tuple[str, str] = ("ref", "ours")) -> GreedyComparison:
+    """Assert two greedy runs agree, allowing a divergence only where the two tokens are near-tied.
+
+    Per sequence, positions are compared in order:
+
+    * while the tokens match, the chosen token's logprob must agree within ``logprob_atol``;
+    * at the first mismatch, each side's token must be in the other side's top-``topk``
+      (and, if ``max_divergence_gap`` is given, within that many nats of the other side's
+      choice in both distributions); the rest of the sequence is then not compared;
+    * sequences of different lengths fail unless they diverged first.
+
+    At least ``min_exact_fraction`` of the sequences must match exactly, so an
+    engine whose every output diverges at token 0 fails even when each of those
+    tokens happens to lie in the reference's top-k.
+    """
+    ref_name, our_name = names
+    assert len(ref) == len(ours), f"{len(ref)} {ref_name} sequences vs {len(ours)} {our_name} sequences"
+    failures: list[str] = []
+    divergence: list[int | None] = []
+    max_diff = 0.0
+    for i, (a, b) in enumerate(zip(ref, ours)):
+        a_ids, b_ids = list(a.token_ids), list(b.token_ids)
+        if a.logprobs is None or b.logprobs is None:
+            raise AssertionError(f"sequence {i}: both sides need per-token logprobs (SamplingParams(logprobs=k))")
+        assert len(a.logprobs) == len(a_ids) and len(b.logprobs) == len(b_ids), \
+            f"sequence {i}: one logprobs dict per generated token is required"
+        diverged_at = None
+        for pos, (ta, tb) in enumerate(zip(a_ids, b_ids)):
+            la, lb = a.logprobs[pos], b.logprobs[pos]
+            if ta == tb:
+                if ta not in la or ta not in lb:
+                    failures.append(f"sequence {i} pos {pos}: chosen token {ta} missing from a logprobs dict")
+                    diverged_at = pos
+                    break
+                diff = abs(_lp(la[ta]) - _lp(lb[tb]))
+                max_diff = max(max_diff, diff)
+                if not diff <= logprob_atol:  # `not <=` also catches NaN
+                    failures.append(f"sequence {i} pos {pos}: token {ta} logprob {ref_name}={_lp(la[ta]):.6f} "
+                                    f"{our_name}={_lp(lb[tb]):.6f} (|diff| {diff:.2e} > {logprob_atol:g})")
+                continue
+            diverged_at = pos
+            context = (f"sequence {i} diverges at pos {pos}: {ref_name} chose {ta}, {our_name} chose {tb}; "
+                       f"{ref_name} top-{topk} {_fmt(la)}, {our_name} top-{topk} {_fmt(lb)}")
+            if tb not in _top_k_ids(la, topk) or ta not in _top_k_ids(lb, topk):
+                failures.append(context + ": each token must be in the other side's top-k")
+            elif max_divergence_gap is not None:
+                gap = max(_lp(la[ta]) - _lp(la[tb]), _lp(lb[tb]) - _lp(lb[ta]))
+                if not gap <= max_divergence_gap:
+                    failures.append(context + f": not a near-tie (gap {gap:.2e} > {max_divergence_gap:g})")
+            break
+        if diverged_at is None and len(a_ids) != len(b_ids):
+            diverged_at = min(len(a_ids), len(b_ids))
+            failures.append(f"sequence {i}: {ref_name} has {len(a_ids)} tokens, {our_name} {len(b_ids)}")
+        divergence.append(diverged_at)
+    result = GreedyComparison(divergence, max_diff)
+    needed = math.ceil(min_exact_fraction * len(ref))
+    if result.num_exact < needed:
+        failures.append(f"only {result.num_exact}/{len(ref)} sequences match exactly, need {needed} "
+                        f"(first divergences: {divergence})")
+    assert not failures, "\n".join(failures)
+    return result
+
+
+def _fmt(step: Mapping[int, Any]) -> str:
+    return "{" + ", ".join(f"{t}: {_lp(v):.4f}" for t, v in sorted(step.items(), key=lambda kv: -_lp(kv[1]))) + "}"
