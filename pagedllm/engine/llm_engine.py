@@ -111,6 +111,16 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
                     priority: int = 0) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.core.scheduler.requests:
+            raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
+        req, text = self.make_request(request_id, prompt, params, priority)
+        self.add_prepared_request(req, text)
+        return request_id
+
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                     priority: int = 0) -> tuple[Request, str | None]:
+        """Tokenize and validate, touching no engine state (safe from another thread)."""
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
         text, ids = self.processor.tokenize(prompt)
@@ -120,13 +130,11 @@ class LLMEngine:
             raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise InvalidParameterError("priority needs scheduling_policy='priority'", "priority")
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.core.scheduler.requests:
-            raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
-        req = Request(request_id, ids, params, max_tokens, priority=priority)
-        self.output_processor.add_request(req, text)
+        return Request(request_id, ids, params, max_tokens, priority=priority), text
+
+    def add_prepared_request(self, req: Request, prompt_text: str | None) -> None:
+        self.output_processor.add_request(req, prompt_text)
         self.core.add_request(req)
-        return request_id
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)

@@ -82,7 +82,12 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", st.stop_string
         else:
             finish_reason, stop_reason = req.finish_reason, req.stop_reason
-        completion = CompletionOutput(0, st.text, list(req.output_token_ids), st.cumulative_logprob,
+        text = st.text
+        stops = req.sampling_params.stop
+        if stops and not finished:
+            # hold back what could be the start of a stop string, so streamed text never has to shrink
+            text = text[:max(0, len(text) - (max(map(len, stops)) - 1))]
+        completion = CompletionOutput(0, text, list(req.output_token_ids), st.cumulative_logprob,
                                       st.logprobs, finish_reason if finished else None,
                                       stop_reason if finished else None)
         now = time.monotonic()

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import types
 import typing
@@ -79,6 +80,57 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.server import build_app
+    from pagedllm.model_loader import DEFAULT_MODEL_NAME, resolve_model
+
+    kwargs = engine_kwargs(args)
+    config = EngineConfig.from_kwargs(**kwargs)  # bad flags and missing models fail here, before the socket opens
+    resolve_model(config.model_config.model)
+    name = config.model_config.served_model_name or config.model_config.model or DEFAULT_MODEL_NAME
+    chat_template = args.chat_template
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
+
+    def factory() -> LLMEngine:
+        engine = LLMEngine(config)
+        if chat_template is not None:
+            engine.tokenizer.chat_template = chat_template
+        return engine
+
+    app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
+                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                               timeout_graceful_shutdown=args.shutdown_timeout)
+    _graceful_server_class()(uv_config).run()
+    return 0
+
+
+def _graceful_server_class():
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """SIGTERM is the orderly way to stop a server: drain in-flight requests, then exit 0.
+
+        uvicorn re-raises captured signals after shutdown (so the process dies of
+        SIGTERM); we drop SIGTERM from that list and keep SIGINT's behaviour.
+        """
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    return GracefulServer
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="A small, fast LLM inference engine.")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (default: WARNING)")
@@ -98,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
+                                                     "(or set PAGEDLLM_API_KEY)")
+    srv.add_argument("--max-queue-len", type=int, default=None,
+                     help="most queued requests; beyond it the server answers 503 with Retry-After")
+    srv.add_argument("--chat-template", default=None, help="chat template (a file or the template text)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds SIGTERM waits for in-flight requests")
+    srv.add_argument("--uvicorn-log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(srv, positional_model=True)
+    srv.set_defaults(func=_cmd_serve)
     return parser
 
 

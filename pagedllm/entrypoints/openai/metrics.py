@@ -1,0 +1,79 @@
+"""Prometheus metrics with vLLM's names under the `pagedllm:` prefix, on a per-server registry."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r, m = self.registry, model_name
+
+        def gauge(name, doc):
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=r).labels(m)
+
+        def counter(name, doc, extra=()):
+            c = Counter(f"pagedllm:{name}", doc, labels + list(extra), registry=r)
+            return c if extra else c.labels(m)
+
+        def hist(name, doc, buckets):
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=r).labels(m)
+
+        self.model_name = m
+        self.running = gauge("num_requests_running", "Requests in model execution batches.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens produced.")
+        self.success = counter("request_success", "Finished requests.", extra=["finished_reason"])
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time spent waiting before first scheduled.",
+                               _LATENCY_BUCKETS)
+        self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.req_gen_tokens = hist("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        self._last_token: dict[str, tuple[float, int]] = {}
+
+    def on_step(self, engine: Any, outputs: list) -> None:
+        """Called in the engine thread after every step."""
+        stats = engine.core.make_stats()
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.preemptions.inc(stats.num_preemptions)
+        self.prefix_queries.inc(stats.prefix_cache.queries)
+        self.prefix_hits.inc(stats.prefix_cache.hits)
+        now = time.monotonic()
+        for out in outputs:
+            n_tokens = len(out.outputs[0].token_ids)
+            last = self._last_token.get(out.request_id)
+            if last is None:
+                if n_tokens:
+                    self.ttft.observe(now - out.metrics.arrival_time)
+                    self.prompt_tokens.inc(len(out.prompt_token_ids) - out.num_cached_tokens)
+            elif n_tokens > last[1]:
+                self.itl.observe((now - last[0]) / (n_tokens - last[1]))
+            self.generation_tokens.inc(n_tokens - (last[1] if last else 0))
+            self._last_token[out.request_id] = (now, n_tokens)
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+                reason = out.outputs[0].finish_reason or "abort"
+                self.success.labels(self.model_name, reason).inc()
+                self.e2e.observe(now - out.metrics.arrival_time)
+                if out.metrics.first_scheduled_time is not None:
+                    self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
+                self.req_prompt_tokens.observe(len(out.prompt_token_ids))
+                self.req_gen_tokens.observe(n_tokens)

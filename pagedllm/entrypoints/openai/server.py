@@ -1,0 +1,423 @@
+"""FastAPI app: OpenAI protocol models → SamplingParams → AsyncLLM → JSON or SSE.
+
+The model loads in the background after the socket is up, so /health can say
+503 until the engine is ready (what a Kubernetes readiness probe wants).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from pagedllm import __version__
+from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
+from pagedllm.entrypoints.openai import protocol as P
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PagedLLMError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=type_, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+class ServerState:
+    """What the endpoints share; `llm` is None until the engine has loaded."""
+
+    def __init__(self, served_model_name: str, api_key: str | None, max_body_bytes: int):
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.llm: AsyncLLM | None = None
+        self.metrics = ServerMetrics(served_model_name)
+        self.load_error: BaseException | None = None
+
+
+def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
+              max_queue_len: int | None = None, max_body_bytes: int = 16 << 20) -> FastAPI:
+    state = ServerState(served_model_name, api_key, max_body_bytes)
+
+    def load() -> None:
+        try:
+            engine = engine_factory()
+            state.llm = AsyncLLM(engine, max_queue_len, on_step=state.metrics.on_step)
+            logger.info("engine ready: serving %s", served_model_name)
+        except BaseException as e:  # surfaced by /health and every endpoint
+            logger.exception("engine failed to load")
+            state.load_error = e
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=load, name="pagedllm-loader", daemon=True).start()
+        yield
+        if state.llm is not None:
+            state.llm.shutdown()
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app.state.server = state
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            return error_response(413, f"request body of {length} bytes exceeds the limit of "
+                                       f"{state.max_body_bytes} bytes", "request_too_large")
+        if state.api_key is not None and request.url.path.startswith("/v1"):
+            supplied = request.headers.get("authorization", "")
+            expected = f"Bearer {state.api_key}"
+            if not hmac.compare_digest(supplied.encode(), expected.encode()):
+                return error_response(401, "invalid or missing API key", "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errs[:5])
+        return error_response(400, msg or "invalid request", "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(_: Request, exc: QueueFullError):
+        return error_response(503, str(exc), "server_overloaded", None, {"Retry-After": "1"})
+
+    @app.exception_handler(InvalidParameterError)
+    async def _invalid(_: Request, exc: InvalidParameterError):
+        return error_response(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError):
+        return error_response(503, str(exc), "engine_dead")
+
+    def engine() -> AsyncLLM:
+        if state.llm is None:
+            if state.load_error is not None:
+                raise APIError(503, f"the model failed to load: {state.load_error}", "engine_dead")
+            raise APIError(503, "the model is still loading", "model_loading", headers={"Retry-After": "5"})
+        return state.llm
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.served_model_name:
+            raise APIError(404, f"the model `{name}` does not exist; this server serves "
+                                f"`{state.served_model_name}`", "NotFoundError", "model")
+
+    # -- probes and info --------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if state.llm is None or state.llm._dead is not None:
+            return error_response(503, "not ready" if state.load_error is None else str(state.load_error),
+                                  "model_loading" if state.load_error is None else "engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models():
+        max_len = state.llm.engine.max_model_len if state.llm else None
+        return P.ModelList(data=[P.ModelCard(id=state.served_model_name, max_model_len=max_len)])
+
+    @app.post("/tokenize", response_model=P.TokenizeResponse)
+    async def tokenize(req: P.TokenizeRequest):
+        llm = engine()
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of `prompt` or `messages`", "invalid_request_error", "prompt")
+        tok = llm.tokenizer
+        if req.messages is not None:
+            ids = _chat_ids(tok, req.messages, None, req.add_generation_prompt, None)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return P.TokenizeResponse(count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse)
+    async def detokenize(req: P.DetokenizeRequest):
+        llm = engine()
+        check_model(req.model)
+        vocab = llm.engine.hf_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "invalid_request_error", "tokens")
+        return P.DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
+
+    # -- completions --------------------------------------------------------------
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: P.CompletionRequest, raw: Request):
+        llm = engine()
+        check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = _completion_prompts(req.prompt)
+        rid = P.random_id("cmpl")
+        streams = [llm.generate(p, params, f"{rid}-{i}", req.priority) for i, p in enumerate(prompts)]
+        first = await _start_all(streams)
+        tok = llm.tokenizer
+        if req.stream:
+            return _sse(_completion_chunks(rid, state.served_model_name, req, streams, first, tok))
+        finals = await _run_to_end(streams, first, raw)
+        choices = []
+        for i, out in enumerate(finals):
+            c = out.outputs[0]
+            prefix = (out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)) if req.echo else ""
+            choices.append(P.CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason,
+                                              stop_reason=c.stop_reason,
+                                              logprobs=_completion_logprobs(c, tok, len(prefix), req.logprobs)
+                                              if req.logprobs is not None else None))
+        return P.CompletionResponse(id=rid, model=state.served_model_name, choices=choices, usage=_usage(finals))
+
+    # -- chat -------------------------------------------------------------------
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(req: P.ChatCompletionRequest, raw: Request):
+        llm = engine()
+        check_model(req.model)
+        params = req.to_sampling_params()
+        ids = _chat_ids(llm.tokenizer, req.messages, req.chat_template, req.add_generation_prompt,
+                        req.chat_template_kwargs)
+        rid = P.random_id("chatcmpl")
+        streams = [llm.generate({"prompt_token_ids": ids}, params, rid, req.priority)]
+        first = await _start_all(streams)
+        tok = llm.tokenizer
+        if req.stream:
+            return _sse(_chat_chunks(rid, state.served_model_name, req, streams[0], first[0], tok))
+        finals = await _run_to_end(streams, first, raw)
+        choices = [P.ChatChoice(index=0, message=P.ChatResponseMessage(content=finals[0].outputs[0].text),
+                                finish_reason=finals[0].outputs[0].finish_reason,
+                                stop_reason=finals[0].outputs[0].stop_reason,
+                                logprobs=_chat_logprobs(finals[0].outputs[0], tok, req.top_logprobs or 0)
+                                if req.logprobs else None)]
+        return P.ChatCompletionResponse(id=rid, model=state.served_model_name, choices=choices,
+                                        usage=_usage(finals))
+
+    return app
+
+
+# -- helpers ------------------------------------------------------------------------
+
+def _completion_prompts(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "invalid_request_error", "prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)
+    if all(isinstance(x, list) for x in prompt):
+        return [{"prompt_token_ids": x} for x in prompt]
+    raise APIError(400, "prompt must be a string, a list of strings, or token ids", "invalid_request_error", "prompt")
+
+
+def _chat_ids(tok: Any, messages: list[P.ChatMessage], template: str | None, add_generation_prompt: bool,
+              kwargs: dict | None) -> list[int]:
+    if template is None and getattr(tok, "chat_template", None) is None:
+        raise APIError(400, "this model has no chat template; pass `chat_template`", "invalid_request_error",
+                       "chat_template")
+    conv = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: only text is supported
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise APIError(400, f"unsupported content part type {part.get('type')!r}; only 'text'",
+                                   "invalid_request_error", "messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        conv.append({**m.model_dump(exclude_none=True), "content": content or ""})
+    try:
+        text = tok.apply_chat_template(conv, chat_template=template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+    except Exception as e:  # a template error is the request's fault (bad roles, bad template)
+        raise APIError(400, f"chat template failed: {e}", "invalid_request_error", "messages") from e
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput | None]:
+    """Pull the first output of every stream, so bad input raises before a response starts."""
+    firsts: list[RequestOutput | None] = []
+    try:
+        for s in streams:
+            firsts.append(await anext(s, None))
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    return firsts
+
+
+async def _run_to_end(streams, firsts, raw: Request) -> list[RequestOutput]:
+    """Collect final outputs; abort everything if the client goes away meanwhile."""
+    async def drain(s, last):
+        async for out in s:
+            last = out
+        return last
+
+    tasks = [asyncio.ensure_future(drain(s, f)) for s, f in zip(streams, firsts)]
+    try:
+        while not all(t.done() for t in tasks):
+            done, _ = await asyncio.wait(tasks, timeout=0.5)
+            if await raw.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+def _usage(finals: list[RequestOutput]) -> P.UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _top(entry: dict, n: int) -> list:
+    """The top-n alternatives of one token's logprobs (the engine stores them first, by rank)."""
+    return list(entry.values())[:n]
+
+
+def _completion_logprobs(c, tok, offset: int, n: int, start: int = 0) -> P.CompletionLogprobs:
+    lp = P.CompletionLogprobs()
+    for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        text = tok.decode([tid])
+        lp.tokens.append(text)
+        lp.token_logprobs.append(entry[tid].logprob)
+        lp.top_logprobs.append({(v.decoded_token or ""): v.logprob for v in _top(entry, n)})
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return lp
+
+
+def _chat_logprobs(c, tok, n: int, start: int = 0) -> P.ChatLogprobs:
+    content = []
+    for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        text = tok.decode([tid])
+        content.append(P.ChatTokenLogprob(
+            token=text, logprob=entry[tid].logprob, bytes=list(text.encode()),
+            top_logprobs=[P.TopLogprob(token=v.decoded_token or "", logprob=v.logprob,
+                                       bytes=list((v.decoded_token or "").encode())) for v in _top(entry, n)]))
+    return P.ChatLogprobs(content=content)
+
+
+def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _data(obj: Any) -> str:
+    return f"data: {obj.model_dump_json(exclude_unset=False)}\n\n"
+
+
+async def _merge(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as outputs arrive, tagged by their index."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s, first):
+        try:
+            if first is not None:
+                await q.put((i, first))
+                if first.finished:
+                    return
+            async for out in s:
+                await q.put((i, out))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+    live = len(tasks)
+    try:
+        while live:
+            i, out = await q.get()
+            if out is None:
+                live -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, firsts, tok) -> AsyncIterator[str]:
+    sent_text = [0] * len(streams)
+    sent_tokens = [0] * len(streams)
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in _merge(streams, firsts):
+        c = out.outputs[0]
+        prefix = ""
+        if req.echo and sent_tokens[i] == 0 and sent_text[i] == 0:
+            prefix = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+        delta = c.text[sent_text[i]:]
+        if not delta and not prefix and not out.finished:
+            continue
+        lp = (_completion_logprobs(c, tok, sent_text[i], req.logprobs, sent_tokens[i])
+              if req.logprobs is not None else None)
+        sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+        choice = P.CompletionChoice(index=i, text=prefix + delta, logprobs=lp,
+                                    finish_reason=c.finish_reason if out.finished else None,
+                                    stop_reason=c.stop_reason if out.finished else None)
+        yield _data(P.CompletionResponse(id=rid, model=model, choices=[choice]))
+        if out.finished:
+            finals[i] = out
+    if req.stream_options and req.stream_options.include_usage and all(finals):
+        yield _data(P.CompletionResponse(id=rid, model=model, choices=[], usage=_usage(finals)))
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, first, tok) -> AsyncIterator[str]:
+    yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[
+        P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]))
+    sent_text = sent_tokens = 0
+    final = None
+    async for _, out in _merge([stream], [first]):
+        c = out.outputs[0]
+        delta = c.text[sent_text:]
+        if not delta and not out.finished:
+            continue
+        lp = _chat_logprobs(c, tok, req.top_logprobs or 0, sent_tokens) if req.logprobs else None
+        sent_text, sent_tokens = len(c.text), len(c.token_ids)
+        yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
+            index=0, delta=P.DeltaMessage(content=delta), logprobs=lp,
+            finish_reason=c.finish_reason if out.finished else None,
+            stop_reason=c.stop_reason if out.finished else None)]))
+        if out.finished:
+            final = out
+    if req.stream_options and req.stream_options.include_usage and final is not None:
+        yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage([final])))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,289 @@
+"""The OpenAI-compatible server, driven over loopback with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "sk-test-key"
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: str, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir, "--port", str(self.port),
+               "--served-model-name", MODEL, "--max-model-len", "256", "--num-gpu-blocks-override", "128",
+               "--uvicorn-log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(model_dir, "--api-key", API_KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _headers():
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+# -- happy paths ----------------------------------------------------------------------
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_streamed_text_equals_non_streamed(client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    assert full.usage.completion_tokens == 20
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 20
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streamed_text_equals_non_streamed(client):
+    msgs = [{"role": "user", "content": "Say something"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+    assert full.usage.completion_tokens == 16
+
+
+def test_completion_matches_offline_generate(client, model_dir):
+    from pagedllm import LLM, SamplingParams
+
+    prompts = ["Hello there", "Once upon a time", "1 2 3 4"]
+    llm = LLM(model=model_dir, max_model_len=256, num_gpu_blocks_override=128)
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    online = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(online.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in offline]
+
+
+def test_logprobs_echo_stop_and_seed(client):
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0, logprobs=3,
+                                    echo=True, extra_body={"ignore_eos": True})
+    c = out.choices[0]
+    assert c.text.startswith("abc")
+    assert len(c.logprobs.tokens) == 5 and all(len(t) == 3 for t in c.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+    full = client.completions.create(model=MODEL, prompt="xyz", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[6:8]
+    cut = client.completions.create(model=MODEL, prompt="xyz", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    a = client.completions.create(model=MODEL, prompt="seed", max_tokens=10, temperature=1.0, seed=7)
+    b = client.completions.create(model=MODEL, prompt="seed", max_tokens=10, temperature=1.0, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_tokenize_detokenize_version_health(server):
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"})
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": r.json()["tokens"]})
+    assert d.json()["prompt"] == "Hello world"
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_64_concurrent_streams_all_complete_and_match_offline(server, model_dir):
+    from pagedllm import LLM, SamplingParams
+
+    prompts = [f"Request number {i}: tell me about {i * 7}" for i in range(64)]
+
+    async def one(aclient, p):
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    texts = asyncio.run(main())
+    llm = LLM(model=model_dir, max_model_len=256, num_gpu_blocks_override=128)
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert texts == [o.outputs[0].text for o in offline]
+
+
+def test_client_disconnect_aborts_and_frees_kv_blocks(server):
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", f"{server.url}/v1/completions", headers=_headers(),
+                      json={"model": MODEL, "prompt": "a long story", "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            assert server.metric("pagedllm:num_requests_running") >= 0
+    t0 = time.time()
+    while time.time() - t0 < 10:
+        if (server.metric("pagedllm:num_requests_running") == 0
+                and server.metric("pagedllm:kv_cache_usage_perc") == 0):
+            break
+        time.sleep(0.1)
+    elapsed = time.time() - t0
+    assert server.metric("pagedllm:kv_cache_usage_perc") == 0
+    assert elapsed < 1.0, f"abort took {elapsed:.2f}s"
+    text = httpx.get(f"{server.url}/metrics").text
+    assert re.search(r'pagedllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} [1-9]', text)
+
+
+# -- errors ------------------------------------------------------------------------------
+
+def _err(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    assert body["error"]["code"] == status
+    if param is not None:
+        assert body["error"]["param"] == param
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"), ({"bogus_field": 1}, "bogus_field"),
+    ({"prompt": []}, "prompt"), ({"prompt": [10**9]}, "prompt_token_ids"),
+])
+def test_invalid_parameters_get_400_in_openai_shape(server, body, param):
+    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
+                   json={"model": MODEL, "prompt": "hi", **body})
+    err = _err(r, 400)
+    assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_prompt_over_context_says_both_numbers(server):
+    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
+                   json={"model": MODEL, "prompt": [5] * 300, "max_tokens": 4})
+    assert re.search(r"300.*256", _err(r, 400)["message"])
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers={**_headers(), "Content-Type": "application/json"},
+                   content=b"{not json")
+    _err(r, 400)
+
+
+def test_api_key_required_on_v1_but_not_probes(server):
+    _err(httpx.get(f"{server.url}/v1/models"), 401)
+    _err(httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_unknown_model_is_404(server):
+    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(), json={"model": "gpt-9", "prompt": "hi"})
+    assert "gpt-9" in _err(r, 404)["message"]
+
+
+def test_oversized_body_is_413(server):
+    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
+                   json={"model": MODEL, "prompt": "x" * (17 << 20)})
+    _err(r, 413)
+
+
+def test_bad_requests_do_not_disturb_others(server, client):
+    ok = client.completions.create(model=MODEL, prompt="steady", max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0].text
+    for body in ({"temperature": -1}, {"prompt": [5] * 300}, {"stop_token_ids": [10**9]}):
+        httpx.post(f"{server.url}/v1/completions", headers=_headers(), json={"model": MODEL, "prompt": "hi", **body})
+    again = client.completions.create(model=MODEL, prompt="steady", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert again == ok
+
+
+def test_full_queue_gets_503_with_retry_after(model_dir):
+    s = Server(model_dir, "--max-queue-len", "0")
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        _err(r, 503)
+        assert r.headers.get("retry-after")
+    finally:
+        s.stop()
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
+    s = Server(model_dir)
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", f"{s.url}/v1/completions",
+                      json={"model": MODEL, "prompt": "go", "max_tokens": 60, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(x[5:]) for x in [first] + rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(30) == 0
