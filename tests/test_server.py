@@ -287,3 +287,40 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
     chunks = [json.loads(x[5:]) for x in [first] + rest[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert s.proc.wait(30) == 0
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_errors(server):
+    """Fuzz every operation of the server's own OpenAPI schema; any 5xx fails."""
+    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    r = subprocess.run([st, "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
+                        "--max-examples", "20", "--generation-deterministic", "--request-timeout", "60",
+                        "-H", f"Authorization: Bearer {API_KEY}"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert re.search(r"[1-9]\d* generated, [1-9]\d* passed", r.stdout), r.stdout[-2000:]
+
+
+def test_bench_serve_reports_vllm_metrics(server, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+                        "--api-key", API_KEY, "--num-prompts", "6", "--random-input-len", "40",
+                        "--random-output-len", "5", "--max-concurrency", "3", "--request-rate", "50",
+                        "--goodput", "ttft:100000", "--result-file", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == 30
+    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput",
+                "output_throughput", "request_goodput"):
+        assert report[key] > 0, key
+    assert report["model"] == MODEL
+
+
+def test_grafana_dashboard_uses_only_exported_metrics(server):
+    dash = json.loads(open(os.path.join(os.path.dirname(__file__), "..", "deploy", "grafana",
+                                        "pagedllm-dashboard.json")).read())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"pagedllm:[a-z0-9_]+", e)}
+    exported = set(re.findall(r"^(pagedllm:[a-z0-9_]+)", httpx.get(f"{server.url}/metrics").text, re.M))
+    assert used and used <= exported, used - exported

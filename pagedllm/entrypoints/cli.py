@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(srv, positional_model=True)
     srv.set_defaults(func=_cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from pagedllm.benchmarks import serve as bench_serve
+
+    bench_serve.add_parser(bench)
     return parser
 
 

@@ -38,6 +38,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens produced.")
         self.success = counter("request_success", "Finished requests.", extra=["finished_reason"])
+        for reason in ("stop", "length", "abort"):  # export every series from the start, at 0
+            self.success.labels(m, reason)
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)

@@ -1,0 +1,1 @@
+"""`pagedllm bench ...`: benchmarks with vLLM's definitions."""

@@ -1,0 +1,186 @@
+"""`pagedllm bench serve`: load-test any OpenAI-compatible completions endpoint, vLLM's way.
+
+Definitions (as in vLLM's benchmark_serving):
+  TTFT  time from sending the request to the first streamed token
+  ITL   time between consecutive streamed chunks
+  TPOT  (E2EL - TTFT) / (output tokens - 1), per request
+  E2EL  time from sending the request to the last chunk
+Goodput counts requests meeting every SLO given with --goodput (milliseconds).
+Prompts are random token ids (exact lengths, no shared prefixes), sent as token arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    ok: bool = False
+    error: str = ""
+
+
+def random_dataset(num: int, input_len: int, output_len: int, input_ratio: float, output_ratio: float, vocab: int,
+                   seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    lo_in, hi_in = int(input_len * (1 - input_ratio)), int(input_len * (1 + input_ratio))
+    lo_out, hi_out = int(output_len * (1 - output_ratio)), int(output_len * (1 + output_ratio))
+    out = []
+    for _ in range(num):
+        n_in, n_out = rng.randint(max(lo_in, 1), max(hi_in, 1)), rng.randint(max(lo_out, 1), max(hi_out, 1))
+        out.append(([rng.randrange(100, vocab) for _ in range(n_in)], n_out))
+    return out
+
+
+async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool,
+               headers: dict) -> RequestResult:
+    res = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2el = last - start
+        res.ok = res.ttft > 0
+    except Exception as e:  # a failed request is reported, not fatal
+        res.error = repr(e)
+    return res
+
+
+def _stats(values: list[float], prefix: str, percentiles: list[float]) -> dict:
+    if not values:
+        return {}
+    ms = sorted(v * 1000 for v in values)
+    out = {f"mean_{prefix}_ms": statistics.fmean(ms), f"median_{prefix}_ms": statistics.median(ms),
+           f"std_{prefix}_ms": statistics.pstdev(ms)}
+    for p in percentiles:
+        k = min(len(ms) - 1, max(0, round(p / 100 * (len(ms) - 1))))
+        out[f"p{p:g}_{prefix}_ms"] = ms[k]
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict:
+    import httpx
+
+    data = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                          args.random_range_ratio, args.random_output_range_ratio, args.vocab_size, args.seed)
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(data) or 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        async def limited(p, n):
+            if sem is None:
+                return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
+            async with sem:
+                return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
+
+        start = time.perf_counter()
+        tasks = []
+        for p, n in data:
+            tasks.append(asyncio.create_task(limited(p, n)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+
+    ok = [r for r in results if r.ok]
+    tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    pct = [float(x) for x in args.metric_percentiles.split(",")]
+    report = {
+        "base_url": args.base_url, "model": args.model, "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        **_stats([r.ttft for r in ok], "ttft", pct), **_stats(tpots, "tpot", pct),
+        **_stats([x for r in ok for x in r.itl], "itl", pct), **_stats([r.e2el for r in ok], "e2el", pct),
+    }
+    if args.goodput:
+        slos = dict(item.split(":") for item in args.goodput)
+        good = 0
+        for r, tpot in zip(ok, [(r.e2el - r.ttft) / max(r.output_tokens - 1, 1) for r in ok]):
+            vals = {"ttft": r.ttft, "tpot": tpot, "e2el": r.e2el}
+            good += all(vals[k] * 1000 <= float(v) for k, v in slos.items())
+        report["request_goodput"] = good / duration
+        report["goodput_slos_ms"] = slos
+    errors = [r.error for r in results if not r.ok][:5]
+    if errors:
+        report["first_errors"] = errors
+    return report
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's metrics)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--random-input-len", type=int, default=272, help="mean input length (default: 32-512 range)")
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.88,
+                   help="input lengths are uniform in len*(1-r)..len*(1+r) (the defaults give 32-511)")
+    p.add_argument("--random-output-range-ratio", type=float, default=0.0,
+                   help="the same for output lengths (default 0: exactly --random-output-len)")
+    p.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s); inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--goodput", nargs="*", default=None, help="SLOs as ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--result-file", default=None, help="write the JSON report here")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.model is None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        args.model = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers).json()["data"][0]["id"]
+    report = asyncio.run(run(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            f.write(text)
+    return 0 if report["failed"] == 0 else 1
