@@ -53,6 +53,11 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # n > 1: every child is a Request; the first (the leader) computes the prompt, and the
+    # others wait here until it has, then fork off its KV blocks (see Scheduler._fork).
+    parent_id: str | None = None
+    index: int = 0
+    pending_children: list["Request"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -18,7 +18,7 @@ _SAMPLING_EPS = 1e-5
 @dataclass
 class SamplingParams:
     n: int = 1
-    """Number of completions per prompt (only 1 is supported for now)."""
+    """Number of completions per prompt. They share the prompt's KV blocks; with a seed, completion i uses seed + i."""
     temperature: float = 1.0
     """0 means greedy; otherwise logits are divided by it before sampling."""
     top_p: float = 1.0
@@ -27,6 +27,18 @@ class SamplingParams:
     """Keep only the k most likely tokens; 0 or -1 disables."""
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top token's. In [0, 1]."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated. In [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per earlier occurrence of a token in the output. In [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Tokens in the prompt or output: positive logits divided by it, negative multiplied. > 0."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit (OpenAI's range, [-100, 100])."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled."""
+    bad_words: list[str] | None = None
+    """Words never to generate: their last token is banned wherever the rest would complete them."""
     seed: int | None = None
     """Seed of this request's own random stream: same seed, same tokens, whatever else is batched with it."""
     stop: list[str] | str | None = None
@@ -46,8 +58,9 @@ class SamplingParams:
     detokenize: bool = True
     """Produce text; with False only token ids are returned (stop strings then need detokenize)."""
 
-    # Filled in by the engine: the EOS id of the model and the stop set derived from it.
+    # Filled in by the engine: the stop set including the model's EOS, and bad_words as token ids.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,8 +74,6 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _int_at_least("n", self.n, 1)
-        if self.n > 1:
-            raise InvalidParameterError(f"n={self.n} is not supported yet; use n=1", "n")
         _number("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidParameterError(f"temperature must be >= 0, got {self.temperature}", "temperature")
@@ -73,6 +84,38 @@ class SamplingParams:
         _number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParameterError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidParameterError(f"{name} must be in [-2, 2], got {value}", name)
+        _number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise InvalidParameterError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                        "repetition_penalty")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParameterError("logit_bias must map token ids to numbers", "logit_bias")
+            bias = {}
+            for tid, value in self.logit_bias.items():
+                try:  # JSON object keys arrive as strings
+                    tid = int(tid)
+                except (TypeError, ValueError):
+                    raise InvalidParameterError(f"logit_bias key {tid!r} is not a token id", "logit_bias") from None
+                _number("logit_bias", value)
+                if tid < 0 or not -100.0 <= value <= 100.0:
+                    raise InvalidParameterError(
+                        f"logit_bias[{tid}]={value}: ids must be >= 0 and biases in [-100, 100]", "logit_bias")
+                bias[tid] = float(value)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidParameterError("allowed_token_ids must not be empty", "allowed_token_ids")
+            for tid in self.allowed_token_ids:
+                _int_at_least("allowed_token_ids", tid, 0)
+        for word in self.bad_words or []:
+            if not isinstance(word, str) or not word:
+                raise InvalidParameterError(f"bad_words must be non-empty strings, got {word!r}", "bad_words")
         if self.seed is not None:
             _int_at_least("seed", self.seed, -(1 << 63))
         if self.max_tokens is not None:
@@ -94,6 +137,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def bind_eos(self, eos_token_ids: frozenset[int]) -> None:
         """Called by the engine once the model's EOS ids are known."""

@@ -37,7 +37,6 @@ def _assert_clean(llm):
     ({"min_p": 1.5}, "min_p"),
     ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
     ({"n": 0}, "n"),
-    ({"n": 2}, "n"),
     ({"logprobs": -1}, "logprobs"),
     ({"stop": [""]}, "stop"),
     ({"temperature": float("nan")}, "temperature"),

@@ -181,3 +181,62 @@ def test_max_tokens_is_capped_by_the_context(llm):
     out = llm.generate([{"prompt_token_ids": [9] * 250}], SamplingParams(temperature=0, max_tokens=100,
                                                                        ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def _peak_blocks(llm, requests):
+    """Run requests to completion step by step; return (outputs by id, most KV blocks in use at once)."""
+    eng = llm.llm_engine
+    for rid, prompt, sp in requests:
+        eng.add_request(rid, prompt, sp)
+    pool = eng.core.scheduler.kv.pool
+    peak, outs = 0, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        peak = max(peak, pool.num_blocks - pool.num_free_blocks)
+    _engine_is_clean(llm)
+    return outs, peak
+
+
+def test_n8_shares_prompt_blocks_and_matches_independent_seeded_requests(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, enable_prefix_caching=False, max_model_len=1024, num_gpu_blocks_override=512)
+    prompt = _prompts(11, 1, lo=512, hi=512)[0]
+    sp = SamplingParams(n=8, temperature=1.0, top_p=0.95, seed=100, max_tokens=16, ignore_eos=True)
+    outs, shared_peak = _peak_blocks(llm, [("group", prompt, sp)])
+    group = outs["group"]
+    assert [c.index for c in group.outputs] == list(range(8))
+    single = [SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+              for i in range(8)]
+    indep, indep_peak = _peak_blocks(llm, [(f"r{i}", prompt, s) for i, s in enumerate(single)])
+    assert [c.token_ids for c in group.outputs] == [indep[f"r{i}"].outputs[0].token_ids for i in range(8)]
+    assert len({tuple(c.token_ids) for c in group.outputs}) > 1, "siblings must sample independently"
+    assert shared_peak * 4 <= indep_peak, (shared_peak, indep_peak)
+
+
+def test_n_siblings_with_prefix_caching_and_preemption_all_finish(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, max_model_len=224, num_gpu_blocks_override=14, max_num_batched_tokens=64)
+    prompts = _prompts(12, 3, lo=40, hi=90)
+    sp = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert all(len(o.outputs) == 3 and all(len(c.token_ids) == 20 for c in o.outputs) for o in outs)
+    big = LLM(model=tiny_llama_dir, max_model_len=224, num_gpu_blocks_override=256)
+    ref = big.generate(prompts, sp, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+    _engine_is_clean(llm)
+
+
+def test_abort_of_an_n_group_frees_every_block(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, max_model_len=256, num_gpu_blocks_override=64)
+    eng = llm.llm_engine
+    eng.add_request("g", {"prompt_token_ids": list(range(100, 150))},
+                    SamplingParams(n=4, temperature=1.0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.abort_request(["g"])
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs and outs[-1].finished and all(c.finish_reason == "abort" for c in outs[-1].outputs)
+    _engine_is_clean(llm)

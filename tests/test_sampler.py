@@ -104,3 +104,50 @@ def test_min_tokens_mask_forbids_stop_tokens():
     logits[0, 7] = 100.0
     out = Sampler()(logits.clone(), _batch(1, temperature=0.0, stop_masks=[[7]])).token_ids
     assert out[0] != 7
+
+
+def _penalty_reference(logits, prompt, output, presence, frequency, repetition):
+    """One row, token by token, straight from the definitions."""
+    out = logits.clone()
+    for t in range(len(out)):
+        if t in prompt or t in output:
+            out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+        count = output.count(t)
+        out[t] -= frequency * count + presence * (count > 0)
+    return out
+
+
+@pytest.mark.parametrize("presence, frequency, repetition", [(0.5, 0.0, 1.0), (0.0, 0.7, 1.0), (0.0, 0.0, 1.3),
+                                                             (-0.4, 0.3, 0.8), (1.0, 1.0, 2.0)])
+def test_penalties_match_reference(presence, frequency, repetition):
+    from pagedllm.sample.sampler import Penalties, apply_penalties
+
+    torch.manual_seed(5)
+    vocab = 20
+    logits = torch.randn(2, vocab) * 3
+    prompts, outputs = [[1, 2, 3], [4, 4]], [[3, 5, 5, 5], []]
+    counts = torch.zeros(2, vocab)
+    mask = torch.zeros(2, vocab, dtype=torch.bool)
+    for i in range(2):
+        for t in outputs[i]:
+            counts[i, t] += 1
+        mask[i, prompts[i]] = True
+    pen = Penalties(torch.tensor([presence] * 2), torch.tensor([frequency] * 2), torch.tensor([repetition] * 2),
+                    counts, mask)
+    got = apply_penalties(logits, pen)
+    for i in range(2):
+        ref = _penalty_reference(logits[i], prompts[i], outputs[i], presence, frequency, repetition)
+        torch.testing.assert_close(got[i], ref)
+
+
+def test_bias_bans_and_biases_before_sampling_but_not_raw_logprobs():
+    torch.manual_seed(6)
+    logits = torch.randn(1, 10)
+    bias = torch.zeros(1, 10)
+    bias[0, logits[0].argmax()] = float("-inf")  # ban the favourite
+    bias[0, 3] += 50.0
+    out = Sampler()(logits.clone(), _batch(1, temperature=0.0, logprobs=[2]).__class__(
+        **{**{f: getattr(_batch(1, temperature=0.0, logprobs=[2]), f) for f in SamplingBatch.__slots__}, "bias": bias}))
+    assert out.token_ids[0] == 3
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[0, 0].item() == pytest.approx(raw[0, 3].item())  # raw distribution, not the biased one

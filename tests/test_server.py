@@ -324,3 +324,29 @@ def test_grafana_dashboard_uses_only_exported_metrics(server):
     used = {m for e in exprs for m in re.findall(r"pagedllm:[a-z0-9_]+", e)}
     exported = set(re.findall(r"^(pagedllm:[a-z0-9_]+)", httpx.get(f"{server.url}/metrics").text, re.M))
     assert used and used <= exported, used - exported
+
+
+def test_n_completions_streamed_and_not(client):
+    kw = dict(model=MODEL, prompt=["first prompt", "second"], max_tokens=8, temperature=1.0, n=3, seed=11,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    assert sorted(c.index for c in full.choices) == list(range(6))
+    assert full.usage.completion_tokens == 6 * 8
+    by_index = {c.index: c.text for c in full.choices}
+    assert len(set(by_index.values())) > 1
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == by_index
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1]
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                            max_tokens=6, temperature=1.0, seed=3, stream=True,
+                                            extra_body={"ignore_eos": True})
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {c.index: c.message.content for c in chat.choices}

@@ -108,6 +108,23 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)
 
+    def fork(self, parent: Request, child: Request) -> KVCacheBlock | None:
+        """Give ``child`` the parent's prompt blocks: shared by reference up to the block holding the
+        last prompt token, which is copied (copy-on-write) so the child can write into it.
+
+        Returns the child's new block (the copy's destination), or None if no block is free.
+        """
+        blocks = self.req_blocks[parent.request_id]
+        k = (parent.num_prompt_tokens - 1) // self.block_size
+        if self.pool.num_free_blocks < 1:
+            return None
+        shared = blocks[:k]
+        self.pool.touch(shared)
+        new = self.pool.get_new_blocks(1)[0]
+        self.req_blocks[child.request_id] = shared + [new]
+        self.num_cached_blocks[child.request_id] = min(k, self.num_cached_blocks.get(parent.request_id, 0))
+        return new
+
     def free(self, request: Request) -> None:
         """Release all blocks of a request. Tail blocks are freed first so they are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])

@@ -46,6 +46,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or preempted since the last step: the runner drops their state
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the forward
 
 
 @dataclass(slots=True)
@@ -82,10 +83,15 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self._num_preemptions_reported = 0
+        self._unsent: set[str] = set()  # running requests the runner has not been told about (forked children)
+        self._pending_copies: list[tuple[int, int]] = []
 
     # -- request table --------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; its pending n>1 siblings are registered but wait for the fork."""
         self.requests[request.request_id] = request
+        for child in request.pending_children:
+            self.requests[child.request_id] = child
         self.waiting.push(request)
 
     def abort_requests(self, req_ids: list[str]) -> list[Request]:
@@ -127,8 +133,12 @@ class Scheduler:
             if new_blocks is None:
                 continue  # req itself was preempted and removed from running
             num_scheduled[req.request_id] = n
-            cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks],
-                                                 req.num_computed_tokens))
+            if req.request_id in self._unsent:  # a forked child: the runner sees it for the first time
+                self._unsent.discard(req.request_id)
+                new_reqs.append(self._new_request_data(req))
+            else:
+                cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks],
+                                                     req.num_computed_tokens))
             budget -= n
             i += 1
 
@@ -155,17 +165,20 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             num_scheduled[req.request_id] = n
-            new_reqs.append(NewRequestData(
-                req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                self.kv.get_block_ids(req.request_id), num_hit_tokens))
+            new_reqs.append(self._new_request_data(req))
             budget -= n
 
-        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                              sum(num_scheduled.values()), self.finished_req_ids)
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
+                              self.finished_req_ids, self._pending_copies)
         self.finished_req_ids = set()
+        self._pending_copies = []
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+                              self.kv.get_block_ids(req.request_id), req.num_computed_tokens)
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens, apply stop conditions; return the requests that got a new token or finished."""
@@ -178,9 +191,37 @@ class Scheduler:
             req.append_output_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
+            if req.pending_children:  # the prompt is computed: its siblings can share it now
+                self._fork(req, now)
             self._check_stop(req)
             touched.append(req)
         return touched
+
+    def _fork(self, leader: Request, now: float) -> None:
+        """Start n>1 siblings off the leader's prompt KV: shared full blocks, a copy of the last one.
+
+        Each sibling recomputes only the last prompt token (to get its own logits and
+        sample with its own seed). Without a free block or a free sequence slot it
+        simply queues, and recomputes its prompt (prefix-cache hits still apply).
+        """
+        children, leader.pending_children = leader.pending_children, []
+        for child in children:
+            if child.status.finished:
+                continue
+            new_block = None
+            if len(self.running) < self.config.max_num_seqs:
+                new_block = self.kv.fork(leader, child)
+            if new_block is None:
+                self.waiting.push(child)
+                continue
+            k = (leader.num_prompt_tokens - 1) // self.kv.block_size
+            self._pending_copies.append((self.kv.req_blocks[leader.request_id][k].block_id, new_block.block_id))
+            child.num_computed_tokens = child.num_prompt_tokens - 1
+            child.num_cached_tokens = max(leader.num_cached_tokens, 0)
+            child.status = RequestStatus.RUNNING
+            child.first_scheduled_time = now
+            self.running.append(child)
+            self._unsent.add(child.request_id)
 
     def _check_stop(self, req: Request) -> None:
         last = req.output_token_ids[-1]
@@ -199,6 +240,7 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._unsent.discard(req.request_id)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
@@ -223,6 +265,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._unsent.discard(req.request_id)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

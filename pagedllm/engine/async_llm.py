@@ -65,7 +65,7 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
         request_id = request_id or uuid.uuid4().hex
-        req, text = self.engine.make_request(request_id, prompt, sampling_params, priority)
+        prepared = self.engine.make_request(request_id, prompt, sampling_params, priority)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -77,7 +77,7 @@ class AsyncLLM:
                 raise QueueFullError(f"the request queue is full ({waiting} waiting, max_queue_len="
                                      f"{self.max_queue_len}); retry later", "max_queue_len")
             self._streams[request_id] = (loop, q)
-        self._commands.put(("add", req, text))
+        self._commands.put(("add", prepared))
         finished = False
         try:
             while True:
@@ -105,11 +105,11 @@ class AsyncLLM:
     # -- the engine thread ------------------------------------------------------
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, req, text = cmd
+            prepared = cmd[1]
             with self._lock:
-                alive = req.request_id in self._streams
+                alive = prepared.request_id in self._streams
             if alive:  # the client may have gone before we got here
-                self.engine.add_prepared_request(req, text)
+                self.engine.add_prepared_request(prepared)
         elif cmd[0] == "abort":
             self.engine.abort_request([cmd[1]])
 

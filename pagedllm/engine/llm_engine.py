@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Any
@@ -114,30 +115,42 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.scheduler.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
-        req, text = self.make_request(request_id, prompt, params, priority)
-        self.add_prepared_request(req, text)
+        prepared = self.make_request(request_id, prompt, params, priority)
+        self.add_prepared_request(prepared)
         return request_id
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     priority: int = 0) -> tuple[Request, str | None]:
-        """Tokenize and validate, touching no engine state (safe from another thread)."""
+                     priority: int = 0) -> "PreparedRequest":
+        """Tokenize and validate, touching no engine state (safe from another thread).
+
+        ``n`` > 1 becomes n child requests ``"{i}_{request_id}"``; child i samples with
+        seed + i when a seed is given (vLLM's convention), so it reproduces the
+        independent request with that seed.
+        """
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
         text, ids = self.processor.tokenize(prompt)
-        params = _copy_params(params)
-        max_tokens = self.processor.check(ids, params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise InvalidParameterError("priority needs scheduling_policy='priority'", "priority")
-        return Request(request_id, ids, params, max_tokens, priority=priority), text
+        children = []
+        for i in range(params.n):
+            child_params = _copy_params(params) if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            max_tokens = self.processor.check(ids, child_params)
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            children.append(Request(rid, ids, child_params, max_tokens, priority=priority,
+                                    parent_id=request_id, index=i))
+        children[0].pending_children = children[1:]
+        return PreparedRequest(request_id, children, text)
 
-    def add_prepared_request(self, req: Request, prompt_text: str | None) -> None:
-        self.output_processor.add_request(req, prompt_text)
-        self.core.add_request(req)
+    def add_prepared_request(self, prepared: "PreparedRequest") -> None:
+        self.output_processor.add_request(prepared.request_id, prepared.children, prepared.prompt)
+        self.core.add_request(prepared.children[0])
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+        self.core.abort_requests([c for rid in request_ids for c in self.output_processor.child_ids(rid)])
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -151,6 +164,13 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         s = self.core.scheduler
         return len(s.running) + len(s.waiting)
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedRequest:
+    request_id: str
+    children: list[Request]  # one per completion (n); the first computes the prompt
+    prompt: str | None
 
 
 def _copy_params(params: SamplingParams) -> SamplingParams:

@@ -1,9 +1,14 @@
-"""OutputProcessor: token ids from the core → text, stop strings, logprobs → RequestOutput."""
+"""OutputProcessor: token ids from the core → text, stop strings, logprobs → RequestOutput.
+
+A user request with ``n`` completions is ``n`` child requests in the core; here
+their completions are gathered back into one RequestOutput per user request,
+finished once every child is.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.core import EngineCoreOutput
@@ -13,45 +18,65 @@ from pagedllm.request import Request
 
 
 @dataclass
-class _OutState:
-    prompt: str | None
+class _ChildState:
+    parent_id: str
+    index: int
     detok: IncrementalDetokenizer | None
     text: str = ""
     cumulative_logprob: float | None = None
     logprobs: list | None = None
     stop_string: str | None = None
+
+
+@dataclass
+class _ParentState:
+    prompt: str | None
+    leader: Request
+    child_ids: list[str]
+    completions: list[CompletionOutput]
+    finished: set[int] = field(default_factory=set)
     last_token_time: float | None = None
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.states: dict[str, _OutState] = {}
+        self.children: dict[str, _ChildState] = {}
+        self.parents: dict[str, _ParentState] = {}
 
-    def add_request(self, request: Request, prompt: str | None) -> None:
-        sp = request.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sp.skip_special_tokens) \
-            if sp.detokenize else None
-        track_lp = sp.logprobs is not None
-        self.states[request.request_id] = _OutState(prompt, detok, cumulative_logprob=0.0 if track_lp else None,
-                                                    logprobs=[] if track_lp else None)
+    def add_request(self, request_id: str, children: list[Request], prompt: str | None) -> None:
+        for req in children:
+            sp = req.sampling_params
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens) \
+                if sp.detokenize else None
+            track_lp = sp.logprobs is not None
+            self.children[req.request_id] = _ChildState(request_id, req.index, detok,
+                                                        cumulative_logprob=0.0 if track_lp else None,
+                                                        logprobs=[] if track_lp else None)
+        empty = [CompletionOutput(i, "", [], None, None) for i in range(len(children))]
+        self.parents[request_id] = _ParentState(prompt, children[0], [c.request_id for c in children], empty)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return parent.child_ids if parent is not None else [request_id]
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the request outputs and the (request id, stop string) pairs the core must stop."""
-        results, to_stop = [], []
+        """Returns the request outputs and the (child request id, stop string) pairs the core must stop."""
+        to_stop: list[tuple[str, str]] = []
+        touched: dict[str, _ParentState] = {}
         now = time.monotonic()
         for out in outputs:
             req = out.request
-            st = self.states.get(req.request_id)
+            st = self.children.get(req.request_id)
             if st is None:
                 continue
+            parent = self.parents[st.parent_id]
             if out.new_token_ids:
-                st.last_token_time = now
+                parent.last_token_time = now
             for lp in out.new_logprobs:
                 st.cumulative_logprob += lp.logprobs[0]
-                entry = {}
-                for rank, (tid, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1):
-                    entry[tid] = Logprob(val, rank, self._tok_text(tid))
+                entry = {tid: Logprob(val, rank, self._tok_text(tid))
+                         for rank, (tid, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1)}
                 entry.setdefault(lp.token_ids[0], Logprob(lp.logprobs[0], lp.sampled_rank,
                                                           self._tok_text(lp.token_ids[0])))
                 st.logprobs.append(entry)
@@ -69,15 +94,24 @@ class OutputProcessor:
             if stopped_here:
                 to_stop.append((req.request_id, st.stop_string))
             finished = out.finished or stopped_here
-            results.append(self._make_output(req, st, finished))
+            parent.completions[st.index] = self._completion(req, st, finished)
             if finished:
-                del self.states[req.request_id]
+                parent.finished.add(st.index)
+                del self.children[req.request_id]
+            touched[st.parent_id] = parent
+        results = []
+        for rid, parent in touched.items():
+            done = len(parent.finished) == len(parent.child_ids)
+            results.append(self._request_output(rid, parent, done, now))
+            if done:
+                del self.parents[rid]
         return results, to_stop
 
     def _tok_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
-    def _make_output(self, req: Request, st: _OutState, finished: bool) -> RequestOutput:
+    @staticmethod
+    def _completion(req: Request, st: _ChildState, finished: bool) -> CompletionOutput:
         if st.stop_string is not None:
             finish_reason, stop_reason = "stop", st.stop_string
         else:
@@ -87,14 +121,17 @@ class OutputProcessor:
         if stops and not finished:
             # hold back what could be the start of a stop string, so streamed text never has to shrink
             text = text[:max(0, len(text) - (max(map(len, stops)) - 1))]
-        completion = CompletionOutput(0, text, list(req.output_token_ids), st.cumulative_logprob,
-                                      st.logprobs, finish_reason if finished else None,
-                                      stop_reason if finished else None)
-        now = time.monotonic()
+        return CompletionOutput(st.index, text, list(req.output_token_ids), st.cumulative_logprob,
+                                list(st.logprobs) if st.logprobs is not None else None,
+                                finish_reason if finished else None, stop_reason if finished else None)
+
+    @staticmethod
+    def _request_output(request_id: str, parent: _ParentState, finished: bool, now: float) -> RequestOutput:
+        req = parent.leader
         metrics = RequestMetrics(
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time, last_token_time=st.last_token_time,
+            first_token_time=req.first_token_time, last_token_time=parent.last_token_time,
             finished_time=now if finished else None,
             time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
-        return RequestOutput(req.request_id, st.prompt, req.prompt_token_ids, [completion], finished,
+        return RequestOutput(request_id, parent.prompt, req.prompt_token_ids, list(parent.completions), finished,
                              max(req.num_cached_tokens, 0), metrics)

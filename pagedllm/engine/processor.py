@@ -58,9 +58,25 @@ class Processor:
             raise InvalidParameterError(
                 f"logprobs={params.logprobs} exceeds the maximum allowed ({self.max_logprobs}); "
                 "raise it with max_logprobs", "logprobs")
-        for tid in params.stop_token_ids:
-            if tid >= self.vocab_size:
-                raise InvalidParameterError(f"stop_token_ids contains {tid}, outside the vocabulary", "stop_token_ids")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidParameterError(
+                    f"{name} contains token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})", name)
         params.bind_eos(self.eos_token_ids)
+        if params.bad_words:
+            params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (as it tokenizes mid-sentence), like vLLM."""
+        out: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out

@@ -1,3 +1,3 @@
-from pagedllm.sample.sampler import Sampler, SamplingBatch
+from pagedllm.sample.sampler import Penalties, Sampler, SamplingBatch
 
-__all__ = ["Sampler", "SamplingBatch"]
+__all__ = ["Penalties", "Sampler", "SamplingBatch"]

@@ -2,8 +2,10 @@
 
 Order of operations (as in ../shared/design.md): raw logprobs are taken first
 (``logprobs`` report the model's raw distribution, vLLM's default
-``raw_logprobs`` mode); then min_tokens masking → temperature → top-k → top-p →
-min-p → sample. Greedy rows take the argmax of the raw logits.
+``raw_logprobs`` mode); then penalties (repetition, frequency, presence) →
+logit bias / allowed tokens / bad words / min_tokens masking → temperature →
+top-k → top-p → min-p → sample. Greedy rows take the argmax after penalties and
+masks, before temperature.
 
 Random rows sample with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
 drawing E from a generator seeded by (request seed, output position). The draw
@@ -36,6 +38,17 @@ class SamplingBatch:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    penalties: "Penalties | None" = None
+    bias: torch.Tensor | None = None  # [B, V] added to the logits (-inf bans a token)
+
+
+@dataclass(slots=True)
+class Penalties:
+    presence: torch.Tensor  # [B]
+    frequency: torch.Tensor  # [B]
+    repetition: torch.Tensor  # [B]
+    output_counts: torch.Tensor  # [B, V] occurrences of each token in the output so far
+    prompt_mask: torch.Tensor  # [B, V] bool: token occurs in the prompt
 
 
 @dataclass(slots=True)
@@ -52,6 +65,10 @@ class Sampler:
         raw_logprobs = None
         if any(n is not None for n in batch.num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        if batch.bias is not None:
+            logits = logits + batch.bias
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK
@@ -95,6 +112,15 @@ class Sampler:
             out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
         else:
             out.logprob_token_ids, out.logprobs = tokens.unsqueeze(1), sampled_lp
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's (and transformers') penalty rules, batched."""
+    seen = p.output_counts > 0
+    rep = torch.where(seen | p.prompt_mask, p.repetition.unsqueeze(1), torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - p.frequency.unsqueeze(1) * p.output_counts
+    return logits - p.presence.unsqueeze(1) * seen.to(logits.dtype)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:

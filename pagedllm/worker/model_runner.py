@@ -17,7 +17,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from pagedllm.sample import Sampler, SamplingBatch
+from pagedllm.sample import Penalties, Sampler, SamplingBatch
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -41,6 +41,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.vocab_size = model.config.vocab_size
         self.states: dict[str, _ReqState] = {}
         self._default_seed = default_seed
 
@@ -66,6 +67,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.blocks_to_copy:  # copy-on-write for n>1 siblings, before anything writes this step
+            src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
+            dst = torch.tensor([d for _, d in so.blocks_to_copy], device=self.device)
+            for cache in self.kv_caches:
+                cache.index_copy_(1, dst, cache.index_select(1, src))
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         # decodes first, then prefill chunks
@@ -148,4 +154,37 @@ class ModelRunner:
             no_top_k=all(p.top_k == 0 for p in ps),
             no_top_p=all(p.top_p >= 1.0 for p in ps),
             no_min_p=all(p.min_p == 0.0 for p in ps),
+            penalties=self._penalties(sts) if any(p.has_penalties for p in ps) else None,
+            bias=self._bias(sts) if any(p.logit_bias or p.allowed_token_ids is not None
+                                        or p._bad_words_token_ids for p in ps) else None,
         )
+
+    def _penalties(self, sts: list[_ReqState]) -> Penalties:
+        vocab, dev = self.vocab_size, self.device
+        counts = torch.zeros(len(sts), vocab, device=dev)
+        prompt_mask = torch.zeros(len(sts), vocab, dtype=torch.bool, device=dev)
+        for i, st in enumerate(sts):
+            if st.params.has_penalties:
+                out = torch.tensor(st.token_ids[st.num_prompt_tokens:], dtype=torch.long, device=dev)
+                counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
+                prompt_mask[i, torch.tensor(st.token_ids[:st.num_prompt_tokens], device=dev)] = True
+        ps = [st.params for st in sts]
+        return Penalties(torch.tensor([p.presence_penalty for p in ps], device=dev),
+                         torch.tensor([p.frequency_penalty for p in ps], device=dev),
+                         torch.tensor([p.repetition_penalty for p in ps], device=dev), counts, prompt_mask)
+
+    def _bias(self, sts: list[_ReqState]) -> torch.Tensor:
+        bias = torch.zeros(len(sts), self.vocab_size, device=self.device)
+        for i, st in enumerate(sts):
+            p = st.params
+            if p.allowed_token_ids is not None:
+                bias[i] = float("-inf")
+                bias[i, p.allowed_token_ids] = 0.0
+            if p.logit_bias:
+                bias[i, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=self.device)
+            output = st.token_ids[st.num_prompt_tokens:]
+            for word in p._bad_words_token_ids:
+                prefix = word[:-1]
+                if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+                    bias[i, word[-1]] = float("-inf")
+        return bias

@@ -60,7 +60,7 @@ class ServerMetrics:
         self.prefix_hits.inc(stats.prefix_cache.hits)
         now = time.monotonic()
         for out in outputs:
-            n_tokens = len(out.outputs[0].token_ids)
+            n_tokens = sum(len(c.token_ids) for c in out.outputs)
             last = self._last_token.get(out.request_id)
             if last is None:
                 if n_tokens:

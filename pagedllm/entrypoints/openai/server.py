@@ -191,12 +191,13 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         finals = await _run_to_end(streams, first, raw)
         choices = []
         for i, out in enumerate(finals):
-            c = out.outputs[0]
             prefix = (out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)) if req.echo else ""
-            choices.append(P.CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason,
-                                              stop_reason=c.stop_reason,
-                                              logprobs=_completion_logprobs(c, tok, len(prefix), req.logprobs)
-                                              if req.logprobs is not None else None))
+            for c in out.outputs:
+                choices.append(P.CompletionChoice(
+                    index=i * req.n + c.index, text=prefix + c.text, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=_completion_logprobs(c, tok, len(prefix), req.logprobs)
+                    if req.logprobs is not None else None))
         return P.CompletionResponse(id=rid, model=state.served_model_name, choices=choices, usage=_usage(finals))
 
     # -- chat -------------------------------------------------------------------
@@ -214,11 +215,10 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         if req.stream:
             return _sse(_chat_chunks(rid, state.served_model_name, req, streams[0], first[0], tok))
         finals = await _run_to_end(streams, first, raw)
-        choices = [P.ChatChoice(index=0, message=P.ChatResponseMessage(content=finals[0].outputs[0].text),
-                                finish_reason=finals[0].outputs[0].finish_reason,
-                                stop_reason=finals[0].outputs[0].stop_reason,
-                                logprobs=_chat_logprobs(finals[0].outputs[0], tok, req.top_logprobs or 0)
-                                if req.logprobs else None)]
+        choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                logprobs=_chat_logprobs(c, tok, req.top_logprobs or 0) if req.logprobs else None)
+                   for c in finals[0].outputs]
         return P.ChatCompletionResponse(id=rid, model=state.served_model_name, choices=choices,
                                         usage=_usage(finals))
 
@@ -302,7 +302,7 @@ async def _run_to_end(streams, firsts, raw: Request) -> list[RequestOutput]:
 
 def _usage(finals: list[RequestOutput]) -> P.UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -375,24 +375,30 @@ async def _merge(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, firsts, tok) -> AsyncIterator[str]:
-    sent_text = [0] * len(streams)
-    sent_tokens = [0] * len(streams)
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    done: set[int] = set()
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, out in _merge(streams, firsts):
-        c = out.outputs[0]
-        prefix = ""
-        if req.echo and sent_tokens[i] == 0 and sent_text[i] == 0:
-            prefix = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
-        delta = c.text[sent_text[i]:]
-        if not delta and not prefix and not out.finished:
-            continue
-        lp = (_completion_logprobs(c, tok, sent_text[i], req.logprobs, sent_tokens[i])
-              if req.logprobs is not None else None)
-        sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-        choice = P.CompletionChoice(index=i, text=prefix + delta, logprobs=lp,
-                                    finish_reason=c.finish_reason if out.finished else None,
-                                    stop_reason=c.stop_reason if out.finished else None)
-        yield _data(P.CompletionResponse(id=rid, model=model, choices=[choice]))
+        for c in out.outputs:
+            idx = i * req.n + c.index
+            if idx in done:
+                continue
+            first_chunk = idx not in sent_text
+            prefix = ""
+            if req.echo and first_chunk:
+                prefix = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+            delta = c.text[sent_text.get(idx, 0):]
+            if not delta and not prefix and not c.finished():
+                continue
+            lp = (_completion_logprobs(c, tok, sent_text.get(idx, 0), req.logprobs, sent_tokens.get(idx, 0))
+                  if req.logprobs is not None else None)
+            sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+            if c.finished():
+                done.add(idx)
+            choice = P.CompletionChoice(index=idx, text=prefix + delta, logprobs=lp, finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason)
+            yield _data(P.CompletionResponse(id=rid, model=model, choices=[choice]))
         if out.finished:
             finals[i] = out
     if req.stream_options and req.stream_options.include_usage and all(finals):
@@ -402,20 +408,25 @@ async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, firs
 
 async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, first, tok) -> AsyncIterator[str]:
     yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[
-        P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]))
-    sent_text = sent_tokens = 0
+        P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")) for j in range(req.n)]))
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    done: set[int] = set()
     final = None
     async for _, out in _merge([stream], [first]):
-        c = out.outputs[0]
-        delta = c.text[sent_text:]
-        if not delta and not out.finished:
-            continue
-        lp = _chat_logprobs(c, tok, req.top_logprobs or 0, sent_tokens) if req.logprobs else None
-        sent_text, sent_tokens = len(c.text), len(c.token_ids)
-        yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
-            index=0, delta=P.DeltaMessage(content=delta), logprobs=lp,
-            finish_reason=c.finish_reason if out.finished else None,
-            stop_reason=c.stop_reason if out.finished else None)]))
+        for c in out.outputs:
+            if c.index in done:
+                continue
+            delta = c.text[sent_text.get(c.index, 0):]
+            if not delta and not c.finished():
+                continue
+            lp = _chat_logprobs(c, tok, req.top_logprobs or 0, sent_tokens.get(c.index, 0)) if req.logprobs else None
+            sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+            if c.finished():
+                done.add(c.index)
+            yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
+                index=c.index, delta=P.DeltaMessage(content=delta), logprobs=lp, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason)]))
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
