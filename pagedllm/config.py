@@ -9,6 +9,7 @@ its ``metadata``; there is no second list of defaults anywhere else.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -72,6 +73,11 @@ class EngineConfig:
     def all_fields() -> list[tuple[str, dataclasses.Field]]:
         """Every user-settable field as (section, field), in declaration order."""
         return [(sec, f) for sec, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+    @staticmethod
+    def field_type(section: str, name: str) -> Any:
+        """The resolved type of a field (the annotations are strings under `from __future__`)."""
+        return typing.get_type_hints(_SECTIONS[section])[name]
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

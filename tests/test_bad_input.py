@@ -49,8 +49,8 @@ def test_invalid_sampling_values_name_the_parameter(kwargs, param):
 
 
 def test_unknown_sampling_option_is_rejected_not_ignored():
-    with pytest.raises(TypeError, match="presence_penalty"):
-        SamplingParams(presence_penalty=0.5)
+    with pytest.raises(TypeError, match="guided_decoding"):
+        SamplingParams(guided_decoding={"json": {}})
 
 
 def test_prompt_longer_than_context_says_both_numbers(llm):

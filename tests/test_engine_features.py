@@ -240,3 +240,36 @@ def test_abort_of_an_n_group_frees_every_block(tiny_llama_dir):
         outs += eng.step()
     assert outs and outs[-1].finished and all(c.finish_reason == "abort" for c in outs[-1].outputs)
     _engine_is_clean(llm)
+
+
+def test_frequency_and_presence_penalties_reduce_repetition(llm):
+    prompts = _prompts(21, 4)
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    penal = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                 frequency_penalty=2.0, presence_penalty=2.0), use_tqdm=False)
+
+    def max_repeats(o):
+        ids = o.outputs[0].token_ids
+        return max(ids.count(t) for t in ids)
+
+    assert sum(map(max_repeats, plain)) > sum(map(max_repeats, penal))
+    # penalties only act on tokens already generated: the first token is unchanged
+    assert [o.outputs[0].token_ids[0] for o in plain] == [o.outputs[0].token_ids[0] for o in penal]
+
+
+def test_repetition_penalty_and_bad_words(llm):
+    p = [{"prompt_token_ids": [100, 200, 300]}]
+    plain = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    first = plain.outputs[0].token_ids[0]
+    banned_word = llm.get_tokenizer().decode([first])
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[banned_word]),
+                       use_tqdm=False)[0]
+    bad_ids = llm.llm_engine.processor._bad_words_ids([banned_word])
+    singles = {w[0] for w in bad_ids if len(w) == 1}
+    assert first in singles and not singles & set(out.outputs[0].token_ids)
+    rep = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=5.0),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(rep)) >= len(set(plain.outputs[0].token_ids))
+    allowed = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=2,
+                                             allowed_token_ids=[7, 8]), use_tqdm=False)[0].outputs[0].token_ids
+    assert set(allowed) <= {7, 8}

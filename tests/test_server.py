@@ -350,3 +350,18 @@ def test_n_completions_streamed_and_not(client):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts == {c.index: c.message.content for c in chat.choices}
+
+
+def test_logit_bias_and_allowed_tokens_over_http(client):
+    tok_resp = httpx.post(f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/tokenize",
+                          json={"prompt": " banana", "add_special_tokens": False}).json()
+    target = tok_resp["tokens"][0]
+    out = client.completions.create(model=MODEL, prompt="Fruit:", max_tokens=3, temperature=0,
+                                    logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == " banana" * 3
+    only = client.completions.create(model=MODEL, prompt="Fruit:", max_tokens=4, temperature=1.0, seed=1,
+                                     extra_body={"ignore_eos": True, "allowed_token_ids": [target]})
+    assert only.choices[0].text == " banana" * 4
+    r = httpx.post(f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/v1/completions",
+                   headers=_headers(), json={"model": MODEL, "prompt": "x", "logit_bias": {"999999999": 5}})
+    _err(r, 400, "logit_bias")

@@ -36,8 +36,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(torch.get_num_threads(), 1))
         model = load_model(self.source, self.hf_config, self.dtype, self.device)
 
         num_kv_heads, head_dim = model.kv_cache_shape_per_layer

@@ -19,25 +19,20 @@ from typing import Any
 from pagedllm.config import EngineConfig
 
 
-def _flag_type(annotation: Any) -> tuple[Any, list | None]:
-    """(argparse type, choices) for a config field annotation such as ``int | None`` or ``Literal[...]``."""
-    hint = annotation
-    if isinstance(hint, str):
-        hint = eval(hint, {**vars(typing), "Literal": typing.Literal})  # our own config annotations only
-    args = typing.get_args(hint)
+def _flag_type(hint: Any) -> tuple[Any, list | None]:
+    """(argparse type, choices) for a resolved config type such as ``int | None`` or ``Literal[...]``."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in args if a is not type(None))
-        args = typing.get_args(hint)
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is typing.Literal:
-        return str, list(args)
+        return str, list(typing.get_args(hint))
     return hint, None
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
     group = parser.add_argument_group("engine")
-    for _, f in EngineConfig.all_fields():
+    for section, f in EngineConfig.all_fields():
         name = f.name.replace("_", "-")
-        typ, choices = _flag_type(f.type)
+        typ, choices = _flag_type(EngineConfig.field_type(section, f.name))
         help_text = f.metadata.get("help", "")
         if f.name == "model" and positional_model:
             group.add_argument("model_pos", nargs="?", metavar="MODEL", help=help_text)

@@ -44,6 +44,9 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -52,6 +55,9 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     priority: int = 0
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -62,6 +68,11 @@ class _SamplingRequest(BaseModel):
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
             min_p=defaults.min_p if self.min_p is None else self.min_p,
+            presence_penalty=defaults.presence_penalty if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=defaults.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=(defaults.repetition_penalty if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
