@@ -30,7 +30,10 @@ class ModelConfig:
     max_model_len: int | None = _f(None, "Context length (prompt + output). Defaults to the model's, capped to what the KV cache can hold.")
     served_model_name: str | None = _f(None, "Name reported in outputs and the API. Defaults to the model argument.")
     seed: int = _f(0, "Seed for requests that give none.")
-    max_logprobs: int = _f(20, "Largest `logprobs` a request may ask for.")
+    max_logprobs: int = _f(20, "Largest `logprobs` / `prompt_logprobs` a request may ask for.")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = _f(
+        "raw_logprobs", "What returned logprobs describe: the model's raw distribution, or the processed one "
+        "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
 
 
@@ -98,6 +101,7 @@ class EngineConfig:
         _choice("dtype", m.dtype, ("auto", "float32", "bfloat16", "float16"))
         _choice("device", m.device, ("auto", "cpu", "cuda"))
         _choice("kv_cache_dtype", c.kv_cache_dtype, ("auto",))
+        _choice("logprobs_mode", m.logprobs_mode, ("raw_logprobs", "processed_logprobs"))
         _choice("scheduling_policy", s.scheduling_policy, ("fcfs", "priority"))
         _positive("block_size", c.block_size)
         _positive("max_num_seqs", s.max_num_seqs)

@@ -49,3 +49,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # one entry per prompt token (None for the first), when SamplingParams.prompt_logprobs is set
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -54,6 +54,9 @@ class SamplingParams:
     """EOS and stop_token_ids are masked until this many tokens were generated."""
     logprobs: int | None = None
     """Return this many top logprobs per generated token (plus the sampled token's)."""
+    prompt_logprobs: int | None = None
+    """Return this many top logprobs per prompt position (plus the prompt token's); the first is None.
+    Requests asking for them skip the prefix cache: cached positions would have no logits."""
     skip_special_tokens: bool = True
     detokenize: bool = True
     """Produce text; with False only token ids are returned (stop strings then need detokenize)."""
@@ -126,6 +129,8 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
         if self.logprobs is not None:
             _int_at_least("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _int_at_least("prompt_logprobs", self.prompt_logprobs, 0)
         for tid in self.stop_token_ids:
             _int_at_least("stop_token_ids", tid, 0)
         for s in self.stop:

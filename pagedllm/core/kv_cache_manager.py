@@ -61,8 +61,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, as (blocks, number of tokens)."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         self.update_block_hashes(request)
         # keep at least one token uncached: logits need a forward pass
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -54,6 +54,8 @@ class ModelRunnerOutput:
     """One sampled token (and optional logprobs) for every request that reached the end of its tokens."""
     sampled: dict[str, int]
     logprobs: dict[str, "SampleLogprobs"] = field(default_factory=dict)
+    # prompt logprobs computed this step: request id -> (first prompt position they predict, one per position)
+    prompt_logprobs: dict[str, tuple[int, list["SampleLogprobs"]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

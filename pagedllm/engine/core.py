@@ -19,6 +19,7 @@ class EngineCoreOutput:
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[SampleLogprobs] = field(default_factory=list)
+    prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # (first position, entries)
 
     @property
     def finished(self) -> bool:
@@ -47,9 +48,14 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute_model(sched_out)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
+        plp = runner_out.prompt_logprobs
         outputs = [EngineCoreOutput(r, [r.output_token_ids[-1]],
-                                    [runner_out.logprobs[r.request_id]] if r.request_id in runner_out.logprobs else [])
+                                    [runner_out.logprobs[r.request_id]] if r.request_id in runner_out.logprobs else [],
+                                    plp.get(r.request_id))
                    for r in touched]
+        seen = {r.request_id for r in touched}
+        outputs += [EngineCoreOutput(self.scheduler.requests[rid], [], [], entries)  # a prefill chunk's share
+                    for rid, entries in plp.items() if rid not in seen and rid in self.scheduler.requests]
         outputs += [EngineCoreOutput(r, []) for r in self._aborted]
         self._aborted = []
         for o in outputs:

@@ -50,7 +50,8 @@ class LLMEngine:
                     num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.max_model_len,
                     num_blocks * cc.block_size / self.max_model_len)
         self.num_blocks = num_blocks
-        runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed)
+        runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed,
+                             processed_logprobs=mc.logprobs_mode == "processed_logprobs")
         self.core = EngineCore(config, runner, num_blocks, self.max_model_len)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                    mc.max_logprobs, self._eos_token_ids())

@@ -36,6 +36,7 @@ class _ParentState:
     completions: list[CompletionOutput]
     finished: set[int] = field(default_factory=set)
     last_token_time: float | None = None
+    prompt_logprobs: list | None = None
 
 
 class OutputProcessor:
@@ -54,7 +55,11 @@ class OutputProcessor:
                                                         cumulative_logprob=0.0 if track_lp else None,
                                                         logprobs=[] if track_lp else None)
         empty = [CompletionOutput(i, "", [], None, None) for i in range(len(children))]
-        self.parents[request_id] = _ParentState(prompt, children[0], [c.request_id for c in children], empty)
+        leader = children[0]
+        self.parents[request_id] = _ParentState(
+            prompt, leader, [c.request_id for c in children], empty,
+            prompt_logprobs=[None] * leader.num_prompt_tokens
+            if leader.sampling_params.prompt_logprobs is not None else None)
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -75,11 +80,14 @@ class OutputProcessor:
                 parent.last_token_time = now
             for lp in out.new_logprobs:
                 st.cumulative_logprob += lp.logprobs[0]
-                entry = {tid: Logprob(val, rank, self._tok_text(tid))
-                         for rank, (tid, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1)}
-                entry.setdefault(lp.token_ids[0], Logprob(lp.logprobs[0], lp.sampled_rank,
-                                                          self._tok_text(lp.token_ids[0])))
-                st.logprobs.append(entry)
+                st.logprobs.append(self._logprob_entry(lp))
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                first, entries = out.prompt_logprobs
+                for j, lp in enumerate(entries):  # by position: a recompute after preemption overwrites
+                    parent.prompt_logprobs[first + j] = self._logprob_entry(lp)
+            if not out.new_token_ids and not out.finished:
+                touched[st.parent_id] = parent  # a prefill chunk with prompt logprobs, nothing sampled yet
+                continue
             stopped_here = False
             if st.detok is not None and st.stop_string is None:
                 delta = st.detok.step(out.new_token_ids, final=out.finished)
@@ -110,6 +118,13 @@ class OutputProcessor:
     def _tok_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
+    def _logprob_entry(self, lp) -> dict[int, Logprob]:
+        """Top-N by rank first, then the chosen token (if it is not among them) with its own rank."""
+        entry = {tid: Logprob(val, rank, self._tok_text(tid))
+                 for rank, (tid, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1)}
+        entry.setdefault(lp.token_ids[0], Logprob(lp.logprobs[0], lp.sampled_rank, self._tok_text(lp.token_ids[0])))
+        return entry
+
     @staticmethod
     def _completion(req: Request, st: _ChildState, finished: bool) -> CompletionOutput:
         if st.stop_string is not None:
@@ -133,5 +148,6 @@ class OutputProcessor:
             first_token_time=req.first_token_time, last_token_time=parent.last_token_time,
             finished_time=now if finished else None,
             time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
+        plp = list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None
         return RequestOutput(request_id, parent.prompt, req.prompt_token_ids, list(parent.completions), finished,
-                             max(req.num_cached_tokens, 0), metrics)
+                             max(req.num_cached_tokens, 0), metrics, plp)

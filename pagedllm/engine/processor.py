@@ -54,10 +54,12 @@ class Processor:
                 f"the prompt has {n} tokens, but the model's context length (max_model_len) is "
                 f"{self.max_model_len}: it must be shorter to leave room for at least one output token",
                 "prompt")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise InvalidParameterError(
-                f"logprobs={params.logprobs} exceeds the maximum allowed ({self.max_logprobs}); "
-                "raise it with max_logprobs", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidParameterError(
+                    f"{name}={value} exceeds the maximum allowed ({self.max_logprobs}); "
+                    "raise it with max_logprobs", name)
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or []),
                           ("logit_bias", list(params.logit_bias or {}))):

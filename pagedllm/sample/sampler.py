@@ -40,6 +40,7 @@ class SamplingBatch:
     no_min_p: bool
     penalties: "Penalties | None" = None
     bias: torch.Tensor | None = None  # [B, V] added to the logits (-inf bans a token)
+    processed_logprobs: bool = False  # logprobs of the processed distribution instead of the raw one
 
 
 @dataclass(slots=True)
@@ -62,9 +63,8 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = None
-        if any(n is not None for n in batch.num_logprobs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        want_lp = any(n is not None for n in batch.num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp and not batch.processed_logprobs else None
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         if batch.bias is not None:
@@ -72,18 +72,23 @@ class Sampler:
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK
+        processed = None
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
+            if want_lp and batch.processed_logprobs:
+                processed = torch.log_softmax(logits, dim=-1)
         else:
-            tokens = self._sample(logits, batch)
+            tokens, processed = self._sample(logits, batch, want_lp and batch.processed_logprobs)
         out = SamplerOutput(tokens)
-        if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, tokens, batch, out)
+        if want_lp:
+            self._gather_logprobs(processed if batch.processed_logprobs else raw_logprobs, tokens, batch, out)
         return out
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
+                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         greedy_rows = batch.temperature == 0
         greedy_tokens = logits.argmax(dim=-1)
+        greedy_lp = torch.log_softmax(logits, dim=-1) if want_processed else None
         temp = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temp.unsqueeze(1)
         if not (batch.no_top_k and batch.no_top_p):
@@ -99,7 +104,11 @@ class Sampler:
             gen.manual_seed(((seed * _MIX) ^ pos) & ((1 << 63) - 1))
             q[i].exponential_(generator=gen)
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy_rows, greedy_tokens, sampled)
+        processed = None
+        if want_processed:  # the distribution actually sampled from, renormalised after min-p
+            processed = torch.log(probs / probs.sum(dim=-1, keepdim=True))
+            processed = torch.where(greedy_rows.unsqueeze(1), greedy_lp, processed)
+        return torch.where(greedy_rows, greedy_tokens, sampled), processed
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch, out: SamplerOutput) -> None:

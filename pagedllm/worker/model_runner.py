@@ -35,7 +35,7 @@ class _ReqState:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, default_seed: int = 0):
+                 device: torch.device, default_seed: int = 0, processed_logprobs: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -44,6 +44,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.states: dict[str, _ReqState] = {}
         self._default_seed = default_seed
+        self.processed_logprobs = processed_logprobs
 
     def _seed_for(self, req_id: str, params: SamplingParams) -> int:
         if params.seed is not None:
@@ -87,10 +88,12 @@ class ModelRunner:
         max_blocks = max(len(self.states[r].block_ids) for r in order)
         block_table = np.zeros((len(order), max_blocks), dtype=np.int64)
         num_decodes = 0
+        row_starts: list[int] = []
         for i, rid in enumerate(order):
             st = self.states[rid]
             n = so.num_scheduled_tokens[rid]
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            row_starts.append(start)
             a, b = qsl[-1], qsl[-1] + n
             input_ids[a:b] = st.token_ids[start:end]
             pos = np.arange(start, end)
@@ -113,14 +116,15 @@ class ModelRunner:
                             self.kv_caches, meta)
         for rid in order:  # the scheduler already counted these tokens as computed
             self.states[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
+        prompt_lps = self._prompt_logprobs(order, row_starts, qsl, hidden)
         if not sample_rows:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         logits_idx = torch.tensor([qsl[i + 1] - 1 for i in sample_rows], device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
         rids = [order[i] for i in sample_rows]
         out = self.sampler(logits, self._sampling_batch(rids))
         tokens = out.token_ids.tolist()
-        result = ModelRunnerOutput(dict(zip(rids, tokens)))
+        result = ModelRunnerOutput(dict(zip(rids, tokens)), prompt_logprobs=prompt_lps)
         for rid, tok in zip(rids, tokens):
             self.states[rid].token_ids.append(tok)
         if out.logprobs is not None:
@@ -130,6 +134,34 @@ class ModelRunner:
                 if n is not None:
                     result.logprobs[rid] = SampleLogprobs(lp_ids[j][:n + 1], lps[j][:n + 1], ranks[j])
         return result
+
+    _PROMPT_LOGITS_ROWS = 512  # bound the [rows, vocab] logits of long prompt chunks
+
+    def _prompt_logprobs(self, order: list[str], row_starts: list[int], qsl: list[int],
+                         hidden: torch.Tensor) -> dict[str, tuple[int, list[SampleLogprobs]]]:
+        """Raw logprobs of each prompt token given its prefix, for this step's chunk of each asking request."""
+        out: dict[str, tuple[int, list[SampleLogprobs]]] = {}
+        for i, rid in enumerate(order):
+            st = self.states[rid]
+            k = st.params.prompt_logprobs
+            start = row_starts[i]
+            last = min(start + qsl[i + 1] - qsl[i], st.num_prompt_tokens - 1)  # position p predicts token p+1
+            if k is None or start >= last:
+                continue
+            entries: list[SampleLogprobs] = []
+            for a in range(start, last, self._PROMPT_LOGITS_ROWS):
+                b = min(a + self._PROMPT_LOGITS_ROWS, last)
+                rows = torch.arange(qsl[i] + a - start, qsl[i] + b - start, device=self.device)
+                lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, rows)), dim=-1)
+                target = torch.tensor(st.token_ids[a + 1:b + 1], device=self.device).unsqueeze(1)
+                t_lp = lp.gather(1, target)
+                ranks = ((lp > t_lp).sum(dim=-1) + 1).tolist()
+                top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], target[:, :0])
+                ids = torch.cat([target, top_ids], dim=1).tolist()
+                vals = torch.cat([t_lp, top_lp], dim=1).tolist()
+                entries += [SampleLogprobs(ids[j], vals[j], ranks[j]) for j in range(b - a)]
+            out[rid] = (start + 1, entries)
+        return out
 
     def _sampling_batch(self, rids: list[str]) -> SamplingBatch:
         sts = [self.states[r] for r in rids]
@@ -151,6 +183,7 @@ class ModelRunner:
             stop_masks=stop_masks,
             num_logprobs=[p.logprobs for p in ps],
             all_greedy=all(t == 0.0 for t in temps),
+            processed_logprobs=self.processed_logprobs,
             no_top_k=all(p.top_k == 0 for p in ps),
             no_top_p=all(p.top_p >= 1.0 for p in ps),
             no_min_p=all(p.min_p == 0.0 for p in ps),
