@@ -13,6 +13,7 @@ _LAZY = {
     "LLM": "pagedllm.entrypoints.llm",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "ModelRegistry": "pagedllm.models.registry",
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.models.registry import ModelRegistry
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

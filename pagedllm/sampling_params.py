@@ -8,9 +8,26 @@ and the allowed range. Options not listed here are not accepted at all (a
 
 from __future__ import annotations
 
+import enum
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.errors import InvalidParameterError
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a running request carries (vLLM's names)."""
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+# A user logits processor: called for its request's row before temperature and top-k/p,
+# as fn(output_token_ids, logits) or fn(prompt_token_ids, output_token_ids, logits); it
+# returns the new logits row (1-D tensor over the vocabulary).
+LogitsProcessor = Callable[..., Any]
 
 _SAMPLING_EPS = 1e-5
 
@@ -60,6 +77,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     """Produce text; with False only token ids are returned (stop strings then need detokenize)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k prompt tokens (left truncation)."""
+    output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
+    """cumulative (default), delta, or final_only; LLM.generate always returns final outputs."""
+    logits_processors: list[LogitsProcessor] | None = None
+    """Per-request callables applied to the request's logits row after penalties and bias."""
 
     # Filled in by the engine: the stop set including the model's EOS, and bad_words as token ids.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
@@ -119,6 +142,23 @@ class SamplingParams:
         for word in self.bad_words or []:
             if not isinstance(word, str) or not word:
                 raise InvalidParameterError(f"bad_words must be non-empty strings, got {word!r}", "bad_words")
+        if self.truncate_prompt_tokens is not None:
+            _int_at_least("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
+        if isinstance(self.output_kind, str):
+            try:
+                self.output_kind = RequestOutputKind[self.output_kind.upper()]
+            except KeyError:
+                raise InvalidParameterError(
+                    f"output_kind must be one of cumulative, delta, final_only; got {self.output_kind!r}",
+                    "output_kind") from None
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidParameterError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
+                                        "output_kind")
+        for fn in self.logits_processors or []:
+            if not callable(fn) or _arity(fn) not in (2, 3):
+                raise InvalidParameterError(
+                    "logits_processors must be callables fn(output_ids, logits) or "
+                    "fn(prompt_ids, output_ids, logits)", "logits_processors")
         if self.seed is not None:
             _int_at_least("seed", self.seed, -(1 << 63))
         if self.max_tokens is not None:
@@ -151,6 +191,22 @@ class SamplingParams:
         """Called by the engine once the model's EOS ids are known."""
         extra = frozenset() if self.ignore_eos else eos_token_ids
         self._all_stop_token_ids = frozenset(self.stop_token_ids) | extra
+
+
+def _arity(fn: Callable) -> int | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return sum(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params)
+
+
+def apply_logits_processors(fns: list[LogitsProcessor], prompt_ids: list[int], output_ids: list[int],
+                            row: Any) -> Any:
+    for fn in fns:
+        row = fn(prompt_ids, output_ids, row) if _arity(fn) == 3 else fn(output_ids, row)
+    return row
 
 
 def _number(name: str, value: object) -> None:

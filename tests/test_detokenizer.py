@@ -89,3 +89,17 @@ def test_stop_string_spanning_many_tokens_is_never_partially_streamed(tok):
     for o in outs[:-1]:
         assert "STOP" not in o.outputs[0].text
     assert outs[-1].outputs[0].text == "some words then "
+
+
+def _run_kind(tok, kind, text="Café 🦙 says hello to 你好 friends"):
+    return _stream(tok, text, SamplingParams(output_kind=kind))[0]
+
+
+def test_delta_outputs_concatenate_to_the_cumulative_output(tok):
+    cumulative = _run_kind(tok, "cumulative")
+    delta = _run_kind(tok, "delta")
+    assert "".join(o.outputs[0].text for o in delta) == cumulative[-1].outputs[0].text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == cumulative[-1].outputs[0].token_ids
+    final_only = _run_kind(tok, "final_only")
+    assert len(final_only) == 1 and final_only[0].finished
+    assert final_only[0].outputs[0].text == cumulative[-1].outputs[0].text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from utils import check_greedy_close
@@ -273,3 +274,56 @@ def test_repetition_penalty_and_bad_words(llm):
     allowed = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=2,
                                              allowed_token_ids=[7, 8]), use_tqdm=False)[0].outputs[0].token_ids
     assert set(allowed) <= {7, 8}
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(llm):
+    long = {"prompt_token_ids": list(range(1000, 1100))}
+    cut = llm.generate([long], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                              truncate_prompt_tokens=10), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == list(range(1090, 1100))
+    same = llm.generate([{"prompt_token_ids": list(range(1090, 1100))}],
+                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert cut.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_user_logits_processors_both_signatures(llm):
+    seen = []
+
+    def only_even(output_ids, logits):
+        seen.append(len(output_ids))
+        mask = torch.full_like(logits, float("-inf"))
+        mask[::2] = 0
+        return logits + mask
+
+    def echo_prompt(prompt_ids, output_ids, logits):
+        target = prompt_ids[len(output_ids) % len(prompt_ids)]
+        out = torch.full_like(logits, float("-inf"))
+        out[target] = 0
+        return out
+
+    p = [{"prompt_token_ids": [301, 302, 303]}]
+    even = llm.generate(p, SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True,
+                                          logits_processors=[only_even]), use_tqdm=False)[0].outputs[0].token_ids
+    assert all(t % 2 == 0 for t in even) and seen == list(range(6))
+    echo = llm.generate(p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                          logits_processors=[echo_prompt]), use_tqdm=False)[0].outputs[0].token_ids
+    assert echo == [301, 302, 303, 301, 302]
+
+
+def test_seeded_outputs_reproduce_across_engine_instances(tiny_llama_dir, llm):
+    p = _prompts(31, 3)
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=77, max_tokens=10, ignore_eos=True)
+    a = _ids(llm.generate(p, sp, use_tqdm=False))
+    other = LLM(model=tiny_llama_dir, max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=16)
+    assert _ids(other.generate(list(reversed(p)), sp, use_tqdm=False)) == list(reversed(a))
+
+
+def test_bad_logits_processor_and_output_kind_are_rejected():
+    from pagedllm.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="logits_processors"):
+        SamplingParams(logits_processors=[lambda x: x])
+    with pytest.raises(InvalidParameterError, match="output_kind"):
+        SamplingParams(output_kind="sometimes")
+    with pytest.raises(InvalidParameterError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)

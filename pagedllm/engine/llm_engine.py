@@ -129,6 +129,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
         text, ids = self.processor.tokenize(prompt)
+        ids = self.processor.truncate(ids, params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":

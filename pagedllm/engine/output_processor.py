@@ -15,6 +15,7 @@ from pagedllm.engine.core import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.request import Request
+from pagedllm.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -37,6 +38,9 @@ class _ParentState:
     finished: set[int] = field(default_factory=set)
     last_token_time: float | None = None
     prompt_logprobs: list | None = None
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # DELTA: index -> (chars, tokens) sent
+    emitted: bool = False
 
 
 class OutputProcessor:
@@ -59,7 +63,8 @@ class OutputProcessor:
         self.parents[request_id] = _ParentState(
             prompt, leader, [c.request_id for c in children], empty,
             prompt_logprobs=[None] * leader.num_prompt_tokens
-            if leader.sampling_params.prompt_logprobs is not None else None)
+            if leader.sampling_params.prompt_logprobs is not None else None,
+            kind=leader.sampling_params.output_kind)
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -110,7 +115,8 @@ class OutputProcessor:
         results = []
         for rid, parent in touched.items():
             done = len(parent.finished) == len(parent.child_ids)
-            results.append(self._request_output(rid, parent, done, now))
+            if done or parent.kind != RequestOutputKind.FINAL_ONLY:
+                results.append(self._request_output(rid, parent, done, now))
             if done:
                 del self.parents[rid]
         return results, to_stop
@@ -149,5 +155,19 @@ class OutputProcessor:
             finished_time=now if finished else None,
             time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
         plp = list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None
-        return RequestOutput(request_id, parent.prompt, req.prompt_token_ids, list(parent.completions), finished,
+        completions = list(parent.completions)
+        if parent.kind == RequestOutputKind.DELTA:
+            completions = [OutputProcessor._delta(parent, c) for c in completions]
+            if parent.emitted:
+                plp = None  # prompt logprobs travel with the first delta only
+        parent.emitted = True
+        return RequestOutput(request_id, parent.prompt, req.prompt_token_ids, completions, finished,
                              max(req.num_cached_tokens, 0), metrics, plp)
+
+    @staticmethod
+    def _delta(parent: _ParentState, c: CompletionOutput) -> CompletionOutput:
+        chars, tokens = parent.sent.get(c.index, (0, 0))
+        parent.sent[c.index] = (len(c.text), len(c.token_ids))
+        return CompletionOutput(c.index, c.text[chars:], c.token_ids[tokens:], c.cumulative_logprob,
+                                c.logprobs[tokens:] if c.logprobs is not None else None,
+                                c.finish_reason, c.stop_reason)

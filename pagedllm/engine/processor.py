@@ -46,6 +46,10 @@ class Processor:
                     f"prompt token id {t!r} is out of range [0, {self.vocab_size})", "prompt_token_ids")
         return text, ids
 
+    def truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        k = params.truncate_prompt_tokens
+        return prompt_ids[-k:] if k is not None else prompt_ids
+
     def check(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate against the model's limits; bind EOS; return the effective max_tokens."""
         n = len(prompt_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.config import EngineConfig
 from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
 
@@ -40,6 +41,8 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise InvalidParameterError(
                 f"priority has {len(priority)} entries for {len(prompts)} prompts", "priority")
+        # offline callers want the finished results only: skip building intermediate outputs
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         engine = self.llm_engine
         ids: list[str] = []
         try:

@@ -41,6 +41,8 @@ class SamplingBatch:
     penalties: "Penalties | None" = None
     bias: torch.Tensor | None = None  # [B, V] added to the logits (-inf bans a token)
     processed_logprobs: bool = False  # logprobs of the processed distribution instead of the raw one
+    # rows with user logits processors: (row, processors, prompt ids, output ids)
+    user_processors: list[tuple[int, list, list[int], list[int]]] | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +71,11 @@ class Sampler:
             logits = apply_penalties(logits, batch.penalties)
         if batch.bias is not None:
             logits = logits + batch.bias
+        if batch.user_processors:
+            from pagedllm.sampling_params import apply_logits_processors
+
+            for row, fns, prompt_ids, output_ids in batch.user_processors:
+                logits[row] = apply_logits_processors(fns, prompt_ids, output_ids, logits[row])
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK
