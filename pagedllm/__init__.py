@@ -18,11 +18,13 @@ _LAZY = {
     "CompletionOutput": "pagedllm.outputs",
     "ModelRegistry": "pagedllm.models.registry",
     "EngineConfig": "pagedllm.config",
+    "BeamSearchParams": "pagedllm.beam_search",
 }
 
 __all__ = list(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:
+    from pagedllm.beam_search import BeamSearchParams
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM

@@ -54,6 +54,18 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: "BeamSearchParams",
+                    use_tqdm: bool = False) -> list["BeamSearchOutput"]:
+        """Beam search with transformers' algorithm (see :mod:`pagedllm.beam_search`); best sequences first."""
+        from pagedllm.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        token_prompts = [self.llm_engine.processor.tokenize(p)[1] for p in prompts]
+        for ids in token_prompts:
+            self.llm_engine.processor.check(ids, SamplingParams(max_tokens=1))
+        return beam_search(self.llm_engine, token_prompts, params)
+
     def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
