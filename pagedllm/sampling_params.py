@@ -75,6 +75,9 @@ class SamplingParams:
     """Return this many top logprobs per prompt position (plus the prompt token's); the first is None.
     Requests asking for them skip the prefix cache: cached positions would have no logits."""
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    """With skip_special_tokens=False: put a space around each special token, as transformers' slow
+    tokenizers (and vLLM) do; False joins them directly, as fast tokenizers' decode does."""
     detokenize: bool = True
     """Produce text; with False only token ids are returned (stop strings then need detokenize)."""
     truncate_prompt_tokens: int | None = None

@@ -114,3 +114,26 @@ def test_unsupported_architecture_lists_supported_ones(tiny_llama_dir, tmp_path)
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="FalconForCausalLM.*LlamaForCausalLM"):
         LLM(model=str(d))
+
+
+@pytest.mark.parametrize("kwargs, param", [({"logit_bias": {10**9: 1.0}}, "logit_bias"),
+                                           ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+                                           ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+                                           ({"prompt_logprobs": 99}, "prompt_logprobs")])
+def test_token_ids_outside_the_vocabulary_are_rejected(llm, kwargs, param):
+    with pytest.raises(InvalidParameterError) as e:
+        llm.generate(["hi"], SamplingParams(**kwargs), use_tqdm=False)
+    assert e.value.param == param
+    _assert_clean(llm)
+
+
+@pytest.mark.parametrize("kwargs, param", [({"logit_bias": {5: 200.0}}, "logit_bias"),
+                                           ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+                                           ({"presence_penalty": 3.0}, "presence_penalty"),
+                                           ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                                           ({"allowed_token_ids": []}, "allowed_token_ids"),
+                                           ({"bad_words": [""]}, "bad_words")])
+def test_invalid_penalty_and_bias_values(kwargs, param):
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param

@@ -103,3 +103,16 @@ def test_delta_outputs_concatenate_to_the_cumulative_output(tok):
     final_only = _run_kind(tok, "final_only")
     assert len(final_only) == 1 and final_only[0].finished
     assert final_only[0].outputs[0].text == cumulative[-1].outputs[0].text
+
+
+# slow-tokenizer rule: specials and the text runs between them joined by " " (" there" keeps its own space)
+@pytest.mark.parametrize("spaces, expect", [(True, "Hi <|im_end|> <|im_start|>  there"),
+                                            (False, "Hi<|im_end|><|im_start|> there")])
+def test_spaces_between_special_tokens(tok, spaces, expect):
+    text = "Hi<|im_end|><|im_start|> there"
+    outs, ids, _ = _stream(tok, text, SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces))
+    assert outs[-1].outputs[0].text == expect
+    streamed = [o.outputs[0].text for o in outs]
+    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))
+    skipped, _, _ = _stream(tok, text, SamplingParams(spaces_between_special_tokens=spaces))
+    assert skipped[-1].outputs[0].text == "Hi there"

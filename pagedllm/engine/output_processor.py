@@ -52,8 +52,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, children: list[Request], prompt: str | None) -> None:
         for req in children:
             sp = req.sampling_params
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens) \
-                if sp.detokenize else None
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens,
+                                           sp.spaces_between_special_tokens) if sp.detokenize else None
             track_lp = sp.logprobs is not None
             self.children[req.request_id] = _ChildState(request_id, req.index, detok,
                                                         cumulative_logprob=0.0 if track_lp else None,
