@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from utils import make_tiny_model
 
 from pagedllm.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
 from pagedllm.model_loader import (
@@ -85,35 +86,10 @@ def transformers_gguf_state_dict(default_src: ModelSource) -> dict[str, torch.Te
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def _tiny_config(kind: str, tie: bool):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
-    return cls(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-    )
-
-
 def _save_tiny_model(path: Path, kind: str, tie: bool, max_shard_size: str | None = None):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_tiny_config(kind, tie), dtype=torch.float32)
-    # Random (not constant) norms so a swapped or misnamed norm cannot pass.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.normal_()
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
+    """A tiny model with a 256-token vocabulary (no tokenizer needed), saved and returned."""
+    model = make_tiny_model(kind, vocab_size=256, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 

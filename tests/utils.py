@@ -17,9 +17,77 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
+
+
+# -- tiny random-weight models ---------------------------------------------------------
+
+TINY_VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+
+_COMMON = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+# name -> (transformers config class name, config fields on top of _COMMON)
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(head_dim=32, tie_word_embeddings=False)),
+    "llama3_rope": ("LlamaConfig", dict(
+        head_dim=16, tie_word_embeddings=True,
+        # original context 64: wavelengths span all three llama3 bands (kept, smoothed, divided by factor)
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=32, tie_word_embeddings=False)),
+}
+TINY_MODEL_NAMES = list(TINY_MODELS)
+
+
+
+def make_tiny_model(name: str, seed: int = 0, **config_overrides: Any) -> Any:
+    """Tiny random transformers model ``name`` (a key of TINY_MODELS), in float32."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cls_name, fields = TINY_MODELS[name]
+    config = getattr(transformers, cls_name)(**{**_COMMON, **fields, **config_overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:  # RMSNorm weights (q/k norms included) away from the all-ones init
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def build_tiny_model(path: Path, name: str, tokenizer_dir: Path | None = None, seed: int = 0,
+                     max_shard_size: str | None = None, **config_overrides: Any) -> Path:
+    """Write tiny random model ``name`` to ``path``: config, fp32 safetensors (sharded if asked), tokenizer."""
+    from transformers import AutoTokenizer
+
+    model = make_tiny_model(name, seed, **config_overrides)
+    model.save_pretrained(path, safe_serialization=True,
+                          **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if tokenizer_dir is not None:
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
 
 
 class GreedyResult(NamedTuple):
