@@ -18,7 +18,7 @@ import os
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.errors import UnsupportedModelError
@@ -98,6 +98,8 @@ class GGUFHeader:
     array_lengths: dict[str, int]
     tensor_shapes: dict[str, tuple[int, ...]]
     """GGUF dims order (innermost first), i.e. reversed from PyTorch's."""
+    tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type of each tensor
+    tensor_offsets: dict[str, int] = field(default_factory=dict)  # absolute byte offset of each tensor's data
 
     @property
     def architecture(self) -> str:
@@ -172,16 +174,24 @@ def read_gguf_header(path: str) -> GGUFHeader:
                     cur.skip_value(vtype)
                     (array_lengths[key],) = struct.unpack_from(order + "Q", buf, start + 4)
             shapes: dict[str, tuple[int, ...]] = {}
+            types: dict[str, int] = {}
+            offsets: dict[str, int] = {}
             for _ in range(n_tensors):
                 name = cur.string()
                 n_dims = int(cur.scalar("I"))
                 shapes[name] = tuple(int(cur.scalar("Q")) for _ in range(n_dims))
-                cur.pos += 4 + 8  # ggml type, data offset
+                types[name] = int(cur.scalar("I"))
+                offsets[name] = int(cur.scalar("Q"))
+            # tensor data starts at the next multiple of the alignment after the header
+            align = int(metadata.get("general.alignment", 32))
+            data_start = -(-cur.pos // align) * align
+            offsets = {name: data_start + off for name, off in offsets.items()}
     except (struct.error, ValueError, OSError) as e:
         if isinstance(e, UnsupportedModelError):
             raise
         raise UnsupportedModelError(f"Could not read the GGUF header of {path!r}: {e}") from e
-    return GGUFHeader(metadata=metadata, array_lengths=array_lengths, tensor_shapes=shapes)
+    return GGUFHeader(metadata=metadata, array_lengths=array_lengths, tensor_shapes=shapes,
+                      tensor_types=types, tensor_offsets=offsets)
 
 
 def check_supported(arch: str, path: str) -> None:
@@ -237,46 +247,61 @@ def reverse_llama_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time."""
+    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time.
+
+    Tensor data is read straight from a memory map at the offsets our header
+    scan found; gguf.GGUFReader would first spend seconds parsing the vocabulary.
+    """
     import numpy as np
     import torch
-    from gguf import GGUFReader
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
-    arch_field = reader.get_field("general.architecture")
-    arch = str(arch_field.contents()) if arch_field is not None else "<missing>"
+    header = read_gguf_header(path)
+    arch = header.architecture
     check_supported(arch, path)
     n_head = n_head_kv = 0
     if arch in _PERMUTED_QK_ARCHITECTURES:
-        n_head = int(reader.get_field(f"{arch}.attention.head_count").contents())
-        kv_field = reader.get_field(f"{arch}.attention.head_count_kv")
-        n_head_kv = int(kv_field.contents()) if kv_field is not None else n_head
-
-    for t in reader.tensors:
-        if t.name in _SKIPPED_TENSORS:
+        n_head = int(header.metadata[f"{arch}.attention.head_count"])
+        n_head_kv = int(header.metadata.get(f"{arch}.attention.head_count_kv", n_head))
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+             GGMLQuantizationType.F64: np.float64}
+    for name_in_file, dims in header.tensor_shapes.items():
+        try:
+            qtype = GGMLQuantizationType(header.tensor_types[name_in_file])
+        except ValueError:
+            raise UnsupportedModelError(
+                f"GGUF tensor {name_in_file!r} in {path!r} has unknown ggml type "
+                f"{header.tensor_types[name_in_file]}") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = int(np.prod(dims)) * type_size // block
+        start = header.tensor_offsets[name_in_file]
+        raw = file[start:start + n_bytes]
+        if qtype in plain:  # stored as-is, in PyTorch's (reversed) dim order
+            data = raw.view(plain[qtype]).reshape(tuple(reversed(dims)))
+        else:  # rows of quantized blocks, as gguf.quants.dequantize expects them
+            data = raw.reshape(*reversed(dims[1:]), dims[0] // block * type_size)
+        if name_in_file in _SKIPPED_TENSORS:
             continue
-        name = hf_name(t.name)
+        name = hf_name(name_in_file)
         if name is None:
             raise UnsupportedModelError(
-                f"GGUF tensor {t.name!r} in {path!r} has no Hugging Face equivalent for "
+                f"GGUF tensor {name_in_file!r} in {path!r} has no Hugging Face equivalent for "
                 f"architecture {arch!r}."
             )
         try:
-            w = dequantize(t.data, t.tensor_type)
+            w = dequantize(data, qtype)
         except NotImplementedError as e:
             raise UnsupportedModelError(
-                f"GGUF tensor {t.name!r} in {path!r} uses quantization {t.tensor_type.name}, "
+                f"GGUF tensor {name_in_file!r} in {path!r} uses quantization {qtype.name}, "
                 "which the gguf package cannot dequantize."
             ) from e
         if arch in _PERMUTED_QK_ARCHITECTURES:
-            if ".attn_q." in t.name:
+            if ".attn_q." in name_in_file:
                 w = reverse_llama_qk_permutation(w, n_head)
-            elif ".attn_k." in t.name:
+            elif ".attn_k." in name_in_file:
                 w = reverse_llama_qk_permutation(w, n_head_kv)
-        if isinstance(w, np.memmap) or not w.flags.writeable:
-            # F32 tensors come back as read-only views of the file mapping.
-            w = np.array(w, dtype=np.float32)
-        else:
-            w = np.ascontiguousarray(w, dtype=np.float32)
+        # plain tensors come back as read-only views of the file mapping: copy those
+        w = np.array(w, dtype=np.float32) if not w.flags.writeable else np.ascontiguousarray(w, dtype=np.float32)
         yield name, torch.from_numpy(w)
