@@ -163,9 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from pagedllm.benchmarks import offline as bench_offline
     from pagedllm.benchmarks import serve as bench_serve
 
     bench_serve.add_parser(bench)
+    bench_offline.add_parsers(bench)
     return parser
 
 

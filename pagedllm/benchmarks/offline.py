@@ -1,0 +1,241 @@
+"""`pagedllm bench throughput|latency`: pagedllm vs transformers, side by side in one process.
+
+Standard workload W64: 64 prompts whose lengths are drawn with random.Random(0).randint(32, 512),
+cut by token count from fixed English text at different offsets (no shared prefixes),
+128 greedy output tokens each, EOS ignored. transformers runs the same token ids as one
+left-padded static batch.
+
+    pagedllm bench throughput                                  # default model, W64, both engines
+    pagedllm bench throughput --num-prompts 8 --output-len 32 --backend pagedllm
+    pagedllm bench latency                                     # one 128-token prompt, 128 new tokens
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import resource
+import time
+
+TEXT = (
+    "The history of the river town begins with a ford, a place where the water ran shallow enough for "
+    "carts to cross in late summer. Traders came first, then farmers who cleared the slopes for orchards, "
+    "and finally the millers who dammed the stream and built the wheels that would turn for two centuries. "
+    "Each generation left a layer on the streets: cobbles over gravel, brick over timber, tram rails over "
+    "cobbles, and asphalt over everything. Children learned to read in a schoolhouse that had been a "
+    "granary; the library was once a customs post, and its reading room still has the iron grille where "
+    "tolls were paid. In the floods of the wet years the river climbed the steps of the church and left a "
+    "line of silt that no one painted over, so visitors can still see how high it came. Scientists who "
+    "study such towns measure the width of the old walls, count the rings of the beams, and compare the "
+    "registers of births and burials to reconstruct how many people lived there in each decade. They find "
+    "that the population rose when the railway arrived, fell when the mills closed, and rose again when "
+    "the town became a place where people from the city wanted to spend their weekends, walking along "
+    "the towpath, eating in the old inns, and buying bread from bakeries that use the same ovens as their "
+    "great-grandparents did. A careful engineer would note that the bridge was rebuilt three times, that "
+    "the dam leaks a little every spring, and that the sluice gates are opened by hand with a wheel that "
+    "takes two strong people to turn. Nothing here is fast, and that is exactly why people come."
+)
+
+
+def make_w64(tokenizer, num_prompts: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
+    base = tokenizer.encode(TEXT, add_special_tokens=False)
+    prompts = []
+    for i, n in enumerate(lengths):
+        start = (i * 37) % len(base)  # a different offset per prompt: no shared prefixes
+        ids = []
+        while len(ids) < n:
+            ids += base[start:] + base
+            start = 0
+        prompts.append(ids[:n])
+    return prompts
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_pagedllm(prompts, output_len: int, engine_kwargs: dict) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    tokens = [o.outputs[0].token_ids for o in outs]
+    del llm
+    gc.collect()
+    return {"elapsed_s": elapsed, "outputs": tokens}
+
+
+def run_transformers(prompts, output_len: int, model_path: str | None, batch_size: int) -> dict:
+    import torch
+
+    model = _load_transformers(model_path)
+    pad = 0
+    t = time.perf_counter()
+    outputs = []
+    with torch.inference_mode():
+        for b in range(0, len(prompts), batch_size):
+            batch = prompts[b:b + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+            outputs += out[:, width:].tolist()
+    elapsed = time.perf_counter() - t
+    return {"elapsed_s": elapsed, "outputs": outputs}
+
+
+def run_latency(model: str | None, input_len: int, output_len: int, iters: int, warmup: int,
+                backend: str) -> dict:
+    """One request at a time: TTFT (prefill + first token) and decode tokens/s, medians over iters.
+
+    pagedllm's figures come from the request's own timestamps; transformers' from a 1-token run
+    (TTFT) and a full run: decode rate = (output_len - 1) / (full - TTFT).
+    """
+    import statistics
+
+    import torch
+
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+
+    prompt = make_w64(load_tokenizer(resolve_model(model)), 1, input_len, input_len, 0)[0]
+    ttfts, decode_rates = [], []
+    if backend == "pagedllm":
+        from pagedllm import LLM, SamplingParams
+
+        llm = LLM(model=model, enable_prefix_caching=False)  # every iteration pays its full prefill
+        sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+        def once() -> tuple[float, float]:
+            m = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].metrics
+            return m.first_token_time - m.arrival_time, (output_len - 1) / (m.last_token_time - m.first_token_time)
+    else:
+        model_hf = _load_transformers(model)
+        ids = torch.tensor([prompt])
+
+        def once() -> tuple[float, float]:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                model_hf.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+                ttft = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                model_hf.generate(input_ids=ids, max_new_tokens=output_len, min_new_tokens=output_len,
+                                  do_sample=False, pad_token_id=0)
+                total = time.perf_counter() - t0
+            return ttft, (output_len - 1) / max(total - ttft, 1e-9)
+    for _ in range(warmup):
+        once()
+    for _ in range(iters):
+        ttft, rate = once()
+        ttfts.append(ttft)
+        decode_rates.append(rate)
+    return {"median_ttft_ms": statistics.median(ttfts) * 1000, "median_decode_tok_s": statistics.median(decode_rates),
+            "ttft_ms": [x * 1000 for x in ttfts], "decode_tok_s": decode_rates}
+
+
+def _load_transformers(model_path: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model_loader import resolve_model
+
+    src = resolve_model(model_path)
+    if src.kind == "gguf":
+        m = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path),
+                                                 dtype=torch.float32)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32)
+    return m.eval()
+
+
+def add_parsers(sub) -> None:
+    tp = sub.add_parser("throughput", help="offline throughput on the W64 workload, optionally vs transformers")
+    tp.add_argument("--model", default=None)
+    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both",
+                    help="both: pagedllm and transformers side by side in this process, with their ratio")
+    tp.add_argument("--dataset-name", default="random", choices=["random"],
+                    help="prompts cut by token count from fixed English text at different offsets")
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--input-len", type=int, default=None, help="fixed input length (overrides the range)")
+    tp.add_argument("--min-input-len", type=int, default=32)
+    tp.add_argument("--max-input-len", type=int, default=512)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--hf-batch-size", type=int, default=64)
+    tp.add_argument("--max-num-batched-tokens", type=int, default=None)
+    tp.add_argument("--output-json", default=None)
+    tp.set_defaults(func=_cmd_throughput)
+
+    lat = sub.add_parser("latency", help="single-request TTFT and decode speed, optionally vs transformers")
+    lat.add_argument("--model", default=None)
+    lat.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both")
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--output-json", default=None)
+    lat.set_defaults(func=_cmd_latency)
+
+
+def _emit(results: dict, path: str | None) -> None:
+    text = json.dumps(results, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def _cmd_throughput(args) -> int:
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+
+    lo, hi = (args.input_len, args.input_len) if args.input_len else (args.min_input_len, args.max_input_len)
+    tok = load_tokenizer(resolve_model(args.model))
+    prompts = make_w64(tok, args.num_prompts, lo, hi, args.seed)
+    n_prompt, n_out = sum(map(len, prompts)), args.num_prompts * args.output_len
+    results: dict = {"workload": {"num_prompts": args.num_prompts, "prompt_tokens": n_prompt,
+                                  "output_tokens": n_out, "input_len_range": [lo, hi]}}
+    outputs = {}
+    if args.backend in ("pagedllm", "both"):
+        kwargs = {"model": args.model}
+        if args.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        run = run_pagedllm(prompts, args.output_len, kwargs)
+        outputs["pagedllm"] = run["outputs"]
+        results["pagedllm"] = _rates(run["elapsed_s"], n_prompt, n_out)
+    if args.backend in ("transformers", "both"):
+        run = run_transformers(prompts, args.output_len, args.model, args.hf_batch_size)
+        outputs["transformers"] = run["outputs"]
+        results["transformers"] = _rates(run["elapsed_s"], n_prompt, n_out)
+    if len(outputs) == 2:
+        results["ratio_total_tok_s"] = results["pagedllm"]["total_tok_s"] / results["transformers"]["total_tok_s"]
+        same = sum(a == b for a, b in zip(outputs["pagedllm"], outputs["transformers"]))
+        results["greedy_identical_sequences"] = f"{same}/{len(prompts)}"
+    results["peak_rss_mb_process"] = peak_rss_mb()
+    _emit(results, args.output_json)
+    return 0
+
+
+def _rates(elapsed: float, n_prompt: int, n_out: int) -> dict:
+    return {"elapsed_s": elapsed, "output_tok_s": n_out / elapsed, "total_tok_s": (n_prompt + n_out) / elapsed,
+            "peak_rss_mb_so_far": peak_rss_mb()}
+
+
+def _cmd_latency(args) -> int:
+    results: dict = {"input_len": args.input_len, "output_len": args.output_len}
+    backends = ["pagedllm", "transformers"] if args.backend == "both" else [args.backend]
+    for b in backends:
+        results[b] = run_latency(args.model, args.input_len, args.output_len, args.num_iters,
+                                 args.num_iters_warmup, b)
+    if len(backends) == 2:
+        results["ratio_decode_tok_s"] = (results["pagedllm"]["median_decode_tok_s"]
+                                         / results["transformers"]["median_decode_tok_s"])
+    _emit(results, args.output_json)
+    return 0
