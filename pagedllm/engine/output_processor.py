@@ -107,7 +107,8 @@ class OutputProcessor:
             if stopped_here:
                 to_stop.append((req.request_id, st.stop_string))
             finished = out.finished or stopped_here
-            parent.completions[st.index] = self._completion(req, st, finished)
+            if finished or parent.kind != RequestOutputKind.FINAL_ONLY:  # nobody reads it otherwise
+                parent.completions[st.index] = self._completion(req, st, finished)
             if finished:
                 parent.finished.add(st.index)
                 del self.children[req.request_id]
