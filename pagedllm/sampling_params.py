@@ -90,6 +90,7 @@ class SamplingParams:
     # Filled in by the engine: the stop set including the model's EOS, and bad_words as token ids.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
+    _processor_arities: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,11 +158,11 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidParameterError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
                                         "output_kind")
-        for fn in self.logits_processors or []:
-            if not callable(fn) or _arity(fn) not in (2, 3):
-                raise InvalidParameterError(
-                    "logits_processors must be callables fn(output_ids, logits) or "
-                    "fn(prompt_ids, output_ids, logits)", "logits_processors")
+        self._processor_arities = [_arity(fn) if callable(fn) else None for fn in self.logits_processors or []]
+        if any(a not in (2, 3) for a in self._processor_arities):
+            raise InvalidParameterError(
+                "logits_processors must be callables fn(output_ids, logits) or "
+                "fn(prompt_ids, output_ids, logits)", "logits_processors")
         if self.seed is not None:
             _int_at_least("seed", self.seed, -(1 << 63))
         if self.max_tokens is not None:
@@ -205,10 +206,10 @@ def _arity(fn: Callable) -> int | None:
                for p in params)
 
 
-def apply_logits_processors(fns: list[LogitsProcessor], prompt_ids: list[int], output_ids: list[int],
+def apply_logits_processors(params: "SamplingParams", prompt_ids: list[int], output_ids: list[int],
                             row: Any) -> Any:
-    for fn in fns:
-        row = fn(prompt_ids, output_ids, row) if _arity(fn) == 3 else fn(output_ids, row)
+    for fn, arity in zip(params.logits_processors, params._processor_arities):
+        row = fn(prompt_ids, output_ids, row) if arity == 3 else fn(output_ids, row)
     return row
 
 

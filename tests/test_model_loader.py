@@ -30,7 +30,6 @@ from pagedllm.model_loader import (
 )
 from pagedllm.model_loader import cache
 from pagedllm.model_loader.gguf_loader import read_gguf_header
-from pagedllm.model_loader.tokenizer import convert_gguf_tokenizer
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

@@ -75,9 +75,6 @@ class FreeBlockQueue:
             yield block
             block = block.next_free
 
-    def contains(self, block: KVCacheBlock) -> bool:
-        return block.prev_free is not None
-
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """Hash of one full block, chained from its parent's so equal hashes mean equal prefixes."""

@@ -54,11 +54,6 @@ class AsyncLLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    @property
-    def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._streams)
-
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes. Raises at once on invalid input."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import Any
 
 import torch
 
@@ -31,7 +30,6 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model_config, config.cache_config
         self.source = resolve_model(mc.model)
-        self.model_name = mc.served_model_name or self.source.name
         self.hf_config = load_config(self.source)
         self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
         self.device = resolve_device(mc.device)
@@ -179,6 +177,3 @@ def _copy_params(params: SamplingParams) -> SamplingParams:
 
     return copy.copy(params)
 
-
-def build_engine(**kwargs: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(**kwargs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
@@ -12,6 +12,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 
 ChatMessage = dict[str, Any]
 

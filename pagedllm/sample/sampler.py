@@ -3,7 +3,8 @@
 Order of operations (as in ../shared/design.md): raw logprobs are taken first
 (``logprobs`` report the model's raw distribution, vLLM's default
 ``raw_logprobs`` mode); then penalties (repetition, frequency, presence) →
-logit bias / allowed tokens / bad words / min_tokens masking → temperature →
+logit bias / allowed tokens / bad words → user logits processors → min_tokens
+masking → temperature →
 top-k → top-p → min-p → sample. Greedy rows take the argmax after penalties and
 masks, before temperature.
 
@@ -17,6 +18,7 @@ preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,8 +43,8 @@ class SamplingBatch:
     penalties: "Penalties | None" = None
     bias: torch.Tensor | None = None  # [B, V] added to the logits (-inf bans a token)
     processed_logprobs: bool = False  # logprobs of the processed distribution instead of the raw one
-    # rows with user logits processors: (row, processors, prompt ids, output ids)
-    user_processors: list[tuple[int, list, list[int], list[int]]] | None = None
+    # rows with user logits processors: (row, their SamplingParams, prompt ids, output ids)
+    user_processors: list[tuple[int, Any, list[int], list[int]]] | None = None
 
 
 @dataclass(slots=True)
@@ -74,8 +76,8 @@ class Sampler:
         if batch.user_processors:
             from pagedllm.sampling_params import apply_logits_processors
 
-            for row, fns, prompt_ids, output_ids in batch.user_processors:
-                logits[row] = apply_logits_processors(fns, prompt_ids, output_ids, logits[row])
+            for row, params, prompt_ids, output_ids in batch.user_processors:
+                logits[row] = apply_logits_processors(params, prompt_ids, output_ids, logits[row])
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK

@@ -184,7 +184,7 @@ class ModelRunner:
             num_logprobs=[p.logprobs for p in ps],
             all_greedy=all(t == 0.0 for t in temps),
             processed_logprobs=self.processed_logprobs,
-            user_processors=[(i, st.params.logits_processors, st.token_ids[:st.num_prompt_tokens],
+            user_processors=[(i, st.params, st.token_ids[:st.num_prompt_tokens],
                               st.token_ids[st.num_prompt_tokens:])
                              for i, st in enumerate(sts) if st.params.logits_processors] or None,
             no_top_k=all(p.top_k == 0 for p in ps),

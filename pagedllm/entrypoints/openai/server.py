@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -16,15 +15,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
 from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PagedLLMError
+from pagedllm.errors import EngineDeadError, InvalidParameterError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -196,7 +194,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
                 choices.append(P.CompletionChoice(
                     index=i * req.n + c.index, text=prefix + c.text, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    logprobs=_completion_logprobs(c, tok, len(prefix), req.logprobs)
+                    logprobs=_completion_logprobs(c, len(prefix), req.logprobs)
                     if req.logprobs is not None else None))
         return P.CompletionResponse(id=rid, model=state.served_model_name, choices=choices, usage=_usage(finals))
 
@@ -217,7 +215,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         finals = await _run_to_end(streams, first, raw)
         choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                logprobs=_chat_logprobs(c, tok, req.top_logprobs or 0) if req.logprobs else None)
+                                logprobs=_chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None)
                    for c in finals[0].outputs]
         return P.ChatCompletionResponse(id=rid, model=state.served_model_name, choices=choices,
                                         usage=_usage(finals))
@@ -311,10 +309,10 @@ def _top(entry: dict, n: int) -> list:
     return list(entry.values())[:n]
 
 
-def _completion_logprobs(c, tok, offset: int, n: int, start: int = 0) -> P.CompletionLogprobs:
+def _completion_logprobs(c, offset: int, n: int, start: int = 0) -> P.CompletionLogprobs:
     lp = P.CompletionLogprobs()
     for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        text = tok.decode([tid])
+        text = entry[tid].decoded_token or ""  # decoded once, by the output processor
         lp.tokens.append(text)
         lp.token_logprobs.append(entry[tid].logprob)
         lp.top_logprobs.append({(v.decoded_token or ""): v.logprob for v in _top(entry, n)})
@@ -323,10 +321,10 @@ def _completion_logprobs(c, tok, offset: int, n: int, start: int = 0) -> P.Compl
     return lp
 
 
-def _chat_logprobs(c, tok, n: int, start: int = 0) -> P.ChatLogprobs:
+def _chat_logprobs(c, n: int, start: int = 0) -> P.ChatLogprobs:
     content = []
     for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        text = tok.decode([tid])
+        text = entry[tid].decoded_token or ""
         content.append(P.ChatTokenLogprob(
             token=text, logprob=entry[tid].logprob, bytes=list(text.encode()),
             top_logprobs=[P.TopLogprob(token=v.decoded_token or "", logprob=v.logprob,
@@ -391,7 +389,7 @@ async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, firs
             delta = c.text[sent_text.get(idx, 0):]
             if not delta and not prefix and not c.finished():
                 continue
-            lp = (_completion_logprobs(c, tok, sent_text.get(idx, 0), req.logprobs, sent_tokens.get(idx, 0))
+            lp = (_completion_logprobs(c, sent_text.get(idx, 0), req.logprobs, sent_tokens.get(idx, 0))
                   if req.logprobs is not None else None)
             sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
             if c.finished():
@@ -420,7 +418,7 @@ async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, first, 
             delta = c.text[sent_text.get(c.index, 0):]
             if not delta and not c.finished():
                 continue
-            lp = _chat_logprobs(c, tok, req.top_logprobs or 0, sent_tokens.get(c.index, 0)) if req.logprobs else None
+            lp = _chat_logprobs(c, req.top_logprobs or 0, sent_tokens.get(c.index, 0)) if req.logprobs else None
             sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
             if c.finished():
                 done.add(c.index)
