@@ -10,7 +10,7 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,6 +26,8 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens_cpu: list[int]
     block_size: int
+    # per-step values a backend derives once and reuses in every layer (keyed by the backend)
+    scratch: dict = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
@@ -35,10 +37,20 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
+def get_attention_backend(name: str = "auto") -> AttentionBackend:
+    """'torch': the plain-torch reference. 'cpu_paged': decodes through the C kernel that reads the
+    paged cache in place. 'auto': cpu_paged where the kernel builds (it is used on CPU float32 caches
+    only and defers to the reference elsewhere), else torch."""
     from pagedllm.attention import torch_ref
 
-    backends = {"torch": torch_ref.paged_attention}
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(backends)}")
-    return backends[name]
+    if name == "auto":
+        from pagedllm import kernels
+
+        name = "cpu_paged" if kernels.try_load() is not None else "torch"
+    if name == "torch":
+        return torch_ref.paged_attention
+    if name == "cpu_paged":
+        from pagedllm.attention import cpu_paged
+
+        return cpu_paged.paged_attention
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, cpu_paged, torch")

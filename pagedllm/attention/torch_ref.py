@@ -8,21 +8,40 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionMetadata
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8: PyTorch's CPU index kernels do not take fp8, and moving bytes is all they do."""
+    return x.view(torch.uint8) if x.dtype in _FP8 else x
+
+
+def _select_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    return _bytes(kv_cache).index_select(1, block_ids).view(kv_cache.dtype)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    raw = _bytes(kv_cache)
+    raw.index_copy_(1, dst, raw.index_select(1, src))
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     _, num_blocks, block_size, kvh, d = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kvh, d)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    flat = _bytes(kv_cache).view(2, num_blocks * block_size, kvh, d)
+    flat[0].index_copy_(0, slot_mapping, _bytes(k.to(kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, _bytes(v.to(kv_cache.dtype)))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                    decode=None) -> torch.Tensor:
+    """``decode`` replaces the batched one-token-query path (see :mod:`pagedllm.attention.cpu_paged`)."""
     # every new K/V is written before any is read: requests in this step may share blocks
     write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode(q[:nd], kv_cache, meta, scale, sliding_window)
+        out[:nd] = (decode or _decode)(q[:nd], kv_cache, meta, scale, sliding_window)
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens_cpu
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
@@ -39,7 +58,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 def _gather(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int):
     nb = -(-seq_len // block_size)
     # index_select, not kv_cache[:, idx]: advanced indexing costs time proportional to the whole cache
-    blocks = kv_cache.index_select(1, block_row[:nb])  # [2, nb, bs, kvh, d]
+    blocks = _select_blocks(kv_cache, block_row[:nb])  # [2, nb, bs, kvh, d]
     kv = blocks.flatten(1, 2)[:, :seq_len]
     return kv[0], kv[1]
 
@@ -60,21 +79,38 @@ def _prefill(q, k, v, ctx_len: int, scale: float, sliding_window: int | None) ->
     return o.transpose(0, 1)
 
 
+def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device: torch.device):
+    """(flat block ids, context length L, mask [nd, 1, 1, L] or None), once per step and window."""
+    key = ("decode", sliding_window)
+    plan = meta.scratch.get(key)
+    if plan is None:
+        nd = meta.num_decodes
+        lens = meta.seq_lens_cpu[:nd]
+        max_len = max(lens)
+        nb = -(-max_len // meta.block_size)
+        block_ids = meta.block_tables[:nd, :nb].flatten()
+        if sliding_window is None and min(lens) == max_len:
+            plan = (block_ids, max_len, None)  # equal lengths: slice to the context, no mask
+        else:
+            seq_lens = meta.seq_lens[:nd, None]
+            pos = torch.arange(nb * meta.block_size, device=device)[None, :]
+            mask = pos < seq_lens
+            if sliding_window is not None:
+                mask &= pos >= seq_lens - sliding_window
+            plan = (block_ids, nb * meta.block_size, mask[:, None, None, :])
+        meta.scratch[key] = plan
+    return plan
+
+
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             sliding_window: int | None) -> torch.Tensor:
     """One query token per request, batched: gather each request's blocks and mask past its length."""
     nd = q.shape[0]
-    seq_lens = meta.seq_lens[:nd]
-    max_len = max(meta.seq_lens_cpu[:nd])
-    nb = -(-max_len // meta.block_size)
-    table = meta.block_tables[:nd, :nb]
-    blocks = kv_cache.index_select(1, table.flatten())  # [2, nd * nb, bs, kvh, d]
-    kv = blocks.view(2, nd, nb * meta.block_size, *blocks.shape[-2:])  # [2, nd, L, kvh, d]
-    k, v = kv[0].transpose(1, 2).to(q.dtype), kv[1].transpose(1, 2).to(q.dtype)  # [nd, kvh, L, d]
-    pos = torch.arange(kv.shape[2], device=q.device)[None, :]
-    mask = pos < seq_lens[:, None]
-    if sliding_window is not None:
-        mask &= pos >= (seq_lens[:, None] - sliding_window)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=True)
+    block_ids, length, mask = _decode_plan(meta, sliding_window, q.device)
+    blocks = _select_blocks(kv_cache, block_ids)  # [2, nd * nb, bs, kvh, d]
+    kv = blocks.view(2, nd, -1, *blocks.shape[-2:])[:, :, :length]  # [2, nd, L, kvh, d]
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [nd, kvh, L, d]
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.torch_ref import copy_blocks
 from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from pagedllm.sample import Penalties, Sampler, SamplingBatch
 from pagedllm.sampling_params import SamplingParams
@@ -72,7 +73,7 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=self.device)
             for cache in self.kv_caches:
-                cache.index_copy_(1, dst, cache.index_select(1, src))
+                copy_blocks(cache, src, dst)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         # decodes first, then prefill chunks

@@ -1,0 +1,151 @@
+"""Small C kernels PyTorch lacks on CPU, compiled on first use and loaded with ctypes.
+
+``int4.c`` (int4 / int8 weight-only matmuls) and ``paged_attention.c`` (decode attention
+read in place from the paged cache) are built with the system C compiler
+(``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of sources,
+flags, compiler>.so``; later runs load the cached file. It is built for this machine (``-march=native``) and with
+OpenMP against the libgomp PyTorch has already loaded, so its threads are
+PyTorch's. A missing compiler is an error naming what failed, raised only when a
+feature that needs the kernel is asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+_SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("int4.c", "paged_attention.c")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+# limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
+MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 16, 64, 256
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+
+
+@functools.cache
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each of the 256 bytes of an fp8 format."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().contiguous()
+
+
+class Kernels:
+    def __init__(self, lib: ctypes.CDLL):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._matmul = lib.int4_matmul
+        self._dequant = lib.int4_dequantize
+        self._matmul8 = lib.int8_matmul
+        self._dequant8 = lib.int8_dequantize
+        self._attn = lib.paged_decode_attention
+        self._matmul.argtypes = [p, p, p, p, p, i64, i64, i64]
+        self._dequant.argtypes = [p, p, p, p, i64, i64]
+        self._matmul8.argtypes = [p, p, p, p, p, i64, i64, i64]
+        self._dequant8.argtypes = [p, p, p, p, i64, i64]
+        self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
+                               ctypes.c_int, p]
+        for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn):
+            fn.restype = None
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [nd, H, D] float32 (rows may be strided, heads and dims contiguous); kv_cache: one layer's
+        [2, num_blocks, bs, KVH, D] in a dtype of KV_DTYPES; block_tables [>= nd, M], seq_lens and
+        starts [nd] int64."""
+        nd, h, d = q.shape
+        _, _, bs, kvh, _ = kv_cache.shape
+        code = KV_DTYPES[kv_cache.dtype]
+        lut = _fp8_table(kv_cache.dtype) if code == 2 else None
+        out = q.new_empty(nd, h, d)
+        self._attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), starts.data_ptr(),
+                   out.data_ptr(), nd, h, kvh, d, bs, scale, code, lut.data_ptr() if lut is not None else None)
+        return out
+
+    def int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] float32 contiguous; qweight [N, K/2] uint8, scales / mins [N, K/32]; returns [M, N]."""
+        y = x.new_empty(x.shape[0], qweight.shape[0])
+        self._matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+                     x.shape[0], qweight.shape[0], x.shape[1])
+        return y
+
+    def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        n, half = qweight.shape
+        w = torch.empty(n, half * 2, dtype=torch.float32)
+        self._dequant(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), n, half * 2)
+        return w
+
+    def int8_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
+        y = x.new_empty(x.shape[0], qweight.shape[0])
+        self._matmul8(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+                      x.shape[0], qweight.shape[0], x.shape[1])
+        return y
+
+    def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        w = torch.empty(qweight.shape, dtype=torch.float32)
+        self._dequant8(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), *qweight.shape)
+        return w
+
+
+@functools.cache
+def load() -> Kernels:
+    """Build (once per source version) and load the kernels; raises KernelBuildError when that fails."""
+    from pagedllm.model_loader.cache import cache_root
+
+    cc = os.environ.get("CC", "cc")
+    # -march=native: a cache shared between machines must not hand one CPU's build to another
+    digest = hashlib.sha256(" ".join([cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode())
+    for src in _SOURCES:
+        with open(src, "rb") as f:
+            digest.update(f.read())
+    out_dir = os.path.join(cache_root(), "kernels")
+    path = os.path.join(out_dir, f"pagedllm-kernels-{digest.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        if shutil.which(cc) is None:
+            raise KernelBuildError(f"pagedllm's C kernels are compiled on first use, but no C compiler "
+                                   f"({cc!r}; set $CC) was found")
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        proc = subprocess.run([cc, *_FLAGS, *_SOURCES, "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise KernelBuildError(f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n"
+                                   f"{proc.stderr.strip()}")
+        os.replace(tmp, path)  # atomic: a concurrent loader sees no file or a whole one
+    return Kernels(ctypes.CDLL(path))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+@functools.cache
+def try_load() -> Kernels | None:
+    """The kernels, or None (with one warning) where they cannot be built: callers fall back to torch."""
+    try:
+        return load()
+    except KernelBuildError as e:
+        logger.warning("%s; using the plain-torch paths instead", e)
+        return None

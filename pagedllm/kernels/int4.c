@@ -1,0 +1,170 @@
+/* Weight-only int4 / int8 matmuls for pagedllm (see pagedllm/layers/quantization.py).
+ *
+ * Activations stay float32: the result is W_dequantized . x up to float
+ * summation order, so a quantized model computes the same function as float32
+ * with the dequantized weights (for a GGUF's Q4 blocks: the very function the
+ * float32 path computes). Weight bytes are what single-stream decode waits on;
+ * these kernels read 4 or 8 bits per weight and widen them in registers.
+ *
+ * int4 layout: W is [N, K] in groups of 32 along K; group g of row n is
+ *   W[n, 32g + j] = q * scale[n, g] + min[n, g],  q in 0..15,
+ * packed as 16 bytes: byte j holds element j (low nibble) and j + 16 (high).
+ * int8 layout: W[n, k] = q[n, k] * scale[n, g] + min[n, g] with g = k / 32, q in
+ * -128..127: GGUF's Q8_0 is min = 0, and Q4_0 / Q4_1 widen into it exactly.
+ *
+ * Rows n are split across OpenMP threads; the library is linked against the
+ * libgomp PyTorch already loaded, so both share one thread pool.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_hadd_ps(h, h);
+    h = _mm_hadd_ps(h, h);
+    return _mm_cvtss_f32(h);
+}
+#endif
+
+/* per row of x, the sum of each group of 32: what the groups' mins multiply */
+static float *group_sums(const float *x, int64_t M, int64_t K) {
+    const int64_t G = K / GROUP;
+    float *xsum = malloc(M * G * sizeof(float));
+    for (int64_t r = 0; r < M * G; r++) {
+        float s = 0.f;
+        for (int j = 0; j < GROUP; j++) s += x[r * GROUP + j];
+        xsum[r] = s;
+    }
+    return xsum;
+}
+
+void int4_matmul(const float *x, const uint8_t *qw, const float *scales, const float *mins,
+                 float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+    float *xsum = group_sums(x, M, K);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = qw + n * (K / 2);
+        const float *sc = scales + n * G, *mn = mins + n * G;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {  /* up to 4 rows of x share each unpacked group */
+            const int64_t mc = M - m0 < 4 ? M - m0 : 4;
+            float tail[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef __AVX2__
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const __m128i low = _mm_set1_epi8(0x0F);
+            for (int64_t g = 0; g < G; g++) {
+                __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+                __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+                __m256 s = _mm256_set1_ps(sc[g]);
+                __m256 q0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s);
+                __m256 q1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s);
+                __m256 q2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s);
+                __m256 q3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s);
+                for (int64_t i = 0; i < mc; i++) {
+                    const float *xg = x + (m0 + i) * K + g * GROUP;
+                    __m256 a = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xg), acc[i]);
+                    a = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg + 8), a);
+                    a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), a);
+                    acc[i] = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), a);
+                }
+            }
+            for (int64_t i = 0; i < mc; i++) tail[i] = hsum(acc[i]);
+#else
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *b = row + g * 16;
+                for (int64_t i = 0; i < mc; i++) {
+                    const float *xg = x + (m0 + i) * K + g * GROUP;
+                    float d = 0.f;
+                    for (int j = 0; j < 16; j++) d += (b[j] & 15) * xg[j] + (b[j] >> 4) * xg[j + 16];
+                    tail[i] += d * sc[g];
+                }
+            }
+#endif
+            for (int64_t i = 0; i < mc; i++) {
+                const float *xs = xsum + (m0 + i) * G;
+                float t = tail[i];
+                for (int64_t g = 0; g < G; g++) t += mn[g] * xs[g];
+                y[(m0 + i) * N + n] = t;
+            }
+        }
+    }
+    free(xsum);
+}
+
+void int8_matmul(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
+                 int64_t M, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+    float *xsum = group_sums(x, M, K);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = qw + n * K;
+        const float *sc = scales + n * G, *mn = mins + n * G;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mc = M - m0 < 4 ? M - m0 : 4;
+            float dot[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef __AVX2__
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t g = 0; g < G; g++) {
+                __m128i b0 = _mm_loadu_si128((const __m128i *)(row + g * GROUP));
+                __m128i b1 = _mm_loadu_si128((const __m128i *)(row + g * GROUP + 16));
+                __m256 s = _mm256_set1_ps(sc[g]);
+                __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), s);
+                __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8))), s);
+                __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), s);
+                __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8))), s);
+                for (int64_t i = 0; i < mc; i++) {
+                    const float *xg = x + (m0 + i) * K + g * GROUP;
+                    __m256 a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), acc[i]);
+                    a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), a);
+                    a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), a);
+                    acc[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), a);
+                }
+            }
+            for (int64_t i = 0; i < mc; i++) dot[i] = hsum(acc[i]);
+#else
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t i = 0; i < mc; i++) {
+                    const float *xg = x + (m0 + i) * K + g * GROUP;
+                    float d = 0.f;
+                    for (int j = 0; j < GROUP; j++) d += row[g * GROUP + j] * xg[j];
+                    dot[i] += d * sc[g];
+                }
+#endif
+            for (int64_t i = 0; i < mc; i++) {
+                const float *xs = xsum + (m0 + i) * G;
+                float t = dot[i];
+                for (int64_t g = 0; g < G; g++) t += mn[g] * xs[g];
+                y[(m0 + i) * N + n] = t;
+            }
+        }
+    }
+    free(xsum);
+}
+
+void int4_dequantize(const uint8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = qw + n * (K / 2) + g * 16;
+            float s = scales[n * G + g], mn = mins[n * G + g], *o = w + n * K + g * GROUP;
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)(b[j] & 15) * s + mn;
+                o[j + 16] = (float)(b[j] >> 4) * s + mn;
+            }
+        }
+}
+
+void int8_dequantize(const int8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++)
+            w[n * K + k] = (float)qw[n * K + k] * scales[n * G + k / GROUP] + mins[n * G + k / GROUP];
+}
