@@ -35,6 +35,9 @@ class ModelConfig:
         "raw_logprobs", "What returned logprobs describe: the model's raw distribution, or the processed one "
         "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
+    quantization: Literal["int8", "int4"] | None = _f(
+        None, "Weight-only quantization on CPU: 'int8' (per-channel weights, fbgemm with dynamic int8 "
+        "activations) or 'int4' (groups of 32; a GGUF's Q4_0/Q4_1 blocks load as they are).")
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,7 +47,9 @@ class CacheConfig:
     gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory the engine may use (weights + activations + KV cache).")
     num_gpu_blocks_override: int | None = _f(None, "Use exactly this many KV blocks, whatever the memory budget says (for tests).")
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes across requests.")
-    kv_cache_dtype: Literal["auto"] = _f("auto", "KV cache dtype; 'auto' uses the model dtype.")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = _f(
+        "auto", "KV cache storage dtype; 'auto' uses the model dtype. fp8 (= fp8_e4m3) and fp8_e5m2 store "
+        "unscaled 8-bit floats, converted back to the model dtype when attention reads them.")
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +105,9 @@ class EngineConfig:
         m, c, s, p = self.model_config, self.cache_config, self.scheduler_config, self.parallel_config
         _choice("dtype", m.dtype, ("auto", "float32", "bfloat16", "float16"))
         _choice("device", m.device, ("auto", "cpu", "cuda"))
-        _choice("kv_cache_dtype", c.kv_cache_dtype, ("auto",))
+        _choice("kv_cache_dtype", c.kv_cache_dtype,
+                ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"))
+        _choice("quantization", m.quantization, (None, "int8", "int4"))
         _choice("logprobs_mode", m.logprobs_mode, ("raw_logprobs", "processed_logprobs"))
         _choice("scheduling_policy", s.scheduling_policy, ("fcfs", "priority"))
         _positive("block_size", c.block_size)

@@ -34,18 +34,19 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        model = load_model(self.source, self.hf_config, self.dtype, self.device)
+        model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization)
 
         num_kv_heads, head_dim = model.kv_cache_shape_per_layer
         num_layers = len(model.layers)
-        per_block = kv_cache.bytes_per_block(num_layers, cc.block_size, num_kv_heads, head_dim, self.dtype)
+        self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
+        per_block = kv_cache.bytes_per_block(num_layers, cc.block_size, num_kv_heads, head_dim, self.kv_cache_dtype)
         peak = self._profile_peak(model) if self.device.type == "cuda" else None
         num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, per_block, peak)
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         caches = kv_cache.allocate_kv_caches(num_layers, num_blocks, cc.block_size, num_kv_heads, head_dim,
-                                             self.dtype, self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max_model_len %d; max concurrency %.1fx",
-                    num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.max_model_len,
+                                             self.kv_cache_dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s); max_model_len %d; max concurrency %.1fx",
+                    num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.kv_cache_dtype, self.max_model_len,
                     num_blocks * cc.block_size / self.max_model_len)
         self.num_blocks = num_blocks
         runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed,

@@ -13,6 +13,15 @@ logger = logging.getLogger("pagedllm")
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 
 
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """'auto' stores K/V in the model dtype; fp8 variants store unscaled 8-bit floats (scale 1.0, as vLLM's default)."""
+    return model_dtype if name == "auto" else _KV_DTYPES[name]
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
