@@ -13,13 +13,14 @@ Two GGUF quirks matter:
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_loader import cache
@@ -246,16 +247,16 @@ def reverse_llama_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time.
+def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Callable[[np.ndarray], np.ndarray]]]:
+    """Yield ``(name_in_file, hf_name, qtype, raw rows, unpermute)`` per tensor, straight from a memory map.
 
-    Tensor data is read straight from a memory map at the offsets our header
-    scan found; gguf.GGUFReader would first spend seconds parsing the vocabulary.
+    Tensor data is read at the offsets our header scan found; gguf.GGUFReader
+    would first spend seconds parsing the vocabulary. ``unpermute`` undoes
+    llama.cpp's Q/K row permutation (identity for other tensors); it applies to
+    anything with one entry per output row.
     """
     import numpy as np
-    import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
 
     header = read_gguf_header(path)
     arch = header.architecture
@@ -274,6 +275,8 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise UnsupportedModelError(
                 f"GGUF tensor {name_in_file!r} in {path!r} has unknown ggml type "
                 f"{header.tensor_types[name_in_file]}") from None
+        if name_in_file in _SKIPPED_TENSORS:
+            continue
         block, type_size = GGML_QUANT_SIZES[qtype]
         n_bytes = int(np.prod(dims)) * type_size // block
         start = header.tensor_offsets[name_in_file]
@@ -282,14 +285,30 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             data = raw.view(plain[qtype]).reshape(tuple(reversed(dims)))
         else:  # rows of quantized blocks, as gguf.quants.dequantize expects them
             data = raw.reshape(*reversed(dims[1:]), dims[0] // block * type_size)
-        if name_in_file in _SKIPPED_TENSORS:
-            continue
         name = hf_name(name_in_file)
         if name is None:
             raise UnsupportedModelError(
                 f"GGUF tensor {name_in_file!r} in {path!r} has no Hugging Face equivalent for "
                 f"architecture {arch!r}."
             )
+        heads = 0
+        if arch in _PERMUTED_QK_ARCHITECTURES:
+            heads = n_head if ".attn_q." in name_in_file else n_head_kv if ".attn_k." in name_in_file else 0
+        yield name_in_file, name, qtype, data, (
+            functools.partial(reverse_llama_qk_permutation, n_head=heads) if heads else _identity)
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time."""
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+
+    for name_in_file, name, qtype, data, unpermute in _iter_raw_tensors(path):
         try:
             w = dequantize(data, qtype)
         except NotImplementedError as e:
@@ -297,11 +316,41 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 f"GGUF tensor {name_in_file!r} in {path!r} uses quantization {qtype.name}, "
                 "which the gguf package cannot dequantize."
             ) from e
-        if arch in _PERMUTED_QK_ARCHITECTURES:
-            if ".attn_q." in name_in_file:
-                w = reverse_llama_qk_permutation(w, n_head)
-            elif ".attn_k." in name_in_file:
-                w = reverse_llama_qk_permutation(w, n_head_kv)
+        w = unpermute(w)
         # plain tensors come back as read-only views of the file mapping: copy those
         w = np.array(w, dtype=np.float32) if not w.flags.writeable else np.ascontiguousarray(w, dtype=np.float32)
         yield name, torch.from_numpy(w)
+
+
+def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file, in pagedllm's int4 / int8 layouts, by HF name.
+
+    GGUF blocks are 32 weights. Q4_1 stores (d, m) as float16 then 16 bytes of
+    nibbles (w = q*d + m); Q4_0 stores d then the nibbles (w = (q - 8)*d); Q8_0
+    stores d then 32 int8 (w = q*d). These are exactly our layouts
+    (:mod:`pagedllm.layers.quantization`), so no weight is rounded twice:
+    ``("int4", (packed [N, K/2] uint8, scales [N, K/32], mins))`` or
+    ``("int8", (int8 [N, K], scales [N, K/32], mins = 0))``.
+    """
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+
+    def f16(raw: np.ndarray) -> np.ndarray:
+        return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+    out: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = {}
+    for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
+        if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0):
+            continue
+        n = data.shape[0]
+        head = {T.Q4_1: 4, T.Q4_0: 2, T.Q8_0: 2}[qtype]
+        blocks = unpermute(np.asarray(data)).reshape(n, -1, head + (32 if qtype == T.Q8_0 else 16))
+        d = f16(blocks[..., 0:2])
+        q = torch.from_numpy(np.ascontiguousarray(blocks[..., head:]).reshape(n, -1))
+        if qtype == T.Q8_0:
+            out[name] = ("int8", (q.view(torch.int8), torch.from_numpy(d), torch.zeros(d.shape)))
+        else:
+            m = f16(blocks[..., 2:4]) if qtype == T.Q4_1 else -8 * d
+            out[name] = ("int4", (q, torch.from_numpy(d), torch.from_numpy(m)))
+    return out

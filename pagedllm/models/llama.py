@@ -17,7 +17,7 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 class LlamaAttention(nn.Module):
@@ -37,15 +37,17 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = get_attention_backend()
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, rotary: RotaryEmbedding):
+    def forward(self, x, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # rotate q and k heads together: one set of elementwise ops
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         o = self.attn(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -74,13 +76,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, kv_cache, meta, rotary):
+    def forward(self, x, residual, cos_sin, kv_cache, meta):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, kv_cache, meta, rotary)
+        x = self.self_attn(x, cos_sin, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -128,14 +130,16 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
+        cos_sin = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv_cache, meta, self.rotary)
+            x, residual = layer(x, residual, cos_sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding is the head
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     # -- weights --
     _FUSED = {  # transformers' name -> (our fused parameter, shard index)
@@ -171,6 +175,29 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_loads(params) if n not in loaded]
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+
+    def quantized_modules(self, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]
+                          ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+        """Map a checkpoint's quantized blocks, keyed by transformers' weight names as ``(kind, row-aligned
+        tensors)``, to our module names: fused projections concatenate their shards' rows (kept only when
+        every shard is there, of one kind); a tied embedding also serves as ``lm_head``."""
+        shards: dict[str, dict[int, tuple[str, tuple[torch.Tensor, ...]]]] = {}
+        for name, block in blocks.items():
+            module = name.removeprefix("model.").removesuffix(".weight").split(".")
+            if module == ["embed_tokens"]:
+                if self.lm_head is None:
+                    shards["lm_head"] = {0: block}
+                continue
+            fused, shard = self._FUSED.get(module[-1], (module[-1], 0))
+            shards.setdefault(".".join(module[:-1] + [fused]), {})[shard] = block
+        out = {}
+        for module, got in shards.items():
+            n = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+            kinds = {kind for kind, _ in got.values()}
+            if len(got) == n and len(kinds) == 1:
+                parts = [got[i][1] for i in range(n)]
+                out[module] = (kinds.pop(), tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
+        return out
 
     def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
         if fused == "qkv_proj":

@@ -35,8 +35,14 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> torch.nn.Module:
     from pagedllm.model_loader import iter_weights
+
+    if quantization is not None:
+        from pagedllm.layers.quantization import check_quantization_supported
+
+        check_quantization_supported(quantization, device)
 
     t0 = time.perf_counter()
     model_cls = ModelRegistry.resolve_for_config(hf_config)
@@ -46,6 +52,19 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     model.to(dtype=dtype)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s (%.1fM params, %s, %s) in %.1fs", model_cls.__name__, n_params / 1e6, dtype,
-                device, time.perf_counter() - t0)
+    if quantization is not None:
+        _quantize(model, source, quantization)
+    logger.info("loaded %s (%.1fM params, %s%s, %s) in %.1fs", model_cls.__name__, n_params / 1e6, dtype,
+                f", weights {quantization}" if quantization else "", device, time.perf_counter() - t0)
     return model
+
+
+def _quantize(model: torch.nn.Module, source: Any, method: str) -> None:
+    from pagedllm.layers.quantization import quantize_model
+
+    blocks = None
+    if source.kind == "gguf":  # take Q4 / Q8 blocks as they are: no second rounding
+        from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks
+
+        blocks = model.quantized_modules(gguf_quantized_blocks(source.path))
+    quantize_model(model, method, blocks)
