@@ -22,7 +22,7 @@ def test_bench_throughput_compares_with_transformers(tiny_model_factory, tmp_pat
     assert res["workload"]["output_tokens"] == 30 and 5 * 8 <= res["workload"]["prompt_tokens"] <= 5 * 40
     assert res["pagedllm"]["total_tok_s"] > 0 and res["transformers"]["total_tok_s"] > 0
     assert res["ratio_total_tok_s"] == res["pagedllm"]["total_tok_s"] / res["transformers"]["total_tok_s"]
-    assert res["greedy_identical_sequences"] == "5/5"
+    assert res["vs_transformers"] == {"greedy_agreement": 1.0, "identical_sequences": "5/5"}
 
 
 def test_bench_latency_reports_ttft_and_decode_speed(tiny_model_factory, tmp_path):
@@ -32,3 +32,20 @@ def test_bench_latency_reports_ttft_and_decode_speed(tiny_model_factory, tmp_pat
     for backend in ("pagedllm", "transformers"):
         assert len(res[backend]["ttft_ms"]) == 2 and res[backend]["median_decode_tok_s"] > 0
     assert res["ratio_decode_tok_s"] > 0
+
+
+def test_bench_accuracy_reports_agreement_and_perplexity(tiny_model_factory, tmp_path):
+    model = str(tiny_model_factory("llama"))
+    res = _bench(["accuracy", "--model", model, "--num-prompts", "3", "--output-len", "8",
+                  "--kv-cache-dtype", "bfloat16"], tmp_path)
+    assert res["config"] == {"quantization": None, "kv_cache_dtype": "bfloat16"}
+    assert 0.0 <= res["greedy_agreement"] <= 1.0
+    assert 1 < res["perplexity_float32"] < float("inf")  # random weights: far worse than uniform, but finite
+    assert abs(res["perplexity"] - res["perplexity_float32"]) / res["perplexity_float32"] < 0.05
+
+
+def test_greedy_agreement_counts_tokens_before_the_first_divergence():
+    from pagedllm.benchmarks.offline import greedy_agreement
+
+    res = greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert res == {"greedy_agreement": 6 / 8, "identical_sequences": "1/2"}

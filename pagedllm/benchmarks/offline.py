@@ -8,6 +8,8 @@ left-padded static batch.
     pagedllm bench throughput                                  # default model, W64, both engines
     pagedllm bench throughput --num-prompts 8 --output-len 32 --backend pagedllm
     pagedllm bench latency                                     # one 128-token prompt, 128 new tokens
+    pagedllm bench latency --quantization int4                 # pagedllm int4 vs transformers float32
+    pagedllm bench accuracy --quantization int8                # greedy agreement + perplexity vs float32
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def run_transformers(prompts, output_len: int, model_path: str | None, batch_siz
 
 
 def run_latency(model: str | None, input_len: int, output_len: int, iters: int, warmup: int,
-                backend: str) -> dict:
+                backend: str, engine_kwargs: dict | None = None) -> dict:
     """One request at a time: TTFT (prefill + first token) and decode tokens/s, medians over iters.
 
     pagedllm's figures come from the request's own timestamps; transformers' from a 1-token run
@@ -111,7 +113,8 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
     if backend == "pagedllm":
         from pagedllm import LLM, SamplingParams
 
-        llm = LLM(model=model, enable_prefix_caching=False)  # every iteration pays its full prefill
+        # every iteration pays its full prefill
+        llm = LLM(model=model, enable_prefix_caching=False, **(engine_kwargs or {}))
         sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
         def once() -> tuple[float, float]:
@@ -139,6 +142,52 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
         decode_rates.append(rate)
     return {"median_ttft_ms": statistics.median(ttfts) * 1000, "median_decode_tok_s": statistics.median(decode_rates),
             "ttft_ms": [x * 1000 for x in ttfts], "decode_tok_s": decode_rates}
+
+
+def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, output_len: int) -> dict:
+    """A quantized / low-precision-cache engine against float32 pagedllm on the same weights.
+
+    greedy_agreement: of all output tokens, the fraction produced before each sequence's first
+    divergence from the float32 run (a divergence ends the comparison: later tokens see other
+    contexts). perplexity: exp of the mean negative log-likelihood of TEXT's tokens (raw logprobs),
+    scored in prefill chunks of 32 tokens so that each chunk reads the earlier ones' K/V back from
+    the cache, as decoding does (a single-pass prefill would never see the cache's precision).
+    """
+    import math
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(model))
+    prompts = [{"prompt_token_ids": p} for p in make_w64(tok, num_prompts, 32, 512, 1)]
+    text = {"prompt_token_ids": tok.encode(TEXT, add_special_tokens=False)}
+    greedy = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def evaluate(kwargs: dict) -> tuple[list[list[int]], float]:
+        llm = LLM(model=model, enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=32, **kwargs)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        lps = llm.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs[1:]
+        ids = text["prompt_token_ids"][1:]
+        nll = -sum(lp[t].logprob for lp, t in zip(lps, ids)) / len(ids)
+        del llm
+        gc.collect()
+        return outs, math.exp(nll)
+
+    ref_outs, ref_ppl = evaluate({})
+    outs, ppl = evaluate(engine_kwargs)
+    return {"config": engine_kwargs, "num_prompts": num_prompts, "output_len": output_len,
+            **greedy_agreement(ref_outs, outs), "perplexity": ppl, "perplexity_float32": ref_ppl, "perplexity_text_tokens": len(text["prompt_token_ids"])}
+
+
+def greedy_agreement(ref: list[list[int]], ours: list[list[int]]) -> dict:
+    """Fraction of reference tokens matched before each sequence's first divergence, and whole matches."""
+    agreed = identical = 0
+    for a, b in zip(ref, ours):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agreed += n
+        identical += a == b
+    return {"greedy_agreement": agreed / max(sum(map(len, ref)), 1), "identical_sequences": f"{identical}/{len(ref)}"}
 
 
 def _load_transformers(model_path: str | None):
@@ -171,6 +220,7 @@ def add_parsers(sub) -> None:
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--hf-batch-size", type=int, default=64)
     tp.add_argument("--max-num-batched-tokens", type=int, default=None)
+    _add_quant_args(tp)
     tp.add_argument("--output-json", default=None)
     tp.set_defaults(func=_cmd_throughput)
 
@@ -182,7 +232,28 @@ def add_parsers(sub) -> None:
     lat.add_argument("--num-iters", type=int, default=5)
     lat.add_argument("--num-iters-warmup", type=int, default=1)
     lat.add_argument("--output-json", default=None)
+    _add_quant_args(lat)
     lat.set_defaults(func=_cmd_latency)
+
+    acc = sub.add_parser("accuracy", help="greedy agreement and perplexity of --quantization / --kv-cache-dtype "
+                                          "against float32 pagedllm on the same weights")
+    acc.add_argument("--model", default=None)
+    acc.add_argument("--num-prompts", type=int, default=8)
+    acc.add_argument("--output-len", type=int, default=128)
+    _add_quant_args(acc)
+    acc.add_argument("--output-json", default=None)
+    acc.set_defaults(func=_cmd_accuracy)
+
+
+def _add_quant_args(parser) -> None:
+    parser.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                        help="pagedllm's weight-only quantization (transformers always runs float32)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+
+
+def _quant_kwargs(args) -> dict:
+    return {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def _emit(results: dict, path: str | None) -> None:
@@ -201,10 +272,11 @@ def _cmd_throughput(args) -> int:
     prompts = make_w64(tok, args.num_prompts, lo, hi, args.seed)
     n_prompt, n_out = sum(map(len, prompts)), args.num_prompts * args.output_len
     results: dict = {"workload": {"num_prompts": args.num_prompts, "prompt_tokens": n_prompt,
-                                  "output_tokens": n_out, "input_len_range": [lo, hi]}}
+                                  "output_tokens": n_out, "input_len_range": [lo, hi]},
+                     "pagedllm_config": _quant_kwargs(args)}
     outputs = {}
     if args.backend in ("pagedllm", "both"):
-        kwargs = {"model": args.model}
+        kwargs = {"model": args.model, **_quant_kwargs(args)}
         if args.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
         run = run_pagedllm(prompts, args.output_len, kwargs)
@@ -216,8 +288,7 @@ def _cmd_throughput(args) -> int:
         results["transformers"] = _rates(run["elapsed_s"], n_prompt, n_out)
     if len(outputs) == 2:
         results["ratio_total_tok_s"] = results["pagedllm"]["total_tok_s"] / results["transformers"]["total_tok_s"]
-        same = sum(a == b for a, b in zip(outputs["pagedllm"], outputs["transformers"]))
-        results["greedy_identical_sequences"] = f"{same}/{len(prompts)}"
+        results["vs_transformers"] = greedy_agreement(outputs["transformers"], outputs["pagedllm"])
     results["peak_rss_mb_process"] = peak_rss_mb()
     _emit(results, args.output_json)
     return 0
@@ -228,12 +299,17 @@ def _rates(elapsed: float, n_prompt: int, n_out: int) -> dict:
             "peak_rss_mb_so_far": peak_rss_mb()}
 
 
+def _cmd_accuracy(args) -> int:
+    _emit(run_accuracy(args.model, _quant_kwargs(args), args.num_prompts, args.output_len), args.output_json)
+    return 0
+
+
 def _cmd_latency(args) -> int:
-    results: dict = {"input_len": args.input_len, "output_len": args.output_len}
+    results: dict = {"input_len": args.input_len, "output_len": args.output_len, "pagedllm_config": _quant_kwargs(args)}
     backends = ["pagedllm", "transformers"] if args.backend == "both" else [args.backend]
     for b in backends:
         results[b] = run_latency(args.model, args.input_len, args.output_len, args.num_iters,
-                                 args.num_iters_warmup, b)
+                                 args.num_iters_warmup, b, _quant_kwargs(args))
     if len(backends) == 2:
         results["ratio_decode_tok_s"] = (results["pagedllm"]["median_decode_tok_s"]
                                          / results["transformers"]["median_decode_tok_s"])
