@@ -66,7 +66,8 @@ def _gather(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block
 def _prefill(q, k, v, ctx_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
     """q: [Q, H, D] at positions ctx_len.. ; k, v: [S, KVH, D] at positions 0..S-1."""
     q_len, seq_len = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # with a batch dimension: 3-D inputs take a CPU path about 3x slower (8.2 vs 2.8 ms at 300 tokens)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if ctx_len == 0 and sliding_window is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -76,7 +77,7 @@ def _prefill(q, k, v, ctx_len: int, scale: float, sliding_window: int | None) ->
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device: torch.device):

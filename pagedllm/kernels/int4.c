@@ -62,16 +62,17 @@ void int4_matmul(const float *x, const uint8_t *qw, const float *scales, const f
                 __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
                 __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
                 __m256 s = _mm256_set1_ps(sc[g]);
-                __m256 q0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s);
-                __m256 q1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s);
-                __m256 q2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s);
-                __m256 q3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s);
-                for (int64_t i = 0; i < mc; i++) {
+                __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+                for (int64_t i = 0; i < mc; i++) {  /* the group's dot, then scaled once */
                     const float *xg = x + (m0 + i) * K + g * GROUP;
-                    __m256 a = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xg), acc[i]);
-                    a = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg + 8), a);
+                    __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
+                    __m256 b2 = _mm256_mul_ps(q1, _mm256_loadu_ps(xg + 8));
                     a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), a);
-                    acc[i] = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), a);
+                    b2 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), b2);
+                    acc[i] = _mm256_fmadd_ps(_mm256_add_ps(a, b2), s, acc[i]);
                 }
             }
             for (int64_t i = 0; i < mc; i++) tail[i] = hsum(acc[i]);
@@ -114,16 +115,17 @@ void int8_matmul(const float *x, const int8_t *qw, const float *scales, const fl
                 __m128i b0 = _mm_loadu_si128((const __m128i *)(row + g * GROUP));
                 __m128i b1 = _mm_loadu_si128((const __m128i *)(row + g * GROUP + 16));
                 __m256 s = _mm256_set1_ps(sc[g]);
-                __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), s);
-                __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8))), s);
-                __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), s);
-                __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8))), s);
+                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
+                __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
+                __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
                 for (int64_t i = 0; i < mc; i++) {
                     const float *xg = x + (m0 + i) * K + g * GROUP;
-                    __m256 a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), acc[i]);
-                    a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), a);
+                    __m256 a = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+                    __m256 b2 = _mm256_mul_ps(w1, _mm256_loadu_ps(xg + 8));
                     a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), a);
-                    acc[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), a);
+                    b2 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), b2);
+                    acc[i] = _mm256_fmadd_ps(_mm256_add_ps(a, b2), s, acc[i]);
                 }
             }
             for (int64_t i = 0; i < mc; i++) dot[i] = hsum(acc[i]);
