@@ -219,3 +219,16 @@ def test_bad_quantization_settings_are_rejected():
 
     with pytest.raises(InvalidParameterError, match="not supported on device 'cuda'"):
         check_quantization_supported("int8", torch.device("cuda"))
+
+
+def test_kernel_build_without_a_compiler_fails_clearly(monkeypatch, tmp_path):
+    from pagedllm import kernels
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(kernels.KernelBuildError, match="no C compiler"):
+        kernels.load.__wrapped__()
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails: its message is passed on
+    with pytest.raises(kernels.KernelBuildError, match="building pagedllm's C kernels failed"):
+        kernels.load.__wrapped__()
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written is left to load

@@ -1,12 +1,14 @@
 """Small C kernels PyTorch lacks on CPU, compiled on first use and loaded with ctypes.
 
-``int4.c`` (int4 / int8 weight-only matmuls) and ``paged_attention.c`` (decode attention
-read in place from the paged cache) are built with the system C compiler
-(``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of sources,
-flags, compiler>.so``; later runs load the cached file. It is built for this machine (``-march=native``) and with
-OpenMP against the libgomp PyTorch has already loaded, so its threads are
-PyTorch's. A missing compiler is an error naming what failed, raised only when a
-feature that needs the kernel is asked for.
+``quant_matmul.c`` (int4 / int8 weight-only matmuls) and ``paged_attention.c``
+(decode attention read in place from the paged cache) are built with the system
+C compiler (``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of
+sources, flags, compiler, CPU>.so``; later runs load the cached file. The build
+is for this machine (``-march=native``) and uses OpenMP from the libgomp PyTorch
+has already loaded, so the kernels' threads are PyTorch's.
+
+Without a working compiler, attention falls back to plain torch (one warning)
+and ``quantization`` is refused with the compiler's message.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("int4.c", "paged_attention.c")]
+_SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("quant_matmul.c", "paged_attention.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-
 
 # limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
 MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 16, 64, 256
