@@ -27,36 +27,23 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (300, 576), (576, 1536), (40, 96)])
-def test_int8_linear_matches_its_dequantized_reference(shape):
+@pytest.mark.parametrize("cls,levels", [(Int8Linear, 255), (Int4Linear, 15)])
+def test_quantized_linear_matches_its_dequantized_reference(shape, cls, levels):
     torch.manual_seed(0)
     w, b = torch.randn(shape), torch.randn(shape[0])
-    lin = Int8Linear.from_float(w, b)
+    lin = cls.from_float(w, b)
     wd, bd = lin.dequantized()
     groups = w.view(shape[0], -1, 32)
-    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 255
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / levels
     assert ((wd.view_as(groups) - groups).abs() <= step / 2 + 1e-5).all()  # round to nearest per group
     assert torch.equal(bd, b)
     # activations stay float32: the kernel (<= SMALL_BATCH rows) and unpack + BLAS (more rows) both
     # equal F.linear on the dequantized weight up to summation order
-    for m in (1, 3, SMALL_BATCH, SMALL_BATCH + 1, 64):
+    for m in (1, 3, 5, SMALL_BATCH, SMALL_BATCH + 1, 64):
         x = torch.randn(m, shape[1])
         torch.testing.assert_close(lin(x), F.linear(x, wd, bd), rtol=1e-5, atol=5e-4)  # sums of ~K unit terms
     x3 = torch.randn(2, 3, shape[1])
     assert lin(x3).shape == (2, 3, shape[0])
-
-
-@pytest.mark.parametrize("shape", [(96, 64), (300, 576), (576, 1536)])
-def test_int4_linear_matches_its_dequantized_reference(shape):
-    torch.manual_seed(0)
-    w, b = torch.randn(shape), torch.randn(shape[0])
-    lin = Int4Linear.from_float(w, b)
-    wd, _ = lin.dequantized()
-    groups = w.view(shape[0], -1, 32)
-    step = (groups.amax(-1) - groups.amin(-1)) / 15
-    assert ((wd.view_as(groups) - groups).abs() <= step[..., None] / 2 + 1e-5).all()
-    for m in (1, 3, 5, SMALL_BATCH, SMALL_BATCH + 1, 64):
-        x = torch.randn(m, shape[1])
-        torch.testing.assert_close(lin(x), F.linear(x, wd, b), rtol=1e-5, atol=5e-4)
 
 
 def test_int4_blocks_widen_to_int8_exactly():

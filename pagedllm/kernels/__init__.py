@@ -76,9 +76,19 @@ class Kernels:
     def int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     mins: torch.Tensor) -> torch.Tensor:
         """x: [M, K] float32 contiguous; qweight [N, K/2] uint8, scales / mins [N, K/32]; returns [M, N]."""
+        return self._quant_matmul(self._matmul, x, qweight, scales, mins)
+
+    def int8_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
+        return self._quant_matmul(self._matmul8, x, qweight, scales, mins)
+
+    @staticmethod
+    def _quant_matmul(fn, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      mins: torch.Tensor) -> torch.Tensor:
         y = x.new_empty(x.shape[0], qweight.shape[0])
-        self._matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
-                     x.shape[0], qweight.shape[0], x.shape[1])
+        fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(), x.shape[0],
+           qweight.shape[0], x.shape[1])
         return y
 
     def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -86,14 +96,6 @@ class Kernels:
         w = torch.empty(n, half * 2, dtype=torch.float32)
         self._dequant(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), n, half * 2)
         return w
-
-    def int8_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    mins: torch.Tensor) -> torch.Tensor:
-        """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
-        y = x.new_empty(x.shape[0], qweight.shape[0])
-        self._matmul8(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
-                      x.shape[0], qweight.shape[0], x.shape[1])
-        return y
 
     def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
         w = torch.empty(qweight.shape, dtype=torch.float32)

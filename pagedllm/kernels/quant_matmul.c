@@ -44,99 +44,79 @@ static float *group_sums(const float *x, int64_t M, int64_t K) {
     return xsum;
 }
 
-void int4_matmul(const float *x, const uint8_t *qw, const float *scales, const float *mins,
-                 float *y, int64_t M, int64_t N, int64_t K) {
-    const int64_t G = K / GROUP;
-    float *xsum = group_sums(x, M, K);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = qw + n * (K / 2);
-        const float *sc = scales + n * G, *mn = mins + n * G;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {  /* up to 4 rows of x share each unpacked group */
-            const int64_t mc = M - m0 < 4 ? M - m0 : 4;
-            float tail[4] = {0.f, 0.f, 0.f, 0.f};
+/* Group g of weight row n as 32 floats q (scale and min not applied): 4-bit nibbles or int8 bytes. */
 #ifdef __AVX2__
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            const __m128i low = _mm_set1_epi8(0x0F);
-            for (int64_t g = 0; g < G; g++) {
-                __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-                __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-                __m256 s = _mm256_set1_ps(sc[g]);
-                __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-                for (int64_t i = 0; i < mc; i++) {  /* the group's dot, then scaled once */
-                    const float *xg = x + (m0 + i) * K + g * GROUP;
-                    __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-                    __m256 b2 = _mm256_mul_ps(q1, _mm256_loadu_ps(xg + 8));
-                    a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), a);
-                    b2 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), b2);
-                    acc[i] = _mm256_fmadd_ps(_mm256_add_ps(a, b2), s, acc[i]);
-                }
-            }
-            for (int64_t i = 0; i < mc; i++) tail[i] = hsum(acc[i]);
+static inline void unpack_group(const uint8_t *qw, int bits, int64_t n, int64_t g, int64_t K, __m256 w[4]) {
+    if (bits == 4) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(qw + n * (K / 2) + g * 16));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        __m128i b0 = _mm_loadu_si128((const __m128i *)(qw + n * K + g * GROUP));
+        __m128i b1 = _mm_loadu_si128((const __m128i *)(qw + n * K + g * GROUP + 16));
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
+    }
+}
 #else
-            for (int64_t g = 0; g < G; g++) {
-                const uint8_t *b = row + g * 16;
-                for (int64_t i = 0; i < mc; i++) {
-                    const float *xg = x + (m0 + i) * K + g * GROUP;
-                    float d = 0.f;
-                    for (int j = 0; j < 16; j++) d += (b[j] & 15) * xg[j] + (b[j] >> 4) * xg[j + 16];
-                    tail[i] += d * sc[g];
-                }
-            }
-#endif
-            for (int64_t i = 0; i < mc; i++) {
-                const float *xs = xsum + (m0 + i) * G;
-                float t = tail[i];
-                for (int64_t g = 0; g < G; g++) t += mn[g] * xs[g];
-                y[(m0 + i) * N + n] = t;
-            }
+static inline void unpack_group(const uint8_t *qw, int bits, int64_t n, int64_t g, int64_t K, float w[GROUP]) {
+    for (int j = 0; j < 16; j++) {
+        if (bits == 4) {
+            uint8_t b = qw[n * (K / 2) + g * 16 + j];
+            w[j] = (float)(b & 15);
+            w[j + 16] = (float)(b >> 4);
+        } else {
+            w[j] = (float)(int8_t)qw[n * K + g * GROUP + j];
+            w[j + 16] = (float)(int8_t)qw[n * K + g * GROUP + j + 16];
         }
     }
-    free(xsum);
 }
+#endif
 
-void int8_matmul(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
-                 int64_t M, int64_t N, int64_t K) {
+/* y[m, n] = sum_g scale[n, g] * (q_g . x_g) + min[n, g] * sum(x_g), for 4- or 8-bit q */
+static inline void quant_matmul(int bits, const float *x, const uint8_t *qw, const float *scales,
+                                const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
     float *xsum = group_sums(x, M, K);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const int8_t *row = qw + n * K;
         const float *sc = scales + n * G, *mn = mins + n * G;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {  /* up to 4 rows of x share each unpacked group */
             const int64_t mc = M - m0 < 4 ? M - m0 : 4;
             float dot[4] = {0.f, 0.f, 0.f, 0.f};
 #ifdef __AVX2__
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t g = 0; g < G; g++) {
-                __m128i b0 = _mm_loadu_si128((const __m128i *)(row + g * GROUP));
-                __m128i b1 = _mm_loadu_si128((const __m128i *)(row + g * GROUP + 16));
+                __m256 w[4];
+                unpack_group(qw, bits, n, g, K, w);
                 __m256 s = _mm256_set1_ps(sc[g]);
-                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-                __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-                __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-                for (int64_t i = 0; i < mc; i++) {
+                for (int64_t i = 0; i < mc; i++) {  /* the group's dot over two chains, then scaled once */
                     const float *xg = x + (m0 + i) * K + g * GROUP;
-                    __m256 a = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-                    __m256 b2 = _mm256_mul_ps(w1, _mm256_loadu_ps(xg + 8));
-                    a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), a);
-                    b2 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), b2);
-                    acc[i] = _mm256_fmadd_ps(_mm256_add_ps(a, b2), s, acc[i]);
+                    __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+                    __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(xg + 8));
+                    a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a);
+                    b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), b);
+                    acc[i] = _mm256_fmadd_ps(_mm256_add_ps(a, b), s, acc[i]);
                 }
             }
             for (int64_t i = 0; i < mc; i++) dot[i] = hsum(acc[i]);
 #else
-            for (int64_t g = 0; g < G; g++)
+            for (int64_t g = 0; g < G; g++) {
+                float w[GROUP];
+                unpack_group(qw, bits, n, g, K, w);
                 for (int64_t i = 0; i < mc; i++) {
                     const float *xg = x + (m0 + i) * K + g * GROUP;
                     float d = 0.f;
-                    for (int j = 0; j < GROUP; j++) d += row[g * GROUP + j] * xg[j];
+                    for (int j = 0; j < GROUP; j++) d += w[j] * xg[j];
                     dot[i] += d * sc[g];
                 }
+            }
 #endif
             for (int64_t i = 0; i < mc; i++) {
                 const float *xs = xsum + (m0 + i) * G;
@@ -147,6 +127,16 @@ void int8_matmul(const float *x, const int8_t *qw, const float *scales, const fl
         }
     }
     free(xsum);
+}
+
+void int4_matmul(const float *x, const uint8_t *qw, const float *scales, const float *mins,
+                 float *y, int64_t M, int64_t N, int64_t K) {
+    quant_matmul(4, x, qw, scales, mins, y, M, N, K);
+}
+
+void int8_matmul(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
+                 int64_t M, int64_t N, int64_t K) {
+    quant_matmul(8, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
 }
 
 void int4_dequantize(const uint8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {

@@ -62,14 +62,24 @@ def check_quantization_supported(method: str, device: torch.device) -> None:
 
 
 class _QuantLinear(nn.Module):
-    in_features: int
-    out_features: int
+    """Shared by the int8 and int4 linears: q [N, K * bits / 8], scales and mins [N, K/32], optional bias."""
 
-    def __init__(self):
+    bits: int
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         from pagedllm import kernels
 
         self._kernels = kernels.load()
+        self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8 // self.bits
+        if self.in_features % GROUP:
+            raise ValueError(f"quantized linears need in_features divisible by {GROUP}, got {self.in_features}")
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.register_buffer("scales", scales.float().contiguous(), persistent=False)
+        self.register_buffer("mins", mins.float().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul")
+        self._dequantize = getattr(self._kernels, f"int{self.bits}_dequantize")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32:
@@ -77,39 +87,24 @@ class _QuantLinear(nn.Module):
         if x.shape[0] > SMALL_BATCH:
             w, b = self.dequantized()
             return F.linear(x, w, b)
-        y = self._matmul(x.contiguous())
+        y = self._matmul(x.contiguous(), self.qweight, self.scales, self.mins)
         return y if self.bias is None else y.add_(self.bias)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        return self._dequantize(self.qweight, self.scales, self.mins), self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {GROUP}"
 
 
 class Int8Linear(_QuantLinear):
     """y = x @ W.T + b with W int8 in groups of 32: ``W[n, k] = q[n, k] * scale[n, g] + min[n, g]``, g = k // 32."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
-        self.register_buffer("scales", scales.float().contiguous(), persistent=False)
-        self.register_buffer("mins", mins.float().contiguous(), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+    bits = 8
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
         return cls(*quantize_int8(weight), bias)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernels.int8_matmul(x, self.qweight, self.scales, self.mins)
-
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._kernels.int8_dequantize(self.qweight, self.scales, self.mins), self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 group {GROUP}"
 
 
 class Int4Linear(_QuantLinear):
@@ -119,42 +114,37 @@ class Int4Linear(_QuantLinear):
     nibble and element j + 16 in its high nibble (GGUF's Q4 packing).
     """
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, half = qweight.shape
-        self.in_features = half * 2
-        if self.in_features % GROUP:
-            raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {self.in_features}")
-        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
-        self.register_buffer("scales", scales.float().contiguous(), persistent=False)
-        self.register_buffer("mins", mins.float().contiguous(), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+    bits = 4
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
-        qweight, scales, mins = quantize_int4(weight)
-        return cls(qweight, scales, mins, bias)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernels.int4_matmul(x, self.qweight, self.scales, self.mins)
-
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._kernels.int4_dequantize(self.qweight, self.scales, self.mins), self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}"
+        return cls(*quantize_int4(weight), bias)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest int8 groups of 32 over each group's range: (int8 [N, K], scales, mins [N, K/32])."""
+def _round_groups(weight: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round each group of 32 to ``levels + 1`` evenly spaced values over its range: (q [N, G, 32] in
+    0..levels as float, scales, lows [N, G])."""
     w = weight.detach().float()
     n, k = w.shape
     g = w.view(n, k // GROUP, GROUP)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scales = (hi - lo) / 255
+    scales = (hi - lo) / levels
     inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-    q = torch.clamp(torch.round((g - lo[..., None]) * inv[..., None]), 0, 255) - 128
-    return q.to(torch.int8).reshape(n, k).contiguous(), scales, lo + 128 * scales
+    return torch.clamp(torch.round((g - lo[..., None]) * inv[..., None]), 0, levels), scales, lo
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int8 groups of 32 over each group's range: (int8 [N, K], scales, mins [N, K/32])."""
+    q, scales, lo = _round_groups(weight, 255)
+    return (q - 128).to(torch.int8).reshape(weight.shape).contiguous(), scales, lo + 128 * scales
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit groups of 32 (GGUF Q4_1's grid): (packed [N, K/2] uint8, scales, mins)."""
+    q, scales, lo = _round_groups(weight, 15)
+    q = q.to(torch.uint8)
+    packed = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
+    return packed.reshape(weight.shape[0], -1).contiguous(), scales, lo
 
 
 def widen_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -163,19 +153,6 @@ def widen_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) 
     packed = qweight.view(n, half // 16, 16)
     q = torch.cat([packed & 15, packed >> 4], dim=-1).view(torch.int8)  # 0..15 as int8
     return q.reshape(n, half * 2).contiguous(), scales, mins
-
-
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest asymmetric 4-bit groups of 32 (GGUF Q4_1's grid): (packed [N, K/2], scales, mins)."""
-    w = weight.detach().float()
-    n, k = w.shape
-    g = w.view(n, k // GROUP, GROUP)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scales = (hi - lo) / 15
-    inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-    q = torch.clamp(torch.round((g - lo[..., None]) * inv[..., None]), 0, 15).to(torch.uint8)
-    packed = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
-    return packed.reshape(n, k // 2).contiguous(), scales, lo
 
 
 def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None) -> None:
