@@ -32,7 +32,6 @@ Every quantized input size must be a multiple of 32.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
