@@ -19,7 +19,8 @@ from utils import GreedyResult, check_greedy_close
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import AttentionMetadata, cpu_paged, torch_ref
 from pagedllm.errors import InvalidParameterError
-from pagedllm.layers.quantization import SMALL_BATCH, Int4Linear, Int8Linear, dequantize_model, quantize_int4
+from pagedllm.layers.quantization import (SMALL_BATCH, Int4Linear, Int8Linear, dequantize_model, quantize_int4,
+                                          quantize_int8)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -206,6 +207,17 @@ def test_bad_quantization_settings_are_rejected():
 
     with pytest.raises(InvalidParameterError, match="not supported on device 'cuda'"):
         check_quantization_supported("int8", torch.device("cuda"))
+
+
+def test_kernels_build_from_an_empty_cache(monkeypatch, tmp_path):
+    from pagedllm import kernels
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    built = kernels.load.__wrapped__()
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    torch.testing.assert_close(built.int8_matmul(x, *quantize_int8(w)), x @ kernels.load().int8_dequantize(
+        *quantize_int8(w)).T, rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_build_without_a_compiler_fails_clearly(monkeypatch, tmp_path):
