@@ -36,8 +36,8 @@ class ModelConfig:
         "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
     quantization: Literal["int8", "int4"] | None = _f(
-        None, "Weight-only quantization on CPU: 'int8' (per-channel weights, fbgemm with dynamic int8 "
-        "activations) or 'int4' (groups of 32; a GGUF's Q4_0/Q4_1 blocks load as they are).")
+        None, "Weight-only quantization on CPU, float32 activations: 'int8' or 'int4' (groups of 32 with a "
+        "scale and a min; a GGUF's Q8_0 / Q4_0 / Q4_1 blocks load without a second rounding).")
 
 
 @dataclass(slots=True, frozen=True)
