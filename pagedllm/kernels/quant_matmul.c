@@ -139,24 +139,32 @@ void int8_matmul(const float *x, const int8_t *qw, const float *scales, const fl
     quant_matmul(8, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
 }
 
-void int4_dequantize(const uint8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
+/* W as float32 [N, K]: q * scale + min, multiplied then added (not fused), as GGUF's reference does */
+static inline void quant_dequantize(int bits, const uint8_t *qw, const float *scales, const float *mins, float *w,
+                                    int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t g = 0; g < G; g++) {
-            const uint8_t *b = qw + n * (K / 2) + g * 16;
-            float s = scales[n * G + g], mn = mins[n * G + g], *o = w + n * K + g * GROUP;
-            for (int j = 0; j < 16; j++) {
-                o[j] = (float)(b[j] & 15) * s + mn;
-                o[j + 16] = (float)(b[j] >> 4) * s + mn;
-            }
+            const float s = scales[n * G + g], mn = mins[n * G + g];
+            float *o = w + n * K + g * GROUP;
+#ifdef __AVX2__
+            __m256 q[4];
+            unpack_group(qw, bits, n, g, K, q);
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(q[i], _mm256_set1_ps(s)), _mm256_set1_ps(mn)));
+#else
+            float q[GROUP];
+            unpack_group(qw, bits, n, g, K, q);
+            for (int j = 0; j < GROUP; j++) o[j] = q[j] * s + mn;
+#endif
         }
 }
 
+void int4_dequantize(const uint8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
+    quant_dequantize(4, qw, scales, mins, w, N, K);
+}
+
 void int8_dequantize(const int8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
-    const int64_t G = K / GROUP;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t k = 0; k < K; k++)
-            w[n * K + k] = (float)qw[n * K + k] * scales[n * G + k / GROUP] + mins[n * G + k / GROUP];
+    quant_dequantize(8, (const uint8_t *)qw, scales, mins, w, N, K);
 }
