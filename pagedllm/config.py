@@ -9,6 +9,7 @@ its ``metadata``; there is no second list of defaults anywhere else.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -87,6 +88,16 @@ class EngineConfig:
         """The resolved type of a field (the annotations are strings under `from __future__`)."""
         return typing.get_type_hints(_SECTIONS[section])[name]
 
+    @staticmethod
+    def choices(section: str, name: str) -> tuple | None:
+        """The values a ``Literal`` field allows (with None when it is optional), else None."""
+        hint = EngineConfig.field_type(section, name)
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        literals = [a for a in args if typing.get_origin(a) is typing.Literal]
+        if not literals:
+            return None
+        return tuple(v for lit in literals for v in typing.get_args(lit)) + ((None,) if type(None) in args else ())
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Distribute flat vLLM-style keyword arguments to the section owning each name."""
@@ -103,13 +114,10 @@ class EngineConfig:
 
     def validate(self) -> None:
         m, c, s, p = self.model_config, self.cache_config, self.scheduler_config, self.parallel_config
-        _choice("dtype", m.dtype, ("auto", "float32", "bfloat16", "float16"))
-        _choice("device", m.device, ("auto", "cpu", "cuda"))
-        _choice("kv_cache_dtype", c.kv_cache_dtype,
-                ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"))
-        _choice("quantization", m.quantization, (None, "int8", "int4"))
-        _choice("logprobs_mode", m.logprobs_mode, ("raw_logprobs", "processed_logprobs"))
-        _choice("scheduling_policy", s.scheduling_policy, ("fcfs", "priority"))
+        for section, f in self.all_fields():  # every Literal field: its annotation is the list of choices
+            allowed = self.choices(section, f.name)
+            if allowed is not None:
+                _choice(f.name, getattr(getattr(self, section), f.name), allowed)
         _positive("block_size", c.block_size)
         _positive("max_num_seqs", s.max_num_seqs)
         _positive("max_num_batched_tokens", s.max_num_batched_tokens)

@@ -162,7 +162,8 @@ def test_quantized_engine_matches_its_dequantized_reference(tiny_model_factory, 
 def _greedy_with_logprobs(llm: LLM, n: int) -> list[GreedyResult]:
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], sp, use_tqdm=False)
-    return [GreedyResult(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+    return [GreedyResult(o.outputs[0].token_ids,
+                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
             for o in outs]
 
 

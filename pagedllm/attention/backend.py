@@ -39,8 +39,8 @@ class AttentionBackend(Protocol):
 
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
     """'torch': the plain-torch reference. 'cpu_paged': decodes through the C kernel that reads the
-    paged cache in place. 'auto': cpu_paged where the kernel builds (it is used on CPU float32 caches
-    only and defers to the reference elsewhere), else torch."""
+    paged cache in place. 'auto': cpu_paged where the kernels build (it runs the kernel on CPU float32
+    queries over float32 / bfloat16 / fp8 caches and defers to the reference elsewhere), else torch."""
     from pagedllm.attention import torch_ref
 
     if name == "auto":

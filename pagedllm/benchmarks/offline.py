@@ -177,7 +177,8 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
     ref_outs, ref_ppl = evaluate({})
     outs, ppl = evaluate(engine_kwargs)
     return {"config": engine_kwargs, "num_prompts": num_prompts, "output_len": output_len,
-            **greedy_agreement(ref_outs, outs), "perplexity": ppl, "perplexity_float32": ref_ppl, "perplexity_text_tokens": len(text["prompt_token_ids"])}
+            **greedy_agreement(ref_outs, outs), "perplexity": ppl, "perplexity_float32": ref_ppl,
+            "perplexity_text_tokens": len(text["prompt_token_ids"])}
 
 
 def greedy_agreement(ref: list[list[int]], ours: list[list[int]]) -> dict:
@@ -246,10 +247,13 @@ def add_parsers(sub) -> None:
 
 
 def _add_quant_args(parser) -> None:
-    parser.add_argument("--quantization", choices=["int8", "int4"], default=None,
+    from pagedllm.config import EngineConfig
+
+    parser.add_argument("--quantization", choices=[c for c in EngineConfig.choices("model_config", "quantization")
+                                                   if c is not None], default=None,
                         help="pagedllm's weight-only quantization (transformers always runs float32)")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+                        choices=EngineConfig.choices("cache_config", "kv_cache_dtype"))
 
 
 def _quant_kwargs(args) -> dict:

@@ -18,12 +18,14 @@ from typing import Any
 from pagedllm.config import EngineConfig
 
 
-def _flag_type(hint: Any) -> tuple[Any, list | None]:
-    """(argparse type, choices) for a resolved config type such as ``int | None`` or ``Literal[...]``."""
+def _flag_type(section: str, name: str) -> tuple[Any, list | None]:
+    """(argparse type, choices) for a config field such as ``int | None`` or ``Literal[...] | None``."""
+    choices = EngineConfig.choices(section, name)
+    if choices is not None:
+        return str, [c for c in choices if c is not None]
+    hint = EngineConfig.field_type(section, name)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if typing.get_origin(hint) is typing.Literal:
-        return str, list(typing.get_args(hint))
     return hint, None
 
 
@@ -31,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     group = parser.add_argument_group("engine")
     for section, f in EngineConfig.all_fields():
         name = f.name.replace("_", "-")
-        typ, choices = _flag_type(EngineConfig.field_type(section, f.name))
+        typ, choices = _flag_type(section, f.name)
         help_text = f.metadata.get("help", "")
         if f.name == "model" and positional_model:
             group.add_argument("model_pos", nargs="?", metavar="MODEL", help=help_text)

@@ -92,14 +92,16 @@ class Kernels:
         return y
 
     def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-        n, half = qweight.shape
-        w = torch.empty(n, half * 2, dtype=torch.float32)
-        self._dequant(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), n, half * 2)
-        return w
+        return self._quant_dequantize(self._dequant, qweight, scales, mins, qweight.shape[1] * 2)
 
     def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-        w = torch.empty(qweight.shape, dtype=torch.float32)
-        self._dequant8(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), *qweight.shape)
+        return self._quant_dequantize(self._dequant8, qweight, scales, mins, qweight.shape[1])
+
+    @staticmethod
+    def _quant_dequantize(fn, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                          k: int) -> torch.Tensor:
+        w = torch.empty(qweight.shape[0], k, dtype=torch.float32)
+        fn(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), qweight.shape[0], k)
         return w
 
 

@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
             x = x + residual
             residual = x
         dtype = x.dtype
-        h = x if dtype == torch.float32 else x.float()
+        h = x.float()  # no copy when x is already float32
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * (h if dtype == torch.float32 else h.to(dtype))
+        out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)

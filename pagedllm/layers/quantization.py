@@ -32,22 +32,18 @@ Every quantized input size must be a multiple of 32.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import InvalidParameterError
 
-QUANTIZATION_METHODS = ("int8", "int4")
 GROUP = 32
 SMALL_BATCH = 8  # rows at most for the direct kernels; above, unpack once and use the BLAS GEMM
 
 
 def check_quantization_supported(method: str, device: torch.device) -> None:
-    if method not in QUANTIZATION_METHODS:
-        raise InvalidParameterError(
-            f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {method!r}", "quantization")
+    """Can this device run ``method`` (a value EngineConfig has already validated)?"""
     if device.type != "cpu":
         raise InvalidParameterError(
             f"quantization={method!r} runs on pagedllm's CPU kernels; it is not supported on "

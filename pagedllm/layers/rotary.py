@@ -60,19 +60,12 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D/2] tables for this step's positions; computed once per step, shared by every layer."""
-        return self.cos_cache.index_select(0, positions).unsqueeze(1), self.sin_cache.index_select(0, positions).unsqueeze(1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KVH, D]; returns rotated copies."""
-        cos, sin = self.cos_sin(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return (self.cos_cache.index_select(0, positions).unsqueeze(1),
+                self.sin_cache.index_select(0, positions).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [T, heads, D] by per-token tables (rotate-half layout), in float32."""
     dtype = x.dtype
-    if dtype != torch.float32:
-        x = x.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out if dtype == torch.float32 else out.to(dtype)
+    x1, x2 = x.float().chunk(2, dim=-1)  # .float() / .to(): no copies for float32
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
