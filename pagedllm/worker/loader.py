@@ -54,6 +54,11 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     n_params = sum(p.numel() for p in model.parameters())
     if quantization is not None:
         _quantize(model, source, quantization)
+    if device.type == "cpu" and dtype == torch.float32:
+        from pagedllm.layers.linear import onednn_available, pack_linears
+
+        if onednn_available():
+            pack_linears(model)
     logger.info("loaded %s (%.1fM params, %s%s, %s) in %.1fs", model_cls.__name__, n_params / 1e6, dtype,
                 f", weights {quantization}" if quantization else "", device, time.perf_counter() - t0)
     return model
