@@ -105,10 +105,11 @@ def _random_decode_batch(seed: int, nd: int, heads: int, kv_heads: int, head_dim
     return q, cache, meta
 
 
+@pytest.mark.parametrize("nd", [2, 11])  # few requests: a task per kv head; many: a task per request
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
-    (9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7)])
-def test_paged_decode_kernel_matches_the_torch_reference(heads, kv_heads, head_dim, block_size, window):
-    q, cache, meta = _random_decode_batch(0, 11, heads, kv_heads, head_dim, block_size)
+    (9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)])
+def test_paged_decode_kernel_matches_the_torch_reference(nd, heads, kv_heads, head_dim, block_size, window):
+    q, cache, meta = _random_decode_batch(0, nd, heads, kv_heads, head_dim, block_size)
     assert cpu_paged.kernel_applies(q, cache)
     ref = torch_ref._decode(q, cache, meta, 0.3, window)
     meta.scratch.clear()

@@ -31,7 +31,7 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("quant_matmul.c
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 # limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
-MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 16, 64, 256
+MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 32, 64, 256  # MAX_TASK_HEADS, MAX_BS, MAX_D
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
 
 
