@@ -27,7 +27,9 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("quant_matmul.c", "paged_attention.c")]
+_DIR = os.path.dirname(__file__)
+_SOURCES = [os.path.join(_DIR, f) for f in ("quant_matmul.c", "paged_attention.c", "elementwise.c")]
+_HEADERS = [os.path.join(_DIR, "vec_math.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 # limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
@@ -49,13 +51,18 @@ class Kernels:
         self._matmul8 = lib.int8_matmul
         self._dequant8 = lib.int8_dequantize
         self._attn = lib.paged_decode_attention
+        self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
+        self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+        self._silu_mul.argtypes = [p, p, i64, i64]
+        self._rotary.argtypes = [p, i64, p, p, p, i64, i64, i64]
         self._matmul.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._dequant.argtypes = [p, p, p, p, i64, i64]
         self._matmul8.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._dequant8.argtypes = [p, p, p, p, i64, i64]
         self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                                ctypes.c_int, p]
-        for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn):
+        for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn, self._norm,
+                   self._silu_mul, self._rotary):
             fn.restype = None
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -71,6 +78,29 @@ class Kernels:
         self._attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                    block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), starts.data_ptr(),
                    out.data_ptr(), nd, h, kvh, d, bs, scale, code, lut.data_ptr() if lut is not None else None)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x, residual: [T, n] float32 contiguous; x becomes x + residual in place; returns the norm."""
+        out = torch.empty_like(x)
+        self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                   out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2 I] float32 contiguous; returns silu(gate) * up, [T, I]."""
+        t, two_i = gate_up.shape
+        out = gate_up.new_empty(t, two_i // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] float32 with heads and dims contiguous (rows may be strided); cos, sin
+        [T, 1, D/2] contiguous; returns the rotated heads, contiguous."""
+        t, heads, d = x.shape
+        out = x.new_empty(t, heads, d)
+        self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, heads, d)
         return out
 
     def int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -113,7 +143,7 @@ def load() -> Kernels:
     cc = os.environ.get("CC", "cc")
     # -march=native: a cache shared between machines must not hand one CPU's build to another
     digest = hashlib.sha256(" ".join([cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode())
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             digest.update(f.read())
     out_dir = os.path.join(cache_root(), "kernels")
@@ -144,6 +174,13 @@ def _cpu_flags() -> str:
 
 class KernelBuildError(RuntimeError):
     pass
+
+
+def for_tensor(x: torch.Tensor) -> Kernels | None:
+    """The kernels where ``x`` is a float32 CPU tensor outside autograd and they could be built, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+        return None
+    return try_load()
 
 
 @functools.cache

@@ -19,9 +19,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 #define MAX_BS 64
 #define MAX_D 256
@@ -43,27 +41,6 @@ static inline const float *row(const void *base, int64_t off, int kv_dtype, cons
     return buf;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* e^x for x <= 0, eight at a time: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6
- * Taylor polynomial (relative error about 2e-7, as close to expf as summing the softmax needs). x is
- * clamped at -87, so weights below e^-87 come out as 1.6e-38 rather than 0. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
 
 /* Ask for the next block's K and V rows of one head (bs rows of row_bytes, stride elements apart) while
  * this block is scored: the rows are scattered (other heads lie between them, blocks anywhere), which
@@ -83,7 +60,7 @@ static inline void prefetch_block(const void *k, const void *v, int64_t off, int
 static inline float exp_shifted(const float *s, float m, float *p, int64_t lo, int64_t hi) {
     float sum = 0.f;
     int64_t t = lo;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef PAGEDLLM_AVX2
     __m256 vsum = _mm256_setzero_ps();
     const __m256 vm = _mm256_set1_ps(m);
     for (; t + 8 <= hi; t += 8) {
@@ -106,7 +83,7 @@ static inline float exp_shifted(const float *s, float m, float *p, int64_t lo, i
 static inline void scores(const float *qg, const float *const *krows, int64_t lo, int64_t hi, int64_t D,
                           float scale, float *s) {
     int64_t t = lo;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef PAGEDLLM_AVX2
     if (D % 8 == 0) {  /* eight rows at a time, reduced together: no horizontal sum per dot */
         for (; t + 8 <= hi; t += 8) {
             __m256 a[8];
@@ -135,7 +112,7 @@ static inline void scores(const float *qg, const float *const *krows, int64_t lo
 static inline void accumulate(float *acc, const float *p, const float *const *vrows, int64_t lo, int64_t hi,
                               int64_t D) {
     int64_t d0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef PAGEDLLM_AVX2
     for (; d0 + 64 <= D; d0 += 64) {  /* 64 sums held in registers over the block's rows */
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(acc + d0 + 8 * i);

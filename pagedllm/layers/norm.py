@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 (as transformers does), optionally fused with the residual add."""
@@ -13,6 +15,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        k = kernels.for_tensor(x)
+        if (k is not None and x.dim() == 2 and x.is_contiguous() and self.weight.dtype == torch.float32
+                and (residual is None or residual.is_contiguous())):
+            out = k.add_rms_norm(x, residual, self.weight, self.eps)  # one pass; the sum lands in x
+            return out if residual is None else (out, x)
         if residual is not None:
             x = x + residual
             residual = x

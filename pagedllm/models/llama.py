@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import kernels
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.norm import RMSNorm
@@ -64,7 +65,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        k = kernels.for_tensor(gate_up)
+        if k is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return self.down_proj(k.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

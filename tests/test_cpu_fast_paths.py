@@ -1,0 +1,102 @@
+"""The float32 CPU hot path: linears through oneDNN with weights packed at load
+(pagedllm/layers/linear.py) and the fused elementwise kernels (pagedllm/kernels/elementwise.c)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from utils import GreedyResult, check_greedy_close
+
+from pagedllm import LLM, SamplingParams, kernels
+from pagedllm.layers import linear
+from pagedllm.layers.linear import PackedLinear, onednn_available
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import apply_rotary
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("n", [576, 37])
+def test_fused_add_rms_norm_matches_torch(rows, n):
+    g = torch.Generator().manual_seed(n + rows)
+    norm = RMSNorm(n, eps=1e-5)
+    norm.weight.data = torch.randn(n, generator=g)
+    norm.requires_grad_(False)
+    x, res = torch.randn(rows, n, generator=g) * 3, torch.randn(rows, n, generator=g)
+    want_sum = x + res
+    want = norm.weight * want_sum * torch.rsqrt(want_sum.pow(2).mean(-1, keepdim=True) + 1e-5)
+    xc = x.clone()
+    out, new_res = norm(xc, res)
+    assert new_res.data_ptr() == xc.data_ptr()  # the fused kernel ran: the sum landed in x
+    torch.testing.assert_close(new_res, want_sum)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    alone = norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(norm(x), alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm(x.t().contiguous().t()), alone, rtol=1e-5, atol=1e-5)  # strided: torch path
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("inter", [1536, 13])
+def test_fused_silu_mul_matches_torch(rows, inter):
+    g = torch.Generator().manual_seed(inter + rows)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -30.0, 0.0])  # past the exp polynomial's clamps
+    gate, up = gate_up.split(inter, dim=-1)
+    torch.testing.assert_close(kernels.load().silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_fused_rotary_matches_torch(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 7 * 32, generator=g)
+    x = qkv[:, :5 * 32].view(tokens, 5, 32)  # rows strided, as the fused projection's q|k view is
+    ang = torch.rand(tokens, 1, 16, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x.chunk(2, dim=-1)
+    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    got = apply_rotary(x, cos, sin)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_packed_linear_matches_f_linear(bias, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    layer = PackedLinear(w, b)
+    x = torch.randn(rows, 40, generator=g)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(40, 3, 5, generator=g).permute(1, 2, 0)  # 3-D and not contiguous
+    torch.testing.assert_close(layer(xt), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
+
+
+def _greedy(llm: LLM) -> list[GreedyResult]:
+    prompts = [[(29 * i + 7 * j) % 4000 + 50 for j in range(4 + 11 * i)] for i in range(5)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [GreedyResult(o.outputs[0].token_ids,
+                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])  # biases, untied head / q-k norms, tied head
+def test_packed_engine_matches_unpacked(tiny_model_factory, monkeypatch, name):
+    """Every projection and the head (a packed copy of a tied embedding) go through oneDNN; greedy tokens
+    and logprobs are those of the same engine on PyTorch's F.linear, up to summation order."""
+    model = str(tiny_model_factory(name))
+    packed = LLM(model=model, num_gpu_blocks_override=64)
+    m = packed.llm_engine.core.runner.model
+    assert isinstance(m.layers[0].self_attn.qkv_proj, PackedLinear)
+    assert isinstance(m.layers[-1].mlp.down_proj, PackedLinear) and isinstance(m.lm_head, PackedLinear)
+    got = _greedy(packed)
+    del packed
+    monkeypatch.setattr(linear, "onednn_available", lambda: False)
+    plain = LLM(model=model, num_gpu_blocks_override=64)
+    assert type(plain.llm_engine.core.runner.model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
+    check_greedy_close(_greedy(plain), got, topk=5, logprob_atol=1e-4, names=("F.linear", "oneDNN"))
