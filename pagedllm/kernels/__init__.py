@@ -121,17 +121,21 @@ class Kernels:
            qweight.shape[0], x.shape[1])
         return y
 
-    def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-        return self._quant_dequantize(self._dequant, qweight, scales, mins, qweight.shape[1] * 2)
+    def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._quant_dequantize(self._dequant, qweight, scales, mins, qweight.shape[1] * 2, out)
 
-    def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-        return self._quant_dequantize(self._dequant8, qweight, scales, mins, qweight.shape[1])
+    def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._quant_dequantize(self._dequant8, qweight, scales, mins, qweight.shape[1], out)
 
     @staticmethod
-    def _quant_dequantize(fn, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                          k: int) -> torch.Tensor:
-        w = torch.empty(qweight.shape[0], k, dtype=torch.float32)
-        fn(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), qweight.shape[0], k)
+    def _quant_dequantize(fn, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int,
+                          out: torch.Tensor | None) -> torch.Tensor:
+        """Into ``out`` (float32, at least N * K elements, contiguous) when given, else a new tensor."""
+        n = qweight.shape[0]
+        w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[:n * k].view(n, k)
+        fn(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), n, k)
         return w
 
 

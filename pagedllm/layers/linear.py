@@ -11,10 +11,13 @@ linear``). It computes the same products in another summation order.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 
+@functools.cache
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
