@@ -100,3 +100,16 @@ def test_packed_engine_matches_unpacked(tiny_model_factory, monkeypatch, name):
     plain = LLM(model=model, num_gpu_blocks_override=64)
     assert type(plain.llm_engine.core.runner.model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
     check_greedy_close(_greedy(plain), got, topk=5, logprob_atol=1e-4, names=("F.linear", "oneDNN"))
+
+
+def test_kernels_propagate_nan_as_torch_does():
+    """The vector exp keeps NaN (clamping must not turn it into a finite weight)."""
+    k = kernels.load()
+    cache = torch.randn(2, 4, 16, 1, 64)
+    q = torch.full((1, 1, 64), float("nan"))
+    table, start = torch.tensor([[0, 1]]), torch.zeros(1, dtype=torch.long)
+    for seq_len in (16, 17):  # all eight-wide, and with a scalar tail
+        assert k.paged_decode_attention(q, cache, table, torch.tensor([seq_len]), start, 0.1).isnan().all()
+    gate_up = torch.ones(1, 32)
+    gate_up[0, 3] = float("nan")
+    assert k.silu_mul(gate_up).isnan().tolist() == [[i == 3 for i in range(16)]]

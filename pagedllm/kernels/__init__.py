@@ -165,7 +165,10 @@ def load() -> Kernels:
             raise KernelBuildError(f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n"
                                    f"{proc.stderr.strip()}")
         os.replace(tmp, path)  # atomic: a concurrent loader sees no file or a whole one
-    return Kernels(ctypes.CDLL(path))
+    try:
+        return Kernels(ctypes.CDLL(path))
+    except OSError as e:  # e.g. a cached build this system can no longer load
+        raise KernelBuildError(f"loading pagedllm's C kernels from {path} failed: {e}") from e
 
 
 def _cpu_flags() -> str:

@@ -9,7 +9,8 @@
  * polynomial (relative error about 2e-7, as close to expf as a softmax or SiLU needs). x is clamped
  * to [-87, 88], so e^x below e^-87 comes out as 1.6e-38 rather than 0. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    /* the constant first: max/min return their second operand for a NaN, so NaN stays NaN */
+    x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);

@@ -68,8 +68,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [T, heads, D] by per-token tables (rotate-half layout), in float32."""
     k = kernels.for_tensor(x)
-    if k is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() \
-            and sin.is_contiguous():
+    if k is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.shape == sin.shape \
+            == (x.shape[0], 1, x.shape[2] // 2) and cos.is_contiguous() and sin.is_contiguous():
         return k.rotary(x, cos, sin)
     dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)  # .float() / .to(): no copies for float32
