@@ -47,21 +47,18 @@ static float *group_sums(const float *x, int64_t M, int64_t K) {
 /* Group g of weight row n as 32 floats q (scale and min not applied): 4-bit nibbles or int8 bytes. */
 #ifdef __AVX2__
 static inline void unpack_group(const uint8_t *qw, int bits, int64_t n, int64_t g, int64_t K, __m256 w[4]) {
-    if (bits == 4) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(qw + n * (K / 2) + g * 16));
-        const __m128i low = _mm_set1_epi8(0x0F);
-        __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    if (bits == 4) {  /* bytes 0-7 and 8-15 widened to 32-bit lanes: low nibbles are elements j, high j + 16 */
+        const uint8_t *p = qw + n * (K / 2) + g * 16;
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
     } else {
-        __m128i b0 = _mm_loadu_si128((const __m128i *)(qw + n * K + g * GROUP));
-        __m128i b1 = _mm_loadu_si128((const __m128i *)(qw + n * K + g * GROUP + 16));
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
+        const int8_t *p = (const int8_t *)qw + n * K + g * GROUP;
+        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
     }
 }
 #else
