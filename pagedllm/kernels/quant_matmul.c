@@ -76,6 +76,17 @@ static inline void unpack_group(const uint8_t *qw, int bits, int64_t n, int64_t 
 }
 #endif
 
+#ifdef __AVX2__
+/* q_g . x_g for one unpacked group, over two chains */
+static inline __m256 group_dot(const __m256 w[4], const float *xg) {
+    __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+    __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(xg + 8));
+    a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a);
+    b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), b);
+    return _mm256_add_ps(a, b);
+}
+#endif
+
 /* y[m, n] = sum_g scale[n, g] * (q_g . x_g) + min[n, g] * sum(x_g), for 4- or 8-bit q */
 static inline void quant_matmul(int bits, const float *x, const uint8_t *qw, const float *scales,
                                 const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
@@ -88,21 +99,32 @@ static inline void quant_matmul(int bits, const float *x, const uint8_t *qw, con
             const int64_t mc = M - m0 < 4 ? M - m0 : 4;
             float dot[4] = {0.f, 0.f, 0.f, 0.f};
 #ifdef __AVX2__
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t g = 0; g < G; g++) {
-                __m256 w[4];
-                unpack_group(qw, bits, n, g, K, w);
-                __m256 s = _mm256_set1_ps(sc[g]);
-                for (int64_t i = 0; i < mc; i++) {  /* the group's dot over two chains, then scaled once */
-                    const float *xg = x + (m0 + i) * K + g * GROUP;
-                    __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
-                    __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(xg + 8));
-                    a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a);
-                    b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), b);
-                    acc[i] = _mm256_fmadd_ps(_mm256_add_ps(a, b), s, acc[i]);
+            if (mc == 1) {  /* one row (single-stream decode): two sums in registers, even and odd groups */
+                const float *xr = x + m0 * K;
+                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), w[4];
+                int64_t g = 0;
+                for (; g + 1 < G; g += 2) {
+                    unpack_group(qw, bits, n, g, K, w);
+                    acc0 = _mm256_fmadd_ps(group_dot(w, xr + g * GROUP), _mm256_set1_ps(sc[g]), acc0);
+                    unpack_group(qw, bits, n, g + 1, K, w);
+                    acc1 = _mm256_fmadd_ps(group_dot(w, xr + (g + 1) * GROUP), _mm256_set1_ps(sc[g + 1]), acc1);
                 }
+                if (g < G) {
+                    unpack_group(qw, bits, n, g, K, w);
+                    acc0 = _mm256_fmadd_ps(group_dot(w, xr + g * GROUP), _mm256_set1_ps(sc[g]), acc0);
+                }
+                dot[0] = hsum(_mm256_add_ps(acc0, acc1));
+            } else {
+                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t g = 0; g < G; g++) {
+                    __m256 w[4];
+                    unpack_group(qw, bits, n, g, K, w);
+                    const __m256 s = _mm256_set1_ps(sc[g]);
+                    for (int64_t i = 0; i < mc; i++)
+                        acc[i] = _mm256_fmadd_ps(group_dot(w, x + (m0 + i) * K + g * GROUP), s, acc[i]);
+                }
+                for (int64_t i = 0; i < mc; i++) dot[i] = hsum(acc[i]);
             }
-            for (int64_t i = 0; i < mc; i++) dot[i] = hsum(acc[i]);
 #else
             for (int64_t g = 0; g < G; g++) {
                 float w[GROUP];
