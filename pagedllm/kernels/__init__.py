@@ -1,14 +1,14 @@
 """Small C kernels PyTorch lacks on CPU, compiled on first use and loaded with ctypes.
 
-``quant_matmul.c`` (int4 / int8 weight-only matmuls) and ``paged_attention.c``
-(decode attention read in place from the paged cache) are built with the system
-C compiler (``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of
+``quant_matmul.c`` (int4 / int8 weight-only matmuls), ``paged_attention.c``
+(decode attention read in place from the paged cache) and ``elementwise.c``
+(fused residual add + RMSNorm, SiLU*mul, rotary) are built with the system C compiler (``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of
 sources, flags, compiler, CPU>.so``; later runs load the cached file. The build
 is for this machine (``-march=native``) and uses OpenMP from the libgomp PyTorch
 has already loaded, so the kernels' threads are PyTorch's.
 
-Without a working compiler, attention falls back to plain torch (one warning)
-and ``quantization`` is refused with the compiler's message.
+Without a working compiler, attention and the fused ops fall back to plain torch
+(one warning) and ``quantization`` is refused with the compiler's message.
 """
 
 from __future__ import annotations

@@ -41,10 +41,9 @@ static inline const float *row(const void *base, int64_t off, int kv_dtype, cons
     return buf;
 }
 
-
-/* Ask for the next block's K and V rows of one head (bs rows of row_bytes, stride elements apart) while
- * this block is scored: the rows are scattered (other heads lie between them, blocks anywhere), which
- * the hardware prefetcher does not follow. */
+/* Ask for the next block's K and V rows of a task's heads (bs rows of row_bytes, stride elements apart)
+ * while this block is scored: blocks lie anywhere in the cache, which the hardware prefetcher does not
+ * follow. */
 static inline void prefetch_block(const void *k, const void *v, int64_t off, int64_t bs, int64_t stride,
                                   int64_t row_bytes, int64_t esize) {
     for (int64_t t = 0; t < bs; t++) {

@@ -22,6 +22,11 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + b through oneDNN; ``weight`` is packed (``PackedLinear``) or a plain float32 [N, K]."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """y = x @ W.T + b with W held in oneDNN's blocked layout (float32, CPU)."""
 
@@ -33,7 +38,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return onednn_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed"
@@ -46,5 +51,5 @@ def pack_linears(model: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
                 setattr(module, name, PackedLinear(child.weight, child.bias))
-    if getattr(model, "lm_head", nn.Linear) is None and model.embed_tokens.weight.dtype == torch.float32:
+    if model.lm_head is None and model.embed_tokens.weight.dtype == torch.float32:
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import InvalidParameterError
-from pagedllm.layers.linear import onednn_available
+from pagedllm.layers.linear import onednn_available, onednn_linear
 
 GROUP = 32
 SMALL_BATCH = 8  # rows at most for the direct kernels; above, unpack once and use the BLAS GEMM
@@ -98,9 +98,7 @@ class _QuantLinear(nn.Module):
             return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
         if x.shape[0] > SMALL_BATCH:  # unpack into a buffer kept warm across calls, then a float32 GEMM
             w = self._dequantize(self.qweight, self.scales, self.mins, _scratch(self.out_features * self.in_features))
-            if onednn_available():
-                return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
-            return F.linear(x, w, self.bias)
+            return (onednn_linear if onednn_available() else F.linear)(x, w, self.bias)
         y = self._matmul(x.contiguous(), self.qweight, self.scales, self.mins)
         return y if self.bias is None else y.add_(self.bias)
 

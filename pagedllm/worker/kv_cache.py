@@ -7,14 +7,14 @@ import logging
 import torch
 
 from pagedllm.config import GiB, CacheConfig
+from pagedllm.worker.loader import DTYPES
 
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 
 
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -12,7 +12,7 @@ from pagedllm.models.registry import ModelRegistry
 
 logger = logging.getLogger("pagedllm")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -26,12 +26,12 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     if name != "auto":
-        return _DTYPES[name]
+        return DTYPES[name]
     if device.type == "cpu":
         return torch.float32  # fp32 matmuls are the fast, exact path on most CPUs
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(ckpt, str):
-        ckpt = _DTYPES.get(ckpt)
+        ckpt = DTYPES.get(ckpt)
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
