@@ -162,6 +162,29 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     assert sched.kv.pool.num_free_blocks == 16
 
 
+def test_aborted_waiting_requests_leave_the_queue_without_a_scan():
+    """Aborting queued requests is O(1) each: they leave the count at once and are never scheduled."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64),
+                      CacheConfig(block_size=BS), 64, 64)
+    leader = Request("p0", [1] * 6, SamplingParams(max_tokens=3), 3)
+    leader.pending_children = [Request(f"p{i}", [1] * 6, SamplingParams(max_tokens=3), 3, index=i)
+                               for i in range(1, 4)]
+    queued = [Request(f"q{i}", [i] * 6, SamplingParams(max_tokens=3), 3) for i in range(500)]
+    for r in [leader, *queued]:
+        sched.add_request(r)
+    assert sched.num_waiting_requests() == 1 + 3 + 500  # unforked n>1 siblings count as waiting
+    sched.abort_requests([f"q{i}" for i in range(0, 500, 2)] + ["p0", "p1", "p2", "p3"])
+    assert sched.num_waiting_requests() == 250 and len(sched.waiting) == 250
+    runner, scheduled = FakeRunner(64), set()
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        scheduled |= set(so.num_scheduled_tokens)
+        sched.update_from_output(so, runner.execute(so))
+        sched.check_invariants()
+    assert scheduled == {f"q{i}" for i in range(1, 500, 2)}
+    assert sched.num_waiting_requests() == 0 and sched.kv.pool.num_free_blocks == 64
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workloads_match_the_unconstrained_run(seed):
     rng = random.Random(seed)

@@ -15,6 +15,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,3 +231,67 @@ def check_greedy_close(ref: Sequence[_Generation], ours: Sequence[_Generation], 
 
 def _fmt(step: Mapping[int, Any]) -> str:
     return "{" + ", ".join(f"{t}: {_lp(v):.4f}" for t, v in sorted(step.items(), key=lambda kv: -_lp(kv[1]))) + "}"
+
+
+# -- a live server ---------------------------------------------------------------------
+
+MODEL = "tiny"  # the served model name of test servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`pagedllm serve` on a tiny model in a subprocess, on a free loopback port; healthy on return."""
+
+    def __init__(self, model_dir: str, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir, "--port", str(self.port),
+               "--served-model-name", MODEL, "--max-model-len", "256", "--num-gpu-blocks-override", "128",
+               "--uvicorn-log-level", "warning", *extra]
+        # a file, not a pipe: a pipe nobody reads would block the server once its logs fill it
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            import httpx
+
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def metric(self, name: str) -> float:
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics").text
+        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.returncode

@@ -86,6 +86,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._num_preemptions_reported = 0
         self._unsent: set[str] = set()  # running requests the runner has not been told about (forked children)
+        self._num_unforked = 0  # n>1 siblings registered but not yet forked off their leader's prompt
         self._pending_copies: list[tuple[int, int]] = []
 
     # -- request table --------------------------------------------------------
@@ -94,6 +95,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         for child in request.pending_children:
             self.requests[child.request_id] = child
+        self._num_unforked += len(request.pending_children)
         self.waiting.push(request)
 
     def abort_requests(self, req_ids: list[str]) -> list[Request]:
@@ -107,6 +109,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def num_waiting_requests(self) -> int:
+        """Requests not running yet, unforked n>1 siblings included; O(1)."""
+        return len(self.waiting) + self._num_unforked
 
     # -- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -207,6 +213,7 @@ class Scheduler:
         simply queues, and recomputes its prompt (prefix-cache hits still apply).
         """
         children, leader.pending_children = leader.pending_children, []
+        self._num_unforked -= len(children)
         for child in children:
             if child.status.finished:
                 continue
@@ -245,8 +252,11 @@ class Scheduler:
         self._unsent.discard(req.request_id)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)  # O(1): dropped lazily when it reaches the head
+        if req.pending_children:  # a leader gone before its prompt was computed: its siblings never fork
+            self._num_unforked -= len(req.pending_children)
+            req.pending_children = []
         req.status = status
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
@@ -280,7 +290,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         new_preemptions = self.num_preemptions - self._num_preemptions_reported
         self._num_preemptions_reported = self.num_preemptions
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+        return SchedulerStats(len(self.running), self.num_waiting_requests(), self.kv.usage(),
                               new_preemptions, self.kv.stats.reset())
 
     def check_invariants(self) -> None:
@@ -293,21 +303,28 @@ class Scheduler:
 
 
 class _WaitQueue:
-    """FCFS deque, or a heap ordered by (priority, arrival) for the priority policy."""
+    """FCFS deque, or a heap ordered by (priority, arrival) for the priority policy.
+
+    Removal is lazy: a removed request leaves the member set at once and its
+    entry is dropped when it reaches the head, so aborting any number of waiting
+    requests costs O(1) each and a step never scans the queue.
+    """
 
     def __init__(self, policy: str):
         self.fcfs = policy == "fcfs"
         self._dq: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []
+        self._members: set[int] = set()  # id() of the requests really queued
         self._counter = 0
 
     def __len__(self) -> int:
-        return len(self._dq) if self.fcfs else len(self._heap)
+        return len(self._members)
 
     def __contains__(self, req: Request) -> bool:
-        return req in self._dq if self.fcfs else any(e[3] is req for e in self._heap)
+        return id(req) in self._members
 
     def push(self, req: Request) -> None:
+        self._members.add(id(req))
         if self.fcfs:
             self._dq.append(req)
         else:
@@ -316,17 +333,29 @@ class _WaitQueue:
 
     def push_front(self, req: Request) -> None:
         # (priority, arrival) already puts a preempted request where it belongs in the heap
-        self._dq.appendleft(req) if self.fcfs else self.push(req)
+        if self.fcfs:
+            self._members.add(id(req))
+            self._dq.appendleft(req)
+        else:
+            self.push(req)
 
     def peek(self) -> Request:
+        self._drop_removed()
         return self._dq[0] if self.fcfs else self._heap[0][3]
 
     def pop(self) -> Request:
-        return self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
+        self._drop_removed()
+        req = self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
+        self._members.discard(id(req))
+        return req
 
     def remove(self, req: Request) -> None:
+        self._members.discard(id(req))
+
+    def _drop_removed(self) -> None:
         if self.fcfs:
-            self._dq.remove(req)
-        else:  # aborts only: rare enough for O(n)
-            self._heap = [e for e in self._heap if e[3] is not req]
-            heapq.heapify(self._heap)
+            while self._dq and id(self._dq[0]) not in self._members:
+                self._dq.popleft()
+        else:
+            while self._heap and id(self._heap[0][3]) not in self._members:
+                heapq.heappop(self._heap)

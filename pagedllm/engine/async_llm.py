@@ -1,11 +1,13 @@
 """AsyncLLM: the engine loop in a background thread, one async stream of outputs per request.
 
-Only the engine thread touches engine state. The event loop validates and
-tokenizes a request itself (so errors surface before a response starts), then
-hands the prepared request to the engine thread through a command queue;
-outputs come back through ``loop.call_soon_threadsafe`` into a per-request
-``asyncio.Queue``. Cancelling a stream (a client disconnect) aborts the request
-in the core, which frees its KV blocks on the next step.
+Only the engine thread touches engine state. Tokenization, chat templating and
+the fan-out of a request into its child requests (prompts x n) run on a worker
+thread (`prepare`), never on the event loop, so a large request cannot stall
+health probes or other clients. The prepared request is then admitted (every
+child counts against ``max_queue_len``) and handed to the engine thread through
+a command queue; outputs come back through ``loop.call_soon_threadsafe`` into a
+per-request ``asyncio.Queue``. Closing a stream (a client disconnect) aborts the
+request in the core, which frees its KV blocks on the next step.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, PreparedRequest
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import EngineDeadError, InvalidParameterError
 from pagedllm.outputs import RequestOutput
@@ -27,9 +30,48 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
+T = TypeVar("T")
+
 
 class QueueFullError(InvalidParameterError):
     """More requests are waiting than max_queue_len allows."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ``aclose()`` aborts it if it is unfinished.
+
+    Unlike an async generator, closing works before the first ``__anext__`` too,
+    so a request that is never read is still aborted and its blocks freed.
+    """
+
+    def __init__(self, owner: "AsyncLLM", request_id: str, q: asyncio.Queue):
+        self.owner, self.request_id, self._q = owner, request_id, q
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._q.get()
+        except BaseException:  # cancelled (client gone): abort before propagating
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise EngineDeadError(f"the engine loop has died: {item!r}") from item
+        if item.finished:
+            self._done = True
+            self.owner._forget(self.request_id)
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self.owner._forget(self.request_id)
+            self.owner.abort(self.request_id)
 
 
 class AsyncLLM:
@@ -41,8 +83,12 @@ class AsyncLLM:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
+        self._unapplied = 0  # children handed to the engine thread that it has not queued yet
         self._dead: BaseException | None = None
         self._stopping = False
+        # one thread: HF tokenizers are not safe to share across threads, and one is enough to
+        # keep the event loop free
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-prepare")
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -54,40 +100,57 @@ class AsyncLLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes. Raises at once on invalid input."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+    @property
+    def dead(self) -> BaseException | None:
+        return self._dead
+
+    def num_queued(self) -> int:
+        """Child requests accepted but not yet running (read without locking: an estimate)."""
+        return self._unapplied + self.engine.core.scheduler.num_waiting_requests()
+
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer-bound work (chat templates, tokenization) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    async def add_requests(self, prompts: Sequence[PromptType], params: SamplingParams, request_id: str | None = None,
+                           priority: int = 0) -> list[RequestStream]:
+        """Admit one user request of one or more prompts, all or nothing; a stream per prompt.
+
+        Raises at once on invalid input (InvalidParameterError) or a full queue
+        (QueueFullError), before anything reaches the engine.
+        """
+        self._check_alive()
         request_id = request_id or uuid.uuid4().hex
-        prepared = self.engine.make_request(request_id, prompt, sampling_params, priority)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        size = len(prompts) * params.n
+        self._check_room(size)  # a full queue answers before any tokenization
+        prepared: list[PreparedRequest] = await self.prepare(
+            lambda: [self.engine.make_request(rid, p, params, priority) for rid, p in zip(ids, prompts)])
+        self._check_alive()
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        streams = []
         with self._lock:
-            if request_id in self._streams:
-                raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
-            # in flight but not running = queued (reading the list's length from here is safe)
-            waiting = len(self._streams) - len(self.engine.core.scheduler.running)
-            if self.max_queue_len is not None and waiting >= self.max_queue_len:
-                raise QueueFullError(f"the request queue is full ({waiting} waiting, max_queue_len="
-                                     f"{self.max_queue_len}); retry later", "max_queue_len")
-            self._streams[request_id] = (loop, q)
+            self._check_room(size)
+            clash = [rid for rid in ids if rid in self._streams]
+            if clash:
+                raise InvalidParameterError(f"request id {clash[0]!r} is already in use", "request_id")
+            for rid in ids:
+                q: asyncio.Queue = asyncio.Queue()
+                self._streams[rid] = (loop, q)
+                streams.append(RequestStream(self, rid, q))
+            self._unapplied += size
         self._commands.put(("add", prepared))
-        finished = False
+        return streams
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0):
+        """Yield cumulative outputs of one prompt until it finishes. Raises at once on invalid input."""
+        (stream,) = await self.add_requests([prompt], sampling_params, request_id, priority)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine loop has died: {item!r}") from item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in stream:
+                yield out
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
+            await stream.aclose()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -96,15 +159,38 @@ class AsyncLLM:
         self._stopping = True
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+
+    def _check_room(self, size: int) -> None:
+        limit = self.max_queue_len
+        if limit is None:
+            return
+        if 0 < limit < size:  # could never be admitted: the client must split it, not retry
+            raise InvalidParameterError(
+                f"this request asks for {size} sequences (prompts x n), more than the server's queue holds "
+                f"(max_queue_len={limit})", "n")
+        queued = self.num_queued()
+        if queued + size > limit:
+            raise QueueFullError(f"the request queue is full ({queued} sequences waiting, this request adds "
+                                 f"{size}, max_queue_len={limit}); retry later", "max_queue_len")
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     # -- the engine thread ------------------------------------------------------
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            prepared = cmd[1]
-            with self._lock:
-                alive = prepared.request_id in self._streams
-            if alive:  # the client may have gone before we got here
-                self.engine.add_prepared_request(prepared)
+            for prepared in cmd[1]:
+                with self._lock:
+                    self._unapplied -= len(prepared.children)
+                    alive = prepared.request_id in self._streams
+                if alive:  # the client may have gone before we got here
+                    self.engine.add_prepared_request(prepared)
         elif cmd[0] == "abort":
             self.engine.abort_request([cmd[1]])
 
@@ -128,8 +214,7 @@ class AsyncLLM:
                     with self._lock:
                         target = self._streams.get(out.request_id)
                     if target is not None:
-                        loop, q = target
-                        loop.call_soon_threadsafe(q.put_nowait, out)
+                        _deliver(target, out)
                 if self.on_step is not None:
                     self.on_step(self.engine, outputs)
         except BaseException as e:  # make every waiting stream fail instead of hanging
@@ -137,5 +222,13 @@ class AsyncLLM:
             self._dead = e
             with self._lock:
                 targets = list(self._streams.values())
-            for loop, q in targets:
-                loop.call_soon_threadsafe(q.put_nowait, e)
+            for target in targets:
+                _deliver(target, e)
+
+
+def _deliver(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
+    loop, q = target
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # that event loop has closed (shutdown): nobody is listening
+        pass

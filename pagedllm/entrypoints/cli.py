@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -81,9 +82,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.server import build_app
     from pagedllm.model_loader import DEFAULT_MODEL_NAME, resolve_model
 
+    limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
     kwargs = engine_kwargs(args)
     config = EngineConfig.from_kwargs(**kwargs)  # bad flags and missing models fail here, before the socket opens
     resolve_model(config.model_config.model)
@@ -100,7 +103,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return engine
 
     app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes)
+                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     _graceful_server_class()(uv_config).run()
@@ -125,6 +128,15 @@ def _graceful_server_class():
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     return GracefulServer
+
+
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.limits import RequestLimits
+
+    group = parser.add_argument_group("request limits (a request over one gets a 400 naming the field)")
+    for f in dataclasses.fields(RequestLimits):
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=int, default=f.default,
+                           help=f"{f.metadata['help']} (default: {f.default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,14 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
                                                      "(or set PAGEDLLM_API_KEY)")
-    srv.add_argument("--max-queue-len", type=int, default=None,
-                     help="most queued requests; beyond it the server answers 503 with Retry-After")
+    srv.add_argument("--max-queue-len", type=int, default=1024,
+                     help="most queued sequences (each prompt x n of a request counts); beyond it the server "
+                          "answers 503 with Retry-After (default: 1024)")
     srv.add_argument("--chat-template", default=None, help="chat template (a file or the template text)")
     srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for in-flight requests")
     srv.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    _add_limit_args(srv)
     add_engine_args(srv, positional_model=True)
     srv.set_defaults(func=_cmd_serve)
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import __version__
-from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
+from pagedllm.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
 from pagedllm.entrypoints.openai import protocol as P
+from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.errors import EngineDeadError, InvalidParameterError
 from pagedllm.outputs import RequestOutput
@@ -40,21 +44,105 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+# Bodies larger than this are parsed on a worker thread, so parsing never stalls the event loop.
+_OFF_LOOP_JSON_BYTES = 64 << 10
+
+
+class BodyError(HTTPException):
+    """A body that cannot be accepted as it is: unparsable, or over a request limit."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(status, message)
+        self.param = param
+
+
+class _Request(Request):
+    """Parses JSON and checks the request limits on it, on a worker thread when the body is large."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            limits = self.scope["app"].state.server.limits
+            self._json = (await asyncio.to_thread(_parse_body, body, limits) if len(body) > _OFF_LOOP_JSON_BYTES
+                          else _parse_body(body, limits))
+        return self._json
+
+
+def _parse_body(body: bytes, limits: RequestLimits) -> Any:
+    try:
+        obj = json.loads(body)  # a json.JSONDecodeError becomes FastAPI's json_invalid, with its position
+    except RecursionError:
+        raise BodyError(400, "the JSON body is nested too deeply") from None
+    except UnicodeDecodeError as e:
+        raise BodyError(400, f"the body is not valid UTF-8 (invalid byte at position {e.start})") from None
+    try:
+        limits.check(obj)
+    except InvalidParameterError as e:
+        raise BodyError(400, str(e), e.param) from None
+    return obj
+
+
+class _Route(APIRoute):
+    """FastAPI's route, reading JSON bodies through :class:`_Request`."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_Request(request.scope, request.receive))
+
+        return route
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for a body over the limit, counted as it streams in (chunked bodies
+    have no Content-Length to check up front); 400 for a body that is not JSON."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(413, f"request body of {int(length)} bytes exceeds the limit of "
+                                             f"{self.max_bytes} bytes", "request_too_large")(scope, receive, send)
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
+            return await error_response(400, f"Content-Type must be application/json, got "
+                                             f"{ctype.decode('latin-1')!r}", "invalid_request_error")(
+                scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise BodyError(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
 class ServerState:
     """What the endpoints share; `llm` is None until the engine has loaded."""
 
-    def __init__(self, served_model_name: str, api_key: str | None, max_body_bytes: int):
+    def __init__(self, served_model_name: str, api_key: str | None, limits: RequestLimits):
         self.served_model_name = served_model_name
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self.llm: AsyncLLM | None = None
         self.metrics = ServerMetrics(served_model_name)
         self.load_error: BaseException | None = None
 
 
 def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
-              max_queue_len: int | None = None, max_body_bytes: int = 16 << 20) -> FastAPI:
-    state = ServerState(served_model_name, api_key, max_body_bytes)
+              max_queue_len: int | None = None, max_body_bytes: int = 16 << 20,
+              limits: RequestLimits | None = None) -> FastAPI:
+    state = ServerState(served_model_name, api_key, limits or RequestLimits())
 
     def load() -> None:
         try:
@@ -75,14 +163,12 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             state.llm.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app.router.route_class = _Route
     app.state.server = state
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-            return error_response(413, f"request body of {length} bytes exceeds the limit of "
-                                       f"{state.max_body_bytes} bytes", "request_too_large")
         if state.api_key is not None and request.url.path.startswith("/v1"):
             supplied = request.headers.get("authorization", "")
             expected = f"Bearer {state.api_key}"
@@ -94,10 +180,19 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     async def _validation(_: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, _json_error_message(exc.body, first), "invalid_request_error")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
                         for e in errs[:5])
         return error_response(400, msg or "invalid request", "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        """Body errors (ours and FastAPI's) and unknown routes, in the OpenAI error shape."""
+        type_ = {404: "NotFoundError", 413: "request_too_large"}.get(exc.status_code, "invalid_request_error")
+        return error_response(exc.status_code, str(exc.detail), type_, getattr(exc, "param", None),
+                              getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError):
@@ -130,7 +225,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     # -- probes and info --------------------------------------------------------
     @app.get("/health")
     async def health():
-        if state.llm is None or state.llm._dead is not None:
+        if state.llm is None or state.llm.dead is not None:
             return error_response(503, "not ready" if state.load_error is None else str(state.load_error),
                                   "model_loading" if state.load_error is None else "engine_dead")
         return Response(status_code=200)
@@ -158,9 +253,9 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             raise APIError(400, "give exactly one of `prompt` or `messages`", "invalid_request_error", "prompt")
         tok = llm.tokenizer
         if req.messages is not None:
-            ids = _chat_ids(tok, req.messages, None, req.add_generation_prompt, None)
+            ids = await llm.prepare(_chat_ids, tok, req.messages, None, req.add_generation_prompt, None)
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await llm.prepare(lambda: tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return P.TokenizeResponse(count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse)
@@ -171,22 +266,21 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "invalid_request_error", "tokens")
-        return P.DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
+        return P.DetokenizeResponse(prompt=await llm.prepare(llm.tokenizer.decode, req.tokens))
 
     # -- completions --------------------------------------------------------------
     @app.post("/v1/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request):
         llm = engine()
         check_model(req.model)
-        params = req.to_sampling_params()
         prompts = _completion_prompts(req.prompt)
+        params = req.to_sampling_params()
         rid = P.random_id("cmpl")
-        streams = [llm.generate(p, params, f"{rid}-{i}", req.priority) for i, p in enumerate(prompts)]
-        first = await _start_all(streams)
+        streams = await llm.add_requests(prompts, params, rid, req.priority)
         tok = llm.tokenizer
         if req.stream:
-            return _sse(_completion_chunks(rid, state.served_model_name, req, streams, first, tok))
-        finals = await _run_to_end(streams, first, raw)
+            return _sse(_completion_chunks(rid, state.served_model_name, req, streams, tok))
+        finals = await _run_to_end(streams, raw)
         choices = []
         for i, out in enumerate(finals):
             prefix = (out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)) if req.echo else ""
@@ -204,15 +298,13 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         llm = engine()
         check_model(req.model)
         params = req.to_sampling_params()
-        ids = _chat_ids(llm.tokenizer, req.messages, req.chat_template, req.add_generation_prompt,
-                        req.chat_template_kwargs)
+        ids = await llm.prepare(_chat_ids, llm.tokenizer, req.messages, req.chat_template,
+                                req.add_generation_prompt, req.chat_template_kwargs)
         rid = P.random_id("chatcmpl")
-        streams = [llm.generate({"prompt_token_ids": ids}, params, rid, req.priority)]
-        first = await _start_all(streams)
-        tok = llm.tokenizer
+        streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority)
         if req.stream:
-            return _sse(_chat_chunks(rid, state.served_model_name, req, streams[0], first[0], tok))
-        finals = await _run_to_end(streams, first, raw)
+            return _sse(_chat_chunks(rid, state.served_model_name, req, streams[0]))
+        finals = await _run_to_end(streams, raw)
         choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                 logprobs=_chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None)
@@ -237,6 +329,17 @@ def _completion_prompts(prompt: Any) -> list[Any]:
     if all(isinstance(x, list) for x in prompt):
         return [{"prompt_token_ids": x} for x in prompt]
     raise APIError(400, "prompt must be a string, a list of strings, or token ids", "invalid_request_error", "prompt")
+
+
+def _json_error_message(doc: Any, err: dict) -> str:
+    """'malformed JSON body at line L, column C (character P): reason', positions as a user counts them."""
+    pos = err.get("loc", (None, None))[-1]
+    reason = (err.get("ctx") or {}).get("error", "invalid JSON")
+    if not isinstance(pos, int) or not isinstance(doc, str):
+        return f"malformed JSON body: {reason}"
+    line = doc.count("\n", 0, pos) + 1
+    column = pos - (doc.rfind("\n", 0, pos) + 1) + 1
+    return f"malformed JSON body at line {line}, column {column} (character {pos + 1}): {reason}"
 
 
 def _chat_ids(tok: Any, messages: list[P.ChatMessage], template: str | None, add_generation_prompt: bool,
@@ -264,30 +367,18 @@ def _chat_ids(tok: Any, messages: list[P.ChatMessage], template: str | None, add
     return tok.encode(text, add_special_tokens=False)
 
 
-async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput | None]:
-    """Pull the first output of every stream, so bad input raises before a response starts."""
-    firsts: list[RequestOutput | None] = []
-    try:
-        for s in streams:
-            firsts.append(await anext(s, None))
-    except BaseException:
-        for s in streams:
-            await s.aclose()
-        raise
-    return firsts
-
-
-async def _run_to_end(streams, firsts, raw: Request) -> list[RequestOutput]:
+async def _run_to_end(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
     """Collect final outputs; abort everything if the client goes away meanwhile."""
-    async def drain(s, last):
+    async def drain(s):
+        last = None
         async for out in s:
             last = out
         return last
 
-    tasks = [asyncio.ensure_future(drain(s, f)) for s, f in zip(streams, firsts)]
+    tasks = [asyncio.ensure_future(drain(s)) for s in streams]
     try:
         while not all(t.done() for t in tasks):
-            done, _ = await asyncio.wait(tasks, timeout=0.5)
+            await asyncio.wait(tasks, timeout=0.5)
             if await raw.is_disconnected():
                 raise asyncio.CancelledError("client disconnected")
         return [t.result() for t in tasks]
@@ -341,22 +432,18 @@ def _data(obj: Any) -> str:
     return f"data: {obj.model_dump_json(exclude_unset=False)}\n\n"
 
 
-async def _merge(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several output streams as outputs arrive, tagged by their index."""
     q: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i, s, first):
+    async def pump(i, s):
         try:
-            if first is not None:
-                await q.put((i, first))
-                if first.finished:
-                    return
             async for out in s:
                 await q.put((i, out))
         finally:
             await q.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     live = len(tasks)
     try:
         while live:
@@ -372,12 +459,12 @@ async def _merge(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
             await s.aclose()
 
 
-async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, firsts, tok) -> AsyncIterator[str]:
+async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, tok) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in _merge(streams, firsts):
+    async for i, out in _merge(streams):
         for c in out.outputs:
             idx = i * req.n + c.index
             if idx in done:
@@ -404,14 +491,14 @@ async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, firs
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, first, tok) -> AsyncIterator[str]:
+async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream) -> AsyncIterator[str]:
     yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[
         P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")) for j in range(req.n)]))
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     final = None
-    async for _, out in _merge([stream], [first]):
+    async for _, out in _merge([stream]):
         for c in out.outputs:
             if c.index in done:
                 continue
