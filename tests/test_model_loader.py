@@ -236,6 +236,50 @@ def test_gguf_config_matches_transformers_and_is_cached(default_src: ModelSource
     assert first.to_dict() == second.to_dict()
 
 
+def _assert_fast_config_dict_is_transformers_own(path: str) -> None:
+    """Our reading of the config metadata equals transformers' legacy (full-parse) reading."""
+    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from pagedllm.model_loader.gguf_loader import gguf_config_dict
+
+    assert gguf_config_dict(*read_gguf_metadata(path)) == load_gguf_checkpoint(path)["config"]
+
+
+def test_default_gguf_fast_config_dict_is_transformers_own(default_src: ModelSource) -> None:
+    _assert_fast_config_dict_is_transformers_own(default_src.path)
+
+
+def test_fast_gguf_weights_equal_gguf_dequantize(default_src: ModelSource) -> None:
+    """Q4_1 / Q8_0 blocks widened by torch give exactly gguf's float32 values."""
+    from gguf.quants import dequantize
+
+    from pagedllm.model_loader.gguf_loader import _iter_raw_tensors, _q_blocks, _widen
+
+    kinds = set()
+    for _, name, qtype, data, unpermute in _iter_raw_tensors(default_src.path):
+        block = _q_blocks(data, qtype, unpermute)
+        if block is None:
+            continue
+        kinds.add(qtype.name)
+        want = np.ascontiguousarray(unpermute(dequantize(data, qtype)), dtype=np.float32)
+        assert torch.equal(_widen(*block), torch.from_numpy(want)), name
+    assert kinds == {"Q4_1", "Q8_0"}
+
+
+def test_q4_0_blocks_widen_like_gguf() -> None:
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    from pagedllm.model_loader.gguf_loader import _identity, _q_blocks, _widen
+
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        data = quantize(w, qtype)
+        assert torch.equal(_widen(*_q_blocks(data, qtype, _identity)),
+                           torch.from_numpy(dequantize(data, qtype).astype(np.float32))), qtype.name
+
+
 def _without_name(config) -> dict:
     return {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
 
@@ -294,6 +338,7 @@ def test_gguf_round_trip_restores_hf_weights(tmp_path: Path, kind: str, tie: boo
     config = load_config(src)
     assert config.model_type == kind
     assert config.tie_word_embeddings is tie
+    _assert_fast_config_dict_is_transformers_own(str(path))
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "vocab_size"):
         assert getattr(config, key) == getattr(model.config, key), key
@@ -417,6 +462,25 @@ def test_gguf_tokenizer_cache_round_trips(default_src: ModelSource, isolated_cac
     # SmolLM2's GGUF does not add BOS, and neither does transformers' conversion.
     assert cached("Hello world").input_ids == [19556, 905]
     assert cached.chat_template is not None and "<|im_start|>" in cached.chat_template
+
+
+def test_fast_gguf_tokenizer_conversion_equals_transformers_own(default_src: ModelSource, tmp_path: Path) -> None:
+    """Our conversion (transformers' with its fast metadata reader) writes the same files as the plain one."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.model_loader.tokenizer import convert_gguf_tokenizer
+
+    want = AutoTokenizer.from_pretrained(os.path.dirname(default_src.path),
+                                         gguf_file=os.path.basename(default_src.path))
+    got = convert_gguf_tokenizer(default_src.path)
+    assert type(got) is type(want)
+    got.save_pretrained(tmp_path / "got")
+    want.save_pretrained(tmp_path / "want")
+    names = sorted(p.name for p in (tmp_path / "want").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "got").iterdir())
+    for name in names:
+        assert (tmp_path / "got" / name).read_bytes() == (tmp_path / "want" / name).read_bytes(), name
+    _assert_same_tokenizer(got, want)
 
 
 def test_hf_dir_and_explicit_tokenizer_paths(tmp_path: Path, default_src: ModelSource) -> None:

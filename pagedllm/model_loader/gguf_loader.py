@@ -13,8 +13,10 @@ Two GGUF quirks matter:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
+import threading
 import os
 import re
 import struct
@@ -216,9 +218,10 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     check_supported(header.architecture, path)
 
     def build() -> transformers.PretrainedConfig:
-        return AutoConfig.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-        )
+        with fast_transformers_gguf_metadata(header.architecture):
+            return AutoConfig.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+            )
 
     config = cache.load_or_build(
         "configs",
@@ -231,6 +234,54 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     config.tie_word_embeddings = "output.weight" not in header.tensor_shapes
     config.name_or_path = path
     return config
+
+
+def gguf_config_dict(metadata: dict[str, Any], tensor_names: tuple[str, ...]) -> dict[str, Any]:
+    """The config dict transformers' ``load_gguf_checkpoint`` derives for a llama / qwen2 / qwen3 file.
+
+    Same key mapping, defaults and special cases, but from the metadata of
+    transformers' fast reader (``read_gguf_metadata``): the legacy path parses
+    every vocabulary string with ``gguf.GGUFReader`` first, which takes seconds.
+    Tested equal to ``load_gguf_checkpoint(path)["config"]``.
+    """
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = metadata["general.architecture"]
+    # transformers tests membership in the list of names: only a file named exactly "mistral"
+    updated = "mistral" if "llama" in arch and metadata.get("general.name") == "mistral" else arch
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch)
+                       or {}).items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, config_key = key.replace(arch, updated).partition(".")
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        if renamed is not None and renamed != -1:
+            config[renamed] = value
+    config.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))  # the reader gives its length
+    return config
+
+
+_FAST_METADATA_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def fast_transformers_gguf_metadata(arch: str) -> Iterator[None]:
+    """While transformers builds a config or tokenizer from one of our GGUF architectures, let it read
+    the config through :func:`gguf_config_dict` (its fast path) instead of its legacy full parse."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+
+    with _FAST_METADATA_LOCK:
+        added = arch in SUPPORTED_GGUF_ARCHITECTURES and arch not in GGUF_CONFIG_ARCHS
+        if added:
+            GGUF_CONFIG_ARCHS[arch] = gguf_config_dict
+        try:
+            yield
+        finally:
+            if added:
+                GGUF_CONFIG_ARCHS.pop(arch, None)
 
 
 # ----------------------------------------------------------------------------
@@ -303,12 +354,21 @@ def _identity(x: np.ndarray) -> np.ndarray:
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time."""
+    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time.
+
+    Q4_0 / Q4_1 / Q8_0 blocks are widened by torch (multi-threaded, the same
+    float32 values as ``gguf.quants.dequantize``, several times faster); other
+    types go through ``gguf``.
+    """
     import numpy as np
     import torch
     from gguf.quants import dequantize
 
     for name_in_file, name, qtype, data, unpermute in _iter_raw_tensors(path):
+        block = _q_blocks(data, qtype, unpermute)
+        if block is not None:
+            yield name, _widen(*block)
+            continue
         try:
             w = dequantize(data, qtype)
         except NotImplementedError as e:
@@ -332,25 +392,46 @@ def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor,
     ``("int4", (packed [N, K/2] uint8, scales [N, K/32], mins))`` or
     ``("int8", (int8 [N, K], scales [N, K/32], mins = 0))``.
     """
+    out: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = {}
+    for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
+        block = _q_blocks(data, qtype, unpermute)
+        if block is not None:
+            out[name] = block
+    return out
+
+
+def _q_blocks(data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
+              ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """One Q4_0 / Q4_1 / Q8_0 tensor's rows of blocks in pagedllm's layout (see above); None for other types."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType as T
 
+    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0):
+        return None
+
     def f16(raw: np.ndarray) -> np.ndarray:
         return raw.copy().view(np.float16)[..., 0].astype(np.float32)
 
-    out: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = {}
-    for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
-        if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0):
-            continue
-        n = data.shape[0]
-        head = {T.Q4_1: 4, T.Q4_0: 2, T.Q8_0: 2}[qtype]
-        blocks = unpermute(np.asarray(data)).reshape(n, -1, head + (32 if qtype == T.Q8_0 else 16))
-        d = f16(blocks[..., 0:2])
-        q = torch.from_numpy(np.ascontiguousarray(blocks[..., head:]).reshape(n, -1))
-        if qtype == T.Q8_0:
-            out[name] = ("int8", (q.view(torch.int8), torch.from_numpy(d), torch.zeros(d.shape)))
-        else:
-            m = f16(blocks[..., 2:4]) if qtype == T.Q4_1 else -8 * d
-            out[name] = ("int4", (q, torch.from_numpy(d), torch.from_numpy(m)))
-    return out
+    n = data.shape[0]
+    head = {T.Q4_1: 4, T.Q4_0: 2, T.Q8_0: 2}[qtype]
+    blocks = unpermute(np.asarray(data)).reshape(n, -1, head + (32 if qtype == T.Q8_0 else 16))
+    d = f16(blocks[..., 0:2])
+    q = torch.from_numpy(np.ascontiguousarray(blocks[..., head:]).reshape(n, -1))
+    if qtype == T.Q8_0:
+        return "int8", (q.view(torch.int8), torch.from_numpy(d), torch.zeros(d.shape))
+    m = f16(blocks[..., 2:4]) if qtype == T.Q4_1 else -8 * d
+    return "int4", (q, torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _widen(kind: str, block: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """float32 [N, K] of blocks from :func:`_q_blocks`: ``q * scale + min`` per group of 32."""
+    import torch
+
+    q, scales, mins = block
+    n, groups = scales.shape
+    if kind == "int4":  # byte j of a group: element j in the low nibble, j + 16 in the high one
+        q = q.view(n, groups, 16)
+        q = torch.cat([q & 0xF, q >> 4], dim=-1)
+    w = q.view(n, groups, 32).float().mul_(scales[..., None]).add_(mins[..., None])
+    return w.view(n, groups * 32)

@@ -2,9 +2,12 @@
 
 For GGUF files ``transformers`` rebuilds a fast tokenizer from the embedded
 vocabulary and merges; almost all of the seconds that takes go into
-``gguf.GGUFReader`` parsing ~100k vocabulary/merge strings into numpy views,
-plus the BPE conversion. The result is saved to the pagedllm cache (see
-``cache.py``) and later loads read only ``tokenizer.json`` (~0.2 s).
+``gguf.GGUFReader`` parsing ~100k vocabulary/merge strings into numpy views
+(transformers' legacy config reader, used to pick the tokenizer class), so the
+config is read through its fast reader instead
+(:func:`~pagedllm.model_loader.gguf_loader.fast_transformers_gguf_metadata`):
+a first conversion takes well under a second. The result is saved to the
+pagedllm cache (see ``cache.py``) and later loads read only ``tokenizer.json``.
 Whatever transformers' GGUF tokenizer does (e.g. no BOS for SmolLM2) is the
 reference behaviour; the cached copy is saved and reloaded by transformers
 itself, so ids, special tokens and the chat template are preserved.
@@ -51,10 +54,16 @@ def convert_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     """transformers' own GGUF tokenizer conversion, uncached (the reference)."""
     from transformers import AutoTokenizer
 
-    from pagedllm.model_loader.gguf_loader import check_supported, read_gguf_header
+    from pagedllm.model_loader.gguf_loader import (
+        check_supported,
+        fast_transformers_gguf_metadata,
+        read_gguf_header,
+    )
 
     # Fail fast and clearly before transformers' own (slower, vaguer) checks.
-    check_supported(read_gguf_header(path).architecture, path)
-    return AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-    )
+    arch = read_gguf_header(path).architecture
+    check_supported(arch, path)
+    with fast_transformers_gguf_metadata(arch):
+        return AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+        )

@@ -93,6 +93,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    checkpoint_sets_every_parameter = True  # load_weights raises on a missing one: no random init needed
     qkv_bias_default = False
     qk_norm = False
     sliding_window_by_default = False  # Mistral applies config.sliding_window to every layer

@@ -46,8 +46,14 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
 
     t0 = time.perf_counter()
     model_cls = ModelRegistry.resolve_for_config(hf_config)
-    with torch.device(device):
-        model = model_cls(hf_config)
+    if getattr(model_cls, "checkpoint_sets_every_parameter", False):
+        # skip random initialisation: load_weights overwrites every parameter (or raises)
+        with torch.device("meta"):
+            model = model_cls(hf_config)
+        model.to_empty(device=device)
+    else:
+        with torch.device(device):
+            model = model_cls(hf_config)
     model.load_weights(iter_weights(source))
     model.to(dtype=dtype)
     model.eval()
