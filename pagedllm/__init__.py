@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+from pagedllm.logger import configure_logging as _configure_logging  # noqa: E402
+
+_configure_logging()
+
 _LAZY = {
     "LLM": "pagedllm.entrypoints.llm",
     "LLMEngine": "pagedllm.engine.llm_engine",

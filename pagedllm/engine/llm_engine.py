@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -27,24 +31,36 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from pagedllm.model_loader import load_config, load_tokenizer, resolve_model
 
+        t0 = time.perf_counter()
         self.config = config
+        self.startup_stages: dict[str, float] = {}  # seconds per start-up stage, in order
+        stage = functools.partial(_stage, self.startup_stages)
         mc, cc = config.model_config, config.cache_config
         self.source = resolve_model(mc.model)
-        self.hf_config = load_config(self.source)
-        self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
         self.device = resolve_device(mc.device)
-        self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization)
+        if self.device.type == "cpu":
+            from pagedllm import kernels
 
-        num_kv_heads, head_dim = model.kv_cache_shape_per_layer
-        num_layers = len(model.layers)
-        self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
-        per_block = kv_cache.bytes_per_block(num_layers, cc.block_size, num_kv_heads, head_dim, self.kv_cache_dtype)
-        peak = self._profile_peak(model) if self.device.type == "cuda" else None
-        num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, per_block, peak)
-        self.max_model_len = self._resolve_max_model_len(num_blocks)
-        caches = kv_cache.allocate_kv_caches(num_layers, num_blocks, cc.block_size, num_kv_heads, head_dim,
-                                             self.kv_cache_dtype, self.device)
+            kernels.build_in_background()  # the compiler runs while the config and tokenizer load
+        logger.info("loading %s from %s", self.source.name, self.source.path)
+        with stage("config"):
+            self.hf_config = load_config(self.source)
+        self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
+        with stage("tokenizer"):
+            self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
+        model = self._load_model()
+
+        with stage("kv_cache"):
+            num_kv_heads, head_dim = model.kv_cache_shape_per_layer
+            num_layers = len(model.layers)
+            self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
+            per_block = kv_cache.bytes_per_block(num_layers, cc.block_size, num_kv_heads, head_dim,
+                                                 self.kv_cache_dtype)
+            peak = self._profile_peak(model) if self.device.type == "cuda" else None
+            num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, per_block, peak)
+            self.max_model_len = self._resolve_max_model_len(num_blocks)
+            caches = kv_cache.allocate_kv_caches(num_layers, num_blocks, cc.block_size, num_kv_heads, head_dim,
+                                                 self.kv_cache_dtype, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s); max_model_len %d; max concurrency %.1fx",
                     num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.kv_cache_dtype, self.max_model_len,
                     num_blocks * cc.block_size / self.max_model_len)
@@ -56,6 +72,19 @@ class LLMEngine:
                                    mc.max_logprobs, self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info("engine ready in %.1fs (%s)", self.startup_seconds,
+                    ", ".join(f"{name} {sec:.1f}s" for name, sec in self.startup_stages.items()))
+
+    def _load_model(self) -> torch.nn.Module:
+        mc = self.config.model_config
+        if self.device.type == "cpu":
+            from pagedllm import kernels
+
+            with _stage(self.startup_stages, "kernels"):  # waits for the background build, if still compiling
+                kernels.try_load()
+        return load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
+                          stages=self.startup_stages)
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -163,6 +192,13 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         s = self.core.scheduler
         return len(s.running) + len(s.waiting)
+
+
+@contextlib.contextmanager
+def _stage(stages: dict[str, float], name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    yield
+    stages[name] = stages.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclasses.dataclass(slots=True)

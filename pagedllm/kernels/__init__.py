@@ -22,6 +22,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 
 import torch
 
@@ -139,6 +141,9 @@ class Kernels:
         return w
 
 
+_BUILD_LOCK = threading.Lock()
+
+
 @functools.cache
 def load() -> Kernels:
     """Build (once per source version) and load the kernels; raises KernelBuildError when that fails."""
@@ -152,23 +157,44 @@ def load() -> Kernels:
             digest.update(f.read())
     out_dir = os.path.join(cache_root(), "kernels")
     path = os.path.join(out_dir, f"pagedllm-kernels-{digest.hexdigest()[:16]}.so")
-    if not os.path.exists(path):
-        if shutil.which(cc) is None:
-            raise KernelBuildError(f"pagedllm's C kernels are compiled on first use, but no C compiler "
-                                   f"({cc!r}; set $CC) was found")
-        os.makedirs(out_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        proc = subprocess.run([cc, *_FLAGS, *_SOURCES, "-o", tmp], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise KernelBuildError(f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n"
-                                   f"{proc.stderr.strip()}")
-        os.replace(tmp, path)  # atomic: a concurrent loader sees no file or a whole one
+    with _BUILD_LOCK:  # one build per process: a second caller waits for it (e.g. the background build)
+        if not os.path.exists(path):
+            if shutil.which(cc) is None:
+                raise KernelBuildError(f"pagedllm's C kernels are compiled on first use, but no C compiler "
+                                       f"({cc!r}; set $CC) was found")
+            _build(cc, out_dir, path)
     try:
         return Kernels(ctypes.CDLL(path))
     except OSError as e:  # e.g. a cached build this system can no longer load
         raise KernelBuildError(f"loading pagedllm's C kernels from {path} failed: {e}") from e
+
+
+def _build(cc: str, out_dir: str, path: str) -> None:
+    """Compile each source in its own process (in parallel), then link; the .so appears atomically."""
+    logger.info("compiling pagedllm's C kernels for this CPU (once; cached in %s)", out_dir)
+    t0 = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        objects = [os.path.join(tmp, os.path.basename(src) + ".o") for src in _SOURCES]
+        compile_flags = [f for f in _FLAGS if f != "-shared"]
+        compiles = [subprocess.Popen([cc, *compile_flags, "-c", src, "-o", obj], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for src, obj in zip(_SOURCES, objects)]
+        steps = [(proc, proc.communicate()[1]) for proc in compiles]
+        so = os.path.join(tmp, "kernels.so")
+        if all(proc.returncode == 0 for proc, _ in steps):
+            link = subprocess.run([cc, *_FLAGS, *objects, "-o", so], capture_output=True, text=True)
+            steps.append((link, link.stderr))
+        failed = [err for proc, err in steps if proc.returncode != 0]
+        if failed:
+            raise KernelBuildError(f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n"
+                                   f"{failed[0].strip()}")
+        os.replace(so, path)  # atomic: a concurrent loader sees no file or a whole one
+    logger.info("compiled pagedllm's C kernels in %.1fs", time.perf_counter() - t0)
+
+
+def build_in_background() -> None:
+    """Start building the kernels on a thread, so the compiler runs while the model loads."""
+    threading.Thread(target=try_load, name="pagedllm-kernel-build", daemon=True).start()
 
 
 def _cpu_flags() -> str:

@@ -52,19 +52,15 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
         super().__init__()
-        with torch.device("cpu"):  # real tables even when the model is built on the meta device
-            inv_freq = _inv_freq(head_dim, params)
-            t = torch.arange(max_position, dtype=torch.float32)
-            freqs = torch.outer(t, inv_freq)
-        # plain attributes, not buffers: model.to(dtype) must not round these tables; they follow
-        # the positions to their device on first use
+        inv_freq = _inv_freq(head_dim, params)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        # plain attributes, not buffers: model.to(dtype) must not round these tables
         self.cos_cache = freqs.cos()
         self.sin_cache = freqs.sin()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D/2] tables for this step's positions; computed once per step, shared by every layer."""
-        if self.cos_cache.device != positions.device:
-            self.cos_cache, self.sin_cache = self.cos_cache.to(positions.device), self.sin_cache.to(positions.device)
         return (self.cos_cache.index_select(0, positions).unsqueeze(1),
                 self.sin_cache.index_select(0, positions).unsqueeze(1))
 

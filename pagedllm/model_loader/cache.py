@@ -5,7 +5,7 @@ the result is saved once and reloaded in milliseconds. Layout::
 
     $PAGEDLLM_CACHE_DIR (default ~/.cache/pagedllm)/
         tokenizers/<key>/   tokenizer.json, tokenizer_config.json, chat_template.jinja
-        configs/<key>/      config.json
+        configs/<key>/      config.json (every field of transformers' config, defaults included)
 
 ``key`` hashes the source file's absolute path, size and mtime plus the library
 versions that did the conversion, so an edited file or an upgrade misses.
@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
 # Bump when the content written into an entry changes shape.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: configs/ holds the whole config dict of the GGUF, defaults included
 
 
 def cache_root() -> str:
@@ -81,6 +81,8 @@ def load_or_build(
         except Exception as e:  # a broken entry must not break loading the model
             logger.warning("Ignoring unreadable cache entry %s: %s", entry, e)
             return build()
+    logger.info("building the %s cache entry for %s (once; later runs read it from %s)", kind.rstrip("s"),
+                os.path.basename(source_file), os.path.dirname(entry))
     value = build()
     try:
         _write_atomically(entry, lambda tmp: save(value, tmp))

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import mmap
 import threading
+import types
 import os
 import re
 import struct
@@ -146,7 +148,17 @@ class _Cursor:
 
 
 def read_gguf_header(path: str) -> GGUFHeader:
-    """Read a GGUF file's scalar metadata and tensor shapes in milliseconds."""
+    """A GGUF file's scalar metadata and tensor shapes (read once per process and file version)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _read_gguf_header.__wrapped__(path)  # raises, naming the path
+    return _read_gguf_header(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf_header(path: str, mtime_ns: int | None = None, size: int | None = None) -> GGUFHeader:
+    """Skips the vocabulary arrays (~0.1 s for SmolLM2's 100k strings); callers must not mutate the result."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             if buf[:4] != b"GGUF":
@@ -210,29 +222,51 @@ def check_supported(arch: str, path: str) -> None:
 # ----------------------------------------------------------------------------
 
 
-def load_gguf_config(path: str) -> transformers.PretrainedConfig:
-    """The transformers config of a GGUF, as ``AutoConfig(gguf_file=...)`` builds it."""
-    from transformers import AutoConfig
+class GGUFModelConfig(types.SimpleNamespace):
+    """A GGUF model's config as plain attributes: every field of the transformers config that
+    ``AutoConfig(gguf_file=...)`` builds, defaults included.
 
+    Built through transformers once (on a cache miss) and saved whole, it reads back
+    without importing transformers' config classes, whose import chain alone costs
+    over a second of every start.
+    """
+
+    @property
+    def name_or_path(self) -> str:
+        return self._name_or_path
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def load_gguf_config(path: str) -> GGUFModelConfig:
+    """The config of a GGUF, with the values ``AutoConfig(gguf_file=...)`` gives it."""
     header = read_gguf_header(path)
     check_supported(header.architecture, path)
 
-    def build() -> transformers.PretrainedConfig:
+    def build() -> dict[str, Any]:
+        from transformers import AutoConfig
+
         with fast_transformers_gguf_metadata(header.architecture):
             return AutoConfig.from_pretrained(
                 os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-            )
+            ).to_dict()
 
-    config = cache.load_or_build(
-        "configs",
-        path,
-        build=build,
-        save=lambda c, d: c.save_pretrained(d),
-        load=lambda d: AutoConfig.from_pretrained(d, local_files_only=True),
-    )
+    def save(fields: dict[str, Any], entry: str) -> None:
+        with open(os.path.join(entry, "config.json"), "w") as f:
+            json.dump(fields, f, indent=1, sort_keys=True)
+
+    def load(entry: str) -> dict[str, Any]:
+        with open(os.path.join(entry, "config.json")) as f:
+            return json.load(f)
+
+    fields = cache.load_or_build("configs", path, build=build, save=save, load=load)
+    # JSON object keys are strings; transformers' configs key id2label by int
+    fields["id2label"] = {int(k): v for k, v in (fields.get("id2label") or {}).items()}
+    config = GGUFModelConfig(**fields)
     # The LM head is tied exactly when the file stores no separate output matrix.
     config.tie_word_embeddings = "output.weight" not in header.tensor_shapes
-    config.name_or_path = path
+    config._name_or_path = path
     return config
 
 

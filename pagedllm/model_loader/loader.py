@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.model_loader.resolve import ModelSource
 
@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     import transformers
 
 
-def load_config(src: ModelSource) -> transformers.PretrainedConfig:
-    """The model's transformers config (from config.json, or built from GGUF metadata)."""
+def load_config(src: ModelSource) -> Any:
+    """The model's config: transformers' from config.json, or for a GGUF the same fields as plain
+    attributes (:class:`~pagedllm.model_loader.gguf_loader.GGUFModelConfig`)."""
     if src.kind == "gguf":
         from pagedllm.model_loader.gguf_loader import load_gguf_config
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,7 +38,8 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 
 
 def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> torch.nn.Module:
+               quantization: str | None = None, stages: dict[str, float] | None = None) -> torch.nn.Module:
+    """Build and load the model; ``stages`` (if given) receives the seconds spent on weights and packing."""
     from pagedllm.model_loader import iter_weights
 
     if quantization is not None:
@@ -46,18 +49,16 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
 
     t0 = time.perf_counter()
     model_cls = ModelRegistry.resolve_for_config(hf_config)
-    if getattr(model_cls, "checkpoint_sets_every_parameter", False):
-        # skip random initialisation: load_weights overwrites every parameter (or raises)
-        with torch.device("meta"):
-            model = model_cls(hf_config)
-        model.to_empty(device=device)
-    else:
-        with torch.device(device):
-            model = model_cls(hf_config)
+    logger.info("loading weights (%s, %s)", model_cls.__name__, device)
+    # load_weights overwrites every parameter (or raises): skip random initialisation where it says so
+    skip_init = getattr(model_cls, "checkpoint_sets_every_parameter", False)
+    with torch.device(device), _no_init() if skip_init else contextlib.nullcontext():
+        model = model_cls(hf_config)
     model.load_weights(iter_weights(source))
     model.to(dtype=dtype)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
+    t1 = time.perf_counter()
     if quantization is not None:
         _quantize(model, source, quantization)
     if device.type == "cpu" and dtype == torch.float32:
@@ -65,9 +66,34 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
 
         if onednn_available():
             pack_linears(model)
+    t2 = time.perf_counter()
+    if stages is not None:
+        stages["weights"], stages["pack"] = t1 - t0, t2 - t1
     logger.info("loaded %s (%.1fM params, %s%s, %s) in %.1fs", model_cls.__name__, n_params / 1e6, dtype,
-                f", weights {quantization}" if quantization else "", device, time.perf_counter() - t0)
+                f", weights {quantization}" if quantization else "", device, t2 - t0)
     return model
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's functions as no-ops while a model is built (as transformers' no_init_weights):
+    random values the checkpoint overwrites cost a second for SmolLM2. (Building on the meta device
+    instead would import torch._dynamo and sympy, over a second more.) Only the loader thread builds
+    models, so swapping the module's functions for that moment is safe."""
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in dir(init)
+             if name.endswith("_") and not name.startswith("_") and callable(getattr(init, name))}
+    for name in saved:
+        setattr(init, name, _return_tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
+def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def _quantize(model: torch.nn.Module, source: Any, method: str) -> None:
