@@ -63,8 +63,8 @@ class SchedulerConfig:
 
 @dataclass(slots=True, frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = _f(1, "Number of tensor-parallel workers.")
-    pipeline_parallel_size: int = _f(1, "Number of pipeline stages.")
+    tensor_parallel_size: int = _f(1, "Number of tensor-parallel workers (only 1 is supported so far).")
+    pipeline_parallel_size: int = _f(1, "Number of pipeline stages (only 1 is supported so far).")
 
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,

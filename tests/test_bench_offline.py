@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 
-def _bench(args, tmp_path):
+def _bench(args, tmp_path, progress: str = "it"):
+    """Run a bench command; it must show a progress bar (tqdm on stderr) and write its JSON report."""
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args, "--output-json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "100%|" in r.stderr and progress in r.stderr, r.stderr[-2000:]
     return json.loads(out.read_text())
 
 
@@ -23,6 +25,18 @@ def test_bench_throughput_compares_with_transformers(tiny_model_factory, tmp_pat
     assert res["pagedllm"]["total_tok_s"] > 0 and res["transformers"]["total_tok_s"] > 0
     assert res["ratio_total_tok_s"] == res["pagedllm"]["total_tok_s"] / res["transformers"]["total_tok_s"]
     assert res["vs_transformers"] == {"greedy_agreement": 1.0, "identical_sequences": "5/5"}
+
+
+def test_bench_startup_times_cold_and_warm_beside_transformers(tiny_model_factory, tmp_path):
+    model = str(tiny_model_factory("llama"))
+    res = _bench(["startup", "--model", model], tmp_path, progress="start-up runs")
+    for name in ("pagedllm_cold", "pagedllm_warm", "transformers"):
+        assert res[name]["first_token_s"] > 0, name
+    for name in ("pagedllm_cold", "pagedllm_warm"):
+        stages = res[name]["stages_s"]
+        assert {"config", "tokenizer", "weights", "kv_cache"} <= set(stages), stages
+        assert res[name]["engine_ready_s"] >= sum(stages.values()) - 1e-6
+    assert res["cold_vs_transformers"] == res["pagedllm_cold"]["first_token_s"] / res["transformers"]["first_token_s"]
 
 
 def test_bench_latency_reports_ttft_and_decode_speed(tiny_model_factory, tmp_path):

@@ -44,6 +44,16 @@ def _headers():
 
 # -- happy paths ----------------------------------------------------------------------
 
+def test_ready_line_is_logged_once_health_answers(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    deadline = time.time() + 10
+    while "ready: serving" not in server.output() and time.time() < deadline:
+        time.sleep(0.05)
+    out = server.output()
+    assert f"ready: serving {MODEL} at http://127.0.0.1:{server.port}/v1" in out, out[-2000:]
+    assert out.index("engine ready in") < out.index("ready: serving")
+
+
 def test_models_lists_the_served_name(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 

@@ -67,7 +67,7 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - t
     tokens = [o.outputs[0].token_ids for o in outs]
     del llm
@@ -78,18 +78,22 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict) -> dict:
 def run_transformers(prompts, output_len: int, model_path: str | None, batch_size: int) -> dict:
     import torch
 
+    from tqdm.auto import tqdm
+
     model = _load_transformers(model_path)
     pad = 0
     t = time.perf_counter()
     outputs = []
-    with torch.inference_mode():
+    num_batches = -(-len(prompts) // batch_size)
+    with torch.inference_mode(), tqdm(total=num_batches * output_len, desc="transformers decode steps") as bar:
         for b in range(0, len(prompts), batch_size):
             batch = prompts[b:b + batch_size]
             width = max(len(p) for p in batch)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad,
+                                 stopping_criteria=_progress(bar))
             outputs += out[:, width:].tolist()
     elapsed = time.perf_counter() - t
     return {"elapsed_s": elapsed, "outputs": outputs}
@@ -134,12 +138,13 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
                                   do_sample=False, pad_token_id=0)
                 total = time.perf_counter() - t0
             return ttft, (output_len - 1) / max(total - ttft, 1e-9)
-    for _ in range(warmup):
-        once()
-    for _ in range(iters):
+    from tqdm.auto import tqdm
+
+    for i in tqdm(range(warmup + iters), desc=f"{backend} latency runs"):
         ttft, rate = once()
-        ttfts.append(ttft)
-        decode_rates.append(rate)
+        if i >= warmup:
+            ttfts.append(ttft)
+            decode_rates.append(rate)
     return {"median_ttft_ms": statistics.median(ttfts) * 1000, "median_decode_tok_s": statistics.median(decode_rates),
             "ttft_ms": [x * 1000 for x in ttfts], "decode_tok_s": decode_rates}
 
@@ -166,7 +171,7 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
 
     def evaluate(kwargs: dict) -> tuple[list[list[int]], float]:
         llm = LLM(model=model, enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=32, **kwargs)
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=True)]
         lps = llm.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs[1:]
         ids = text["prompt_token_ids"][1:]
         nll = -sum(lp[t].logprob for lp, t in zip(lps, ids)) / len(ids)
@@ -191,13 +196,30 @@ def greedy_agreement(ref: list[list[int]], ours: list[list[int]]) -> dict:
     return {"greedy_agreement": agreed / max(sum(map(len, ref)), 1), "identical_sequences": f"{identical}/{len(ref)}"}
 
 
+def _progress(bar):
+    """A transformers stopping criterion that never stops: it advances ``bar`` once per decode step."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Progress(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            bar.update(1)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Progress()])
+
+
 def _load_transformers(model_path: str | None):
+    import logging
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from pagedllm.model_loader import resolve_model
 
     src = resolve_model(model_path)
+    logging.getLogger("pagedllm").info("loading transformers' own model from %s (float32; this takes a while)",
+                                       src.path)
     if src.kind == "gguf":
         m = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path),
                                                  dtype=torch.float32)
@@ -207,60 +229,69 @@ def _load_transformers(model_path: str | None):
 
 
 def add_parsers(sub) -> None:
-    tp = sub.add_parser("throughput", help="offline throughput on the W64 workload, optionally vs transformers")
-    tp.add_argument("--model", default=None)
+    from pagedllm.benchmarks import startup
+    from pagedllm.entrypoints.cli import add_command
+
+    model_help = "model path or cached repo id; default: the embedded SmolLM2"
+    tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
+    tp.add_argument("--model", default=None, help=model_help)
     tp.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both",
                     help="both: pagedllm and transformers side by side in this process, with their ratio")
     tp.add_argument("--dataset-name", default="random", choices=["random"],
                     help="prompts cut by token count from fixed English text at different offsets")
-    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload")
     tp.add_argument("--input-len", type=int, default=None, help="fixed input length (overrides the range)")
-    tp.add_argument("--min-input-len", type=int, default=32)
-    tp.add_argument("--max-input-len", type=int, default=512)
-    tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--seed", type=int, default=0)
-    tp.add_argument("--hf-batch-size", type=int, default=64)
-    tp.add_argument("--max-num-batched-tokens", type=int, default=None)
-    _add_quant_args(tp)
-    tp.add_argument("--output-json", default=None)
+    tp.add_argument("--min-input-len", type=int, default=32, help="shortest prompt, in tokens")
+    tp.add_argument("--max-input-len", type=int, default=512, help="longest prompt, in tokens")
+    tp.add_argument("--output-len", type=int, default=128, help="greedy tokens generated per prompt (EOS ignored)")
+    tp.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths")
+    tp.add_argument("--hf-batch-size", type=int, default=64, help="prompts per transformers generate() batch")
+    tp.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="pagedllm's token budget per step; default: the engine's")
+    _add_quant_args(tp, "transformers always runs float32")
+    tp.add_argument("--output-json", default=None, help="also write the JSON report here")
     tp.set_defaults(func=_cmd_throughput)
 
-    lat = sub.add_parser("latency", help="single-request TTFT and decode speed, optionally vs transformers")
-    lat.add_argument("--model", default=None)
-    lat.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both")
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--num-iters", type=int, default=5)
-    lat.add_argument("--num-iters-warmup", type=int, default=1)
-    lat.add_argument("--output-json", default=None)
-    _add_quant_args(lat)
+    lat = add_command(sub, "latency", help="single-request TTFT and decode speed, optionally vs transformers")
+    lat.add_argument("--model", default=None, help=model_help)
+    lat.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both",
+                     help="both: pagedllm and transformers in this process, with their ratio")
+    lat.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    lat.add_argument("--output-len", type=int, default=128, help="greedy tokens generated (EOS ignored)")
+    lat.add_argument("--num-iters", type=int, default=5, help="measured runs; the report gives medians")
+    lat.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured runs first")
+    lat.add_argument("--output-json", default=None, help="also write the JSON report here")
+    _add_quant_args(lat, "transformers always runs float32")
     lat.set_defaults(func=_cmd_latency)
 
-    acc = sub.add_parser("accuracy", help="greedy agreement and perplexity of --quantization / --kv-cache-dtype "
-                                          "against float32 pagedllm on the same weights")
-    acc.add_argument("--model", default=None)
-    acc.add_argument("--num-prompts", type=int, default=8)
-    acc.add_argument("--output-len", type=int, default=128)
-    _add_quant_args(acc)
-    acc.add_argument("--output-json", default=None)
+    acc = add_command(sub, "accuracy", help="greedy agreement and perplexity of --quantization / --kv-cache-dtype "
+                                            "against float32 pagedllm on the same weights")
+    acc.add_argument("--model", default=None, help=model_help)
+    acc.add_argument("--num-prompts", type=int, default=8, help="prompts whose greedy outputs are compared")
+    acc.add_argument("--output-len", type=int, default=128, help="greedy tokens per prompt")
+    _add_quant_args(acc, "compared with float32 pagedllm on the same weights")
+    acc.add_argument("--output-json", default=None, help="also write the JSON report here")
     acc.set_defaults(func=_cmd_accuracy)
 
+    startup.add_parser(sub)
 
-def _add_quant_args(parser) -> None:
+
+def _add_quant_args(parser, reference: str) -> None:
     from pagedllm.config import EngineConfig
 
     parser.add_argument("--quantization", choices=[c for c in EngineConfig.choices("model_config", "quantization")
                                                    if c is not None], default=None,
-                        help="pagedllm's weight-only quantization (transformers always runs float32)")
+                        help=f"pagedllm's weight-only quantization ({reference})")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=EngineConfig.choices("cache_config", "kv_cache_dtype"))
+                        choices=EngineConfig.choices("cache_config", "kv_cache_dtype"),
+                        help=f"pagedllm's KV cache dtype ({reference})")
 
 
 def _quant_kwargs(args) -> dict:
     return {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
 
 
-def _emit(results: dict, path: str | None) -> None:
+def emit(results: dict, path: str | None) -> None:
     text = json.dumps(results, indent=2)
     print(text)
     if path:
@@ -294,7 +325,7 @@ def _cmd_throughput(args) -> int:
         results["ratio_total_tok_s"] = results["pagedllm"]["total_tok_s"] / results["transformers"]["total_tok_s"]
         results["vs_transformers"] = greedy_agreement(outputs["transformers"], outputs["pagedllm"])
     results["peak_rss_mb_process"] = peak_rss_mb()
-    _emit(results, args.output_json)
+    emit(results, args.output_json)
     return 0
 
 
@@ -304,7 +335,7 @@ def _rates(elapsed: float, n_prompt: int, n_out: int) -> dict:
 
 
 def _cmd_accuracy(args) -> int:
-    _emit(run_accuracy(args.model, _quant_kwargs(args), args.num_prompts, args.output_len), args.output_json)
+    emit(run_accuracy(args.model, _quant_kwargs(args), args.num_prompts, args.output_len), args.output_json)
     return 0
 
 
@@ -317,5 +348,5 @@ def _cmd_latency(args) -> int:
     if len(backends) == 2:
         results["ratio_decode_tok_s"] = (results["pagedllm"]["median_decode_tok_s"]
                                          / results["transformers"]["median_decode_tok_s"])
-    _emit(results, args.output_json)
+    emit(results, args.output_json)
     return 0

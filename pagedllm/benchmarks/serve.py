@@ -102,12 +102,18 @@ async def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     limits = httpx.Limits(max_connections=args.max_concurrency or len(data) or 1)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(data), desc="requests", unit="req")
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         async def limited(p, n):
-            if sem is None:
-                return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
-            async with sem:
-                return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
+            try:
+                if sem is None:
+                    return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
+                async with sem:
+                    return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
+            finally:
+                bar.update(1)
 
         start = time.perf_counter()
         tasks = []
@@ -117,6 +123,7 @@ async def run(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    bar.close()
 
     ok = [r for r in results if r.ok]
     tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -148,25 +155,28 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's metrics)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    from pagedllm.entrypoints.cli import add_command
+
+    p = add_command(sub, "serve", help="load-test an OpenAI-compatible server (vLLM's metrics)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to measure")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset-name", default="random", choices=["random"])
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--random-input-len", type=int, default=272, help="mean input length (default: 32-512 range)")
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--dataset-name", default="random", choices=["random"], help="random token ids as prompts")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
+    p.add_argument("--random-input-len", type=int, default=272, help="mean input length in tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="mean output length in tokens")
     p.add_argument("--random-range-ratio", type=float, default=0.88,
-                   help="input lengths are uniform in len*(1-r)..len*(1+r) (the defaults give 32-511)")
+                   help="input lengths are uniform in len * (1 +- ratio)")
     p.add_argument("--random-output-range-ratio", type=float, default=0.0,
-                   help="the same for output lengths (default 0: exactly --random-output-len)")
+                   help="output lengths are uniform in len * (1 +- ratio)")
     p.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s); inf = all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight; default: no limit")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask the server to generate every requested token")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs as ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles to report")
     p.add_argument("--result-file", default=None, help="write the JSON report here")
     p.set_defaults(func=main)
 

@@ -12,11 +12,14 @@ import json
 import logging
 import os
 import sys
+import time
 import types
 import typing
 from typing import Any
 
 from pagedllm.config import EngineConfig
+
+_STARTED = time.monotonic()  # the CLI module is the first thing the `pagedllm` command imports
 
 
 def _flag_type(section: str, name: str) -> tuple[Any, list | None]:
@@ -43,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
                                default=f.default, help=help_text)
         else:
             group.add_argument(f"--{name}", dest=f.name, type=typ, choices=choices, default=f.default,
-                               help=f"{help_text} (default: {f.default})")
+                               help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,11 +58,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
+    from pagedllm.errors import InvalidParameterError
 
     prompts = args.prompts or [sys.stdin.read()]
+    # everything that needs no model is checked before the model loads
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
                             stop=args.stop)
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise InvalidParameterError(f"prompt {empty[0]} is empty: a prompt must have at least one token", "prompt")
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    from pagedllm.model_loader import resolve_model
+
+    resolve_model(config.model_config.model)
     llm = LLM(**engine_kwargs(args))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -102,11 +114,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             engine.tokenizer.chat_template = chat_template
         return engine
 
+    server = None
+
+    def ready() -> None:
+        while server is None or not server.started:  # the socket is bound, so /health answers 200 now
+            time.sleep(0.01)
+        logging.getLogger("pagedllm").info("ready: serving %s at http://%s:%d/v1 (started in %.1fs)", name,
+                                           args.host, args.port, time.monotonic() - _STARTED)
+
     app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits)
+                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
+                    on_ready=ready)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
-    _graceful_server_class()(uv_config).run()
+    server = _graceful_server_class()(uv_config)
+    server.run()
     return 0
 
 
@@ -136,48 +158,78 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("request limits (a request over one gets a 400 naming the field)")
     for f in dataclasses.fields(RequestLimits):
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=int, default=f.default,
-                           help=f"{f.metadata['help']} (default: {f.default})")
+                           help=f.metadata["help"])
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default (unless the help text already states it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _log_level_flag(parser: argparse.ArgumentParser, top: bool) -> None:
+    # on the top parser it sets the default; on a subcommand it may be repeated after the subcommand's name
+    parser.add_argument("--log-level", default="INFO" if top else argparse.SUPPRESS,
+                        type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="level of pagedllm's log lines (start-up stages, warnings)"
+                        + ("" if top else "; also accepted before the subcommand (default: INFO)"))
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand parser with the shared flags and help formatting."""
+    parser = sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
+    _log_level_flag(parser, top=False)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="A small, fast LLM inference engine.")
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default: WARNING)")
+    parser = argparse.ArgumentParser(prog="pagedllm", description="A small, fast LLM inference engine.",
+                                     formatter_class=HelpFormatter)
+    _log_level_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    gen = add_command(sub, "generate", help="generate text offline for one or more prompts")
     gen.add_argument("prompts", nargs="*", help="prompts (read from stdin when none given)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens whose "
+                     "probabilities sum to this, in (0, 1]")
+    gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 keeps all")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="drop tokens less likely than this fraction of the top token's probability")
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the requests' sampling")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv = add_command(sub, "serve", help="serve an OpenAI-compatible HTTP API")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
                                                      "(or set PAGEDLLM_API_KEY)")
     srv.add_argument("--max-queue-len", type=int, default=1024,
                      help="most queued sequences (each prompt x n of a request counts); beyond it the server "
-                          "answers 503 with Retry-After (default: 1024)")
-    srv.add_argument("--chat-template", default=None, help="chat template (a file or the template text)")
+                          "answers 503 with Retry-After")
+    srv.add_argument("--chat-template", default=None, help="chat template (a file or the template text); "
+                                                           "default: the model's own")
     srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds SIGTERM waits for in-flight requests")
+                     help="seconds SIGTERM waits for in-flight requests before aborting them")
     srv.add_argument("--uvicorn-log-level", default="info",
-                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="log level of uvicorn's access and server lines")
     _add_limit_args(srv)
     add_engine_args(srv, positional_model=True)
     srv.set_defaults(func=_cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench = add_command(sub, "bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from pagedllm.benchmarks import offline as bench_offline
     from pagedllm.benchmarks import serve as bench_serve
 
@@ -189,9 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    from pagedllm.logger import set_level
     from pagedllm.errors import PagedLLMError
 
+    set_level(args.log_level)
     try:
         return args.func(args)
     except PagedLLMError as e:

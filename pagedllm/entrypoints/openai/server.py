@@ -141,22 +141,26 @@ class ServerState:
 
 def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None, max_body_bytes: int = 16 << 20,
-              limits: RequestLimits | None = None) -> FastAPI:
+              limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """``on_ready`` runs on the loader thread once the engine serves (/health answers 200)."""
     state = ServerState(served_model_name, api_key, limits or RequestLimits())
 
     def load() -> None:
         try:
             engine = engine_factory()
             state.llm = AsyncLLM(engine, max_queue_len, on_step=state.metrics.on_step)
-            logger.info("engine ready: serving %s", served_model_name)
         except BaseException as e:  # surfaced by /health and every endpoint
             logger.exception("engine failed to load")
             state.load_error = e
+            return
+        if on_ready is not None:
+            on_ready()
 
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        logger.info("loading the model in the background; /health answers 503 until it is ready")
         threading.Thread(target=load, name="pagedllm-loader", daemon=True).start()
         yield
         if state.llm is not None:
