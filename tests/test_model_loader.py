@@ -471,7 +471,7 @@ def test_fast_gguf_tokenizer_conversion_equals_transformers_own(default_src: Mod
     from pagedllm.model_loader.tokenizer import convert_gguf_tokenizer
 
     want = AutoTokenizer.from_pretrained(os.path.dirname(default_src.path),
-                                         gguf_file=os.path.basename(default_src.path))
+                                         gguf_file=os.path.basename(default_src.path), local_files_only=True)
     got = convert_gguf_tokenizer(default_src.path)
     assert type(got) is type(want)
     got.save_pretrained(tmp_path / "got")
@@ -479,7 +479,7 @@ def test_fast_gguf_tokenizer_conversion_equals_transformers_own(default_src: Mod
     names = sorted(p.name for p in (tmp_path / "want").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "got").iterdir())
     for name in names:
-        assert (tmp_path / "got" / name).read_bytes() == (tmp_path / "want" / name).read_bytes(), name
+        assert (tmp_path / "got" / name).read_text() == (tmp_path / "want" / name).read_text(), name
     _assert_same_tokenizer(got, want)
 
 
