@@ -75,9 +75,12 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
+_PROBE = httpx.Client(timeout=5)  # one kept-alive client: a fresh one per probe costs the *client* ~30 ms
+
+
 def _health_latency(url: str) -> float:
     t0 = time.perf_counter()
-    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert _PROBE.get(f"{url}/health").status_code == 200
     return time.perf_counter() - t0
 
 
@@ -162,6 +165,20 @@ def test_chunked_body_over_the_limit_is_413_without_content_length(model_dir):
         assert httpx.get(f"{s.url}/health").status_code == 200
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("n", ["1000", 1000.0, "1e9"])
+def test_n_must_be_a_json_integer(server, n):
+    """Lax coercion would turn these into n=1000 after the limit check read them as 1."""
+    err = _assert_openai_error(httpx.post(f"{server.url}{COMPLETIONS}", json={**BASE, "n": n}), 400)
+    assert err["param"] == "n"
+
+
+def test_request_chat_template_needs_the_server_flag(server):
+    body = {"model": MODEL, "messages": MESSAGES, "chat_template": "{% for i in range(99999) %}{{ 'a' * 9999 }}"
+                                                                    "{% endfor %}"}
+    err = _assert_openai_error(httpx.post(f"{server.url}{CHAT}", json=body), 400)
+    assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
 
 
 def test_unknown_route_uses_the_openai_error_shape(server):

@@ -185,6 +185,21 @@ def test_aborted_waiting_requests_leave_the_queue_without_a_scan():
     assert sched.num_waiting_requests() == 0 and sched.kv.pool.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_aborted_waiting_requests_do_not_pile_up_behind_a_blocked_head(policy):
+    """Lazy removal still lets go of removed requests: the queue is compacted as they accumulate."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy=policy),
+                      CacheConfig(block_size=BS), 64, 64)
+    head = Request("head", [1] * 6, SamplingParams(max_tokens=3), 3)
+    sched.add_request(head)
+    for i in range(2000):  # a client that queues and vanishes, over and over, behind a head that never moves
+        sched.add_request(Request(f"q{i}", [2] * 6, SamplingParams(max_tokens=3), 3))
+        sched.abort_requests([f"q{i}"])
+    queue = sched.waiting
+    assert len(queue) == 1 and len(queue._dq if queue.fcfs else queue._heap) <= 1 + 64 + 1
+    assert sched.waiting.peek() is head
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workloads_match_the_unconstrained_run(seed):
     rng = random.Random(seed)

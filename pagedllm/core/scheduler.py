@@ -315,6 +315,7 @@ class _WaitQueue:
         self._dq: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []
         self._members: set[int] = set()  # id() of the requests really queued
+        self._stale = 0  # removed entries still in the deque / heap
         self._counter = 0
 
     def __len__(self) -> int:
@@ -350,12 +351,26 @@ class _WaitQueue:
         return req
 
     def remove(self, req: Request) -> None:
-        self._members.discard(id(req))
+        if id(req) in self._members:
+            self._members.discard(id(req))
+            self._stale += 1
+            if self._stale > len(self._members) + 64:  # amortised O(1): removed requests hold no memory long
+                self._compact()
+
+    def _compact(self) -> None:
+        if self.fcfs:
+            self._dq = deque(r for r in self._dq if id(r) in self._members)
+        else:
+            self._heap = [e for e in self._heap if id(e[3]) in self._members]
+            heapq.heapify(self._heap)
+        self._stale = 0
 
     def _drop_removed(self) -> None:
         if self.fcfs:
             while self._dq and id(self._dq[0]) not in self._members:
                 self._dq.popleft()
+                self._stale -= 1
         else:
             while self._heap and id(self._heap[0][3]) not in self._members:
                 heapq.heappop(self._heap)
+                self._stale -= 1

@@ -129,7 +129,8 @@ class AsyncLLM:
         self._check_alive()
         loop = asyncio.get_running_loop()
         streams = []
-        with self._lock:
+        with self._lock:  # the engine thread snapshots the streams under this lock when it dies
+            self._check_alive()
             self._check_room(size)
             clash = [rid for rid in ids if rid in self._streams]
             if clash:
@@ -187,10 +188,11 @@ class AsyncLLM:
         if cmd[0] == "add":
             for prepared in cmd[1]:
                 with self._lock:
-                    self._unapplied -= len(prepared.children)
                     alive = prepared.request_id in self._streams
                 if alive:  # the client may have gone before we got here
                     self.engine.add_prepared_request(prepared)
+                with self._lock:  # after queuing: the count may be briefly high, never low
+                    self._unapplied -= len(prepared.children)
         elif cmd[0] == "abort":
             self.engine.abort_request([cmd[1]])
 
@@ -219,8 +221,8 @@ class AsyncLLM:
                     self.on_step(self.engine, outputs)
         except BaseException as e:  # make every waiting stream fail instead of hanging
             logger.exception("engine loop died")
-            self._dead = e
             with self._lock:
+                self._dead = e
                 targets = list(self._streams.values())
             for target in targets:
                 _deliver(target, e)

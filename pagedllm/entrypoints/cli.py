@@ -124,7 +124,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
-                    on_ready=ready)
+                    on_ready=ready, trust_request_chat_template=args.trust_request_chat_template)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = _graceful_server_class()(uv_config)
@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "answers 503 with Retry-After")
     srv.add_argument("--chat-template", default=None, help="chat template (a file or the template text); "
                                                            "default: the model's own")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="let chat requests carry their own `chat_template` (Jinja runs on the server); "
+                          "without it such a request gets a 400")
     srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for in-flight requests before aborting them")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -74,22 +75,26 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     return model
 
 
+_NO_INIT_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _no_init() -> Iterator[None]:
     """torch.nn.init's functions as no-ops while a model is built (as transformers' no_init_weights):
     random values the checkpoint overwrites cost a second for SmolLM2. (Building on the meta device
-    instead would import torch._dynamo and sympy, over a second more.) Only the loader thread builds
-    models, so swapping the module's functions for that moment is safe."""
+    instead would import torch._dynamo and sympy, over a second more.) Only a loader thread builds
+    models, and a lock keeps two builds from interleaving."""
     init = torch.nn.init
-    saved = {name: getattr(init, name) for name in dir(init)
-             if name.endswith("_") and not name.startswith("_") and callable(getattr(init, name))}
-    for name in saved:
-        setattr(init, name, _return_tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(init, name, fn)
+    with _NO_INIT_LOCK:  # two engines built at once must not save each other's no-ops as the originals
+        saved = {name: getattr(init, name) for name in dir(init)
+                 if name.endswith("_") and not name.startswith("_") and callable(getattr(init, name))}
+        for name in saved:
+            setattr(init, name, _return_tensor)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(init, name, fn)
 
 
 def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -38,7 +38,7 @@ class _SamplingRequest(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(1, strict=True)  # a fan-out count: "1000" or 1000.0 must not slip past the limit checks
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

@@ -130,10 +130,12 @@ class _BodyLimit:
 class ServerState:
     """What the endpoints share; `llm` is None until the engine has loaded."""
 
-    def __init__(self, served_model_name: str, api_key: str | None, limits: RequestLimits):
+    def __init__(self, served_model_name: str, api_key: str | None, limits: RequestLimits,
+                 trust_request_chat_template: bool = False):
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.limits = limits
+        self.trust_request_chat_template = trust_request_chat_template
         self.llm: AsyncLLM | None = None
         self.metrics = ServerMetrics(served_model_name)
         self.load_error: BaseException | None = None
@@ -141,9 +143,10 @@ class ServerState:
 
 def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None, max_body_bytes: int = 16 << 20,
-              limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
+              limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200)."""
-    state = ServerState(served_model_name, api_key, limits or RequestLimits())
+    state = ServerState(served_model_name, api_key, limits or RequestLimits(), trust_request_chat_template)
 
     def load() -> None:
         try:
@@ -301,6 +304,10 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     async def chat(req: P.ChatCompletionRequest, raw: Request):
         llm = engine()
         check_model(req.model)
+        if req.chat_template is not None and not state.trust_request_chat_template:
+            # a Jinja template runs arbitrary loops and string arithmetic on the server
+            raise APIError(400, "chat_template in a request needs the server flag --trust-request-chat-template",
+                           "invalid_request_error", "chat_template")
         params = req.to_sampling_params()
         ids = await llm.prepare(_chat_ids, llm.tokenizer, req.messages, req.chat_template,
                                 req.add_generation_prompt, req.chat_template_kwargs)
