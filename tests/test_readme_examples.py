@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from utils import _free_port
+from utils import _free_port, wait_healthy
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 _BLOCK = re.compile(r"<!-- example(?P<note>[^>]*)-->\n```(?P<lang>python|bash)\n(?P<code>.*?)```", re.S)
@@ -45,22 +45,11 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def default_server():
     """`pagedllm serve` of the default model, as the README starts it, on a free port."""
-    import time
-
-    import httpx
-
     port = _free_port()
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pagedllm"), "serve", "--port", str(port),
                              "--uvicorn-log-level", "warning"], env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    wait_healthy(f"http://127.0.0.1:{port}", proc)
     yield port
     proc.terminate()
     proc.wait(30)

@@ -238,6 +238,23 @@ def _fmt(step: Mapping[int, Any]) -> str:
 MODEL = "tiny"  # the served model name of test servers
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Return once ``url``/health answers 200; raise if the server exits or never gets there."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("server did not become healthy")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -256,20 +273,11 @@ class Server:
         # a file, not a pipe: a pipe nobody reads would block the server once its logs fill it
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.output()}")
-            import httpx
-
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("server did not become healthy")
+        try:
+            wait_healthy(self.url, self.proc)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}: {self.output()[-3000:]}") from None
 
     def output(self) -> str:
         self.log.seek(0)
