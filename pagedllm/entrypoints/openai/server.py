@@ -142,7 +142,7 @@ class ServerState:
 
 
 def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
-              max_queue_len: int | None = None, max_body_bytes: int = 16 << 20,
+              max_queue_len: int | None = None, max_body_bytes: int = 4 << 20,
               limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
               trust_request_chat_template: bool = False) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200)."""
