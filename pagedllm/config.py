@@ -58,7 +58,7 @@ class SchedulerConfig:
     max_num_seqs: int = _f(256, "Most requests running at once.")
     max_num_batched_tokens: int = _f(2048, "Token budget of one engine step (prefill chunks + decodes).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts across steps to fit the token budget.")
-    scheduling_policy: Literal["fcfs", "priority"] = _f("fcfs", "Order of admission: arrival, or (priority, arrival) with lower values first.")
+    scheduling_policy: Literal["fcfs", "priority"] = _f("fcfs", "Order of admission: arrival (the prompts and completions of one request take turns with other requests), or (priority, arrival) with lower values first.")
 
 
 @dataclass(slots=True, frozen=True)

@@ -58,6 +58,13 @@ class Request:
     parent_id: str | None = None
     index: int = 0
     pending_children: list["Request"] = field(default_factory=list)
+    # The user request this one arrived with (a batch of prompts shares one): the FCFS queue serves
+    # groups in turn, so one large request cannot hold back a small one that arrived after it.
+    group: str | None = None
+
+    @property
+    def queue_group(self) -> str:
+        return self.group or self.parent_id or self.request_id
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

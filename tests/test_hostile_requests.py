@@ -214,6 +214,33 @@ def test_small_stream_gets_tokens_while_an_n_64_request_runs(server):
     assert big_tokens == [64 * 60]
 
 
+def test_small_stream_is_not_queued_behind_a_large_batch(model_dir):
+    """Fair admission when sequences are scarce: the batch's prompts and the small request take turns."""
+    s = Server(model_dir, "--max-num-seqs", "8")
+    try:
+        big_done = threading.Event()
+
+        def big():
+            body = {**BASE, "prompt": [f"prompt {i}" for i in range(64)], "max_tokens": 40, "ignore_eos": True}
+            assert httpx.post(f"{s.url}{COMPLETIONS}", json=body, timeout=300).status_code == 200
+            big_done.set()
+
+        t = threading.Thread(target=big)
+        t.start()
+        deadline = time.time() + 30
+        while s.metric("pagedllm:num_requests_waiting") < 40 and time.time() < deadline:
+            time.sleep(0.01)
+        assert s.metric("pagedllm:num_requests_waiting") >= 40, "the batch never queued"
+        r = httpx.post(f"{s.url}{COMPLETIONS}", json={**BASE, "prompt": "small", "max_tokens": 8, "ignore_eos": True},
+                       timeout=120)
+        small_finished_first = not big_done.is_set()
+        t.join(300)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert small_finished_first, "the small request waited behind the whole batch"
+    finally:
+        s.stop()
+
+
 def test_every_child_counts_against_max_queue_len(model_dir):
     s = Server(model_dir, "--max-queue-len", "8", "--max-num-seqs", "2")
     try:

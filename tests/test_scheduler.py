@@ -185,6 +185,23 @@ def test_aborted_waiting_requests_leave_the_queue_without_a_scan():
     assert sched.num_waiting_requests() == 0 and sched.kv.pool.num_free_blocks == 64
 
 
+def test_fcfs_serves_request_groups_in_turn():
+    """A batch of prompts (one group) queued first does not hold back a small request queued after it."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), CacheConfig(block_size=BS), 64, 64)
+    batch = [Request(f"big-{i}", [i + 1] * 6, SamplingParams(max_tokens=2), 2, group="big") for i in range(20)]
+    small = Request("small", [7] * 6, SamplingParams(max_tokens=2), 2, group="small")
+    for r in [*batch, small]:
+        sched.add_request(r)
+    runner, admitted = FakeRunner(64), []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        admitted += [n.req_id for n in so.new_reqs]
+        sched.update_from_output(so, runner.execute(so))
+        sched.check_invariants()
+    assert admitted.index("small") == 1  # right after the batch's first prompt, not after all 20
+    assert [a for a in admitted if a != "small"] == [f"big-{i}" for i in range(20)]  # a group keeps its order
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_aborted_waiting_requests_do_not_pile_up_behind_a_blocked_head(policy):
     """Lazy removal still lets go of removed requests: the queue is compacted as they accumulate."""
@@ -196,7 +213,8 @@ def test_aborted_waiting_requests_do_not_pile_up_behind_a_blocked_head(policy):
         sched.add_request(Request(f"q{i}", [2] * 6, SamplingParams(max_tokens=3), 3))
         sched.abort_requests([f"q{i}"])
     queue = sched.waiting
-    assert len(queue) == 1 and len(queue._dq if queue.fcfs else queue._heap) <= 1 + 64 + 1
+    entries = sum(map(len, queue._lanes.values())) if queue.fcfs else len(queue._heap)
+    assert len(queue) == 1 and entries <= 1 + 64 + 1
     assert sched.waiting.peek() is head
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -303,19 +303,29 @@ class Scheduler:
 
 
 class _WaitQueue:
-    """FCFS deque, or a heap ordered by (priority, arrival) for the priority policy.
+    """The waiting requests: FCFS lanes served in turn, or a heap by (priority, arrival).
 
-    Removal is lazy: a removed request leaves the member set at once and its
-    entry is dropped when it reaches the head, so aborting any number of waiting
-    requests costs O(1) each and a step never scans the queue.
+    FCFS keeps one FIFO lane per request group (the prompts and completions of one
+    user request) and takes the groups in turn: a group whose request was just
+    admitted goes to the back, so a batch of hundreds of prompts cannot hold back
+    a small request that arrived after it. Single-prompt requests are groups of
+    one, so for them this is plain arrival order. A preempted request goes to the
+    very front. ::
+
+        lanes:  [g7: r70 r71 r72] -> [g9: r90] -> [g3: r31 r32]      pop() = r70, g7 to the back
+
+    Removal is lazy: a removed request leaves the member set at once and its entry
+    is dropped when it reaches a lane's head (or in a compaction once stale entries
+    outnumber live ones), so aborting any number of waiting requests costs
+    amortised O(1) each and a step never scans the queue.
     """
 
     def __init__(self, policy: str):
         self.fcfs = policy == "fcfs"
-        self._dq: deque[Request] = deque()
+        self._lanes: OrderedDict[str, deque[Request]] = OrderedDict()
         self._heap: list[tuple[int, float, int, Request]] = []
         self._members: set[int] = set()  # id() of the requests really queued
-        self._stale = 0  # removed entries still in the deque / heap
+        self._stale = 0  # removed entries still in a lane / the heap
         self._counter = 0
 
     def __len__(self) -> int:
@@ -327,7 +337,11 @@ class _WaitQueue:
     def push(self, req: Request) -> None:
         self._members.add(id(req))
         if self.fcfs:
-            self._dq.append(req)
+            lane = self._lanes.get(req.queue_group)
+            if lane is None:
+                self._lanes[req.queue_group] = deque([req])
+            else:
+                lane.append(req)
         else:
             self._counter += 1
             heapq.heappush(self._heap, (req.priority, req.arrival_time, self._counter, req))
@@ -336,17 +350,26 @@ class _WaitQueue:
         # (priority, arrival) already puts a preempted request where it belongs in the heap
         if self.fcfs:
             self._members.add(id(req))
-            self._dq.appendleft(req)
+            self._lanes.setdefault(req.queue_group, deque()).appendleft(req)
+            self._lanes.move_to_end(req.queue_group, last=False)
         else:
             self.push(req)
 
     def peek(self) -> Request:
         self._drop_removed()
-        return self._dq[0] if self.fcfs else self._heap[0][3]
+        return next(iter(self._lanes.values()))[0] if self.fcfs else self._heap[0][3]
 
     def pop(self) -> Request:
         self._drop_removed()
-        req = self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
+        if self.fcfs:
+            group, lane = next(iter(self._lanes.items()))
+            req = lane.popleft()
+            if lane:
+                self._lanes.move_to_end(group)  # this group had its turn
+            else:
+                del self._lanes[group]
+        else:
+            req = heapq.heappop(self._heap)[3]
         self._members.discard(id(req))
         return req
 
@@ -359,7 +382,8 @@ class _WaitQueue:
 
     def _compact(self) -> None:
         if self.fcfs:
-            self._dq = deque(r for r in self._dq if id(r) in self._members)
+            lanes = ((g, deque(r for r in lane if id(r) in self._members)) for g, lane in self._lanes.items())
+            self._lanes = OrderedDict((g, lane) for g, lane in lanes if lane)
         else:
             self._heap = [e for e in self._heap if id(e[3]) in self._members]
             heapq.heapify(self._heap)
@@ -367,9 +391,14 @@ class _WaitQueue:
 
     def _drop_removed(self) -> None:
         if self.fcfs:
-            while self._dq and id(self._dq[0]) not in self._members:
-                self._dq.popleft()
-                self._stale -= 1
+            while self._lanes:
+                group, lane = next(iter(self._lanes.items()))
+                while lane and id(lane[0]) not in self._members:
+                    lane.popleft()
+                    self._stale -= 1
+                if lane:
+                    return
+                del self._lanes[group]
         else:
             while self._heap and id(self._heap[0][3]) not in self._members:
                 heapq.heappop(self._heap)

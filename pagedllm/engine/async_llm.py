@@ -125,7 +125,8 @@ class AsyncLLM:
         size = len(prompts) * params.n
         self._check_room(size)  # a full queue answers before any tokenization
         prepared: list[PreparedRequest] = await self.prepare(
-            lambda: [self.engine.make_request(rid, p, params, priority) for rid, p in zip(ids, prompts)])
+            lambda: [self.engine.make_request(rid, p, params, priority, group=request_id)
+                     for rid, p in zip(ids, prompts)])
         self._check_alive()
         loop = asyncio.get_running_loop()
         streams = []

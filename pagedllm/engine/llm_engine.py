@@ -147,12 +147,13 @@ class LLMEngine:
         return request_id
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     priority: int = 0) -> "PreparedRequest":
+                     priority: int = 0, group: str | None = None) -> "PreparedRequest":
         """Tokenize and validate, touching no engine state (safe from another thread).
 
         ``n`` > 1 becomes n child requests ``"{i}_{request_id}"``; child i samples with
         seed + i when a seed is given (vLLM's convention), so it reproduces the
-        independent request with that seed.
+        independent request with that seed. ``group`` names the user request it came with
+        (the prompts of one batch share it): the FCFS queue serves groups in turn.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
@@ -169,7 +170,7 @@ class LLMEngine:
             max_tokens = self.processor.check(ids, child_params)
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, ids, child_params, max_tokens, priority=priority,
-                                    parent_id=request_id, index=i))
+                                    parent_id=request_id, index=i, group=group))
         children[0].pending_children = children[1:]
         return PreparedRequest(request_id, children, text)
 
