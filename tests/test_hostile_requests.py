@@ -186,57 +186,50 @@ def test_unknown_route_uses_the_openai_error_shape(server):
     assert err["type"] == "NotFoundError"
 
 
-def test_small_stream_gets_tokens_while_an_n_64_request_runs(server):
-    """Fair admission: a large but legal request does not hold back a small one behind it."""
-    big_done = threading.Event()
-    big_tokens = []
+def _small_request_while_a_big_one_runs(server: Server, big_body: dict, metric: str, at_least: int) -> tuple:
+    """Start ``big_body``; once ``metric`` reaches ``at_least``, stream a small request to its end.
+
+    Returns (the small stream's chunks, whether it finished while the big one still ran, the big response).
+    """
+    big_done, big_response = threading.Event(), []
 
     def big():
-        body = {**BASE, "prompt": "a big request", "n": 64, "max_tokens": 60, "ignore_eos": True,
-                "temperature": 1.0, "seed": 1}
-        r = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=120)
-        big_tokens.append(r.json()["usage"]["completion_tokens"])
+        big_response.append(httpx.post(f"{server.url}{COMPLETIONS}", json=big_body, timeout=300))
         big_done.set()
 
     t = threading.Thread(target=big)
     t.start()
     deadline = time.time() + 30
-    while server.metric("pagedllm:num_requests_running") < 64 and time.time() < deadline:
+    while server.metric(metric) < at_least and time.time() < deadline:
         time.sleep(0.01)
-    assert server.metric("pagedllm:num_requests_running") >= 64, "the n=64 request never ran"
-    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", timeout=60,
+    assert server.metric(metric) >= at_least, f"the big request never got {metric} to {at_least}"
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", timeout=120,
                       json={**BASE, "prompt": "small", "max_tokens": 8, "stream": True, "ignore_eos": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         small_finished_first = not big_done.is_set()
-    t.join(120)
+    t.join(300)
+    return chunks, small_finished_first, big_response[0]
+
+
+def test_small_stream_gets_tokens_while_an_n_64_request_runs(server):
+    """Fair admission: a large but legal request does not hold back a small one behind it."""
+    body = {**BASE, "prompt": "a big request", "n": 64, "max_tokens": 60, "ignore_eos": True, "temperature": 1.0,
+            "seed": 1}
+    chunks, small_first, big = _small_request_while_a_big_one_runs(server, body, "pagedllm:num_requests_running", 64)
     assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert small_finished_first, "the small stream waited for the n=64 request to finish"
-    assert big_tokens == [64 * 60]
+    assert small_first, "the small stream waited for the n=64 request to finish"
+    assert big.json()["usage"]["completion_tokens"] == 64 * 60
 
 
 def test_small_stream_is_not_queued_behind_a_large_batch(model_dir):
     """Fair admission when sequences are scarce: the batch's prompts and the small request take turns."""
     s = Server(model_dir, "--max-num-seqs", "8")
     try:
-        big_done = threading.Event()
-
-        def big():
-            body = {**BASE, "prompt": [f"prompt {i}" for i in range(64)], "max_tokens": 40, "ignore_eos": True}
-            assert httpx.post(f"{s.url}{COMPLETIONS}", json=body, timeout=300).status_code == 200
-            big_done.set()
-
-        t = threading.Thread(target=big)
-        t.start()
-        deadline = time.time() + 30
-        while s.metric("pagedllm:num_requests_waiting") < 40 and time.time() < deadline:
-            time.sleep(0.01)
-        assert s.metric("pagedllm:num_requests_waiting") >= 40, "the batch never queued"
-        r = httpx.post(f"{s.url}{COMPLETIONS}", json={**BASE, "prompt": "small", "max_tokens": 8, "ignore_eos": True},
-                       timeout=120)
-        small_finished_first = not big_done.is_set()
-        t.join(300)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert small_finished_first, "the small request waited behind the whole batch"
+        body = {**BASE, "prompt": [f"prompt {i}" for i in range(64)], "max_tokens": 40, "ignore_eos": True}
+        chunks, small_first, big = _small_request_while_a_big_one_runs(s, body, "pagedllm:num_requests_waiting", 40)
+        assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert small_first, "the small request waited behind the whole batch"
+        assert big.status_code == 200 and big.json()["usage"]["completion_tokens"] == 64 * 40
     finally:
         s.stop()
 
