@@ -30,6 +30,16 @@ def _examples() -> list:
     return found
 
 
+def test_every_python_example_bounds_its_output():
+    """Sampling without a bound can run to the context length (minutes): each generating call says how much."""
+    for param in _examples():
+        lang, _, code = param.values
+        if lang == "python":
+            calls = re.findall(r"\.(?:generate|chat|create|beam_search)\(", code)
+            bounds = re.findall(r"max_tokens=\d+", code)
+            assert len(bounds) >= len(calls), f"{param.id}: {len(calls)} generating calls, {len(bounds)} bounds"
+
+
 def _small(code: str) -> str:
     for pattern, repl in _SMALL:
         code = pattern.sub(repl, code)
