@@ -44,7 +44,8 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-# Bodies larger than this are parsed on a worker thread, so parsing never stalls the event loop.
+# Bodies larger than this are parsed and limit-checked on a worker thread. (The C JSON parser still
+# holds the GIL while it runs, ~25 ms per MiB; --max-request-body-bytes bounds that.)
 _OFF_LOOP_JSON_BYTES = 64 << 10
 
 
