@@ -460,12 +460,9 @@ def _q_blocks(data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np
 
 def _widen(kind: str, block: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """float32 [N, K] of blocks from :func:`_q_blocks`: ``q * scale + min`` per group of 32."""
-    import torch
+    from pagedllm.layers.quantization import widen_int4
 
-    q, scales, mins = block
+    q, scales, mins = widen_int4(*block) if kind == "int4" else block  # one byte per weight
     n, groups = scales.shape
-    if kind == "int4":  # byte j of a group: element j in the low nibble, j + 16 in the high one
-        q = q.view(n, groups, 16)
-        q = torch.cat([q & 0xF, q >> 4], dim=-1)
     w = q.view(n, groups, 32).float().mul_(scales[..., None]).add_(mins[..., None])
     return w.view(n, groups * 32)
