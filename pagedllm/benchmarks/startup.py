@@ -78,7 +78,8 @@ def run_startup(model: str | None, runs: int, backend: str) -> dict:
     results: dict = {"model": src.name, "runs": runs}
     jobs = []
     if backend in ("pagedllm", "both"):
-        jobs += [("pagedllm_cold", None), ("pagedllm_warm", None)]
+        script = _PAGEDLLM.format(model=model)
+        jobs += [("pagedllm_cold", script), ("pagedllm_warm", script)]  # the same cache: the second is warm
     if backend in ("transformers", "both"):
         jobs.append(("transformers", _TRANSFORMERS.format(path=src.path, kind=src.kind)))
     samples: dict[str, list[dict]] = {name: [] for name, _ in jobs}
@@ -88,7 +89,7 @@ def run_startup(model: str | None, runs: int, backend: str) -> dict:
                 for name, script in jobs:
                     bar.set_postfix_str(name)
                     run_env = {**env, "PAGEDLLM_CACHE_DIR": cache}
-                    samples[name].append(_run(script or _PAGEDLLM.format(model=model), run_env))
+                    samples[name].append(_run(script, run_env))
                     bar.update(1)
     for name, reports in samples.items():
         times = [r["first_token_s"] for r in reports]

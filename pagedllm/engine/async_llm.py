@@ -127,7 +127,6 @@ class AsyncLLM:
         prepared: list[PreparedRequest] = await self.prepare(
             lambda: [self.engine.make_request(rid, p, params, priority, group=request_id)
                      for rid, p in zip(ids, prompts)])
-        self._check_alive()
         loop = asyncio.get_running_loop()
         streams = []
         with self._lock:  # the engine thread snapshots the streams under this lock when it dies

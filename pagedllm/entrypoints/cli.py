@@ -56,6 +56,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _checked_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of the flags, with the model located: bad flags and missing models fail here,
+    in milliseconds, before anything loads."""
+    from pagedllm.model_loader import resolve_model
+
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    resolve_model(config.model_config.model)
+    return config
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
     from pagedllm.errors import InvalidParameterError
@@ -68,10 +78,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     empty = [i for i, p in enumerate(prompts) if not p]
     if empty:
         raise InvalidParameterError(f"prompt {empty[0]} is empty: a prompt must have at least one token", "prompt")
-    config = EngineConfig.from_kwargs(**engine_kwargs(args))
-    from pagedllm.model_loader import resolve_model
-
-    resolve_model(config.model_config.model)
+    _checked_config(args)
     llm = LLM(**engine_kwargs(args))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -92,16 +99,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.server import build_app
-    from pagedllm.model_loader import DEFAULT_MODEL_NAME, resolve_model
+    from pagedllm.model_loader import DEFAULT_MODEL_NAME
 
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
-    kwargs = engine_kwargs(args)
-    config = EngineConfig.from_kwargs(**kwargs)  # bad flags and missing models fail here, before the socket opens
-    resolve_model(config.model_config.model)
+    config = _checked_config(args)  # before the socket opens
     name = config.model_config.served_model_name or config.model_config.model or DEFAULT_MODEL_NAME
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
