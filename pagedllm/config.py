@@ -67,8 +67,16 @@ class ParallelConfig:
     pipeline_parallel_size: int = _f(1, "Number of pipeline stages (only 1 is supported so far).")
 
 
+@dataclass(slots=True, frozen=True)
+class SpeculativeSection:
+    speculative_config: dict | None = _f(
+        None, "Speculative decoding, as vLLM's JSON object: {\"method\": \"ngram\" | \"draft_model\" | \"eagle\" | "
+        "\"eagle3\" | \"medusa\", \"num_speculative_tokens\": k, ...}; see the README for every key.")
+
+
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
-             "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig}
+             "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
+             "speculative": SpeculativeSection}
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,6 +85,14 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+
+    @property
+    def speculative_config(self) -> "SpeculativeConfig | None":
+        from pagedllm.spec_decode.config import SpeculativeConfig
+
+        raw = self.speculative.speculative_config
+        return None if raw is None else SpeculativeConfig.from_dict(raw)
 
     @staticmethod
     def all_fields() -> list[tuple[str, dataclasses.Field]]:
@@ -131,6 +147,7 @@ class EngineConfig:
         if not 0.0 < c.gpu_memory_utilization <= 1.0:
             raise InvalidParameterError(
                 f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}", "gpu_memory_utilization")
+        self.speculative_config  # noqa: B018 -- parses, raising on a bad key or value
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(p, name)
             if value != 1:

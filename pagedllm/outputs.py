@@ -38,6 +38,9 @@ class RequestMetrics:
     last_token_time: float | None
     finished_time: float | None
     time_in_queue: float | None
+    # speculative decoding (None without it): drafts verified, and how many of them were accepted
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -61,6 +61,10 @@ class Request:
     # The user request this one arrived with (a batch of prompts shares one): the FCFS queue serves
     # groups in turn, so one large request cannot hold back a small one that arrived after it.
     group: str | None = None
+    # speculative decoding: the drafts proposed after the last step, verified in the next one
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def queue_group(self) -> str:

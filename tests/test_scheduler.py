@@ -51,7 +51,7 @@ class FakeRunner:
                 ctx = [self.slots[st["blocks"][p // BS] * BS + p % BS] for p in range(st["computed"])]
                 tok = zlib.crc32(repr(ctx).encode()) % 50 + 10
                 st["tokens"].append(tok)
-                sampled[rid] = tok
+                sampled[rid] = [tok]
         return ModelRunnerOutput(sampled)
 
 

@@ -10,6 +10,8 @@ left-padded static batch.
     pagedllm bench latency                                     # one 128-token prompt, 128 new tokens
     pagedllm bench latency --quantization int4                 # pagedllm int4 vs transformers float32
     pagedllm bench accuracy --quantization int8                # greedy agreement + perplexity vs float32
+    pagedllm bench latency --dataset copy --backend spec-vs-off \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'   # speculation on vs off
 """
 
 from __future__ import annotations
@@ -41,6 +43,26 @@ TEXT = (
 )
 
 
+def make_copy_prompt(tokenizer, input_len: int) -> list[int]:
+    """A chat prompt whose answer quotes it: "repeat this text", with input_len tokens of TEXT to repeat."""
+    text = tokenizer.decode(tokenizer.encode(TEXT, add_special_tokens=False)[:input_len])
+    messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{text}"}]
+    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(chat, add_special_tokens=False)
+
+
+def spec_report(llm) -> dict | None:
+    """Acceptance since the last call: rate, mean tokens per verification step, per-position rates."""
+    st = llm.llm_engine.core.make_stats().spec_decode
+    if st is None:
+        return None
+    return {"num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+            "num_accepted_tokens": st.num_accepted_tokens,
+            "acceptance_rate": st.num_accepted_tokens / max(st.num_draft_tokens, 1),
+            "mean_accepted_length": 1 + st.num_accepted_tokens / max(st.num_drafts, 1),
+            "acceptance_per_position": [n / max(st.num_drafts, 1) for n in st.accepted_per_pos]}
+
+
 def make_w64(tokenizer, num_prompts: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
@@ -67,12 +89,14 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t = time.perf_counter()
+    spec_report(llm)  # drop the warm-up's counts
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - t
     tokens = [o.outputs[0].token_ids for o in outs]
+    spec = spec_report(llm)
     del llm
     gc.collect()
-    return {"elapsed_s": elapsed, "outputs": tokens}
+    return {"elapsed_s": elapsed, "outputs": tokens, "spec_decode": spec}
 
 
 def run_transformers(prompts, output_len: int, model_path: str | None, batch_size: int) -> dict:
@@ -100,7 +124,7 @@ def run_transformers(prompts, output_len: int, model_path: str | None, batch_siz
 
 
 def run_latency(model: str | None, input_len: int, output_len: int, iters: int, warmup: int,
-                backend: str, engine_kwargs: dict | None = None) -> dict:
+                backend: str, engine_kwargs: dict | None = None, dataset: str = "random") -> dict:
     """One request at a time: TTFT (prefill + first token) and decode tokens/s, medians over iters.
 
     pagedllm's figures come from the request's own timestamps; transformers' from a 1-token run
@@ -112,8 +136,11 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
 
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
-    prompt = make_w64(load_tokenizer(resolve_model(model)), 1, input_len, input_len, 0)[0]
-    ttfts, decode_rates = [], []
+    tokenizer = load_tokenizer(resolve_model(model))
+    prompt = (make_copy_prompt(tokenizer, input_len) if dataset == "copy"
+              else make_w64(tokenizer, 1, input_len, input_len, 0)[0])
+    ttfts, decode_rates, outputs = [], [], []
+    llm = None
     if backend == "pagedllm":
         from pagedllm import LLM, SamplingParams
 
@@ -122,7 +149,9 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
         sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
         def once() -> tuple[float, float]:
-            m = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].metrics
+            out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+            outputs.append(out.outputs[0].token_ids)
+            m = out.metrics
             return m.first_token_time - m.arrival_time, (output_len - 1) / (m.last_token_time - m.first_token_time)
     else:
         model_hf = _load_transformers(model)
@@ -145,8 +174,12 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
         if i >= warmup:
             ttfts.append(ttft)
             decode_rates.append(rate)
-    return {"median_ttft_ms": statistics.median(ttfts) * 1000, "median_decode_tok_s": statistics.median(decode_rates),
-            "ttft_ms": [x * 1000 for x in ttfts], "decode_tok_s": decode_rates}
+    result = {"median_ttft_ms": statistics.median(ttfts) * 1000,
+              "median_decode_tok_s": statistics.median(decode_rates),
+              "ttft_ms": [x * 1000 for x in ttfts], "decode_tok_s": decode_rates, "outputs": outputs[-1:]}
+    if llm is not None:
+        result["spec_decode"] = spec_report(llm)
+    return result
 
 
 def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, output_len: int) -> dict:
@@ -235,8 +268,9 @@ def add_parsers(sub) -> None:
     model_help = "model path or cached repo id; default: the embedded SmolLM2"
     tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
     tp.add_argument("--model", default=None, help=model_help)
-    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both",
-                    help="both: pagedllm and transformers side by side in this process, with their ratio")
+    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off"], default="both",
+                    help="both: pagedllm and transformers side by side in this process, with their ratio; "
+                         "spec-vs-off: pagedllm with --speculative-config and without it")
     tp.add_argument("--dataset-name", default="random", choices=["random"],
                     help="prompts cut by token count from fixed English text at different offsets")
     tp.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload")
@@ -254,8 +288,12 @@ def add_parsers(sub) -> None:
 
     lat = add_command(sub, "latency", help="single-request TTFT and decode speed, optionally vs transformers")
     lat.add_argument("--model", default=None, help=model_help)
-    lat.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both",
-                     help="both: pagedllm and transformers in this process, with their ratio")
+    lat.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off"], default="both",
+                     help="both: pagedllm and transformers in this process, with their ratio; "
+                          "spec-vs-off: pagedllm with --speculative-config and without it")
+    lat.add_argument("--dataset", choices=["random", "copy"], default="random",
+                     help="random: input-len tokens of fixed English text; copy: a chat prompt asking to repeat "
+                          "input-len tokens of it word for word (the answer quotes the prompt)")
     lat.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     lat.add_argument("--output-len", type=int, default=128, help="greedy tokens generated (EOS ignored)")
     lat.add_argument("--num-iters", type=int, default=5, help="measured runs; the report gives medians")
@@ -285,10 +323,27 @@ def _add_quant_args(parser, reference: str) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=EngineConfig.choices("cache_config", "kv_cache_dtype"),
                         help=f"pagedllm's KV cache dtype ({reference})")
+    parser.add_argument("--speculative-config", default=None,
+                        help="pagedllm's speculative decoding, as JSON (see `pagedllm generate --help`)")
 
 
 def _quant_kwargs(args) -> dict:
-    return {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    kwargs = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    if args.speculative_config:
+        kwargs["speculative_config"] = args.speculative_config
+    return kwargs
+
+
+def _variants(args) -> dict[str, tuple[str, dict]]:
+    """name -> (backend, engine kwargs) of each engine a bench command runs."""
+    kwargs = _quant_kwargs(args)
+    if args.backend == "spec-vs-off":
+        if not args.speculative_config:
+            raise SystemExit("--backend spec-vs-off needs --speculative-config")
+        return {"pagedllm_spec": ("pagedllm", kwargs),
+                "pagedllm_no_spec": ("pagedllm", {k: v for k, v in kwargs.items() if k != "speculative_config"})}
+    names = ["pagedllm", "transformers"] if args.backend == "both" else [args.backend]
+    return {name: (name, kwargs) for name in names}
 
 
 def emit(results: dict, path: str | None) -> None:
@@ -310,20 +365,22 @@ def _cmd_throughput(args) -> int:
                                   "output_tokens": n_out, "input_len_range": [lo, hi]},
                      "pagedllm_config": _quant_kwargs(args)}
     outputs = {}
-    if args.backend in ("pagedllm", "both"):
-        kwargs = {"model": args.model, **_quant_kwargs(args)}
-        if args.max_num_batched_tokens:
-            kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-        run = run_pagedllm(prompts, args.output_len, kwargs)
-        outputs["pagedllm"] = run["outputs"]
-        results["pagedllm"] = _rates(run["elapsed_s"], n_prompt, n_out)
-    if args.backend in ("transformers", "both"):
-        run = run_transformers(prompts, args.output_len, args.model, args.hf_batch_size)
-        outputs["transformers"] = run["outputs"]
-        results["transformers"] = _rates(run["elapsed_s"], n_prompt, n_out)
+    for name, (backend, kwargs) in _variants(args).items():
+        if backend == "pagedllm":
+            kwargs = {"model": args.model, **kwargs}
+            if args.max_num_batched_tokens:
+                kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+            run = run_pagedllm(prompts, args.output_len, kwargs)
+        else:
+            run = run_transformers(prompts, args.output_len, args.model, args.hf_batch_size)
+        outputs[name] = run["outputs"]
+        results[name] = _rates(run["elapsed_s"], n_prompt, n_out)
+        if run.get("spec_decode"):
+            results[name]["spec_decode"] = run["spec_decode"]
     if len(outputs) == 2:
-        results["ratio_total_tok_s"] = results["pagedllm"]["total_tok_s"] / results["transformers"]["total_tok_s"]
-        results["vs_transformers"] = greedy_agreement(outputs["transformers"], outputs["pagedllm"])
+        a, b = outputs
+        results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
+        results[f"{a}_vs_{b}"] = greedy_agreement(outputs[b], outputs[a])
     results["peak_rss_mb_process"] = peak_rss_mb()
     emit(results, args.output_json)
     return 0
@@ -340,13 +397,17 @@ def _cmd_accuracy(args) -> int:
 
 
 def _cmd_latency(args) -> int:
-    results: dict = {"input_len": args.input_len, "output_len": args.output_len, "pagedllm_config": _quant_kwargs(args)}
-    backends = ["pagedllm", "transformers"] if args.backend == "both" else [args.backend]
-    for b in backends:
-        results[b] = run_latency(args.model, args.input_len, args.output_len, args.num_iters,
-                                 args.num_iters_warmup, b, _quant_kwargs(args))
-    if len(backends) == 2:
-        results["ratio_decode_tok_s"] = (results["pagedllm"]["median_decode_tok_s"]
-                                         / results["transformers"]["median_decode_tok_s"])
+    results: dict = {"input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
+                     "pagedllm_config": _quant_kwargs(args)}
+    variants = _variants(args)
+    for name, (backend, kwargs) in variants.items():
+        results[name] = run_latency(args.model, args.input_len, args.output_len, args.num_iters,
+                                    args.num_iters_warmup, backend, kwargs, args.dataset)
+    if len(variants) == 2:
+        a, b = variants
+        results["ratio_decode_tok_s"] = results[a]["median_decode_tok_s"] / results[b]["median_decode_tok_s"]
+    outs = [results[name].pop("outputs") for name in variants]
+    if args.backend == "spec-vs-off":  # speculation must not change a single token
+        results["identical_outputs"] = outs[0] == outs[1]
     emit(results, args.output_json)
     return 0

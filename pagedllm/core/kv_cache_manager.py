@@ -78,13 +78,19 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (and no change) if blocks run short."""
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` slots after them, which a
+        speculative proposer writes its own KV into); None (and no change) if blocks run short.
+
+        Only the request's known tokens are ever hashed: slots holding drafts (computed, then maybe rejected)
+        or lookahead are not registered in the prefix cache until real tokens fill them."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = num_computed + num_new_tokens
-        num_required = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_required = (cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(blocks)
+                        - len(new_computed_blocks))
         # cached hits that sit in the free queue stop being free once we take them
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(num_required, 0) + num_revived > self.pool.num_free_blocks:

@@ -47,15 +47,20 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or preempted since the last step: the runner drops their state
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the forward
+    # speculative decoding: the drafts each request verifies this step (after its last known token)
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """One sampled token (and optional logprobs) for every request that reached the end of its tokens."""
-    sampled: dict[str, int]
-    logprobs: dict[str, "SampleLogprobs"] = field(default_factory=dict)
+    """The new tokens (and optional logprobs, one entry per token) of every request that reached the end of
+    its known tokens: one sampled token, or with speculative decoding the accepted drafts and one more."""
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list["SampleLogprobs"]] = field(default_factory=dict)
     # prompt logprobs computed this step: request id -> (first prompt position they predict, one per position)
     prompt_logprobs: dict[str, tuple[int, list["SampleLogprobs"]]] = field(default_factory=dict)
+    # the drafts proposed for each request's next step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -72,11 +77,33 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions: int  # since the last stats call
     prefix_cache: PrefixCacheStats
+    spec_decode: "SpecDecodeStats | None" = None  # since the last stats call; None without speculation
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    num_drafts: int = 0  # requests that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at each position
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int):
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
+                 num_lookahead_tokens: int = 0, speculative: bool = False):
         self.config = sched
+        # slots past the verified tokens a proposer writes its own KV into (draft model, EAGLE)
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodeStats() if speculative else None
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -126,21 +153,33 @@ class Scheduler:
         if self.config.scheduling_policy == "priority":
             # serve the most important first, so victims (taken from the unserved tail) are the least
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        scheduled_spec: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            # drafts ride after the known tokens, under the same rule and budget; the tail that does not fit
+            # (budget, max_tokens, context) is dropped. Nothing is kept for the next step: it proposes anew.
+            spec, req.spec_token_ids = req.spec_token_ids, []
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(req, n)
+            if spec and n == req.num_tokens - req.num_computed_tokens:
+                room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+                spec = spec[:max(0, min(room, budget - n))]
+                n += len(spec)
+            else:
+                spec = []
+            new_blocks = self._allocate(req, n)
             while new_blocks is None:
                 victim = self._pick_victim(i)
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self._allocate(req, n)
             if new_blocks is None:
                 continue  # req itself was preempted and removed from running
             num_scheduled[req.request_id] = n
+            if spec:
+                scheduled_spec[req.request_id] = spec
             if req.request_id in self._unsent:  # a forked child: the runner sees it for the first time
                 self._unsent.discard(req.request_id)
                 new_reqs.append(self._new_request_data(req))
@@ -161,7 +200,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and n > budget:
                 break  # head-of-line waits for a step with enough budget
             n = min(n, budget)
-            new_blocks = self.kv.allocate_slots(req, n, hits, num_hit_tokens)
+            new_blocks = self._allocate(req, n, hits, num_hit_tokens)
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -177,32 +216,54 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
-                              self.finished_req_ids, self._pending_copies)
+                              self.finished_req_ids, self._pending_copies, scheduled_spec)
         self.finished_req_ids = set()
         self._pending_copies = []
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
 
+    def _allocate(self, req: Request, n: int, hits=None, num_hit_tokens: int = 0):
+        lookahead = 0
+        if self.num_lookahead_tokens:  # never past the context: positions there do not exist
+            end = req.num_computed_tokens + num_hit_tokens + n
+            lookahead = max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+        return self.kv.allocate_slots(req, n, hits, num_hit_tokens, lookahead)
+
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
                               self.kv.get_block_ids(req.request_id), req.num_computed_tokens)
 
-    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens, apply stop conditions; return the requests that got a new token or finished."""
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        """Append sampled tokens, apply stop conditions; return the requests that got new tokens, each with
+        how many it kept (tokens after a stop are dropped)."""
         now = time.monotonic()
-        touched: list[Request] = []
-        for rid, token in runner_out.sampled.items():
+        touched: list[tuple[Request, int]] = []
+        for rid, tokens in runner_out.sampled.items():
             req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue
-            req.append_output_token(token)
+            spec = sched_out.scheduled_spec_tokens.get(rid)
+            if spec:  # one rule for the rollback: the rejected drafts were never computed
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= len(spec) - accepted
+                req.num_draft_tokens += len(spec)
+                req.num_accepted_tokens += accepted
+                self.spec_stats.observe(len(spec), accepted)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req.pending_children:  # the prompt is computed: its siblings can share it now
-                self._fork(req, now)
-            self._check_stop(req)
-            touched.append(req)
+            before = req.num_output_tokens
+            for token in tokens:
+                req.append_output_token(token)
+                if req.pending_children:  # the prompt is computed: its siblings can share it now
+                    self._fork(req, now)
+                self._check_stop(req)
+                if req.status.finished:
+                    break  # what follows a stop is dropped
+            if not req.status.finished:
+                req.spec_token_ids = runner_out.spec_token_ids.get(rid, [])
+            touched.append((req, req.num_output_tokens - before))
         return touched
 
     def _fork(self, leader: Request, now: float) -> None:
@@ -279,6 +340,7 @@ class Scheduler:
         self.running.remove(req)
         self._unsent.discard(req.request_id)
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -290,8 +352,11 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         new_preemptions = self.num_preemptions - self._num_preemptions_reported
         self._num_preemptions_reported = self.num_preemptions
+        spec = self.spec_stats
+        if spec is not None:
+            self.spec_stats = SpecDecodeStats()
         return SchedulerStats(len(self.running), self.num_waiting_requests(), self.kv.usage(),
-                              new_preemptions, self.kv.stats.reset())
+                              new_preemptions, self.kv.stats.reset(), spec)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

@@ -30,7 +30,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, max_model_len: int):
         self.config = config
         self.runner = runner
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
+                                   num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.needs_draft_kv else 0,
+                                   speculative=spec is not None)
         self._aborted: list[Request] = []
 
     def add_request(self, request: Request) -> None:
@@ -49,11 +52,10 @@ class EngineCore:
         runner_out = self.runner.execute_model(sched_out)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         plp = runner_out.prompt_logprobs
-        outputs = [EngineCoreOutput(r, [r.output_token_ids[-1]],
-                                    [runner_out.logprobs[r.request_id]] if r.request_id in runner_out.logprobs else [],
+        outputs = [EngineCoreOutput(r, r.output_token_ids[-n:], runner_out.logprobs.get(r.request_id, [])[:n],
                                     plp.get(r.request_id))
-                   for r in touched]
-        seen = {r.request_id for r in touched}
+                   for r, n in touched]
+        seen = {r.request_id for r, _ in touched}
         outputs += [EngineCoreOutput(self.scheduler.requests[rid], [], [], entries)  # a prefill chunk's share
                     for rid, entries in plp.items() if rid not in seen and rid in self.scheduler.requests]
         outputs += [EngineCoreOutput(r, []) for r in self._aborted]

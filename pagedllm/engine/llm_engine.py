@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_cache
 from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype
 from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("pagedllm")
 
@@ -49,24 +53,35 @@ class LLMEngine:
         with stage("tokenizer"):
             self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
         model = self._load_model()
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.needs_draft_kv:
+            with stage("draft_model"):
+                draft = self._load_draft_model(spec)
 
         with stage("kv_cache"):
-            num_kv_heads, head_dim = model.kv_cache_shape_per_layer
-            num_layers = len(model.layers)
             self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
-            per_block = kv_cache.bytes_per_block(num_layers, cc.block_size, num_kv_heads, head_dim,
-                                                 self.kv_cache_dtype)
+            # a draft model's cache has as many blocks as the target's: both are indexed by one block table
+            kv_models = [model] + ([draft] if draft is not None else [])
+            per_block = sum(kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer,
+                                                     self.kv_cache_dtype) for m in kv_models)
             peak = self._profile_peak(model) if self.device.type == "cuda" else None
             num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, per_block, peak)
             self.max_model_len = self._resolve_max_model_len(num_blocks)
-            caches = kv_cache.allocate_kv_caches(num_layers, num_blocks, cc.block_size, num_kv_heads, head_dim,
-                                                 self.kv_cache_dtype, self.device)
+            caches, draft_caches = self._allocate_caches(kv_models, num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s); max_model_len %d; max concurrency %.1fx",
                     num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.kv_cache_dtype, self.max_model_len,
                     num_blocks * cc.block_size / self.max_model_len)
         self.num_blocks = num_blocks
+        proposer = None
+        if spec is not None:
+            from pagedllm.spec_decode import build_proposer
+
+            proposer = build_proposer(spec, draft, draft_caches, cc.block_size, self.device)
+            logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
         runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed,
-                             processed_logprobs=mc.logprobs_mode == "processed_logprobs")
+                             processed_logprobs=mc.logprobs_mode == "processed_logprobs",
+                             proposer=proposer, spec_config=spec, max_model_len=self.max_model_len)
         self.core = EngineCore(config, runner, num_blocks, self.max_model_len)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                    mc.max_logprobs, self._eos_token_ids())
@@ -85,6 +100,32 @@ class LLMEngine:
                 kernels.try_load()
         return load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
                           stages=self.startup_stages)
+
+    def _allocate_caches(self, models: list[torch.nn.Module], num_blocks: int) -> tuple[list, list]:
+        bs = self.config.cache_config.block_size
+        caches = [kv_cache.allocate_kv_caches(len(m.layers), num_blocks, bs, *m.kv_cache_shape_per_layer,
+                                              self.kv_cache_dtype, self.device) for m in models]
+        return caches[0], (caches[1] if len(caches) > 1 else [])
+
+    def _load_draft_model(self, spec: "SpeculativeConfig") -> torch.nn.Module:
+        """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights."""
+        from pagedllm.model_loader import load_config, resolve_model
+
+        if spec.method != "draft_model":
+            raise InvalidParameterError(f"speculative method {spec.method!r} is not implemented yet",
+                                        "speculative_config.method")
+        source, hf_config = self.source, self.hf_config
+        if spec.model:
+            source = resolve_model(spec.model)
+            hf_config = load_config(source)
+            if hf_config.vocab_size != self.hf_config.vocab_size:
+                raise InvalidParameterError(
+                    f"speculative_config.model: the draft model's vocabulary ({hf_config.vocab_size} tokens) differs "
+                    f"from the target's ({self.hf_config.vocab_size}); a draft must share the target's tokenizer",
+                    "speculative_config.model")
+        logger.info("loading the draft model %s%s", source.name,
+                    f" ({spec.quantization})" if spec.quantization else "")
+        return load_model(source, hf_config, self.dtype, self.device, spec.quantization)
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048

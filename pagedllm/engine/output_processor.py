@@ -33,6 +33,7 @@ class _ChildState:
 class _ParentState:
     prompt: str | None
     leader: Request
+    requests: list[Request]  # every completion's request, the leader first
     child_ids: list[str]
     completions: list[CompletionOutput]
     finished: set[int] = field(default_factory=set)
@@ -61,7 +62,7 @@ class OutputProcessor:
         empty = [CompletionOutput(i, "", [], None, None) for i in range(len(children))]
         leader = children[0]
         self.parents[request_id] = _ParentState(
-            prompt, leader, [c.request_id for c in children], empty,
+            prompt, leader, list(children), [c.request_id for c in children], empty,
             prompt_logprobs=[None] * leader.num_prompt_tokens
             if leader.sampling_params.prompt_logprobs is not None else None,
             kind=leader.sampling_params.output_kind)
@@ -155,6 +156,9 @@ class OutputProcessor:
             first_token_time=req.first_token_time, last_token_time=parent.last_token_time,
             finished_time=now if finished else None,
             time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
+        if any(r.num_draft_tokens for r in parent.requests):
+            metrics.spec_num_draft_tokens = sum(r.num_draft_tokens for r in parent.requests)
+            metrics.spec_num_accepted_tokens = sum(r.num_accepted_tokens for r in parent.requests)
         plp = list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None
         completions = list(parent.completions)
         if parent.kind == RequestOutputKind.DELTA:

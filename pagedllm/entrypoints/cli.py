@@ -30,7 +30,19 @@ def _flag_type(section: str, name: str) -> tuple[Any, list | None]:
     hint = EngineConfig.field_type(section, name)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is dict:
+        return _json_object, None
     return hint, None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:

@@ -45,6 +45,7 @@ class SamplingBatch:
     processed_logprobs: bool = False  # logprobs of the processed distribution instead of the raw one
     # rows with user logits processors: (row, their SamplingParams, prompt ids, output ids)
     user_processors: list[tuple[int, Any, list[int], list[int]]] | None = None
+    want_probs: bool = False  # keep the processed probabilities (the rejection sampler reads them)
 
 
 @dataclass(slots=True)
@@ -62,6 +63,22 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [B, 1 + max_n]: sampled token first, then top-N
     logprobs: torch.Tensor | None = None  # [B, 1 + max_n]
     sampled_ranks: torch.Tensor | None = None  # [B]
+    probs: torch.Tensor | None = None  # [B, V] processed distribution (want_probs; greedy rows one-hot)
+    lp_source: torch.Tensor | None = None  # [B, V] the log-distribution logprobs are read from
+
+
+def exponentials(seed: int, position: int, size: int, device: torch.device) -> torch.Tensor:
+    """The Exp(1) draws of one row: a function of (request seed, output position) only."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(((seed * _MIX) ^ position) & ((1 << 63) - 1))
+    return torch.empty(size, device=device).exponential_(generator=gen)
+
+
+def uniform(seed: int, position: int, salt: int) -> float:
+    """A U(0, 1) draw of its own stream per (seed, position, salt), independent of exponentials()."""
+    gen = torch.Generator()
+    gen.manual_seed(((seed * _MIX) ^ (position * 0x2545F4914F6CDD1D) ^ salt) & ((1 << 63) - 1))
+    return torch.rand((), generator=gen).item()
 
 
 class Sampler:
@@ -81,20 +98,24 @@ class Sampler:
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK
-        processed = None
+        processed = probs = None
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
             if want_lp and batch.processed_logprobs:
                 processed = torch.log_softmax(logits, dim=-1)
         else:
-            tokens, processed = self._sample(logits, batch, want_lp and batch.processed_logprobs)
+            tokens, processed, probs = self._sample(logits, batch, want_lp and batch.processed_logprobs)
         out = SamplerOutput(tokens)
+        if batch.want_probs:
+            onehot = torch.zeros_like(logits).scatter_(1, tokens.unsqueeze(1), 1.0)
+            out.probs = onehot if probs is None else torch.where((batch.temperature == 0).unsqueeze(1), onehot, probs)
         if want_lp:
-            self._gather_logprobs(processed if batch.processed_logprobs else raw_logprobs, tokens, batch, out)
+            out.lp_source = processed if batch.processed_logprobs else raw_logprobs
+            self.gather_logprobs(out.lp_source, tokens, batch.num_logprobs, out)
         return out
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
-                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         greedy_rows = batch.temperature == 0
         greedy_tokens = logits.argmax(dim=-1)
         greedy_lp = torch.log_softmax(logits, dim=-1) if want_processed else None
@@ -107,21 +128,20 @@ class Sampler:
         if not batch.no_min_p:
             top = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
-        q = torch.empty_like(probs)
-        for i, (seed, pos) in enumerate(zip(batch.seeds, batch.positions)):
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(((seed * _MIX) ^ pos) & ((1 << 63) - 1))
-            q[i].exponential_(generator=gen)
+        q = torch.stack([exponentials(seed, pos, probs.shape[1], probs.device)
+                         for seed, pos in zip(batch.seeds, batch.positions)])
         sampled = (probs / q).argmax(dim=-1)
         processed = None
         if want_processed:  # the distribution actually sampled from, renormalised after min-p
             processed = torch.log(probs / probs.sum(dim=-1, keepdim=True))
             processed = torch.where(greedy_rows.unsqueeze(1), greedy_lp, processed)
-        return torch.where(greedy_rows, greedy_tokens, sampled), processed
+        return torch.where(greedy_rows, greedy_tokens, sampled), processed, probs / probs.sum(dim=-1, keepdim=True)
 
     @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch, out: SamplerOutput) -> None:
-        max_n = max(n or 0 for n in batch.num_logprobs)
+    def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None],
+                        out: SamplerOutput) -> None:
+        """The logprob of each row's token (and its rank) and the top-N, from ``raw`` [B, V]."""
+        max_n = max(n or 0 for n in num_logprobs)
         sampled_lp = raw.gather(1, tokens.unsqueeze(1))
         out.sampled_ranks = (raw > sampled_lp).sum(dim=-1) + 1
         if max_n:

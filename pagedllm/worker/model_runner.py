@@ -11,15 +11,22 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.torch_ref import copy_blocks
 from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from pagedllm.sample import Penalties, Sampler, SamplingBatch
+from pagedllm.sample.rejection import verify
+from pagedllm.sample.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.proposer import ProposeContext
+from pagedllm.worker.batch import Segment, build_batch
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.config import SpeculativeConfig
+    from pagedllm.spec_decode.proposer import Proposer
 
 logger = logging.getLogger("pagedllm")
 
@@ -32,11 +39,18 @@ class _ReqState:
     params: SamplingParams
     seed: int
     num_computed_tokens: int
+    # speculative decoding
+    draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed for the next step, if any
+    spec_failures: int = 0  # steps in a row whose drafts were all rejected
+    spec_pause: int = 0  # length of the current back-off, in steps
+    spec_skip: int = 0  # steps left without drafting
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, default_seed: int = 0, processed_logprobs: bool = False):
+                 device: torch.device, default_seed: int = 0, processed_logprobs: bool = False,
+                 proposer: "Proposer | None" = None, spec_config: "SpeculativeConfig | None" = None,
+                 max_model_len: int | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -46,6 +60,9 @@ class ModelRunner:
         self.states: dict[str, _ReqState] = {}
         self._default_seed = default_seed
         self.processed_logprobs = processed_logprobs
+        self.proposer = proposer
+        self.spec_config = spec_config
+        self.max_model_len = max_model_len or (1 << 62)
 
     def _seed_for(self, req_id: str, params: SamplingParams) -> int:
         if params.seed is not None:
@@ -57,10 +74,14 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.remove(rid)
         for new in so.new_reqs:
             self.states[new.req_id] = _ReqState(
                 new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
                 new.sampling_params, self._seed_for(new.req_id, new.sampling_params), new.num_computed_tokens)
+            if self.proposer is not None:
+                self.proposer.add(new.req_id, new.num_computed_tokens)
         for c in so.cached_reqs:
             st = self.states[c.req_id]
             st.block_ids.extend(c.new_block_ids)
@@ -72,69 +93,126 @@ class ModelRunner:
         if so.blocks_to_copy:  # copy-on-write for n>1 siblings, before anything writes this step
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=self.device)
-            for cache in self.kv_caches:
+            for cache in self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else []):
                 copy_blocks(cache, src, dst)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
-        # decodes first, then prefill chunks
-        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        bs = self.block_size
-        n_tok = so.total_num_scheduled_tokens
-        input_ids = np.empty(n_tok, dtype=np.int64)
-        positions = np.empty(n_tok, dtype=np.int64)
-        slots = np.empty(n_tok, dtype=np.int64)
-        qsl = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []  # index into `order` of rows that produce a token
-        max_blocks = max(len(self.states[r].block_ids) for r in order)
-        block_table = np.zeros((len(order), max_blocks), dtype=np.int64)
-        num_decodes = 0
+        spec = so.scheduled_spec_tokens
+        num = so.num_scheduled_tokens
+        # one-token rows first (decodes, and every token of a request verifying drafts), then prefill chunks
+        order = sorted(num, key=lambda r: not (num[r] == 1 or r in spec))
+        segments: list[Segment] = []
         row_starts: list[int] = []
+        for rid in order:
+            st = self.states[rid]
+            drafts = spec.get(rid, [])
+            start = st.num_computed_tokens
+            row_starts.append(start)
+            tokens = st.token_ids[start:start + num[rid] - len(drafts)]
+            segments.append(Segment(tokens + drafts if drafts else tokens, start, st.block_ids,
+                                    split=bool(drafts)))
+        batch = build_batch(segments, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        for rid in order:  # the scheduler already counted these tokens (drafts too) as computed
+            self.states[rid].num_computed_tokens += num[rid]
+        offsets = batch.offsets
+        prompt_lps = self._prompt_logprobs(order, row_starts, offsets, hidden)
+
+        # rows that sample: the last token of a request that reached its end, every row of a verification
+        rows: list[tuple[_ReqState, list[int]]] = []
+        logit_idx: list[int] = []
+        sampled: list[str] = []
         for i, rid in enumerate(order):
             st = self.states[rid]
-            n = so.num_scheduled_tokens[rid]
-            start, end = st.num_computed_tokens, st.num_computed_tokens + n
-            row_starts.append(start)
-            a, b = qsl[-1], qsl[-1] + n
-            input_ids[a:b] = st.token_ids[start:end]
-            pos = np.arange(start, end)
-            positions[a:b] = pos
-            bids = np.asarray(st.block_ids, dtype=np.int64)
-            slots[a:b] = bids[pos // bs] * bs + pos % bs
-            block_table[i, :len(bids)] = bids
-            qsl.append(b)
-            seq_lens.append(end)
-            if n == 1:
-                num_decodes += 1
-            if end == len(st.token_ids):
-                sample_rows.append(i)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(block_table).to(dev),
-            seq_lens=torch.tensor(seq_lens, device=dev), num_decodes=num_decodes, query_start_loc=qsl,
-            seq_lens_cpu=seq_lens, block_size=bs)
-        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
-                            self.kv_caches, meta)
-        for rid in order:  # the scheduler already counted these tokens as computed
-            self.states[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
-        prompt_lps = self._prompt_logprobs(order, row_starts, qsl, hidden)
-        if not sample_rows:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
-        logits_idx = torch.tensor([qsl[i + 1] - 1 for i in sample_rows], device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
-        rids = [order[i] for i in sample_rows]
-        out = self.sampler(logits, self._sampling_batch(rids))
-        tokens = out.token_ids.tolist()
-        result = ModelRunnerOutput(dict(zip(rids, tokens)), prompt_logprobs=prompt_lps)
-        for rid, tok in zip(rids, tokens):
-            self.states[rid].token_ids.append(tok)
-        if out.logprobs is not None:
-            lp_ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-            for j, rid in enumerate(rids):
-                n = self.states[rid].params.logprobs
-                if n is not None:
-                    result.logprobs[rid] = SampleLogprobs(lp_ids[j][:n + 1], lps[j][:n + 1], ranks[j])
+            drafts = spec.get(rid)
+            if drafts:
+                rows += [(st, drafts[:j]) for j in range(len(drafts) + 1)]
+                logit_idx += range(offsets[i], offsets[i + 1])
+            elif st.num_computed_tokens == len(st.token_ids):
+                rows.append((st, []))
+                logit_idx.append(offsets[i + 1] - 1)
+            else:
+                continue
+            sampled.append(rid)
+        result = ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
+        if sampled:
+            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_idx, device=self.device)))
+            self._sample(logits, rows, sampled, spec, result)
+        if self.proposer is not None:
+            result.spec_token_ids = self._propose(order, sampled, hidden, offsets)
         return result
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[_ReqState, list[int]]], sampled: list[str],
+                spec: dict[str, list[int]], result: ModelRunnerOutput) -> None:
+        sts = [self.states[rid] for rid in sampled]
+        batch = self._sampling_batch(rows)
+        batch.want_probs = any(st.draft_probs is not None for st in sts)
+        out = self.sampler(logits, batch)
+        target = out.token_ids.tolist()
+        lp = (out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()) \
+            if out.logprobs is not None else None
+        r = 0
+        for rid, st in zip(sampled, sts):
+            drafts = spec.get(rid, [])
+            m = len(drafts) + 1
+            if drafts:
+                q = st.draft_probs[:len(drafts)] if st.draft_probs is not None else None
+                emitted = verify(drafts, target[r:r + m], draft_probs=q,
+                                 probs=out.probs[r:r + len(drafts)] if q is not None else None,
+                                 seed=st.seed, position=len(st.token_ids) - st.num_prompt_tokens)
+                st.num_computed_tokens -= len(drafts) - (len(emitted) - 1)  # the scheduler does the same
+                self._backoff(st, len(drafts), len(emitted) - 1)
+            else:
+                emitted = target[r:r + 1]
+            st.draft_probs = None
+            result.sampled[rid] = emitted
+            n = st.params.logprobs
+            if lp is not None and n is not None:
+                entries = []
+                for j, tok in enumerate(emitted):
+                    row = r + j
+                    if tok == target[row]:
+                        entries.append(SampleLogprobs(lp[0][row][:n + 1], lp[1][row][:n + 1], lp[2][row]))
+                    else:  # a token resampled from the residual: read its own logprob
+                        one = SamplerOutput(torch.tensor([tok]))
+                        Sampler.gather_logprobs(out.lp_source[row:row + 1], one.token_ids, [n], one)
+                        entries.append(SampleLogprobs(one.logprob_token_ids[0].tolist(),
+                                                      one.logprobs[0].tolist(), int(one.sampled_ranks[0])))
+                result.logprobs[rid] = entries
+            st.token_ids.extend(emitted)
+            r += m
+
+    def _backoff(self, st: _ReqState, num_drafts: int, num_accepted: int) -> None:
+        """A request whose drafts keep failing stops drafting for 1, 2, 4, ... (at most 64) steps."""
+        limit = self.spec_config.backoff_after_rejections
+        if num_accepted or not limit:
+            st.spec_failures = st.spec_pause = 0
+            return
+        st.spec_failures += 1
+        if st.spec_failures >= limit:
+            st.spec_pause = min(max(1, 2 * st.spec_pause), 64)
+            st.spec_skip = st.spec_pause
+            st.spec_failures = 0
+
+    def _propose(self, order: list[str], sampled: list[str], hidden: torch.Tensor,
+                 offsets: list[int]) -> dict[str, list[int]]:
+        cfg = self.spec_config
+        busy = cfg.disable_by_batch_size is not None and len(order) > cfg.disable_by_batch_size
+        want: dict[str, int] = {}
+        for rid in sampled:
+            st = self.states[rid]
+            if st.spec_skip:
+                st.spec_skip -= 1
+                continue
+            room = self.max_model_len - len(st.token_ids)  # positions the drafts (and their KV) may use
+            k = min(cfg.num_speculative_tokens, room)
+            if k > 0 and not busy:
+                want[rid] = k
+        ctx = ProposeContext(self.states, order, set(sampled), want, hidden, offsets)
+        drafts = self.proposer.propose(ctx)
+        for rid, probs in ctx.draft_probs.items():
+            self.states[rid].draft_probs = probs
+        return drafts
 
     _PROMPT_LOGITS_ROWS = 512  # bound the [rows, vocab] logits of long prompt chunks
 
@@ -164,14 +242,15 @@ class ModelRunner:
             out[rid] = (start + 1, entries)
         return out
 
-    def _sampling_batch(self, rids: list[str]) -> SamplingBatch:
-        sts = [self.states[r] for r in rids]
+    def _sampling_batch(self, rows: list[tuple[_ReqState, list[int]]]) -> SamplingBatch:
+        """One row per (request, history): a verification row's history ends with the drafts before it."""
+        sts = [st for st, _ in rows]
         ps = [s.params for s in sts]
         dev = self.device
         temps = [0.0 if p.greedy else p.temperature for p in ps]
+        positions = [len(st.token_ids) - st.num_prompt_tokens + len(extra) for st, extra in rows]
         stop_masks = []
-        for st in sts:
-            n_out = len(st.token_ids) - st.num_prompt_tokens
+        for st, n_out in zip(sts, positions):
             ids = st.params._all_stop_token_ids
             stop_masks.append(sorted(ids) if ids and n_out < st.params.min_tokens else None)
         return SamplingBatch(
@@ -180,48 +259,54 @@ class ModelRunner:
             top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
             min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev),
             seeds=[s.seed for s in sts],
-            positions=[len(s.token_ids) - s.num_prompt_tokens for s in sts],
+            positions=positions,
             stop_masks=stop_masks,
             num_logprobs=[p.logprobs for p in ps],
             all_greedy=all(t == 0.0 for t in temps),
             processed_logprobs=self.processed_logprobs,
-            user_processors=[(i, st.params, st.token_ids[:st.num_prompt_tokens],
-                              st.token_ids[st.num_prompt_tokens:])
-                             for i, st in enumerate(sts) if st.params.logits_processors] or None,
+            user_processors=[(i, st.params, st.token_ids[:st.num_prompt_tokens], _output(st, extra))
+                             for i, (st, extra) in enumerate(rows) if st.params.logits_processors] or None,
             no_top_k=all(p.top_k == 0 for p in ps),
             no_top_p=all(p.top_p >= 1.0 for p in ps),
             no_min_p=all(p.min_p == 0.0 for p in ps),
-            penalties=self._penalties(sts) if any(p.has_penalties for p in ps) else None,
-            bias=self._bias(sts) if any(p.logit_bias or p.allowed_token_ids is not None
-                                        or p._bad_words_token_ids for p in ps) else None,
+            penalties=self._penalties(rows) if any(p.has_penalties for p in ps) else None,
+            bias=self._bias(rows) if any(p.logit_bias or p.allowed_token_ids is not None
+                                         or p._bad_words_token_ids for p in ps) else None,
         )
 
-    def _penalties(self, sts: list[_ReqState]) -> Penalties:
+    def _penalties(self, rows: list[tuple[_ReqState, list[int]]]) -> Penalties:
         vocab, dev = self.vocab_size, self.device
-        counts = torch.zeros(len(sts), vocab, device=dev)
-        prompt_mask = torch.zeros(len(sts), vocab, dtype=torch.bool, device=dev)
-        for i, st in enumerate(sts):
+        counts = torch.zeros(len(rows), vocab, device=dev)
+        prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+        for i, (st, extra) in enumerate(rows):
             if st.params.has_penalties:
-                out = torch.tensor(st.token_ids[st.num_prompt_tokens:], dtype=torch.long, device=dev)
+                out = torch.tensor(_output(st, extra), dtype=torch.long, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
                 prompt_mask[i, torch.tensor(st.token_ids[:st.num_prompt_tokens], device=dev)] = True
-        ps = [st.params for st in sts]
+        ps = [st.params for st, _ in rows]
         return Penalties(torch.tensor([p.presence_penalty for p in ps], device=dev),
                          torch.tensor([p.frequency_penalty for p in ps], device=dev),
                          torch.tensor([p.repetition_penalty for p in ps], device=dev), counts, prompt_mask)
 
-    def _bias(self, sts: list[_ReqState]) -> torch.Tensor:
-        bias = torch.zeros(len(sts), self.vocab_size, device=self.device)
-        for i, st in enumerate(sts):
+    def _bias(self, rows: list[tuple[_ReqState, list[int]]]) -> torch.Tensor:
+        bias = torch.zeros(len(rows), self.vocab_size, device=self.device)
+        for i, (st, extra) in enumerate(rows):
             p = st.params
             if p.allowed_token_ids is not None:
                 bias[i] = float("-inf")
                 bias[i, p.allowed_token_ids] = 0.0
             if p.logit_bias:
                 bias[i, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=self.device)
-            output = st.token_ids[st.num_prompt_tokens:]
-            for word in p._bad_words_token_ids:
-                prefix = word[:-1]
-                if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
-                    bias[i, word[-1]] = float("-inf")
+            if p._bad_words_token_ids:
+                output = _output(st, extra)
+                for word in p._bad_words_token_ids:
+                    prefix = word[:-1]
+                    if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+                        bias[i, word[-1]] = float("-inf")
         return bias
+
+
+def _output(st: _ReqState, extra: list[int]) -> list[int]:
+    """The request's output tokens, followed by ``extra`` (the drafts before a verification row)."""
+    out = st.token_ids[st.num_prompt_tokens:]
+    return out + extra if extra else out

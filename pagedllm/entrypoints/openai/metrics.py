@@ -47,6 +47,12 @@ class ServerMetrics:
                                _LATENCY_BUCKETS)
         self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
         self.req_gen_tokens = hist("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verifications (requests x steps).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative decoding: draft tokens accepted at each draft position.",
+                                             extra=["position"])
         self._last_token: dict[str, tuple[float, int]] = {}
 
     def on_step(self, engine: Any, outputs: list) -> None:
@@ -58,6 +64,13 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions)
         self.prefix_queries.inc(stats.prefix_cache.queries)
         self.prefix_hits.inc(stats.prefix_cache.hits)
+        spec = stats.spec_decode
+        if spec is not None:
+            self.spec_drafts.inc(spec.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.accepted_per_pos):
+                self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(n)
         now = time.monotonic()
         for out in outputs:
             n_tokens = sum(len(c.token_ids) for c in out.outputs)
