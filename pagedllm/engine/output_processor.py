@@ -27,6 +27,7 @@ class _ChildState:
     cumulative_logprob: float | None = None
     logprobs: list | None = None
     stop_string: str | None = None
+    num_tokens: int | None = None  # the output tokens that count, when a stop string ended a multi-token step
 
 
 @dataclass
@@ -84,9 +85,6 @@ class OutputProcessor:
             parent = self.parents[st.parent_id]
             if out.new_token_ids:
                 parent.last_token_time = now
-            for lp in out.new_logprobs:
-                st.cumulative_logprob += lp.logprobs[0]
-                st.logprobs.append(self._logprob_entry(lp))
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 first, entries = out.prompt_logprobs
                 for j, lp in enumerate(entries):  # by position: a recompute after preemption overwrites
@@ -95,16 +93,28 @@ class OutputProcessor:
                 touched[st.parent_id] = parent  # a prefill chunk with prompt logprobs, nothing sampled yet
                 continue
             stopped_here = False
+            kept = len(out.new_token_ids)
             if st.detok is not None and st.stop_string is None:
-                delta = st.detok.step(out.new_token_ids, final=out.finished)
-                st.text += delta
                 sp = req.sampling_params
-                if delta and sp.stop:
-                    hit = find_stop_string(st.text, len(delta), sp.stop, sp.include_stop_str_in_output)
-                    if hit is not None:
-                        st.stop_string, cut = hit
-                        st.text = st.text[:cut]
-                        stopped_here = not out.finished
+                # several tokens in one step (speculative decoding) with stop strings: one at a time, so the
+                # output ends at the token that completed the stop string, exactly as without speculation
+                steps = [[t] for t in out.new_token_ids] if sp.stop and kept > 1 else [out.new_token_ids]
+                for j, ids in enumerate(steps):
+                    delta = st.detok.step(ids, final=out.finished and j == len(steps) - 1)
+                    st.text += delta
+                    if delta and sp.stop:
+                        hit = find_stop_string(st.text, len(delta), sp.stop, sp.include_stop_str_in_output)
+                        if hit is not None:
+                            st.stop_string, cut = hit
+                            st.text = st.text[:cut]
+                            stopped_here = not out.finished
+                            if j < len(steps) - 1:
+                                kept = j + 1
+                                st.num_tokens = req.num_output_tokens - (len(steps) - kept)
+                            break
+            for lp in out.new_logprobs[:kept]:
+                st.cumulative_logprob += lp.logprobs[0]
+                st.logprobs.append(self._logprob_entry(lp))
             if stopped_here:
                 to_stop.append((req.request_id, st.stop_string))
             finished = out.finished or stopped_here
@@ -144,7 +154,7 @@ class OutputProcessor:
         if stops and not finished:
             # hold back what could be the start of a stop string, so streamed text never has to shrink
             text = text[:max(0, len(text) - (max(map(len, stops)) - 1))]
-        return CompletionOutput(st.index, text, list(req.output_token_ids), st.cumulative_logprob,
+        return CompletionOutput(st.index, text, req.output_token_ids[:st.num_tokens], st.cumulative_logprob,
                                 list(st.logprobs) if st.logprobs is not None else None,
                                 finish_reason if finished else None, stop_reason if finished else None)
 

@@ -1,0 +1,302 @@
+"""Speculative decoding changes nothing about what comes out, only how many passes it takes.
+
+Each proposer is checked against the same engine without speculation: greedy and
+seeded-sampled tokens (and logprobs) are identical, with chunked prefill, prefix
+caching, preemption, n>1, penalties and stop strings in the same batch. The
+counted effect is the accepted-draft tally. The rejection rule itself is checked
+for exactness with chi-square tests on a tiny vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import InvalidParameterError
+from pagedllm.sample import Sampler, SamplingBatch
+from pagedllm.sample.rejection import verify
+from pagedllm.spec_decode.ngram import find_continuation
+
+SELF_INT8 = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
+
+COPY = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n\n")
+
+
+def _mixed_params() -> list[SamplingParams]:
+    """Greedy, seeded top-p, penalties + min_tokens + bad words, a stop string, logprobs: one batch."""
+    return [SamplingParams(max_tokens=40, temperature=0, logprobs=3),
+            SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=11),
+            SamplingParams(max_tokens=40, temperature=1.0, top_k=20, seed=5, repetition_penalty=1.3,
+                           frequency_penalty=0.5, min_tokens=8),
+            SamplingParams(max_tokens=40, temperature=0, stop=["b"], bad_words=["return"]),
+            SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=3)]
+
+
+def _prompts(tok) -> list[str]:
+    return [COPY * 2, COPY + "def add", "Repeat: one two three one two three one two",
+            COPY[:60], COPY * 2 + "def"]
+
+
+def _generate(llm: LLM, prompts, params) -> list[list[tuple]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.text, c.token_ids, c.finish_reason,
+              [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in c.logprobs] if c.logprobs else None)
+             for c in o.outputs] for o in outs]
+
+
+def _spec_stats(llm: LLM):
+    return llm.llm_engine.core.make_stats().spec_decode
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+ENGINE_SETTINGS = {
+    "default": {},
+    "chunked_small_budget": {"max_num_batched_tokens": 24},
+    "small_cache_preemption": {"num_gpu_blocks_override": 12, "max_model_len": 128},
+    "no_prefix_cache": {"enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
+def test_tiny_model_outputs_identical_with_and_without_speculation(tiny_dir, setting):
+    """The int8 self-draft agrees with the float32 target most of the time, not always: both paths run."""
+    spec = SELF_INT8
+    kw = {"max_model_len": 256, "num_gpu_blocks_override": 128, **ENGINE_SETTINGS[setting]}
+    base = LLM(str(tiny_dir), **kw)
+    prompts = _prompts(base.get_tokenizer())
+    params = _mixed_params()
+    want = _generate(base, prompts, params)
+    llm = LLM(str(tiny_dir), speculative_config=spec, **kw)
+    assert _generate(llm, prompts, params) == want
+    stats = _spec_stats(llm)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if setting == "small_cache_preemption":
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    sched = llm.llm_engine.core.scheduler
+    sched.check_invariants()
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks  # every block came back
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_other_families_with_a_different_draft_model(tiny_model_factory, family):
+    """A separate draft (other weights, same vocabulary) is mostly rejected: output must not move."""
+    target, draft = tiny_model_factory(family), tiny_model_factory(family, seed=1)
+    kw = {"max_model_len": 256, "num_gpu_blocks_override": 96, "max_num_batched_tokens": 32}
+    prompts = [COPY * 2, "The river town", COPY]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    want = _generate(LLM(str(target), **kw), prompts, params)
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
+                                               "num_speculative_tokens": 3, "backoff_after_rejections": 0}, **kw)
+    assert _generate(llm, prompts, params) == want
+    stats = _spec_stats(llm)
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # rejections happened and were rolled back
+
+
+def test_prefix_cache_hit_with_speculation(tiny_dir):
+    llm = LLM(str(tiny_dir), max_model_len=256, num_gpu_blocks_override=128, speculative_config=SELF_INT8)
+    base = LLM(str(tiny_dir), max_model_len=256, num_gpu_blocks_override=128)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    first = _generate(llm, [COPY * 2], params)
+    again = llm.generate([COPY * 2 + "x"], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32
+    assert _generate(llm, [COPY * 2 + "x"], params) == _generate(base, [COPY * 2 + "x"], params)
+    assert first == _generate(base, [COPY * 2], params)
+
+
+@pytest.mark.parametrize("setting", ["chunked_small_budget", "small_cache_preemption"])
+def test_smollm2_ngram_identical_and_mostly_accepted(setting):
+    """SmolLM2 quotes code it is asked to repeat: n-gram drafts are mostly accepted, nothing changes."""
+    kw = {**ENGINE_SETTINGS[setting], "max_model_len": 192}
+    if setting == "small_cache_preemption":
+        kw["num_gpu_blocks_override"] = 12
+    base = LLM(**kw)
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw)
+    tok = base.get_tokenizer()
+    code = "def area(w, h):\n    return w * h\n\nprint(area(3, 4))\n" * 3
+    copy = tok.apply_chat_template([{"role": "user", "content": f"Repeat this code exactly:\n{code}"}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompts = [copy, "The quick brown fox jumps over the lazy dog. The quick brown fox", copy + "def"]
+    params = [SamplingParams(max_tokens=80, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=42, n=2),
+              SamplingParams(max_tokens=40, temperature=0, stop=["print"], frequency_penalty=0.3)]
+    assert _generate(llm, prompts, params) == _generate(base, prompts, params)
+    stats = _spec_stats(llm)
+    assert stats.num_accepted_tokens >= 0.3 * stats.num_draft_tokens > 0  # the copy is drafted well, the rest not
+    if setting == "small_cache_preemption":
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    out = llm.generate(prompts[:1], params[0], use_tqdm=False)[0]
+    assert out.metrics.spec_num_accepted_tokens > 0
+    assert out.metrics.spec_num_draft_tokens >= out.metrics.spec_num_accepted_tokens
+
+
+def test_backoff_stops_drafting_when_nothing_is_accepted(tiny_model_factory):
+    """A draft that is always wrong: drafting pauses (doubling) instead of costing every step."""
+    target, draft = tiny_model_factory("llama"), tiny_model_factory("llama", seed=1)
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    counts = {}
+    for backoff in (0, 2):
+        llm = LLM(str(target), max_model_len=256, num_gpu_blocks_override=64,
+                  speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
+                                      "backoff_after_rejections": backoff})
+        llm.generate(["The river town"], params, use_tqdm=False)
+        counts[backoff] = _spec_stats(llm).num_drafts
+    assert counts[2] < counts[0] / 2
+
+
+def test_disable_by_batch_size(tiny_dir):
+    llm = LLM(str(tiny_dir), max_model_len=256, num_gpu_blocks_override=128,
+              speculative_config={**SELF_INT8, "disable_by_batch_size": 2})
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm.generate(["a b c", "d e f", "g h i"], params, use_tqdm=False)  # 3 running > 2: never drafts
+    assert _spec_stats(llm).num_drafts == 0
+    llm.generate(["a b c"], params, use_tqdm=False)
+    assert _spec_stats(llm).num_drafts > 0
+
+
+# -- the rejection rule is exact ------------------------------------------------------------------------
+
+V = 8
+
+
+def _batch(n: int, temperature: float, top_p: float, seed: int, pos0: int) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=torch.full((n,), temperature), top_k=torch.zeros(n, dtype=torch.long),
+        top_p=torch.full((n,), top_p), min_p=torch.zeros(n), seeds=[seed] * n,
+        positions=list(range(pos0, pos0 + n)), stop_masks=[None] * n, num_logprobs=[None] * n,
+        all_greedy=temperature == 0, no_top_k=True, no_top_p=top_p >= 1.0, no_min_p=True, want_probs=True)
+
+
+def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
+    """Pearson chi-square against `probs` at significance 1e-4 (Wilson-Hilferty critical value)."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token outside the target's support was emitted"
+    n = counts.sum()
+    expected = probs[support] * n
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    if df == 0:
+        return True  # one token in the support, and nothing was emitted outside it
+    z = 3.719  # 1 - 1e-4 quantile of the standard normal
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.5, 0.9), (1.0, 0.9), (1.0, 1.0)])
+@pytest.mark.parametrize("proposer", ["one_hot_unlikely", "skewed_q"])
+def test_rejection_sampling_is_exact_in_distribution(temperature, top_p, proposer):
+    """Each position's emitted token follows the target's processed distribution, whatever q is.
+
+    The target's logits are fixed per position (so positions are independent and each has a known
+    processed distribution p_j); a generation loop drafts 3 tokens per step from q, verifies them, and
+    continues from the first unverified position, as the engine does.
+    """
+    g = torch.Generator().manual_seed(0)
+    num_pos, k, trials = 4, 3, 3000
+    logits = torch.randn(num_pos + k + 1, V, generator=g)
+    sampler = Sampler()
+    ref = sampler(logits.clone(), _batch(len(logits), temperature, top_p, 0, 0)).probs  # p_j per position
+    counts = np.zeros((num_pos, V))
+    rng = np.random.default_rng(1)
+    for t in range(trials):
+        seed, out = 1000 + t, []
+        while len(out) < num_pos:
+            pos = len(out)
+            if proposer == "one_hot_unlikely":  # always the least likely token: q is one-hot, far from p
+                drafts, q = [int(ref[pos + j].argmin()) for j in range(k)], None
+            else:  # q puts 70% on the least likely token, the rest uniform
+                q = torch.full((k, V), 0.3 / (V - 1))
+                for j in range(k):
+                    q[j, int(ref[pos + j].argmin())] = 0.7
+                drafts = [int(rng.choice(V, p=q[j].numpy() / q[j].sum().item())) for j in range(k)]
+            rows = logits[pos:pos + k + 1].clone()
+            s = sampler(rows, _batch(k + 1, temperature, top_p, seed, pos))
+            out += verify(drafts, s.token_ids.tolist(), draft_probs=q, probs=s.probs[:k] if q is not None else None,
+                          seed=seed, position=pos)
+        for j in range(num_pos):
+            counts[j, out[j]] += 1
+    for j in range(num_pos):
+        assert _chi2_ok(counts[j], ref[j].numpy()), (j, counts[j] / trials, ref[j].numpy())
+
+
+def test_one_hot_verification_reproduces_the_non_speculative_draws():
+    """With one-hot drafts the emitted tokens are the sampler's own draws: seeded outputs do not move."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, V, generator=g)
+    s = Sampler()(logits.clone(), _batch(5, 1.0, 1.0, 77, 10))
+    target = s.token_ids.tolist()
+    assert verify(target[:4], target) == target  # all accepted + bonus
+    wrong = [(target[0] + 1) % V] + target[1:4]
+    assert verify(wrong, target) == target[:1]  # first rejected: the target's own draw
+
+
+# -- the n-gram lookup ---------------------------------------------------------------------------------
+
+def test_find_continuation_longest_then_most_recent():
+    a = np.array([1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3])
+    # "1 2 3" occurred at 0..2 (followed by 9 9 2 3) — longer than the later "2 3" match
+    assert find_continuation(a, 2, 3, 4) == [9, 9, 2, 3]
+    assert find_continuation(np.array([5, 6, 5, 6, 5, 6]), 2, 4, 3) == [5, 6]  # most recent, cut at the end
+    assert find_continuation(np.array([1, 2, 3, 4]), 2, 4, 3) == []
+    assert find_continuation(np.array([1, 2, 3, 1]), 1, 4, 2) == [2, 3]
+    assert find_continuation(np.array([1, 2, 3, 1]), 2, 4, 2) == []  # only a 1-gram matches
+    big = np.tile(np.arange(1000), 50)
+    assert find_continuation(big, 2, 4, 5) == [0, 1, 2, 3, 4]
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg,field", [
+    ({"method": "magic", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
+    ("{not json", "speculative_config"),
+])
+def test_bad_speculative_config_is_refused_naming_the_field(cfg, field):
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError) as e:
+        EngineConfig.from_kwargs(speculative_config=cfg)
+    assert field in str(e.value)
+
+
+def test_draft_with_another_vocabulary_is_refused_at_startup(tiny_model_factory):
+    target, draft = tiny_model_factory("llama"), tiny_model_factory("llama", vocab_size=1000)
+    with pytest.raises(InvalidParameterError, match="vocabulary"):
+        LLM(str(target), num_gpu_blocks_override=16,
+            speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+
+
+def test_server_flag_and_metrics(tiny_dir):
+    """`pagedllm serve --speculative-config JSON`: same completion as without, counters on /metrics."""
+    import json
+
+    import httpx
+    from utils import Server
+
+    body = {"model": "tiny", "prompt": COPY, "max_tokens": 24, "temperature": 0}
+    srv = Server(str(tiny_dir), "--speculative-config", json.dumps(SELF_INT8))
+    try:
+        got = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+        drafts = srv.metric("pagedllm:spec_decode_num_draft_tokens_total")
+        accepted = srv.metric("pagedllm:spec_decode_num_accepted_tokens_total")
+        assert srv.metric("pagedllm:spec_decode_num_drafts_total") > 0
+        assert 0 < accepted <= drafts
+        assert srv.metric("pagedllm:spec_decode_num_accepted_tokens_per_pos_total") > 0
+    finally:
+        srv.stop()
+    base = LLM(str(tiny_dir), max_model_len=256, num_gpu_blocks_override=128)
+    want = base.generate([COPY], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert got["choices"][0]["text"] == want
