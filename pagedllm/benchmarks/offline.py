@@ -380,7 +380,7 @@ def _cmd_throughput(args) -> int:
     if len(outputs) == 2:
         a, b = outputs
         results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
-        results[f"{a}_vs_{b}"] = greedy_agreement(outputs[b], outputs[a])
+        results["vs_transformers" if b == "transformers" else "spec_vs_no_spec"] = greedy_agreement(outputs[b], outputs[a])
     results["peak_rss_mb_process"] = peak_rss_mb()
     emit(results, args.output_json)
     return 0

@@ -111,9 +111,6 @@ class LLMEngine:
         """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights."""
         from pagedllm.model_loader import load_config, resolve_model
 
-        if spec.method != "draft_model":
-            raise InvalidParameterError(f"speculative method {spec.method!r} is not implemented yet",
-                                        "speculative_config.method")
         source, hf_config = self.source, self.hf_config
         if spec.model:
             source = resolve_model(spec.model)

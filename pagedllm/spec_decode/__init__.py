@@ -18,7 +18,7 @@ def build_proposer(spec: SpeculativeConfig, draft: torch.nn.Module | None, draft
         from pagedllm.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(draft, draft_caches, spec.num_speculative_tokens, block_size, device)
-    raise NotImplementedError(spec.method)  # config validation names the methods; each has a branch above
+    raise AssertionError(f"no proposer for {spec.method!r}")  # SpeculativeConfig admits only the methods above
 
 
 __all__ = ["ProposeContext", "Proposer", "SpeculativeConfig", "build_proposer"]

@@ -7,7 +7,8 @@ from typing import Any
 
 from pagedllm.errors import InvalidParameterError
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "medusa")  # vLLM's other methods: named, refused until they exist here
 
 
 @dataclass(slots=True, frozen=True)
@@ -17,8 +18,8 @@ class SpeculativeConfig:
     # ngram: match the last n tokens (prompt_lookup_max down to prompt_lookup_min) in the request's context
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # draft_model / eagle / eagle3 / medusa: where the proposer's weights are. A draft_model without one
-    # drafts with the target's own weights (then `quantization` should make it cheaper, e.g. int4).
+    # draft_model: where the draft's weights are. Without one the target's own weights draft (then
+    # `quantization` should make them cheaper, e.g. int4).
     model: str | None = None
     quantization: str | None = None
     # no drafts while more than this many requests run: a full batch is compute-bound, verification is not free
@@ -50,6 +51,8 @@ class SpeculativeConfig:
                 raise bad(f"unknown key; valid keys: {', '.join(sorted(known))}", key)
         if "method" not in raw:
             raise bad(f"is required, one of {list(METHODS)}", "method")
+        if raw["method"] in NOT_YET:
+            raise bad(f"{raw['method']!r} is not implemented yet; available: {', '.join(METHODS)}", "method")
         if raw["method"] not in METHODS:
             raise bad(f"unknown method {raw['method']!r}; available: {', '.join(METHODS)}", "method")
         if "num_speculative_tokens" not in raw:
@@ -69,8 +72,6 @@ class SpeculativeConfig:
             raise bad(f"must be an integer >= 1, got {cfg.disable_by_batch_size!r}", "disable_by_batch_size")
         if not isinstance(cfg.backoff_after_rejections, int) or cfg.backoff_after_rejections < 0:
             raise bad(f"must be an integer >= 0, got {cfg.backoff_after_rejections!r}", "backoff_after_rejections")
-        if cfg.method in ("eagle", "eagle3", "medusa") and not cfg.model:
-            raise bad(f"method {cfg.method!r} needs the path of its head checkpoint", "model")
         if cfg.method == "ngram" and (cfg.model or cfg.quantization):
             raise bad("does not apply to method 'ngram'", "model" if cfg.model else "quantization")
         if cfg.quantization not in (None, "int8", "int4"):
@@ -82,4 +83,4 @@ class SpeculativeConfig:
     @property
     def needs_draft_kv(self) -> bool:
         """Proposers that run attention keep their own paged KV cache under the target's block tables."""
-        return self.method in ("draft_model", "eagle", "eagle3")
+        return self.method == "draft_model"
