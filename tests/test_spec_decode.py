@@ -37,7 +37,7 @@ def _mixed_params() -> list[SamplingParams]:
             SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=3)]
 
 
-def _prompts(tok) -> list[str]:
+def _prompts() -> list[str]:
     return [COPY * 2, COPY + "def add", "Repeat: one two three one two three one two",
             COPY[:60], COPY * 2 + "def"]
 
@@ -72,7 +72,7 @@ def test_tiny_model_outputs_identical_with_and_without_speculation(tiny_dir, set
     spec = SELF_INT8
     kw = {"max_model_len": 256, "num_gpu_blocks_override": 128, **ENGINE_SETTINGS[setting]}
     base = LLM(str(tiny_dir), **kw)
-    prompts = _prompts(base.get_tokenizer())
+    prompts = _prompts()
     params = _mixed_params()
     want = _generate(base, prompts, params)
     llm = LLM(str(tiny_dir), speculative_config=spec, **kw)

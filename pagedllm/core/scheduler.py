@@ -101,7 +101,7 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
                  num_lookahead_tokens: int = 0, speculative: bool = False):
         self.config = sched
-        # slots past the verified tokens a proposer writes its own KV into (draft model, EAGLE)
+        # slots past the verified tokens a proposer writes its own KV into (the draft model's)
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodeStats() if speculative else None
         self.max_model_len = max_model_len

@@ -30,9 +30,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, max_model_len: int):
         self.config = config
         self.runner = runner
-        spec = config.speculative_config
+        spec = runner.spec_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
-                                   num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.needs_draft_kv else 0,
+                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
                                    speculative=spec is not None)
         self._aborted: list[Request] = []
 

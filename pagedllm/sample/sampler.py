@@ -104,7 +104,8 @@ class Sampler:
             if want_lp and batch.processed_logprobs:
                 processed = torch.log_softmax(logits, dim=-1)
         else:
-            tokens, processed, probs = self._sample(logits, batch, want_lp and batch.processed_logprobs)
+            tokens, processed, probs = self._sample(logits, batch, want_lp and batch.processed_logprobs,
+                                                    batch.want_probs)
         out = SamplerOutput(tokens)
         if batch.want_probs:
             onehot = torch.zeros_like(logits).scatter_(1, tokens.unsqueeze(1), 1.0)
@@ -114,8 +115,9 @@ class Sampler:
             self.gather_logprobs(out.lp_source, tokens, batch.num_logprobs, out)
         return out
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
-                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, want_processed: bool,
+                want_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(tokens, processed logprobs if asked, the distribution sampled from if asked)."""
         greedy_rows = batch.temperature == 0
         greedy_tokens = logits.argmax(dim=-1)
         greedy_lp = torch.log_softmax(logits, dim=-1) if want_processed else None
@@ -131,11 +133,12 @@ class Sampler:
         q = torch.stack([exponentials(seed, pos, probs.shape[1], probs.device)
                          for seed, pos in zip(batch.seeds, batch.positions)])
         sampled = (probs / q).argmax(dim=-1)
-        processed = None
-        if want_processed:  # the distribution actually sampled from, renormalised after min-p
-            processed = torch.log(probs / probs.sum(dim=-1, keepdim=True))
-            processed = torch.where(greedy_rows.unsqueeze(1), greedy_lp, processed)
-        return torch.where(greedy_rows, greedy_tokens, sampled), processed, probs / probs.sum(dim=-1, keepdim=True)
+        dist = processed = None
+        if want_processed or want_probs:  # the distribution actually sampled from, renormalised after min-p
+            dist = probs / probs.sum(dim=-1, keepdim=True)
+        if want_processed:
+            processed = torch.where(greedy_rows.unsqueeze(1), greedy_lp, torch.log(dist))
+        return torch.where(greedy_rows, greedy_tokens, sampled), processed, dist
 
     @staticmethod
     def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None],

@@ -84,3 +84,8 @@ class SpeculativeConfig:
     def needs_draft_kv(self) -> bool:
         """Proposers that run attention keep their own paged KV cache under the target's block tables."""
         return self.method == "draft_model"
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past the verified tokens the proposer writes its own KV into (its k-1 drafts and the new token)."""
+        return self.num_speculative_tokens if self.needs_draft_kv else 0
