@@ -70,8 +70,9 @@ class ParallelConfig:
 @dataclass(slots=True, frozen=True)
 class SpeculativeSection:
     speculative_config: dict | None = _f(
-        None, "Speculative decoding, as vLLM's JSON object: {\"method\": \"ngram\" | \"draft_model\", "
-        "\"num_speculative_tokens\": k, ...}; see the README for every key.")
+        None, "Speculative decoding, as vLLM's JSON object: {\"method\": \"ngram\" | \"draft_model\" | "
+        "\"eagle\" | \"eagle3\" | \"medusa\", \"num_speculative_tokens\": k, \"model\": path, ...}; "
+        "see the README for every key.")
 
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,

@@ -260,7 +260,8 @@ def test_find_continuation_longest_then_most_recent():
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
-    ({"method": "eagle", "num_speculative_tokens": 2, "model": "/x"}, "method"),  # named, not implemented yet
+    ({"method": "eagle", "num_speculative_tokens": 2}, "model"),  # a head needs its directory
+    ({"method": "medusa", "num_speculative_tokens": 2, "model": "/x", "quantization": "int8"}, "quantization"),
     ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
     ("{not json", "speculative_config"),
 ])

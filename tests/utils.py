@@ -84,11 +84,25 @@ def make_tiny_model(name: str, seed: int = 0, **config_overrides: Any) -> Any:
 
 
 def build_tiny_model(path: Path, name: str, tokenizer_dir: Path | None = None, seed: int = 0,
-                     max_shard_size: str | None = None, **config_overrides: Any) -> Path:
-    """Write tiny random model ``name`` to ``path``: config, fp32 safetensors (sharded if asked), tokenizer."""
+                     max_shard_size: str | None = None, eagle_friendly: bool = False,
+                     **config_overrides: Any) -> Path:
+    """Write tiny random model ``name`` to ``path``: config, fp32 safetensors (sharded if asked), tokenizer.
+
+    ``eagle_friendly``: embedding rows scaled to RMS 1 and the RMSNorm weights set to 1, so a one-layer
+    model's layer-0 input norm is the identity (as an EAGLE head's is) and its final norm only scales
+    each row: an EAGLE head holding a copy of its layer then predicts what it predicts (see
+    :func:`build_spec_head`).
+    """
     from transformers import AutoTokenizer
 
     model = make_tiny_model(name, seed, **config_overrides)
+    if eagle_friendly:
+        with torch.no_grad():
+            emb = model.model.embed_tokens.weight
+            emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
+            for pname, p in model.named_parameters():
+                if pname.endswith("layernorm.weight") or pname == "model.norm.weight":
+                    p.fill_(1.0)
     model.save_pretrained(path, safe_serialization=True,
                           **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer_dir is not None:
@@ -303,3 +317,91 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.returncode
+
+
+# -- speculative-decoding heads in their published layouts ------------------------------
+
+def build_spec_head(path: Path, kind: str, target_dir: Path, seed: int = 0, noise: float = 0.2,
+                    layout: str = "vllm", fmt: str = "safetensors") -> Path:
+    """A tiny random head for the tiny target in ``target_dir``, written as the published checkpoints are.
+
+    ``kind``: ``eagle`` (SafeAILab EAGLE: ``fc`` + ``layers.0`` without input norm), ``eagle3``
+    (``midlayer.*``, ``fc`` over three aux states, ``norm``, a 1024-token draft ``lm_head`` + ``d2t`` /
+    ``t2d``) or ``medusa`` (``layout="vllm"``: ``blocks.{i}.layers.{j}`` / ``lm_heads.{i}``;
+    ``layout="original"``: FasterDecoding's ``{i}.{j}.linear`` / ``{i}.{L}``). The EAGLE head copies the
+    layer of a one-layer ``eagle_friendly`` target, so its drafts are mostly right; the EAGLE-3 and
+    MEDUSA heads are random. ``fmt="bin"`` writes ``pytorch_model.bin`` instead.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    h, v = target_cfg["hidden_size"], target_cfg["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, std: float = noise) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    path.mkdir(parents=True, exist_ok=True)
+    w: dict[str, torch.Tensor] = {}
+    if kind in ("eagle", "eagle3"):
+        heads, kv_heads, hd, inter = (target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"],
+                                      target_cfg["head_dim"], target_cfg["intermediate_size"])
+        cfg = dict(architectures=["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
+                   model_type="llama", hidden_size=h, intermediate_size=inter, num_hidden_layers=1,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd, vocab_size=v,
+                   rms_norm_eps=1e-5, max_position_embeddings=512, rope_theta=10000.0, hidden_act="silu")
+        p = "layers.0." if kind == "eagle" else "midlayer."
+        width = h if kind == "eagle" else 2 * h
+        w[p + "self_attn.q_proj.weight"] = rnd(heads * hd, width)
+        w[p + "self_attn.k_proj.weight"] = rnd(kv_heads * hd, width)
+        w[p + "self_attn.v_proj.weight"] = rnd(kv_heads * hd, width)
+        w[p + "self_attn.o_proj.weight"] = rnd(h, heads * hd, std=noise / 4)
+        w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.up_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.down_proj.weight"] = rnd(h, inter, std=noise / 4)
+        w[p + "post_attention_layernorm.weight"] = 1 + rnd(h, std=0.1)
+        if kind == "eagle":  # fc([embedding of p+1, features at p]) = the embedding, and the target's own layer:
+            # on a one-layer eagle_friendly target its output at p is the target's state at p+1 (but for the
+            # first token, which the head never sees), so its drafts are mostly right
+            from safetensors.torch import load_file
+
+            target = load_file(str(target_dir / "model.safetensors"))
+            for name in list(w):
+                w[name] = target["model." + name].clone()
+            w["fc.weight"] = torch.cat([torch.eye(h), rnd(h, h, std=noise / 10)], 1)
+            w["fc.bias"] = rnd(h, std=noise / 10)
+        else:
+            draft_vocab = 1024
+            cfg.update(draft_vocab_size=draft_vocab)
+            kept = torch.randperm(v, generator=g)[:draft_vocab].sort().values
+            t2d = torch.zeros(v, dtype=torch.bool)
+            t2d[kept] = True
+            w.update({"fc.weight": rnd(h, 3 * h), "midlayer.input_layernorm.weight": 1 + rnd(h, std=0.1),
+                      "midlayer.hidden_norm.weight": 1 + rnd(h, std=0.1), "norm.weight": 1 + rnd(h, std=0.1),
+                      "lm_head.weight": rnd(draft_vocab, h, std=1.0),
+                      "d2t": kept - torch.arange(draft_vocab), "t2d": t2d})
+    elif kind == "medusa":
+        num_heads, num_layers = 4, 1
+        for i in range(num_heads):
+            for j in range(num_layers):
+                lin = "linear." if layout == "original" else ""
+                blk = f"{i}.{j}." if layout == "original" else f"blocks.{i}.layers.{j}."
+                w[f"{blk}{lin}weight"] = rnd(h, h, std=noise / 4)
+                w[f"{blk}{lin}bias"] = rnd(h, std=noise / 4)
+            w[f"{i}.{num_layers}.weight" if layout == "original" else f"lm_heads.{i}.weight"] = \
+                rnd(v, h, std=1.0)
+        cfg = (dict(medusa_num_heads=num_heads, medusa_num_layers=num_layers, base_model_name_or_path="tiny")
+               if layout == "original" else
+               dict(architectures=["MedusaModel"], model_type="medusa", hidden_size=h, vocab_size=v,
+                    num_heads=num_heads, num_hidden_layers=num_layers, truncated_vocab_size=None))
+    else:
+        raise ValueError(kind)
+    (path / "config.json").write_text(json.dumps(cfg))
+    w = {k: t.contiguous() for k, t in w.items()}
+    if fmt == "bin":
+        torch.save(w, path / "pytorch_model.bin")
+    else:
+        save_file(w, str(path / "model.safetensors"))
+    return path

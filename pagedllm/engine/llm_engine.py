@@ -55,14 +55,14 @@ class LLMEngine:
         model = self._load_model()
         spec = config.speculative_config
         draft = None
-        if spec is not None and spec.needs_draft_kv:
+        if spec is not None and spec.method != "ngram":
             with stage("draft_model"):
-                draft = self._load_draft_model(spec)
+                draft = self._load_draft_model(spec, model)
 
         with stage("kv_cache"):
             self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
             # a draft model's cache has as many blocks as the target's: both are indexed by one block table
-            kv_models = [model] + ([draft] if draft is not None else [])
+            kv_models = [model] + ([draft] if spec is not None and spec.needs_draft_kv else [])
             per_block = sum(kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer,
                                                      self.kv_cache_dtype) for m in kv_models)
             peak = self._profile_peak(model) if self.device.type == "cuda" else None
@@ -77,7 +77,7 @@ class LLMEngine:
         if spec is not None:
             from pagedllm.spec_decode import build_proposer
 
-            proposer = build_proposer(spec, draft, draft_caches, cc.block_size, self.device)
+            proposer = build_proposer(spec, draft, draft_caches, cc.block_size, self.device, model)
             logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
         runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed,
                              processed_logprobs=mc.logprobs_mode == "processed_logprobs",
@@ -107,9 +107,23 @@ class LLMEngine:
                                               self.kv_cache_dtype, self.device) for m in models]
         return caches[0], (caches[1] if len(caches) > 1 else [])
 
-    def _load_draft_model(self, spec: "SpeculativeConfig") -> torch.nn.Module:
-        """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights."""
+    def _load_draft_model(self, spec: "SpeculativeConfig", target: torch.nn.Module) -> torch.nn.Module:
+        """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights;
+        or a head (EAGLE, EAGLE-3, MEDUSA) that reads the target's hidden states."""
         from pagedllm.model_loader import load_config, resolve_model
+
+        if spec.method != "draft_model":
+            from pagedllm.models.spec_heads import load_spec_head
+
+            logger.info("loading the %s head %s", spec.method, spec.model)
+            head = load_spec_head(spec.method, spec.model, target, self.dtype, self.device)
+            if spec.method == "medusa" and spec.num_speculative_tokens > head.num_heads:
+                raise InvalidParameterError(
+                    f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} is more than the "
+                    f"MEDUSA checkpoint's {head.num_heads} heads", "speculative_config.num_speculative_tokens")
+            if spec.method == "eagle3":
+                target.aux_hidden_state_layers = head.aux_hidden_state_layers(len(target.layers))
+            return head
 
         source, hf_config = self.source, self.hf_config
         if spec.model:

@@ -51,5 +51,6 @@ def pack_linears(model: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
                 setattr(module, name, PackedLinear(child.weight, child.bias))
-    if model.lm_head is None and model.embed_tokens.weight.dtype == torch.float32:
+    if getattr(model, "tie_word_embeddings", False) and model.lm_head is None \
+            and model.embed_tokens.weight.dtype == torch.float32:
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)

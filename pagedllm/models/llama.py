@@ -97,6 +97,8 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     qk_norm = False
     sliding_window_by_default = False  # Mistral applies config.sliding_window to every layer
+    # EAGLE-3 reads the inputs of these layers too: forward then returns (hidden, [T, 3H] aux states)
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     def __init__(self, cfg: Any):
         super().__init__()
@@ -133,13 +135,18 @@ class LlamaForCausalLM(nn.Module):
         return a.num_kv_heads, a.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.embed_tokens(input_ids)
         residual = None
         cos_sin = self.rotary.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in self.aux_hidden_state_layers:
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
+        if self.aux_hidden_state_layers:
+            return x, torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -153,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -181,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_loads(params) if n not in loaded]
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+        return loaded
 
     def quantized_modules(self, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]
                           ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:

@@ -7,8 +7,8 @@ from typing import Any
 
 from pagedllm.errors import InvalidParameterError
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "medusa")  # vLLM's other methods: named, refused until they exist here
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+HEADS = ("eagle", "eagle3", "medusa")  # draft heads that read the target's hidden states
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,7 +19,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # draft_model: where the draft's weights are. Without one the target's own weights draft (then
-    # `quantization` should make them cheaper, e.g. int4).
+    # `quantization` should make them cheaper, e.g. int4). eagle / eagle3 / medusa: the head's directory.
     model: str | None = None
     quantization: str | None = None
     # no drafts while more than this many requests run: a full batch is compute-bound, verification is not free
@@ -51,8 +51,6 @@ class SpeculativeConfig:
                 raise bad(f"unknown key; valid keys: {', '.join(sorted(known))}", key)
         if "method" not in raw:
             raise bad(f"is required, one of {list(METHODS)}", "method")
-        if raw["method"] in NOT_YET:
-            raise bad(f"{raw['method']!r} is not implemented yet; available: {', '.join(METHODS)}", "method")
         if raw["method"] not in METHODS:
             raise bad(f"unknown method {raw['method']!r}; available: {', '.join(METHODS)}", "method")
         if "num_speculative_tokens" not in raw:
@@ -78,12 +76,14 @@ class SpeculativeConfig:
             raise bad(f"must be one of ['int8', 'int4'], got {cfg.quantization!r}", "quantization")
         if cfg.quantization and cfg.method != "draft_model":
             raise bad(f"only applies to method 'draft_model', not {cfg.method!r}", "quantization")
+        if cfg.method in HEADS and not (isinstance(cfg.model, str) and cfg.model):
+            raise bad(f"method {cfg.method!r} needs the path of the head's directory", "model")
         return cfg
 
     @property
     def needs_draft_kv(self) -> bool:
         """Proposers that run attention keep their own paged KV cache under the target's block tables."""
-        return self.method == "draft_model"
+        return self.method in ("draft_model", "eagle", "eagle3")
 
     @property
     def num_lookahead_tokens(self) -> int:

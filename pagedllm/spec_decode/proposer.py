@@ -16,6 +16,8 @@ class ProposeContext:
     want: dict[str, int]  # requests to draft for -> at most this many drafts
     hidden: torch.Tensor  # the target's last hidden states of this step's tokens (flattened batch)
     offsets: list[int]  # flat index of each scheduled request's first token in `hidden`
+    starts: list[int]  # position of each scheduled request's first token this step
+    aux_hidden: torch.Tensor | None = None  # the target's EAGLE-3 aux states, row for row with `hidden`
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)  # filled by proposers with a q
 
 

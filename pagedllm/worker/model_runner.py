@@ -113,6 +113,7 @@ class ModelRunner:
                                     split=bool(drafts)))
         batch = build_batch(segments, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden, aux = hidden if isinstance(hidden, tuple) else (hidden, None)  # aux: EAGLE-3's features
         for rid in order:  # the scheduler already counted these tokens (drafts too) as computed
             self.states[rid].num_computed_tokens += num[rid]
         offsets = batch.offsets
@@ -139,7 +140,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_idx, device=self.device)))
             self._sample(logits, rows, sampled, spec, result)
         if self.proposer is not None:
-            result.spec_token_ids = self._propose(order, sampled, hidden, offsets)
+            result.spec_token_ids = self._propose(order, sampled, hidden, aux, offsets, row_starts)
         return result
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[_ReqState, list[int]]], sampled: list[str],
@@ -194,8 +195,8 @@ class ModelRunner:
             st.spec_skip = st.spec_pause
             st.spec_failures = 0
 
-    def _propose(self, order: list[str], sampled: list[str], hidden: torch.Tensor,
-                 offsets: list[int]) -> dict[str, list[int]]:
+    def _propose(self, order: list[str], sampled: list[str], hidden: torch.Tensor, aux: torch.Tensor | None,
+                 offsets: list[int], starts: list[int]) -> dict[str, list[int]]:
         cfg = self.spec_config
         busy = cfg.disable_by_batch_size is not None and len(order) > cfg.disable_by_batch_size
         want: dict[str, int] = {}
@@ -208,7 +209,7 @@ class ModelRunner:
             k = min(cfg.num_speculative_tokens, room)
             if k > 0 and not busy:
                 want[rid] = k
-        ctx = ProposeContext(self.states, order, set(sampled), want, hidden, offsets)
+        ctx = ProposeContext(self.states, order, set(sampled), want, hidden, offsets, starts, aux)
         drafts = self.proposer.propose(ctx)
         for rid, probs in ctx.draft_probs.items():
             self.states[rid].draft_probs = probs
