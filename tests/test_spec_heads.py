@@ -79,6 +79,25 @@ def test_outputs_identical_with_a_head_drafting(targets, heads, method, setting)
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
 
 
+SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+               intermediate_size=1536)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_smollm2_outputs_identical_with_a_head(tmp_path, method):
+    """The embedded GGUF model (30 layers: EAGLE-3 reads the inputs of layers 2, 15 and 27) with a random head."""
+    head = build_spec_head(tmp_path / method, method, None, target_cfg=SMOLLM2)
+    kw = {"max_model_len": 192, "max_num_batched_tokens": 32}
+    prompts = PROMPTS[1:3]
+    params = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0.8, seed=1, n=2)]
+    want = _generate(LLM(**kw), prompts, params)
+    llm = LLM(speculative_config=_spec(method, head), **kw)
+    assert _generate(llm, prompts, params) == want
+    if method == "eagle3":
+        assert llm.llm_engine.core.runner.model.aux_hidden_state_layers == (2, 15, 27)
+    assert _spec_stats(llm).num_draft_tokens > 0
+
+
 # -- the drafts themselves, against a dense reference --------------------------------------
 
 class _DenseHead:

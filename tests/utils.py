@@ -321,8 +321,8 @@ class Server:
 
 # -- speculative-decoding heads in their published layouts ------------------------------
 
-def build_spec_head(path: Path, kind: str, target_dir: Path, seed: int = 0, noise: float = 0.2,
-                    layout: str = "vllm", fmt: str = "safetensors") -> Path:
+def build_spec_head(path: Path, kind: str, target_dir: Path | None, seed: int = 0, noise: float = 0.2,
+                    layout: str = "vllm", fmt: str = "safetensors", target_cfg: dict | None = None) -> Path:
     """A tiny random head for the tiny target in ``target_dir``, written as the published checkpoints are.
 
     ``kind``: ``eagle`` (SafeAILab EAGLE: ``fc`` + ``layers.0`` without input norm), ``eagle3``
@@ -330,13 +330,14 @@ def build_spec_head(path: Path, kind: str, target_dir: Path, seed: int = 0, nois
     ``t2d``) or ``medusa`` (``layout="vllm"``: ``blocks.{i}.layers.{j}`` / ``lm_heads.{i}``;
     ``layout="original"``: FasterDecoding's ``{i}.{j}.linear`` / ``{i}.{L}``). The EAGLE head copies the
     layer of a one-layer ``eagle_friendly`` target, so its drafts are mostly right; the EAGLE-3 and
-    MEDUSA heads are random. ``fmt="bin"`` writes ``pytorch_model.bin`` instead.
+    MEDUSA heads are random. ``fmt="bin"`` writes ``pytorch_model.bin`` instead. ``target_cfg`` gives the
+    target's sizes where it has no config.json (a GGUF).
     """
     import json
 
     from safetensors.torch import save_file
 
-    target_cfg = json.loads((target_dir / "config.json").read_text())
+    target_cfg = target_cfg or json.loads((target_dir / "config.json").read_text())
     h, v = target_cfg["hidden_size"], target_cfg["vocab_size"]
     g = torch.Generator().manual_seed(seed)
 
