@@ -75,9 +75,16 @@ class SpeculativeSection:
         "see the README for every key.")
 
 
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsSection:
+    structured_outputs_config: dict | None = _f(
+        None, "Structured outputs, as a JSON object: {\"backend\": \"xgrammar\" | \"auto\", "
+        "\"compile_timeout\": seconds (30)}.")
+
+
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
-             "speculative": SpeculativeSection}
+             "speculative": SpeculativeSection, "structured": StructuredOutputsSection}
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +94,36 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    structured: StructuredOutputsSection = field(default_factory=StructuredOutputsSection)
+
+    @property
+    def structured_outputs_config(self) -> dict[str, Any]:
+        """The checked structured-outputs settings: backend and compile_timeout."""
+        raw = self.structured.structured_outputs_config
+        if isinstance(raw, str):
+            import json
+
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise InvalidParameterError(f"structured_outputs_config is not valid JSON: {e}",
+                                            "structured_outputs_config") from None
+        raw = dict(raw or {})
+        if not isinstance(raw, dict):
+            raise InvalidParameterError("structured_outputs_config must be a JSON object", "structured_outputs_config")
+        out = {"backend": raw.pop("backend", "xgrammar"), "compile_timeout": raw.pop("compile_timeout", 30.0)}
+        if raw:
+            raise InvalidParameterError(f"structured_outputs_config: unknown keys {sorted(raw)}; valid: backend, "
+                                        "compile_timeout", f"structured_outputs_config.{sorted(raw)[0]}")
+        if out["backend"] not in ("xgrammar", "auto"):
+            raise InvalidParameterError(
+                f"structured_outputs_config.backend: {out['backend']!r} is not available; use 'xgrammar' or 'auto'",
+                "structured_outputs_config.backend")
+        t = out["compile_timeout"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise InvalidParameterError(f"structured_outputs_config.compile_timeout must be > 0 seconds, got {t!r}",
+                                        "structured_outputs_config.compile_timeout")
+        return out
 
     @property
     def speculative_config(self) -> "SpeculativeConfig | None":
@@ -149,6 +186,7 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}", "gpu_memory_utilization")
         self.speculative_config  # noqa: B018 -- parses, raising on a bad key or value
+        self.structured_outputs_config  # noqa: B018
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(p, name)
             if value != 1:

@@ -15,6 +15,7 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = enum.auto()  # held by the engine core until its grammar is compiled
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()

@@ -31,6 +31,75 @@ LogitsProcessor = Callable[..., Any]
 
 _SAMPLING_EPS = 1e-5
 
+MAX_CHOICES = 1024  # a choice list longer than this is refused before any grammar is built
+MAX_GRAMMAR_CHARS = 1 << 17  # schema / regex / grammar text
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names); exactly one of the fields is set.
+
+    ``json``: a JSON schema (dict or JSON text); ``regex``: the output matches it whole; ``choice``:
+    exactly one of these strings; ``grammar``: an EBNF grammar (xgrammar's GBNF dialect, rule
+    ``root``); ``json_object``: any JSON object.
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        import json as _json
+
+        def bad(msg: str, key: str) -> InvalidParameterError:
+            return InvalidParameterError(f"structured_outputs.{key}: {msg}", f"structured_outputs.{key}")
+
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameterError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+                f"{given or 'none'}", "structured_outputs")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                if len(self.json) > MAX_GRAMMAR_CHARS:
+                    raise bad(f"longer than {MAX_GRAMMAR_CHARS} characters", "json")
+                try:
+                    self.json = _json.loads(self.json)
+                except ValueError as e:
+                    raise bad(f"not valid JSON: {e}", "json") from None
+            if not isinstance(self.json, (dict, bool)):
+                raise bad(f"a JSON schema is an object, got {type(self.json).__name__}", "json")
+            if len(_json.dumps(self.json)) > MAX_GRAMMAR_CHARS:
+                raise bad(f"longer than {MAX_GRAMMAR_CHARS} characters", "json")
+        for key in ("regex", "grammar"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad("must be a non-empty string", key)
+            if value is not None and len(value) > MAX_GRAMMAR_CHARS:
+                raise bad(f"longer than {MAX_GRAMMAR_CHARS} characters", key)
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise bad("must be a non-empty list of strings", "choice")
+            if len(self.choice) > MAX_CHOICES:
+                raise bad(f"at most {MAX_CHOICES} choices, got {len(self.choice)}", "choice")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise bad("every choice must be a non-empty string", "choice")
+            if sum(len(c) for c in self.choice) > MAX_GRAMMAR_CHARS:
+                raise bad(f"longer than {MAX_GRAMMAR_CHARS} characters in all", "choice")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad("must be true or false", "json_object")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> str:
+        import json as _json
+
+        return _json.dumps([self.kind, getattr(self, self.kind)], sort_keys=True)
+
 
 @dataclass
 class SamplingParams:
@@ -86,6 +155,8 @@ class SamplingParams:
     """cumulative (default), delta, or final_only; LLM.generate always returns final outputs."""
     logits_processors: list[LogitsProcessor] | None = None
     """Per-request callables applied to the request's logits row after penalties and bias."""
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    """Constrain the output to a JSON schema, regex, choice list or grammar (see StructuredOutputsParams)."""
 
     # Filled in by the engine: the stop set including the model's EOS, and bad_words as token ids.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
@@ -100,6 +171,15 @@ class SamplingParams:
         self._validate()
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise InvalidParameterError(f"structured_outputs: unknown keys {sorted(unknown)}",
+                                            "structured_outputs")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParameterError("structured_outputs must be a StructuredOutputsParams or a dict",
+                                        "structured_outputs")
         self._all_stop_token_ids = frozenset(self.stop_token_ids)
 
     def _validate(self) -> None:

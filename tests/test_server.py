@@ -332,3 +332,34 @@ def test_logit_bias_and_allowed_tokens_over_http(client):
     r = httpx.post(f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/v1/completions",
                    headers=_headers(), json={"model": MODEL, "prompt": "x", "logit_bias": {"999999999": 5}})
     _err(r, 400, "logit_bias")
+
+
+def test_structured_outputs_over_http(client, server):
+    """response_format json_schema / json_object and extra_body structured_outputs, streamed and not."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["name", "n"]}
+    msgs = [{"role": "user", "content": "A user as JSON"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "user", "schema": schema}}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0, response_format=rf)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0,
+                                            response_format=rf, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0.9, seed=1,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content  # a random model's free-form object may not close within max_tokens
+    assert text.startswith('{"') and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    r = client.completions.create(model=MODEL, prompt="Label:", max_tokens=8, temperature=1.0, seed=2, n=3,
+                                  extra_body={"structured_outputs": {"choice": ["spam", "ham"]}})
+    assert {c.text for c in r.choices} <= {"spam", "ham"}
+    for body, param in [({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+                         "response_format.json_schema"),
+                        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice")]:
+        resp = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
+                          json={"model": MODEL, "prompt": "hi", **body})
+        assert _err(resp, 400)["param"] == param

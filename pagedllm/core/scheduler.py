@@ -13,6 +13,7 @@ import heapq
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -49,6 +50,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the forward
     # speculative decoding: the drafts each request verifies this step (after its last known token)
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # structured outputs: allowed-token bits ([1 + drafts, ceil(V / 32)] int32) of each constrained request
+    # that samples this step; filled by the engine core's StructuredOutputManager
+    grammar_bitmask: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

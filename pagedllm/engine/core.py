@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SampleLogprobs, Scheduler, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -27,8 +31,11 @@ class EngineCoreOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, max_model_len: int):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, max_model_len: int,
+                 structured: "StructuredOutputManager | None" = None):
         self.config = config
+        self.structured = structured
+        self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
         self.runner = runner
         spec = runner.spec_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
@@ -37,10 +44,41 @@ class EngineCore:
         self._aborted: list[Request] = []
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured is None:
+                raise AssertionError("a constrained request reached an engine without structured outputs")
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.structured.submit(request)
+            self._grammar_wait.append(request)
+            return
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str]) -> None:
+        wanted = set(req_ids)
+        for req in [r for r in self._grammar_wait if wanted & {r.request_id, *(c.request_id for c in r.pending_children)}]:
+            self._drop_waiting_for_grammar(req)
         self._aborted.extend(self.scheduler.abort_requests(req_ids))
+
+    def _drop_waiting_for_grammar(self, req: Request) -> None:
+        self._grammar_wait.remove(req)
+        for r in [req, *req.pending_children]:
+            self.structured.remove(r.request_id)
+            r.status = RequestStatus.FINISHED_ABORTED
+            self._aborted.append(r)
+
+    def _admit_compiled(self) -> None:
+        """Hand the requests whose grammar is ready to the scheduler (in arrival order); fail the others."""
+        for req in list(self._grammar_wait):
+            state = self.structured.poll(req)
+            if state == "waiting":
+                continue
+            if state == "ready":
+                self._grammar_wait.remove(req)
+                req.status = RequestStatus.WAITING
+                self.scheduler.add_request(req)
+            else:
+                logger.error("request %s aborted: %s", req.request_id, state)
+                self._drop_waiting_for_grammar(req)
 
     def finish_request(self, req_id: str, stop_reason: str) -> None:
         """A stop string was found by the output processor: stop computing this request."""
@@ -48,8 +86,16 @@ class EngineCore:
         self.scheduler.release(req_id)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._grammar_wait:
+            self._admit_compiled()
         sched_out = self.scheduler.schedule()
+        if self.structured is not None and self.structured.matchers:
+            sched_out.grammar_bitmask = self.structured.bitmasks(sched_out, self.scheduler.requests)
+        if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0:
+            self.structured.wait_any(0.005)  # only compiles pending: do not spin
         runner_out = self.runner.execute_model(sched_out)
+        if self.structured is not None and self.structured.matchers:
+            self.structured.update(runner_out)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         plp = runner_out.prompt_logprobs
         outputs = [EngineCoreOutput(r, r.output_token_ids[-n:], runner_out.logprobs.get(r.request_id, [])[:n],
@@ -63,10 +109,12 @@ class EngineCore:
         for o in outputs:
             if o.finished:
                 self.scheduler.release(o.request.request_id)
+                if self.structured is not None:
+                    self.structured.remove(o.request.request_id)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted) or bool(self._grammar_wait)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

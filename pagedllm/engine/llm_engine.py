@@ -82,9 +82,15 @@ class LLMEngine:
         runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed,
                              processed_logprobs=mc.logprobs_mode == "processed_logprobs",
                              proposer=proposer, spec_config=spec, max_model_len=self.max_model_len)
-        self.core = EngineCore(config, runner, num_blocks, self.max_model_len)
+        from pagedllm.structured_output import StructuredOutputManager
+
+        so_cfg = config.structured_outputs_config
+        eos = self._eos_token_ids()
+        self.structured = StructuredOutputManager(  # the grammar library loads with the first constrained request
+            self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"]))
+        self.core = EngineCore(config, runner, num_blocks, self.max_model_len, self.structured)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
-                                   mc.max_logprobs, self._eos_token_ids())
+                                   mc.max_logprobs, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.startup_seconds = time.perf_counter() - t0
@@ -211,6 +217,8 @@ class LLMEngine:
             raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
         text, ids = self.processor.tokenize(prompt)
         ids = self.processor.truncate(ids, params)
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)  # a bad schema / regex / grammar: 400 here
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":

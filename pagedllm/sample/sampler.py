@@ -3,8 +3,8 @@
 Order of operations (as in ../shared/design.md): raw logprobs are taken first
 (``logprobs`` report the model's raw distribution, vLLM's default
 ``raw_logprobs`` mode); then penalties (repetition, frequency, presence) →
-logit bias / allowed tokens / bad words → user logits processors → min_tokens
-masking → temperature →
+logit bias / allowed tokens / bad words → user logits processors → the
+structured-output grammar's bitmask → min_tokens masking → temperature →
 top-k → top-p → min-p → sample. Greedy rows take the argmax after penalties and
 masks, before temperature.
 
@@ -42,6 +42,7 @@ class SamplingBatch:
     no_min_p: bool
     penalties: "Penalties | None" = None
     bias: torch.Tensor | None = None  # [B, V] added to the logits (-inf bans a token)
+    grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32: bit t of a row allows token t
     processed_logprobs: bool = False  # logprobs of the processed distribution instead of the raw one
     # rows with user logits processors: (row, their SamplingParams, prompt ids, output ids)
     user_processors: list[tuple[int, Any, list[int], list[int]]] | None = None
@@ -95,6 +96,8 @@ class Sampler:
 
             for row, params, prompt_ids, output_ids in batch.user_processors:
                 logits[row] = apply_logits_processors(params, prompt_ids, output_ids, logits[row])
+        if batch.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.grammar_bitmask)
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK
@@ -153,6 +156,17 @@ class Sampler:
             out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
         else:
             out.logprob_token_ids, out.logprobs = tokens.unsqueeze(1), sampled_lp
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Forbid (set to the mask value) every token whose bit is 0; rows of all ones are left as they are."""
+    rows = (bitmask != -1).any(dim=1).nonzero().flatten()
+    if rows.numel() == 0:
+        return logits
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.index_select(0, rows).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    logits[rows] = logits.index_select(0, rows).masked_fill(~allowed, _MASK)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

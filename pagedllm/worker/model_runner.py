@@ -138,15 +138,17 @@ class ModelRunner:
         result = ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         if sampled:
             logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_idx, device=self.device)))
-            self._sample(logits, rows, sampled, spec, result)
+            self._sample(logits, rows, sampled, spec, result, so.grammar_bitmask)
         if self.proposer is not None:
             result.spec_token_ids = self._propose(order, sampled, hidden, aux, offsets, row_starts)
         return result
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[_ReqState, list[int]]], sampled: list[str],
-                spec: dict[str, list[int]], result: ModelRunnerOutput) -> None:
+                spec: dict[str, list[int]], result: ModelRunnerOutput, grammar: dict[str, torch.Tensor]) -> None:
         sts = [self.states[rid] for rid in sampled]
         batch = self._sampling_batch(rows)
+        if grammar:
+            batch.grammar_bitmask = self._grammar_rows(sampled, spec, grammar)
         batch.want_probs = any(st.draft_probs is not None for st in sts)
         out = self.sampler(logits, batch)
         target = out.token_ids.tolist()
@@ -182,6 +184,16 @@ class ModelRunner:
                 result.logprobs[rid] = entries
             st.token_ids.extend(emitted)
             r += m
+
+    def _grammar_rows(self, sampled: list[str], spec: dict[str, list[int]],
+                      grammar: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's bitmask, row for row with the sampling batch (all ones for unconstrained rows)."""
+        words = next(iter(grammar.values())).shape[1]
+        parts = []
+        for rid in sampled:
+            m = len(spec.get(rid, [])) + 1
+            parts.append(grammar[rid] if rid in grammar else torch.full((m, words), -1, dtype=torch.int32))
+        return torch.cat(parts).to(self.device)
 
     def _backoff(self, st: _ReqState, num_drafts: int, num_accepted: int) -> None:
         """A request whose drafts keep failing stops drafting for 1, 2, 4, ... (at most 64) steps."""

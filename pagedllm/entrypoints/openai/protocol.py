@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -59,6 +60,28 @@ class _SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+    # structured outputs: vLLM's extra_body field ({"json" | "regex" | "choice" | "grammar" | "json_object": ...})
+    # and OpenAI's response_format ({"type": "json_schema", "json_schema": {"schema": ...}} | {"type": "json_object"})
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _structured(self) -> dict[str, Any] | None:
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise InvalidParameterError("give response_format or structured_outputs, not both", "response_format")
+        kind = rf.get("type")
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise InvalidParameterError("response_format.json_schema.schema must be a JSON schema object",
+                                            "response_format.json_schema")
+            return {"json": spec["schema"]}
+        raise InvalidParameterError(f"response_format.type must be text, json_object or json_schema; got {kind!r}",
+                                    "response_format.type")
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         defaults = SamplingParams()
@@ -75,7 +98,8 @@ class _SamplingRequest(BaseModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self._structured())
 
 
 class CompletionRequest(_SamplingRequest):

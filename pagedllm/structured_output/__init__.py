@@ -1,0 +1,178 @@
+"""Structured outputs: a grammar per constrained request, a token bitmask per step.
+
+The :class:`StructuredOutputManager` sits beside the scheduler in the engine core. It
+compiles each request's grammar once, in a thread pool (a cache keyed by the spec
+shares compiles between requests); the request waits as ``WAITING_FOR_GRAMMAR``
+outside the scheduler meanwhile, so nobody else waits for it. Each step it fills
+the bitmask rows of the requests that will sample (with speculative decoding one
+row per verified position, the matcher advanced through the drafts before it and
+rolled back after); the sampler only applies the mask. After the step it advances
+each matcher with the tokens the request kept, and cuts each new draft list at the
+first token the grammar would refuse.
+
+The grammar library (xgrammar) is imported only here, and only when the first
+constrained request arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+    from pagedllm.request import Request
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm")
+
+BACKENDS = ("xgrammar", "auto")
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], backend: str = "xgrammar",
+                 compile_timeout: float = 30.0):
+        if backend not in BACKENDS:
+            raise InvalidParameterError(f"structured outputs backend must be one of {list(BACKENDS)}, got {backend!r}",
+                                        "structured_outputs_config.backend")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.compile_timeout = compile_timeout
+        self._backend: Any = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self._compiled: OrderedDict[str, Future] = OrderedDict()  # spec -> compiled grammar, shared; LRU
+        self._validated: OrderedDict[str, None] = OrderedDict()
+        self.matchers: dict[str, Any] = {}
+        self._pending: dict[str, tuple[Future, float]] = {}  # request id -> (compile, submit time)
+        # stats
+        self.num_constrained_requests = 0
+        self.compile_seconds: list[tuple[float, bool]] = []  # (seconds, cache hit) per compile asked for
+
+    @property
+    def backend(self) -> Any:
+        with self._lock:
+            if self._backend is None:
+                try:
+                    import xgrammar  # noqa: F401
+                except ImportError:
+                    raise InvalidParameterError(
+                        "structured outputs need xgrammar, which is not installed: pip install 'pagedllm[structured]'",
+                        "structured_outputs") from None
+                from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+
+                self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._backend
+
+    # -- before the engine: validation (400 on a bad spec) ----------------------------------
+    def validate(self, so: "StructuredOutputsParams") -> None:
+        """Parse the spec into a grammar (no tokenizer work): a bad schema, regex or grammar raises here.
+        Specs seen recently are not parsed again (a batch of prompts shares one)."""
+        key = so.cache_key()
+        with self._lock:
+            if key in self._validated:
+                self._validated.move_to_end(key)
+                return
+        self.backend.grammar(so)
+        with self._lock:
+            self._validated[key] = None
+            if len(self._validated) > 256:
+                self._validated.popitem(last=False)
+
+    # -- compiling, off the engine loop --------------------------------------------------------
+    def submit(self, request: "Request") -> None:
+        so = request.sampling_params.structured_outputs
+        key = so.cache_key()
+        t0 = time.perf_counter()
+        with self._lock:
+            fut = self._compiled.get(key)
+            hit = fut is not None and not (fut.done() and fut.exception() is not None)  # compiled, or compiling
+            if not hit:
+                fut = self._pool.submit(self._compile, so)
+                self._compiled[key] = fut
+                if len(self._compiled) > 256:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        if hit:
+            self.compile_seconds.append((time.perf_counter() - t0, True))
+        self._pending[request.request_id] = (fut, time.monotonic())
+        self.num_constrained_requests += 1
+
+    def _compile(self, so: "StructuredOutputsParams") -> Any:
+        t0 = time.perf_counter()
+        compiled = self.backend.compile(so)
+        self.compile_seconds.append((time.perf_counter() - t0, False))
+        return compiled
+
+    def poll(self, request: "Request") -> str:
+        """``"ready"`` (a matcher made for it and its n>1 siblings), ``"waiting"``, or an error message (the
+        compile failed or timed out)."""
+        rid = request.request_id
+        fut, since = self._pending[rid]
+        if not fut.done():
+            if time.monotonic() - since > self.compile_timeout:
+                del self._pending[rid]
+                return f"grammar compilation took longer than {self.compile_timeout:.0f}s"
+            return "waiting"
+        del self._pending[rid]
+        if fut.exception() is not None:
+            return f"grammar compilation failed: {fut.exception()}"
+        for r in [request, *request.pending_children]:
+            self.matchers[r.request_id] = self.backend.matcher(fut.result())
+        return "ready"
+
+    def wait_any(self, timeout: float) -> None:
+        wait([f for f, _ in self._pending.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def remove(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    # -- every step ------------------------------------------------------------------------
+    def bitmasks(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> dict[str, torch.Tensor]:
+        """[1 + drafts, words] allowed-token bits for each constrained request that samples this step."""
+        out = {}
+        for rid in so.num_scheduled_tokens:
+            m = self.matchers.get(rid)
+            if m is None:
+                continue
+            req = requests[rid]
+            drafts = so.scheduled_spec_tokens.get(rid, [])
+            if req.num_computed_tokens < len(req.all_token_ids) + len(drafts):
+                continue  # a prefill chunk that does not reach the end: nothing sampled
+            out[rid] = self.backend.fill(m, drafts)
+        return out
+
+    def update(self, runner_out: "ModelRunnerOutput") -> None:
+        """Advance the matchers with the kept tokens; cut new drafts where the grammar would refuse them."""
+        for rid, tokens in runner_out.sampled.items():
+            m = self.matchers.get(rid)
+            if m is None:
+                continue
+            for tok in tokens:
+                if m.is_terminated():
+                    break
+                if not m.accept_token(tok):
+                    logger.warning("request %s: token %d is outside its grammar", rid, tok)
+                    break
+        for rid, drafts in runner_out.spec_token_ids.items():
+            m = self.matchers.get(rid)
+            if m is not None and drafts:
+                runner_out.spec_token_ids[rid] = drafts[:self.backend.valid_prefix(m, drafts)]
+
+    def make_stats(self) -> dict[str, Any]:
+        return {"num_constrained_requests": self.num_constrained_requests,
+                "compile_seconds": list(self.compile_seconds)}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
