@@ -78,7 +78,7 @@ class SpeculativeSection:
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsSection:
     structured_outputs_config: dict | None = _f(
-        None, "Structured outputs, as a JSON object: {\"backend\": \"xgrammar\" | \"auto\", "
+        None, "Structured outputs, as a JSON object: {\"backend\": \"xgrammar\" | \"guidance\" | \"auto\", "
         "\"compile_timeout\": seconds (30)}.")
 
 
@@ -115,9 +115,10 @@ class EngineConfig:
         if raw:
             raise InvalidParameterError(f"structured_outputs_config: unknown keys {sorted(raw)}; valid: backend, "
                                         "compile_timeout", f"structured_outputs_config.{sorted(raw)[0]}")
-        if out["backend"] not in ("xgrammar", "auto"):
+        if out["backend"] not in ("xgrammar", "guidance", "auto"):
             raise InvalidParameterError(
-                f"structured_outputs_config.backend: {out['backend']!r} is not available; use 'xgrammar' or 'auto'",
+                f"structured_outputs_config.backend: {out['backend']!r} is not available; use 'xgrammar', "
+                "'guidance' or 'auto'",
                 "structured_outputs_config.backend")
         t = out["compile_timeout"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:

@@ -356,6 +356,9 @@ def test_structured_outputs_over_http(client, server):
     r = client.completions.create(model=MODEL, prompt="Label:", max_tokens=8, temperature=1.0, seed=2, n=3,
                                   extra_body={"structured_outputs": {"choice": ["spam", "ham"]}})
     assert {c.text for c in r.choices} <= {"spam", "ham"}
+    assert server.metric("pagedllm:structured_output_requests_total") >= 4
+    assert server.metric("pagedllm:grammar_compile_seconds_count") >= 3  # three specs, compiled cold once each
+    assert server.metric("pagedllm:grammar_compile_cache_hits_total") >= 1  # the streamed repeat
     for body, param in [({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
                          "response_format.json_schema"),

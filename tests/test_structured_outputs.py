@@ -78,9 +78,10 @@ num ::= [1-9] | [1-9] [0-9]
 """
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(max_model_len=1024)
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def llm(request):
+    """Every test runs on both backends."""
+    return LLM(max_model_len=1024, structured_outputs_config={"backend": request.param})
 
 
 def _chat(llm: LLM, text: str) -> str:
@@ -160,7 +161,8 @@ def test_unconstrained_requests_unchanged_beside_constrained_ones(llm):
 
 def test_constrained_outputs_unchanged_with_speculation(llm):
     """n-gram drafts are cut where the grammar would refuse them; what is emitted does not move."""
-    spec = LLM(max_model_len=1024, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec = LLM(max_model_len=1024, speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+               structured_outputs_config=llm.llm_engine.config.structured.structured_outputs_config)
     schema = {"type": "array", "items": {"type": "object", "properties": {"name": S, "id": I},
                                          "required": ["name", "id"]}, "minItems": 3, "maxItems": 4}
     prompts = [_chat(llm, 'Repeat: [{"name": "ab", "id": 1}, {"name": "ab", "id": 1}, {"name": "ab", "id": 1}]'),
@@ -193,6 +195,17 @@ def test_bad_specs_are_refused_naming_the_field(llm, so, field):
     assert "/project/" not in str(e.value)  # the backend's reason, without its log prefix
     # the engine is unharmed
     assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_auto_falls_back_to_guidance_for_what_xgrammar_cannot_enforce():
+    llm = LLM(max_model_len=256, structured_outputs_config={"backend": "auto"})
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5, "minimum": 0,
+                                                     "maximum": 100}}, "required": ["n"]}  # llguidance has multipleOf
+    outs = llm.generate(["Numbers:"] * 2, [SamplingParams(max_tokens=40, temperature=t, seed=1,
+                                                           structured_outputs=SO(json=schema)) for t in (0, 1.0)],
+                        use_tqdm=False)
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
 
 
 def test_bad_backend_is_refused():

@@ -10,8 +10,10 @@ rolled back after); the sampler only applies the mask. After the step it advance
 each matcher with the tokens the request kept, and cuts each new draft list at the
 first token the grammar would refuse.
 
-The grammar library (xgrammar) is imported only here, and only when the first
-constrained request arrives.
+Two backends, both real libraries: ``xgrammar`` (the default) and ``guidance``
+(llguidance). ``auto`` takes xgrammar and falls back to llguidance for a spec xgrammar
+refuses (a schema keyword it cannot enforce, say). A grammar library is imported
+only here, and only when the first constrained request arrives.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm")
 
-BACKENDS = ("xgrammar", "auto")
+BACKENDS = ("xgrammar", "guidance", "auto")
+_MODULES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 
 
 class StructuredOutputManager:
@@ -47,31 +50,51 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.compile_timeout = compile_timeout
-        self._backend: Any = None
+        self.backend_name = backend
+        self._backends: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._compiled: OrderedDict[str, Future] = OrderedDict()  # spec -> compiled grammar, shared; LRU
-        self._validated: OrderedDict[str, None] = OrderedDict()
+        self._validated: OrderedDict[str, str] = OrderedDict()  # spec -> the backend that takes it
         self.matchers: dict[str, Any] = {}
         self._pending: dict[str, tuple[Future, float]] = {}  # request id -> (compile, submit time)
-        # stats
+        # stats: cumulative, and the events not yet taken by a metrics exporter (take_events)
         self.num_constrained_requests = 0
         self.compile_seconds: list[tuple[float, bool]] = []  # (seconds, cache hit) per compile asked for
+        self._events: list[tuple[float, bool] | None] = []  # None: a constrained request arrived
 
-    @property
-    def backend(self) -> Any:
+    def _backend(self, name: str) -> Any:
         with self._lock:
-            if self._backend is None:
+            if name not in self._backends:
+                import importlib
+
                 try:
-                    import xgrammar  # noqa: F401
+                    importlib.import_module(_MODULES[name])
                 except ImportError:
                     raise InvalidParameterError(
-                        "structured outputs need xgrammar, which is not installed: pip install 'pagedllm[structured]'",
-                        "structured_outputs") from None
-                from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+                        f"structured outputs with the {name} backend need {_MODULES[name]}, which is not installed: "
+                        f"pip install 'pagedllm[structured]'", "structured_outputs") from None
+                if name == "xgrammar":
+                    from pagedllm.structured_output.xgrammar_backend import XgrammarBackend as cls
+                else:
+                    from pagedllm.structured_output.guidance_backend import GuidanceBackend as cls
+                self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._backends[name]
 
-                self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            return self._backend
+    def _parse(self, so: "StructuredOutputsParams") -> tuple[Any, Any]:
+        """(backend, grammar) for a spec; ``auto`` tries xgrammar, then llguidance."""
+        if self.backend_name != "auto":
+            backend = self._backend(self.backend_name)
+            return backend, backend.grammar(so)
+        try:
+            backend = self._backend("xgrammar")
+            return backend, backend.grammar(so)
+        except InvalidParameterError as first:
+            try:
+                backend = self._backend("guidance")
+                return backend, backend.grammar(so)
+            except InvalidParameterError:
+                raise first from None
 
     # -- before the engine: validation (400 on a bad spec) ----------------------------------
     def validate(self, so: "StructuredOutputsParams") -> None:
@@ -82,9 +105,9 @@ class StructuredOutputManager:
             if key in self._validated:
                 self._validated.move_to_end(key)
                 return
-        self.backend.grammar(so)
+        backend, _ = self._parse(so)
         with self._lock:
-            self._validated[key] = None
+            self._validated[key] = backend.name
             if len(self._validated) > 256:
                 self._validated.popitem(last=False)
 
@@ -104,15 +127,28 @@ class StructuredOutputManager:
             else:
                 self._compiled.move_to_end(key)
         if hit:
-            self.compile_seconds.append((time.perf_counter() - t0, True))
+            self._record((time.perf_counter() - t0, True))
         self._pending[request.request_id] = (fut, time.monotonic())
         self.num_constrained_requests += 1
+        self._events.append(None)
 
-    def _compile(self, so: "StructuredOutputsParams") -> Any:
+    def _record(self, event: tuple[float, bool]) -> None:
+        self.compile_seconds.append(event)
+        if len(self.compile_seconds) > 4096:  # a bounded history for make_stats
+            del self.compile_seconds[:2048]
+        self._events.append(event)
+
+    def take_events(self) -> tuple[int, list[tuple[float, bool]]]:
+        """Constrained requests and compiles (seconds, cache hit) since the last call (for /metrics)."""
+        events, self._events = self._events, []
+        return sum(e is None for e in events), [e for e in events if e is not None]
+
+    def _compile(self, so: "StructuredOutputsParams") -> tuple[Any, Any]:
         t0 = time.perf_counter()
-        compiled = self.backend.compile(so)
-        self.compile_seconds.append((time.perf_counter() - t0, False))
-        return compiled
+        backend, grammar = self._parse(so)
+        compiled = backend.compile(so) if backend.name == "xgrammar" else grammar
+        self._record((time.perf_counter() - t0, False))
+        return backend, compiled
 
     def poll(self, request: "Request") -> str:
         """``"ready"`` (a matcher made for it and its n>1 siblings), ``"waiting"``, or an error message (the
@@ -127,8 +163,9 @@ class StructuredOutputManager:
         del self._pending[rid]
         if fut.exception() is not None:
             return f"grammar compilation failed: {fut.exception()}"
+        backend, compiled = fut.result()
         for r in [request, *request.pending_children]:
-            self.matchers[r.request_id] = self.backend.matcher(fut.result())
+            self.matchers[r.request_id] = (backend, backend.matcher(compiled))
         return "ready"
 
     def wait_any(self, timeout: float) -> None:
@@ -143,32 +180,35 @@ class StructuredOutputManager:
         """[1 + drafts, words] allowed-token bits for each constrained request that samples this step."""
         out = {}
         for rid in so.num_scheduled_tokens:
-            m = self.matchers.get(rid)
-            if m is None:
+            entry = self.matchers.get(rid)
+            if entry is None:
                 continue
             req = requests[rid]
             drafts = so.scheduled_spec_tokens.get(rid, [])
             if req.num_computed_tokens < len(req.all_token_ids) + len(drafts):
                 continue  # a prefill chunk that does not reach the end: nothing sampled
-            out[rid] = self.backend.fill(m, drafts)
+            backend, m = entry
+            out[rid] = backend.fill(m, drafts)
         return out
 
     def update(self, runner_out: "ModelRunnerOutput") -> None:
         """Advance the matchers with the kept tokens; cut new drafts where the grammar would refuse them."""
         for rid, tokens in runner_out.sampled.items():
-            m = self.matchers.get(rid)
-            if m is None:
+            entry = self.matchers.get(rid)
+            if entry is None:
                 continue
+            backend, m = entry
             for tok in tokens:
-                if m.is_terminated():
+                if backend.terminated(m):
                     break
-                if not m.accept_token(tok):
+                if not backend.accept(m, tok):
                     logger.warning("request %s: token %d is outside its grammar", rid, tok)
                     break
         for rid, drafts in runner_out.spec_token_ids.items():
-            m = self.matchers.get(rid)
-            if m is not None and drafts:
-                runner_out.spec_token_ids[rid] = drafts[:self.backend.valid_prefix(m, drafts)]
+            entry = self.matchers.get(rid)
+            if entry is not None and drafts:
+                backend, m = entry
+                runner_out.spec_token_ids[rid] = drafts[:backend.valid_prefix(m, drafts)]
 
     def make_stats(self) -> dict[str, Any]:
         return {"num_constrained_requests": self.num_constrained_requests,

@@ -12,6 +12,8 @@ from pagedllm.errors import InvalidParameterError
 
 
 class XgrammarBackend:
+    name = "xgrammar"
+
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         import xgrammar as xgr
 
@@ -49,6 +51,12 @@ class XgrammarBackend:
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return matcher.accept_token(token)
+
+    def terminated(self, matcher: Any) -> bool:
+        return matcher.is_terminated()
 
     def fill(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
         """Row j: the tokens allowed after the drafts before it (the matcher is left where it was)."""

@@ -53,6 +53,11 @@ class ServerMetrics:
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Speculative decoding: draft tokens accepted at each draft position.",
                                              extra=["position"])
+        self.constrained = counter("structured_output_requests", "Requests with structured outputs (a grammar).")
+        self.grammar_compile = hist("grammar_compile_seconds", "Structured outputs: time to compile a grammar "
+                                    "(cold compiles; cache hits are counted apart).", _LATENCY_BUCKETS)
+        self.grammar_cache_hits = counter("grammar_compile_cache_hits", "Structured outputs: grammars served "
+                                          "from the compile cache.")
         self._last_token: dict[str, tuple[float, int]] = {}
 
     def on_step(self, engine: Any, outputs: list) -> None:
@@ -71,6 +76,15 @@ class ServerMetrics:
             self.spec_accepted.inc(spec.num_accepted_tokens)
             for pos, n in enumerate(spec.accepted_per_pos):
                 self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(n)
+        structured = getattr(engine, "structured", None)
+        if structured is not None and structured._events:
+            n_requests, compiles = structured.take_events()
+            self.constrained.inc(n_requests)
+            for seconds, hit in compiles:
+                if hit:
+                    self.grammar_cache_hits.inc()
+                else:
+                    self.grammar_compile.observe(seconds)
         now = time.monotonic()
         for out in outputs:
             n_tokens = sum(len(c.token_ids) for c in out.outputs)

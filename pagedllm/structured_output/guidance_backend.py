@@ -1,0 +1,96 @@
+"""The llguidance backend: the same specs as xgrammar's, compiled lazily by llguidance's matcher."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from pagedllm.errors import InvalidParameterError
+
+
+class GuidanceBackend:
+    name = "guidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.ll = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
+        self.vocab_size = vocab_size
+
+    def grammar(self, so: Any) -> str:
+        ll, kind = self.ll, so.kind
+        try:
+            if kind == "json":
+                text = ll.LLMatcher.grammar_from_json_schema(json.dumps(_strict(so.json)),
+                                                             defaults={"whitespace_flexible": False})
+            elif kind == "json_object":
+                text = ll.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                             defaults={"whitespace_flexible": False})
+            elif kind == "regex":
+                text = ll.LLMatcher.grammar_from_regex(so.regex)
+            elif kind == "choice":
+                text = ll.grammar_from("choice", json.dumps(so.choice))
+            else:
+                text = ll.grammar_from("gbnf", so.grammar)
+            error = ll.LLMatcher.validate_grammar(text, self.tokenizer)
+        except (ValueError, TypeError, RuntimeError) as e:
+            error = str(e)
+        if error:
+            reason = " ".join(line.strip() for line in str(error).strip().splitlines() if line.strip())
+            raise InvalidParameterError(f"structured_outputs.{kind}: {reason[:500]}", f"structured_outputs.{kind}")
+        return text
+
+    def compile(self, so: Any) -> str:
+        return self.grammar(so)  # validated text; each matcher compiles its lexer lazily (and fast)
+
+    def matcher(self, compiled: str) -> Any:
+        return self.ll.LLMatcher(self.tokenizer, compiled)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return matcher.consume_token(token)
+
+    def terminated(self, matcher: Any) -> bool:
+        return matcher.is_stopped()
+
+    def fill(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
+        mask = self.ll.torch.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        self.ll.torch.fill_next_token_bitmask(matcher, mask, 0)
+        accepted = 0
+        for j, tok in enumerate(drafts):
+            if matcher.is_stopped():
+                mask[j + 1:] = -1
+                break
+            if not matcher.consume_token(tok):
+                mask[j + 1:] = 0
+                break
+            accepted += 1
+            if matcher.is_stopped():
+                mask[j + 1:] = -1
+                break
+            self.ll.torch.fill_next_token_bitmask(matcher, mask, j + 1)
+        if accepted:
+            matcher.rollback(accepted)
+        return mask
+
+    def valid_prefix(self, matcher: Any, drafts: list[int]) -> int:
+        return 0 if matcher.is_stopped() else matcher.validate_tokens(drafts)
+
+
+def _strict(schema: Any) -> Any:
+    """Objects without an ``additionalProperties`` take only the properties they name: xgrammar's strict mode,
+    so both backends read a schema alike (and a small model cannot wander off into invented keys)."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples") else
+               {n: _strict(s) for n, s in v.items()} if k in ("properties", "$defs", "definitions") and isinstance(v, dict)
+               else _strict(v)) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
