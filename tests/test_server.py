@@ -28,7 +28,7 @@ def model_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--api-key", API_KEY)
+    s = Server(model_dir, "--api-key", API_KEY, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     s.stop()
 
@@ -366,3 +366,85 @@ def test_structured_outputs_over_http(client, server):
         resp = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
                           json={"model": MODEL, "prompt": "hi", **body})
         assert _err(resp, 400)["param"] == param
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}},
+                                       "required": ["tz"]}}}
+
+
+def _check_call(call, tools=(WEATHER, TIME)):
+    import jsonschema
+
+    tool = next(t for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert call.id and call.type == "function"
+
+
+def test_named_and_required_tool_calls_validate(client):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named,
+                                           max_tokens=120, temperature=1.0, seed=seed)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
+        _check_call(call)
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
+                                           max_tokens=200, temperature=1.0, seed=seed)
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        for call in calls:
+            _check_call(call)
+    # streamed: the named call's arguments arrive as deltas and add up to the non-streamed answer
+    kw = dict(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named, max_tokens=120, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    deltas = [c.choices[0].delta.tool_calls[0] for c in client.chat.completions.create(**kw, stream=True)
+              if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+    kw["tool_choice"] = "required"
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    streamed = [d for c in client.chat.completions.create(**kw, stream=True) if c.choices
+                for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in streamed] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_auto_tool_choice_with_the_hermes_parser(client):
+    """The model's own text carries a hermes tool call (here forced by a regex, as a tiny random model would
+    not write one): the parser lifts it into tool_calls, streamed and not."""
+    rx = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TIME],
+              max_tokens=80, temperature=0, extra_body={"structured_outputs": {"regex": rx}})
+    r = client.chat.completions.create(**kw)  # tool_choice defaults to auto when tools are given
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather"
+    _check_call(call)
+    streamed = [d for c in client.chat.completions.create(**kw, stream=True) if c.choices
+                for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in streamed] == [("get_weather", call.function.arguments)]
+    # a plain answer stays content
+    r = client.chat.completions.create(model=MODEL, messages=kw["messages"], tools=[WEATHER], max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].message.tool_calls == [] and r.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER] * 200, "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+])
+def test_bad_tool_requests_get_400(server, body, param):
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=_headers(),
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
+    assert param in (_err(r, 400)["param"] or "")

@@ -117,6 +117,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.model_loader import DEFAULT_MODEL_NAME
 
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     config = _checked_config(args)  # before the socket opens
     name = config.model_config.served_model_name or config.model_config.model or DEFAULT_MODEL_NAME
     chat_template = args.chat_template
@@ -140,7 +142,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
-                    on_ready=ready, trust_request_chat_template=args.trust_request_chat_template)
+                    on_ready=ready, trust_request_chat_template=args.trust_request_chat_template,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = _graceful_server_class()(uv_config)
@@ -238,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="let chat requests carry their own `chat_template` (Jinja runs on the server); "
                           "without it such a request gets a 400")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let chat requests use tool_choice "auto": the model answers freely and '
+                          "--tool-call-parser lifts its tool calls out of the text")
+    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                     help="the model's own tool-call format, for --enable-auto-tool-choice")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                      help="larger bodies get 413 (parsing JSON holds Python's GIL for ~25 ms per MiB, "
                           "so this also bounds what one body costs everyone else)")

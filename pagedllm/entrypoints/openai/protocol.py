@@ -83,7 +83,7 @@ class _SamplingRequest(BaseModel):
         raise InvalidParameterError(f"response_format.type must be text, json_object or json_schema; got {kind!r}",
                                     "response_format.type")
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, structured: Any = ...) -> SamplingParams:
         defaults = SamplingParams()
         return SamplingParams(
             n=self.n, max_tokens=max_tokens,
@@ -99,7 +99,7 @@ class _SamplingRequest(BaseModel):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self._structured())
+            structured_outputs=self._structured() if structured is ... else structured)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -118,8 +118,24 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
+    tools: list[ToolDefinition] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; with tools it defaults to auto
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -127,9 +143,43 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def resolved_tool_choice(self) -> str | dict[str, Any]:
+        """The checked tool_choice: 'none', 'auto', 'required' or {"type": "function", "function": {"name"}}."""
+        from pagedllm.entrypoints.openai.tool_calls import MAX_TOOLS
+
+        choice = self.tool_choice
+        if self.tools and len(self.tools) > MAX_TOOLS:
+            raise InvalidParameterError(f"at most {MAX_TOOLS} tools, got {len(self.tools)}", "tools")
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise InvalidParameterError(
+                    f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice")
+            if choice != "none" and not self.tools:
+                raise InvalidParameterError(f"tool_choice {choice!r} needs tools", "tool_choice")
+            return choice
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise InvalidParameterError('a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                                        "tool_choice")
+        if not any(t.function.name == name for t in self.tools or []):
+            raise InvalidParameterError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return {"type": "function", "function": {"name": name}}
+
     def to_sampling_params(self) -> SamplingParams:
+        from pagedllm.entrypoints.openai.tool_calls import forced_schema
+
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        structured = self._structured()
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        schema = forced_schema(tools, self.resolved_tool_choice()) if tools else None
+        if schema is not None:
+            if structured is not None:
+                raise InvalidParameterError("tool_choice 'required' or a named function cannot be combined with "
+                                            "response_format or structured_outputs", "tool_choice")
+            structured = {"json": schema}
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, structured)
 
 
 class UsageInfo(BaseModel):
@@ -176,9 +226,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -198,9 +260,17 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None  # name (first delta) and / or a piece of the arguments
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -132,7 +133,10 @@ class ServerState:
     """What the endpoints share; `llm` is None until the engine has loaded."""
 
     def __init__(self, served_model_name: str, api_key: str | None, limits: RequestLimits,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, tool_call_parser: str | None = None):
+        from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS
+
+        self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.limits = limits
@@ -145,9 +149,11 @@ class ServerState:
 def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None, max_body_bytes: int = 4 << 20,
               limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
-    """``on_ready`` runs on the loader thread once the engine serves (/health answers 200)."""
-    state = ServerState(served_model_name, api_key, limits or RequestLimits(), trust_request_chat_template)
+              trust_request_chat_template: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+    """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
+    ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``."""
+    state = ServerState(served_model_name, api_key, limits or RequestLimits(), trust_request_chat_template,
+                        tool_call_parser)
 
     def load() -> None:
         try:
@@ -310,17 +316,26 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             raise APIError(400, "chat_template in a request needs the server flag --trust-request-chat-template",
                            "invalid_request_error", "chat_template")
         params = req.to_sampling_params()
+        choice = req.resolved_tool_choice()
+        if choice == "auto" and state.tool_parser is None:
+            raise APIError(400, 'tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+                           '--tool-call-parser; or ask for "required" or a named function', "invalid_request_error",
+                           "tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
         ids = await llm.prepare(_chat_ids, llm.tokenizer, req.messages, req.chat_template,
-                                req.add_generation_prompt, req.chat_template_kwargs)
+                                req.add_generation_prompt, req.chat_template_kwargs, tools)
         rid = P.random_id("chatcmpl")
         streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority)
         if req.stream:
-            return _sse(_chat_chunks(rid, state.served_model_name, req, streams[0]))
+            return _sse(_chat_chunks(rid, state.served_model_name, req, streams[0], choice, state.tool_parser))
         finals = await _run_to_end(streams, raw)
-        choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                logprobs=_chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None)
-                   for c in finals[0].outputs]
+        choices = []
+        for c in finals[0].outputs:
+            content, calls, finish = _tool_answer(c.text, c.finish_reason, choice, state.tool_parser)
+            message = P.ChatResponseMessage(content=content, tool_calls=[P.ToolCall(**x.to_openai()) for x in calls])
+            choices.append(P.ChatChoice(
+                index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
+                logprobs=_chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None))
         return P.ChatCompletionResponse(id=rid, model=state.served_model_name, choices=choices,
                                         usage=_usage(finals))
 
@@ -354,8 +369,22 @@ def _json_error_message(doc: Any, err: dict) -> str:
     return f"malformed JSON body at line {line}, column {column} (character {pos + 1}): {reason}"
 
 
+def _tool_answer(text: str, finish_reason: str | None, choice: Any, parser: Any) -> tuple[str | None, list, Any]:
+    """(content, tool calls, finish_reason) of a finished answer under ``choice``."""
+    from pagedllm.entrypoints.openai.tool_calls import parse_forced
+
+    if choice == "none":
+        return text, [], finish_reason
+    if choice == "auto":
+        content, calls = parser.extract(text)
+    else:
+        content, calls = None, parse_forced(text, choice)
+    named = isinstance(choice, dict)  # OpenAI answers a forced function with finish_reason "stop"
+    return content, calls, ("tool_calls" if calls and not named and finish_reason == "stop" else finish_reason)
+
+
 def _chat_ids(tok: Any, messages: list[P.ChatMessage], template: str | None, add_generation_prompt: bool,
-              kwargs: dict | None) -> list[int]:
+              kwargs: dict | None, tools: list[dict] | None = None) -> list[int]:
     if template is None and getattr(tok, "chat_template", None) is None:
         raise APIError(400, "this model has no chat template; pass `chat_template`", "invalid_request_error",
                        "chat_template")
@@ -372,7 +401,7 @@ def _chat_ids(tok: Any, messages: list[P.ChatMessage], template: str | None, add
             content = "".join(texts)
         conv.append({**m.model_dump(exclude_none=True), "content": content or ""})
     try:
-        text = tok.apply_chat_template(conv, chat_template=template, tokenize=False,
+        text = tok.apply_chat_template(conv, chat_template=template, tokenize=False, tools=tools,
                                        add_generation_prompt=add_generation_prompt, **(kwargs or {}))
     except Exception as e:  # a template error is the request's fault (bad roles, bad template)
         raise APIError(400, f"chat template failed: {e}", "invalid_request_error", "messages") from e
@@ -503,26 +532,56 @@ async def _completion_chunks(rid, model, req: P.CompletionRequest, streams, tok)
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream) -> AsyncIterator[str]:
+async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, choice: Any = "none",
+                       parser: Any = None) -> AsyncIterator[str]:
+    """Content deltas as text arrives. With tools: a named function streams its arguments as tool-call
+    deltas; ``auto`` streams the text a call cannot begin in and sends the calls, whole, when the answer
+    ends; ``required`` sends its calls at the end."""
     yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[
         P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")) for j in range(req.n)]))
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    call_ids: dict[int, str] = {}
     final = None
     async for _, out in _merge([stream]):
         for c in out.outputs:
             if c.index in done:
                 continue
-            delta = c.text[sent_text.get(c.index, 0):]
+            start = sent_text.get(c.index, 0)
+            if choice in ("none", None) or named:
+                upto = len(c.text)
+            elif choice == "auto" and not c.finished():
+                upto = max(start, parser.streamable(c.text))
+            else:
+                upto = start  # held back until the end
+            delta = c.text[start:upto]
             if not delta and not c.finished():
                 continue
             lp = _chat_logprobs(c, req.top_logprobs or 0, sent_tokens.get(c.index, 0)) if req.logprobs else None
-            sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+            sent_text[c.index], sent_tokens[c.index] = upto, len(c.token_ids)
+            finish = c.finish_reason
+            message = P.DeltaMessage(content=delta)
+            if named:
+                first = c.index not in call_ids
+                call_ids.setdefault(c.index, f"chatcmpl-tool-{uuid.uuid4().hex}")
+                message = P.DeltaMessage(tool_calls=[P.DeltaToolCall(
+                    index=0, id=call_ids[c.index] if first else None, type="function" if first else None,
+                    function={"name": named, "arguments": delta} if first else {"arguments": delta})])
+            elif c.finished() and choice in ("auto", "required"):
+                content, calls, finish = _tool_answer(c.text, c.finish_reason, choice, parser)
+                if choice == "required":
+                    rest = ""
+                else:  # the content not yet sent: up to where the calls begin, or all of it
+                    rest = c.text[start:parser.streamable(c.text)].rstrip() if calls else c.text[start:]
+                message = P.DeltaMessage(content=rest or None, tool_calls=[P.DeltaToolCall(
+                    index=i, id=x["id"], type="function", function=x["function"])
+                    for i, x in enumerate(call.to_openai() for call in calls)] or None)
             if c.finished():
                 done.add(c.index)
             yield _data(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
-                index=c.index, delta=P.DeltaMessage(content=delta), logprobs=lp, finish_reason=c.finish_reason,
+                index=c.index, delta=message, logprobs=lp, finish_reason=finish if c.finished() else None,
                 stop_reason=c.stop_reason)]))
         if out.finished:
             final = out

@@ -1,0 +1,56 @@
+"""The tool-call parsers for tool_choice "auto": whole answers and the streamed prefix they hold back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, forced_schema, parse_forced
+
+
+def test_hermes_extracts_calls_and_keeps_the_content_before_them():
+    p = TOOL_PARSERS["hermes"]()
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>')
+    content, calls = p.extract(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}),
+                                                                  ("get_time", {"tz": "CET"})]
+    assert p.extract("no calls here") == ("no calls here", [])
+    broken = "<tool_call>{not json}</tool_call>"
+    assert p.extract(broken) == (broken, [])  # not a call after all: the text stays content
+    # streaming: nothing that may begin "<tool_call>" goes out as content
+    assert p.streamable("Hello <tool") == len("Hello ")
+    assert p.streamable("Hello <tool_call>{") == len("Hello ")
+    assert p.streamable("Hello world") == len("Hello world")
+    assert p.streamable("a < b") == len("a < b")
+
+
+def test_llama3_json_reads_one_or_more_calls():
+    p = TOOL_PARSERS["llama3_json"]()
+    content, calls = p.extract('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert p.extract("Just text.") == ("Just text.", [])
+    assert p.extract('{"no_name": 1}') == ('{"no_name": 1}', [])
+    assert p.streamable('{"name"') == 0 and p.streamable("Sure, here") == len("Sure, here")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_forced_schemas_and_their_answers(choice):
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}},
+        {"type": "function", "function": {"name": "g"}}]
+    schema = forced_schema(tools, choice)
+    answer = '{"q": "x"}' if isinstance(choice, dict) else '[{"name": "f", "parameters": {"q": "x"}}, ' \
+                                                          '{"name": "g", "parameters": {}}]'
+    jsonschema.validate(json.loads(answer), schema)
+    calls = parse_forced(answer, choice)
+    assert calls[0].name == "f" and json.loads(calls[0].arguments) == {"q": "x"}
+    if choice == "required":
+        assert calls[1].name == "g"
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "h", "parameters": {}}], schema)  # only the tools given
+        assert parse_forced('[{"name": "f", "param', choice) == []  # cut short by max_tokens
