@@ -146,6 +146,19 @@ def test_regex_choice_grammar_and_json_object(llm):
                 assert isinstance(json.loads(c.text), dict)
 
 
+def test_a_complete_grammar_allows_only_eos_and_max_tokens_inside_one_is_length(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    out = llm.generate(["Yes or no?"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                      structured_outputs=SO(choice=["yes", "no"])),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.text in ("yes", "no")
+    n = out.token_ids.index(eos)  # the grammar ended: from there on only EOS is allowed
+    assert out.token_ids[n:] == [eos] * (12 - n) and llm.get_tokenizer().decode(out.token_ids[:n]) == out.text
+    out = llm.generate(["JSON:"], SamplingParams(max_tokens=5, temperature=0, structured_outputs=SO(json=SCHEMAS[0])),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.text.startswith("{")
+
+
 def test_unconstrained_requests_unchanged_beside_constrained_ones(llm):
     free = [_chat(llm, "Tell me about the sea."), _chat(llm, "Count to five.")]
     free_params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=40, temperature=0.8, seed=9)]
@@ -206,6 +219,20 @@ def test_auto_falls_back_to_guidance_for_what_xgrammar_cannot_enforce():
                         use_tqdm=False)
     for o in outs:
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+def test_a_compile_over_the_timeout_aborts_that_request_only():
+    """compile_timeout bounds how long a request may wait for its grammar; nobody else waits for it."""
+    llm = LLM(max_model_len=256, structured_outputs_config={"compile_timeout": 0.001})
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "array", "items": {"type": "string",
+                                                "pattern": f"^[a-z]{{1,{i + 2}}}$"}} for i in range(40)}}
+    free = SamplingParams(max_tokens=16, temperature=0)
+    want = llm.generate(["Hello"], free, use_tqdm=False)[0].outputs[0].token_ids
+    slow, other = llm.generate(["JSON:", "Hello"], [SamplingParams(max_tokens=16, structured_outputs=SO(json=schema)),
+                                                   free], use_tqdm=False)
+    assert slow.outputs[0].finish_reason == "abort" and slow.outputs[0].token_ids == []
+    assert other.outputs[0].token_ids == want
+    assert not llm.llm_engine.core.has_unfinished_requests()
 
 
 def test_bad_backend_is_refused():

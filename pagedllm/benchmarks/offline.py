@@ -12,6 +12,8 @@ left-padded static batch.
     pagedllm bench accuracy --quantization int8                # greedy agreement + perplexity vs float32
     pagedllm bench latency --dataset copy --backend spec-vs-off \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'   # speculation on vs off
+    pagedllm bench throughput --num-prompts 16 --backend structured-vs-off  # every request under a JSON
+        # schema (--structured-outputs '{"json": {...}}' for another) vs none; compile times cold and cached
 """
 
 from __future__ import annotations
@@ -82,11 +84,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_pagedllm(prompts, output_len: int, engine_kwargs: dict) -> dict:
+# The default schema of `--backend structured-vs-off`: long enough (20+ records) that no answer completes it
+# within the usual output lengths, so both sides generate the same number of tokens.
+BENCH_SCHEMA = {"type": "array", "minItems": 20, "items": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}},
+    "required": ["name", "age", "tags"]}}
+
+
+def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict | None = None) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, structured_outputs=structured)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t = time.perf_counter()
     spec_report(llm)  # drop the warm-up's counts
@@ -94,9 +104,22 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict) -> dict:
     elapsed = time.perf_counter() - t
     tokens = [o.outputs[0].token_ids for o in outs]
     spec = spec_report(llm)
+    grammar = grammar_report(llm) if structured else None
     del llm
     gc.collect()
-    return {"elapsed_s": elapsed, "outputs": tokens, "spec_decode": spec}
+    return {"elapsed_s": elapsed, "outputs": tokens, "spec_decode": spec, "structured_outputs": grammar}
+
+
+def grammar_report(llm) -> dict:
+    """Compile times of the run: the cold compiles and the requests served from the compile cache."""
+    import statistics
+
+    events = llm.llm_engine.structured.make_stats()["compile_seconds"]
+    cold = [s for s, hit in events if not hit]
+    cached = [s for s, hit in events if hit]
+    return {"backend": llm.llm_engine.structured.backend_name, "cold_compiles": len(cold),
+            "cold_compile_s": max(cold) if cold else None, "cache_hits": len(cached),
+            "cached_compile_s_median": statistics.median(cached) if cached else None}
 
 
 def run_transformers(prompts, output_len: int, model_path: str | None, batch_size: int) -> dict:
@@ -268,9 +291,16 @@ def add_parsers(sub) -> None:
     model_help = "model path or cached repo id; default: the embedded SmolLM2"
     tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
     tp.add_argument("--model", default=None, help=model_help)
-    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off"], default="both",
+    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off", "structured-vs-off"],
+                    default="both",
                     help="both: pagedllm and transformers side by side in this process, with their ratio; "
-                         "spec-vs-off: pagedllm with --speculative-config and without it")
+                         "spec-vs-off: pagedllm with --speculative-config and without it; structured-vs-off: "
+                         "every request under --structured-outputs, and none")
+    tp.add_argument("--structured-outputs", default=None,
+                    help='structured-vs-off: the constraint as JSON, e.g. \'{"json": {...}}\' or \'{"regex": "..."}\' '
+                         "(default: a schema of 20+ records)")
+    tp.add_argument("--structured-outputs-config", default=None,
+                    help='the backend, as JSON: \'{"backend": "xgrammar" | "guidance"}\'')
     tp.add_argument("--dataset-name", default="random", choices=["random"],
                     help="prompts cut by token count from fixed English text at different offsets")
     tp.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload")
@@ -337,6 +367,10 @@ def _quant_kwargs(args) -> dict:
 def _variants(args) -> dict[str, tuple[str, dict]]:
     """name -> (backend, engine kwargs) of each engine a bench command runs."""
     kwargs = _quant_kwargs(args)
+    if getattr(args, "structured_outputs_config", None):
+        kwargs["structured_outputs_config"] = args.structured_outputs_config
+    if args.backend == "structured-vs-off":
+        return {"pagedllm_structured": ("pagedllm", kwargs), "pagedllm_unconstrained": ("pagedllm", kwargs)}
     if args.backend == "spec-vs-off":
         if not args.speculative_config:
             raise SystemExit("--backend spec-vs-off needs --speculative-config")
@@ -370,17 +404,24 @@ def _cmd_throughput(args) -> int:
             kwargs = {"model": args.model, **kwargs}
             if args.max_num_batched_tokens:
                 kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-            run = run_pagedllm(prompts, args.output_len, kwargs)
+            structured = None
+            if name == "pagedllm_structured":
+                structured = json.loads(args.structured_outputs) if args.structured_outputs else {"json": BENCH_SCHEMA}
+            run = run_pagedllm(prompts, args.output_len, kwargs, structured)
         else:
             run = run_transformers(prompts, args.output_len, args.model, args.hf_batch_size)
         outputs[name] = run["outputs"]
         results[name] = _rates(run["elapsed_s"], n_prompt, n_out)
         if run.get("spec_decode"):
             results[name]["spec_decode"] = run["spec_decode"]
+        if run.get("structured_outputs"):
+            results[name]["structured_outputs"] = run["structured_outputs"]
     if len(outputs) == 2:
         a, b = outputs
         results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
-        results["vs_transformers" if b == "transformers" else "spec_vs_no_spec"] = greedy_agreement(outputs[b], outputs[a])
+        if args.backend != "structured-vs-off":  # constrained outputs differ by design
+            results["vs_transformers" if b == "transformers" else "spec_vs_no_spec"] = \
+                greedy_agreement(outputs[b], outputs[a])
     results["peak_rss_mb_process"] = peak_rss_mb()
     emit(results, args.output_json)
     return 0

@@ -36,6 +36,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm")
 
+def allow_only(mask: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """Every row of an int32 bitmask allowing exactly ``token_ids``."""
+    mask.zero_()
+    for t in token_ids:
+        bit = t % 32
+        mask[:, t // 32] |= (1 << bit) if bit < 31 else -(1 << 31)
+    return mask
+
+
 BACKENDS = ("xgrammar", "guidance", "auto")
 _MODULES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.structured_output import allow_only
 
 
 class GuidanceBackend:
@@ -21,6 +22,7 @@ class GuidanceBackend:
         self.ll = llguidance
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
         self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
 
     def grammar(self, so: Any) -> str:
         ll, kind = self.ll, so.kind
@@ -59,6 +61,8 @@ class GuidanceBackend:
 
     def fill(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
         mask = self.ll.torch.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        if matcher.is_stopped():  # the grammar is complete (and its EOS taken, with ignore_eos): only EOS again
+            return allow_only(mask, self.stop_token_ids)
         self.ll.torch.fill_next_token_bitmask(matcher, mask, 0)
         accepted = 0
         for j, tok in enumerate(drafts):
@@ -79,6 +83,7 @@ class GuidanceBackend:
 
     def valid_prefix(self, matcher: Any, drafts: list[int]) -> int:
         return 0 if matcher.is_stopped() else matcher.validate_tokens(drafts)
+
 
 
 def _strict(schema: Any) -> Any:

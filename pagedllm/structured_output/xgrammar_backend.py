@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.structured_output import allow_only
 
 
 class XgrammarBackend:
@@ -21,6 +22,7 @@ class XgrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
 
     def grammar(self, so: Any) -> Any:
         xgr = self.xgr
@@ -61,6 +63,8 @@ class XgrammarBackend:
     def fill(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
         """Row j: the tokens allowed after the drafts before it (the matcher is left where it was)."""
         mask = self.xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        if matcher.is_terminated():  # the grammar is complete (and its EOS taken, with ignore_eos): only EOS again
+            return allow_only(mask, self.stop_token_ids)
         matcher.fill_next_token_bitmask(mask, 0)
         accepted = 0
         for j, tok in enumerate(drafts):
@@ -88,6 +92,7 @@ class XgrammarBackend:
         if n:
             matcher.rollback(n)
         return n
+
 
 
 def _ebnf_literal(text: str) -> str:
