@@ -79,6 +79,20 @@ def test_outputs_identical_with_a_head_drafting(targets, heads, method, setting)
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2"])
+def test_other_families_with_heads(tiny_model_factory, tmp_path, family):
+    """EAGLE-3 (the aux states of a Qwen / Mistral target) and MEDUSA on the other tiny families."""
+    target = tiny_model_factory(family, num_hidden_layers=4)
+    kw = {"max_model_len": 256, "num_gpu_blocks_override": 64, "max_num_batched_tokens": 32}
+    params = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0.8, seed=2)]
+    want = _generate(LLM(str(target), **kw), PROMPTS[1:3], params)
+    for method in ("eagle3", "medusa"):
+        head = build_spec_head(tmp_path / method, method, target)
+        llm = LLM(str(target), speculative_config=_spec(method, head), **kw)
+        assert _generate(llm, PROMPTS[1:3], params) == want, method
+        assert _spec_stats(llm).num_draft_tokens > 0
+
+
 SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                intermediate_size=1536)
 

@@ -231,6 +231,7 @@ def test_a_compile_over_the_timeout_aborts_that_request_only():
     slow, other = llm.generate(["JSON:", "Hello"], [SamplingParams(max_tokens=16, structured_outputs=SO(json=schema)),
                                                    free], use_tqdm=False)
     assert slow.outputs[0].finish_reason == "abort" and slow.outputs[0].token_ids == []
+    assert "longer than" in slow.outputs[0].stop_reason  # the reason reaches the client
     assert other.outputs[0].token_ids == want
     assert not llm.llm_engine.core.has_unfinished_requests()
 

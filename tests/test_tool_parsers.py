@@ -54,3 +54,16 @@ def test_forced_schemas_and_their_answers(choice):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([{"name": "h", "parameters": {}}], schema)  # only the tools given
         assert parse_forced('[{"name": "f", "param', choice) == []  # cut short by max_tokens
+
+
+def test_tools_reach_the_chat_template():
+    from pagedllm.entrypoints.openai.protocol import ChatMessage
+    from pagedllm.entrypoints.openai.server import _chat_ids
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    template = "{% for t in tools or [] %}[TOOL {{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [ChatMessage(role="user", content="hi")]
+    assert tok.decode(_chat_ids(tok, msgs, template, True, None, tools)) == "[TOOL get_weather]hi"
+    assert tok.decode(_chat_ids(tok, msgs, template, True, None, None)) == "hi"

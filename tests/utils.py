@@ -348,7 +348,8 @@ def build_spec_head(path: Path, kind: str, target_dir: Path | None, seed: int = 
     w: dict[str, torch.Tensor] = {}
     if kind in ("eagle", "eagle3"):
         heads, kv_heads, hd, inter = (target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"],
-                                      target_cfg["head_dim"], target_cfg["intermediate_size"])
+                                      target_cfg.get("head_dim") or h // target_cfg["num_attention_heads"],
+                                      target_cfg["intermediate_size"])
         cfg = dict(architectures=["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
                    model_type="llama", hidden_size=h, intermediate_size=inter, num_hidden_layers=1,
                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd, vocab_size=v,

@@ -59,11 +59,13 @@ class EngineCore:
             self._drop_waiting_for_grammar(req)
         self._aborted.extend(self.scheduler.abort_requests(req_ids))
 
-    def _drop_waiting_for_grammar(self, req: Request) -> None:
+    def _drop_waiting_for_grammar(self, req: Request, error: str | None = None) -> None:
+        """Abort a request still waiting for its grammar; ``error`` (why) becomes its stop_reason."""
         self._grammar_wait.remove(req)
         for r in [req, *req.pending_children]:
             self.structured.remove(r.request_id)
             r.status = RequestStatus.FINISHED_ABORTED
+            r.stop_reason = error
             self._aborted.append(r)
 
     def _admit_compiled(self) -> None:
@@ -78,7 +80,7 @@ class EngineCore:
                 self.scheduler.add_request(req)
             else:
                 logger.error("request %s aborted: %s", req.request_id, state)
-                self._drop_waiting_for_grammar(req)
+                self._drop_waiting_for_grammar(req, state)
 
     def finish_request(self, req_id: str, stop_reason: str) -> None:
         """A stop string was found by the output processor: stop computing this request."""
