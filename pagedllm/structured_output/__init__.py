@@ -61,6 +61,7 @@ class StructuredOutputManager:
         self.compile_timeout = compile_timeout
         self.backend_name = backend
         self._backends: dict[str, Any] = {}
+        self.backend_init_seconds: dict[str, float] = {}  # the one-time set-up (the vocabulary's token index)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._compiled: OrderedDict[str, Future] = OrderedDict()  # spec -> compiled grammar, shared; LRU
@@ -87,7 +88,9 @@ class StructuredOutputManager:
                     from pagedllm.structured_output.xgrammar_backend import XgrammarBackend as cls
                 else:
                     from pagedllm.structured_output.guidance_backend import GuidanceBackend as cls
+                t0 = time.perf_counter()
                 self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                self.backend_init_seconds[name] = time.perf_counter() - t0
             return self._backends[name]
 
     def _parse(self, so: "StructuredOutputsParams") -> tuple[Any, Any]:
