@@ -33,6 +33,8 @@ _SAMPLING_EPS = 1e-5
 
 MAX_CHOICES = 1024  # a choice list longer than this is refused before any grammar is built
 MAX_GRAMMAR_CHARS = 1 << 17  # schema / regex / grammar text
+MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema (every backend walks it recursively)
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -55,7 +57,7 @@ class StructuredOutputsParams:
         def bad(msg: str, key: str) -> InvalidParameterError:
             return InvalidParameterError(f"structured_outputs.{key}: {msg}", f"structured_outputs.{key}")
 
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if getattr(self, k) is not None and not (k == "json_object" and self.json_object is False)]
         if len(given) != 1:
             raise InvalidParameterError(
                 f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
@@ -68,8 +70,10 @@ class StructuredOutputsParams:
                     self.json = _json.loads(self.json)
                 except ValueError as e:
                     raise bad(f"not valid JSON: {e}", "json") from None
-            if not isinstance(self.json, (dict, bool)):
+            if not isinstance(self.json, dict):
                 raise bad(f"a JSON schema is an object, got {type(self.json).__name__}", "json")
+            if _depth(self.json) > MAX_SCHEMA_DEPTH:
+                raise bad(f"nested deeper than {MAX_SCHEMA_DEPTH} levels", "json")
             if len(_json.dumps(self.json)) > MAX_GRAMMAR_CHARS:
                 raise bad(f"longer than {MAX_GRAMMAR_CHARS} characters", "json")
         for key in ("regex", "grammar"):
@@ -92,8 +96,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, k) not in (None, False))
+        return "json_object" if self.json_object else next(k for k in _KINDS[:4] if getattr(self, k) is not None)
 
     def cache_key(self) -> str:
         import json as _json
@@ -275,6 +278,18 @@ class SamplingParams:
         """Called by the engine once the model's EOS ids are known."""
         extra = frozenset() if self.ignore_eos else eos_token_ids
         self._all_stop_token_ids = frozenset(self.stop_token_ids) | extra
+
+
+def _depth(obj: Any) -> int:
+    """How deeply dicts and lists nest in ``obj`` (iteratively: the object may be deep)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, d)
+            if d <= MAX_SCHEMA_DEPTH:  # no need to look further down
+                stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _arity(fn: Callable) -> int | None:

@@ -440,6 +440,8 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+    ({"structured_outputs": {"json": "false"}}, "structured_outputs.json"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [WEATHER] * 200, "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),

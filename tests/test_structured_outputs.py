@@ -159,6 +159,18 @@ def test_a_complete_grammar_allows_only_eos_and_max_tokens_inside_one_is_length(
     assert out.finish_reason == "length" and out.text.startswith("{")
 
 
+def test_other_masks_never_empty_a_constrained_row(llm):
+    """min_tokens bans EOS where the grammar allows only EOS: the grammar wins, the output stays valid; a
+    request stopped by a stop string drops its matcher."""
+    outs = llm.generate(["Yes?", "Sure?"], [
+        SamplingParams(max_tokens=12, temperature=0, min_tokens=6, structured_outputs=SO(json={"type": "boolean"})),
+        SamplingParams(max_tokens=40, temperature=0, stop=["e"], structured_outputs=SO(regex=r"[a-z ]{10,30}"))],
+        use_tqdm=False)
+    assert json.loads(outs[0].outputs[0].text) in (True, False)
+    assert outs[1].outputs[0].finish_reason == "stop" or re.fullmatch(r"[a-z ]{10,30}", outs[1].outputs[0].text)
+    assert llm.llm_engine.structured.matchers == {}
+
+
 def test_unconstrained_requests_unchanged_beside_constrained_ones(llm):
     free = [_chat(llm, "Tell me about the sea."), _chat(llm, "Count to five.")]
     free_params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=40, temperature=0.8, seed=9)]
@@ -191,6 +203,13 @@ def test_constrained_outputs_unchanged_with_speculation(llm):
     assert stats.num_accepted_tokens > 0
 
 
+def _deep(levels: int) -> dict:
+    node: dict = {"type": "integer"}
+    for _ in range(levels):
+        node = {"type": "array", "items": node}
+    return {"json": node}
+
+
 @pytest.mark.parametrize("so,field", [
     (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "structured_outputs.json"),
     (dict(json={"type": "array", "uniqueItems": True}), "structured_outputs.json"),  # not enforceable: refused
@@ -200,6 +219,10 @@ def test_constrained_outputs_unchanged_with_speculation(llm):
     (dict(grammar="root ::= ("), "structured_outputs.grammar"),
     (dict(regex="a", choice=["a"]), "structured_outputs"),
     (dict(choice=["x"] * 5000), "structured_outputs.choice"),
+    (dict(json="false"), "structured_outputs.json"),  # a boolean schema: refused, not a hang
+    (dict(json=True), "structured_outputs.json"),
+    (dict(json={"type": "array", "items": {"type": "array", "items": {"$defs": {"a": [[[[{"type": "integer"}]]]]}}}}
+          | _deep(70)), "structured_outputs.json"),
 ])
 def test_bad_specs_are_refused_naming_the_field(llm, so, field):
     with pytest.raises(InvalidParameterError) as e:

@@ -106,7 +106,8 @@ class AsyncLLM:
 
     def num_queued(self) -> int:
         """Child requests accepted but not yet running (read without locking: an estimate)."""
-        return self._unapplied + self.engine.core.scheduler.num_waiting_requests()
+        core = self.engine.core
+        return self._unapplied + core.scheduler.num_waiting_requests() + core.num_waiting_for_grammar()
 
     async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer-bound work (chat templates, tokenization) off the event loop."""

@@ -86,6 +86,8 @@ class EngineCore:
         """A stop string was found by the output processor: stop computing this request."""
         self.scheduler.finish_request(req_id, RequestStatus.FINISHED_STOPPED, stop_reason)
         self.scheduler.release(req_id)
+        if self.structured is not None:
+            self.structured.remove(req_id)
 
     def step(self) -> list[EngineCoreOutput]:
         if self._grammar_wait:
@@ -114,6 +116,13 @@ class EngineCore:
                 if self.structured is not None:
                     self.structured.remove(o.request.request_id)
         return outputs
+
+    def num_waiting_for_grammar(self) -> int:
+        """Sequences held until their grammar compiles (n>1 siblings included)."""
+        return sum(1 + len(r.pending_children) for r in self._grammar_wait)
+
+    def is_waiting_for_grammar(self, req_id: str) -> bool:
+        return any(r.request_id == req_id for r in self._grammar_wait)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._aborted) or bool(self._grammar_wait)

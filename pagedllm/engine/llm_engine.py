@@ -198,7 +198,7 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
                     priority: int = 0) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.core.scheduler.requests:
+        if request_id in self.core.scheduler.requests or self.core.is_waiting_for_grammar(request_id):
             raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
         prepared = self.make_request(request_id, prompt, params, priority)
         self.add_prepared_request(prepared)
@@ -252,7 +252,7 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         s = self.core.scheduler
-        return len(s.running) + len(s.waiting)
+        return len(s.running) + len(s.waiting) + self.core.num_waiting_for_grammar()
 
 
 @contextlib.contextmanager

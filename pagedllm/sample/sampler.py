@@ -85,6 +85,7 @@ def uniform(seed: int, position: int, salt: int) -> float:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
+        entry = logits.clone() if batch.grammar_bitmask is not None else None  # see _grammar_wins
         want_lp = any(n is not None for n in batch.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp and not batch.processed_logprobs else None
         if batch.penalties is not None:
@@ -101,6 +102,8 @@ class Sampler:
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK
+        if entry is not None:
+            logits = _grammar_wins(logits, entry, batch.grammar_bitmask)
         processed = probs = None
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
@@ -166,6 +169,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.index_select(0, rows).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
     logits[rows] = logits.index_select(0, rows).masked_fill(~allowed, _MASK)
+    return logits
+
+
+def _grammar_wins(logits: torch.Tensor, entry: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A constrained row whose other masks (min_tokens' EOS ban, allowed_token_ids, bad words) leave no token the
+    grammar allows falls back to the grammar alone: the output stays valid rather than turning into token 0."""
+    dead = (~torch.isfinite(logits).any(dim=1)).nonzero().flatten()
+    if dead.numel():
+        logits[dead] = apply_token_bitmask(entry.index_select(0, dead), bitmask.index_select(0, dead))
     return logits
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,12 @@ def allow_only(mask: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
     return mask
 
 
+def _failed(fut: Future) -> bool:
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
+
+
+MAX_PENDING_COMPILES = 32  # distinct grammars queued or compiling; more is refused (each may take seconds)
+
 BACKENDS = ("xgrammar", "guidance", "auto")
 _MODULES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 
@@ -62,7 +68,8 @@ class StructuredOutputManager:
         self.backend_name = backend
         self._backends: dict[str, Any] = {}
         self.backend_init_seconds: dict[str, float] = {}  # the one-time set-up (the vocabulary's token index)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the caches (never held while a backend sets up or a grammar compiles)
+        self._init_lock = threading.Lock()  # backend set-up (llguidance's takes seconds)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._compiled: OrderedDict[str, Future] = OrderedDict()  # spec -> compiled grammar, shared; LRU
         self._validated: OrderedDict[str, str] = OrderedDict()  # spec -> the backend that takes it
@@ -71,10 +78,13 @@ class StructuredOutputManager:
         # stats: cumulative, and the events not yet taken by a metrics exporter (take_events)
         self.num_constrained_requests = 0
         self.compile_seconds: list[tuple[float, bool]] = []  # (seconds, cache hit) per compile asked for
-        self._events: list[tuple[float, bool] | None] = []  # None: a constrained request arrived
+        self._events: deque[tuple[float, bool] | None] = deque()  # None: a constrained request arrived
 
     def _backend(self, name: str) -> Any:
-        with self._lock:
+        backend = self._backends.get(name)
+        if backend is not None:
+            return backend
+        with self._init_lock:
             if name not in self._backends:
                 import importlib
 
@@ -114,6 +124,10 @@ class StructuredOutputManager:
         Specs seen recently are not parsed again (a batch of prompts shares one)."""
         key = so.cache_key()
         with self._lock:
+            if key not in self._compiled and self._num_compiling() >= MAX_PENDING_COMPILES:
+                raise InvalidParameterError(  # checked here, on the request's thread: never in the engine loop
+                    f"{MAX_PENDING_COMPILES} distinct grammars are compiling already; retry later",
+                    "structured_outputs")
             if key in self._validated:
                 self._validated.move_to_end(key)
                 return
@@ -130,7 +144,7 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         with self._lock:
             fut = self._compiled.get(key)
-            hit = fut is not None and not (fut.done() and fut.exception() is not None)  # compiled, or compiling
+            hit = fut is not None and not _failed(fut)  # compiled, or compiling
             if not hit:
                 fut = self._pool.submit(self._compile, so)
                 self._compiled[key] = fut
@@ -152,13 +166,15 @@ class StructuredOutputManager:
 
     def take_events(self) -> tuple[int, list[tuple[float, bool]]]:
         """Constrained requests and compiles (seconds, cache hit) since the last call (for /metrics)."""
-        events, self._events = self._events, []
+        events = []
+        while self._events:  # popleft is atomic; compile threads may append meanwhile
+            events.append(self._events.popleft())
         return sum(e is None for e in events), [e for e in events if e is not None]
 
     def _compile(self, so: "StructuredOutputsParams") -> tuple[Any, Any]:
         t0 = time.perf_counter()
-        backend, grammar = self._parse(so)
-        compiled = backend.compile(so) if backend.name == "xgrammar" else grammar
+        backend, _ = self._parse(so)
+        compiled = backend.compile(so)
         self._record((time.perf_counter() - t0, False))
         return backend, compiled
 
@@ -173,8 +189,8 @@ class StructuredOutputManager:
                 return f"grammar compilation took longer than {self.compile_timeout:.0f}s"
             return "waiting"
         del self._pending[rid]
-        if fut.exception() is not None:
-            return f"grammar compilation failed: {fut.exception()}"
+        if _failed(fut):
+            return f"grammar compilation failed: {'cancelled' if fut.cancelled() else fut.exception()}"
         backend, compiled = fut.result()
         for r in [request, *request.pending_children]:
             self.matchers[r.request_id] = (backend, backend.matcher(compiled))
@@ -185,7 +201,12 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
-        self._pending.pop(request_id, None)
+        entry = self._pending.pop(request_id, None)
+        if entry is not None and not any(f is entry[0] for f, _ in self._pending.values()):
+            entry[0].cancel()  # nobody else waits for it: drop it if it has not started (a running one runs on)
+
+    def _num_compiling(self) -> int:
+        return sum(not f.done() for f in self._compiled.values())
 
     # -- every step ------------------------------------------------------------------------
     def bitmasks(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> dict[str, torch.Tensor]:

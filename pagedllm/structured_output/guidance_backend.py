@@ -47,11 +47,14 @@ class GuidanceBackend:
             raise InvalidParameterError(f"structured_outputs.{kind}: {reason[:500]}", f"structured_outputs.{kind}")
         return text
 
-    def compile(self, so: Any) -> str:
-        return self.grammar(so)  # validated text; each matcher compiles its lexer lazily (and fast)
+    def compile(self, so: Any) -> Any:
+        """A matcher with its lexer built (llguidance builds it lazily, at the first mask): off the engine loop."""
+        matcher = self.ll.LLMatcher(self.tokenizer, self.grammar(so))
+        self.ll.torch.fill_next_token_bitmask(matcher, self.ll.torch.allocate_token_bitmask(1, self.vocab_size), 0)
+        return matcher
 
-    def matcher(self, compiled: str) -> Any:
-        return self.ll.LLMatcher(self.tokenizer, compiled)
+    def matcher(self, compiled: Any) -> Any:
+        return compiled.deep_copy()
 
     def accept(self, matcher: Any, token: int) -> bool:
         return matcher.consume_token(token)
@@ -67,14 +70,14 @@ class GuidanceBackend:
         accepted = 0
         for j, tok in enumerate(drafts):
             if matcher.is_stopped():
-                mask[j + 1:] = -1
+                allow_only(mask[j + 1:], self.stop_token_ids)
                 break
             if not matcher.consume_token(tok):
                 mask[j + 1:] = 0
                 break
             accepted += 1
             if matcher.is_stopped():
-                mask[j + 1:] = -1
+                allow_only(mask[j + 1:], self.stop_token_ids)
                 break
             self.ll.torch.fill_next_token_bitmask(matcher, mask, j + 1)
         if accepted:

@@ -69,14 +69,14 @@ class XgrammarBackend:
         accepted = 0
         for j, tok in enumerate(drafts):
             if matcher.is_terminated():  # a draft ended the grammar (EOS): the request stops there if it is kept
-                mask[j + 1:] = -1
+                allow_only(mask[j + 1:], self.stop_token_ids)
                 break
             if not matcher.accept_token(tok):
                 mask[j + 1:] = 0  # unreachable: the drafts were validated; allow nothing rather than anything
                 break
             accepted += 1
             if matcher.is_terminated():
-                mask[j + 1:] = -1
+                allow_only(mask[j + 1:], self.stop_token_ids)
                 break
             matcher.fill_next_token_bitmask(mask, j + 1)
         if accepted:

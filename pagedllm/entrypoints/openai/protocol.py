@@ -159,7 +159,8 @@ class ChatCompletionRequest(_SamplingRequest):
             if choice != "none" and not self.tools:
                 raise InvalidParameterError(f"tool_choice {choice!r} needs tools", "tool_choice")
             return choice
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function")
+        name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
         if not isinstance(name, str):
             raise InvalidParameterError('a named tool_choice is {"type": "function", "function": {"name": ...}}',
                                         "tool_choice")

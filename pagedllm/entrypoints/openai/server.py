@@ -378,7 +378,8 @@ def _tool_answer(text: str, finish_reason: str | None, choice: Any, parser: Any)
     if choice == "auto":
         content, calls = parser.extract(text)
     else:
-        content, calls = None, parse_forced(text, choice)
+        calls = parse_forced(text, choice)
+        content = None if calls else text or None  # cut short (length): the partial answer, as text
     named = isinstance(choice, dict)  # OpenAI answers a forced function with finish_reason "stop"
     return content, calls, ("tool_calls" if calls and not named and finish_reason == "stop" else finish_reason)
 
@@ -572,7 +573,7 @@ async def _chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, choice:
             elif c.finished() and choice in ("auto", "required"):
                 content, calls, finish = _tool_answer(c.text, c.finish_reason, choice, parser)
                 if choice == "required":
-                    rest = ""
+                    rest = content or ""
                 else:  # the content not yet sent: up to where the calls begin, or all of it
                     rest = c.text[start:parser.streamable(c.text)].rstrip() if calls else c.text[start:]
                 message = P.DeltaMessage(content=rest or None, tool_calls=[P.DeltaToolCall(

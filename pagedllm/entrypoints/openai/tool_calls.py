@@ -58,7 +58,10 @@ def parse_forced(text: str, tool_choice: Any) -> list[ParsedCall]:
         items = json.loads(text)
     except json.JSONDecodeError:  # cut short by max_tokens
         return []
-    return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+    if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c and "parameters" in c
+                                              for c in items):
+        return []
+    return [ParsedCall(str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
 
 
 class ToolParser:
