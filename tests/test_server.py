@@ -450,3 +450,26 @@ def test_bad_tool_requests_get_400(server, body, param):
     r = httpx.post(f"{server.url}/v1/chat/completions", headers=_headers(),
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
     assert param in (_err(r, 400)["param"] or "")
+
+
+def test_engine_state_snapshot(server, client):
+    """GET /v1/engine/state: the block map and queues, taken on the engine thread between steps."""
+    r = httpx.get(f"{server.url}/v1/engine/state")
+    assert r.status_code == 401  # behind the API key, as the rest of /v1
+    idle = httpx.get(f"{server.url}/v1/engine/state", headers=_headers()).json()
+    assert idle["num_blocks"] == len(idle["block_map"]) == sum(idle["blocks"].values())
+    assert idle["blocks"]["used"] == idle["blocks"]["shared"] == 0 and idle["running"] == []
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 20, max_tokens=200, temperature=0,
+                                       stream=True, n=2, extra_body={"ignore_eos": True})
+    next(iter(stream))  # running now
+    busy = httpx.get(f"{server.url}/v1/engine/state", headers=_headers()).json()
+    stream.close()
+    assert busy["num_running"] >= 1 and busy["running"][0]["prompt_tokens"] > 40
+    assert busy["blocks"]["used"] + busy["blocks"]["shared"] > 0  # the prompt's blocks (shared by the n=2 pair)
+    assert busy["steps"] and busy["steps"][-1]["decode_tokens"] + busy["steps"][-1]["prefill_tokens"] > 0
+    for _ in range(50):  # the aborted stream frees its blocks
+        after = httpx.get(f"{server.url}/v1/engine/state", headers=_headers()).json()
+        if after["blocks"]["used"] + after["blocks"]["shared"] == 0:
+            break
+        time.sleep(0.1)
+    assert after["blocks"]["used"] + after["blocks"]["shared"] == 0 and after["num_running"] == 0

@@ -154,6 +154,15 @@ class AsyncLLM:
         finally:
             await stream.aclose()
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` on the engine thread, between two steps (engine state is touched by that thread only)."""
+        import concurrent.futures
+
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -196,6 +205,13 @@ class AsyncLLM:
                     self._unapplied -= len(prepared.children)
         elif cmd[0] == "abort":
             self.engine.abort_request([cmd[1]])
+        elif cmd[0] == "call":  # run on the engine thread, between steps; the caller awaits the future
+            _, fn, fut = cmd
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:
+                    fut.set_exception(e)
 
     def _run(self) -> None:
         try:

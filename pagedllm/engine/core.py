@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,8 @@ class EngineCore:
         self.config = config
         self.structured = structured
         self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
+        # the last steps' batch composition, for snapshot(): (unix time, decode tokens, prefill tokens)
+        self.step_history: deque[tuple[float, int, int]] = deque(maxlen=600)
         self.runner = runner
         spec = runner.spec_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
@@ -98,6 +102,10 @@ class EngineCore:
         if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0:
             self.structured.wait_any(0.005)  # only compiles pending: do not spin
         runner_out = self.runner.execute_model(sched_out)
+        if sched_out.total_num_scheduled_tokens:
+            reqs = self.scheduler.requests
+            decode = sum(n for rid, n in sched_out.num_scheduled_tokens.items() if reqs[rid].output_token_ids)
+            self.step_history.append((time.time(), decode, sched_out.total_num_scheduled_tokens - decode))
         if self.structured is not None and self.structured.matchers:
             self.structured.update(runner_out)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
@@ -129,3 +137,41 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def snapshot(self, max_requests: int = 256) -> dict:
+        """A plain picture of the engine now (engine thread only): the block map, the queues, the last steps.
+
+        ``block_map`` has one character per KV block: ``.`` free, ``c`` free but holding a prefix-cached
+        block (reusable until evicted), ``u`` used by one request, ``s`` shared (ref count > 1).
+        """
+        s = self.scheduler
+        codes = []
+        for b in s.kv.pool.blocks:
+            codes.append("s" if b.ref_cnt > 1 else "u" if b.ref_cnt == 1 else "c" if b.block_hash is not None else ".")
+        block_map = "".join(codes)
+
+        def info(r: Request) -> dict:
+            return {"id": r.request_id, "status": r.status.name.lower(), "prompt_tokens": r.num_prompt_tokens,
+                    "computed_tokens": r.num_computed_tokens, "output_tokens": r.num_output_tokens,
+                    "max_tokens": r.max_tokens, "preemptions": r.num_preemptions,
+                    "waited_s": round(time.monotonic() - r.arrival_time, 3)}
+
+        waiting = sorted((r for r in s.requests.values() if r.status in (RequestStatus.WAITING,
+                                                                           RequestStatus.PREEMPTED)),
+                         key=lambda r: r.arrival_time)
+        sc = self.config.scheduler_config
+        return {
+            "time": time.time(),
+            "num_blocks": len(block_map), "block_size": s.kv.block_size,
+            "blocks": {"free": block_map.count("."), "cached": block_map.count("c"),
+                       "used": block_map.count("u"), "shared": block_map.count("s")},
+            "block_map": block_map,
+            "kv_cache_usage": s.kv.usage(),
+            "num_running": len(s.running), "num_waiting": s.num_waiting_requests(),
+            "num_waiting_for_grammar": self.num_waiting_for_grammar(),
+            "running": [info(r) for r in s.running[:max_requests]],
+            "waiting": [info(r) for r in waiting[:max_requests]],
+            "num_preemptions": s.num_preemptions,
+            "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
+            "steps": [{"time": t, "decode_tokens": d, "prefill_tokens": p} for t, d, p in self.step_history],
+        }

@@ -259,6 +259,14 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         max_len = state.llm.engine.max_model_len if state.llm else None
         return P.ModelList(data=[P.ModelCard(id=state.served_model_name, max_model_len=max_len)])
 
+    @app.get("/v1/engine/state", response_model=None)
+    async def engine_state():
+        """A snapshot of the engine (taken between two steps): KV block map, queues, the last steps' batches."""
+        llm = engine()
+        snap = await llm.call(lambda e: e.core.snapshot())
+        snap["model"] = state.served_model_name
+        return snap
+
     @app.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):
         llm = engine()
