@@ -473,3 +473,30 @@ def test_engine_state_snapshot(server, client):
             break
         time.sleep(0.1)
     assert after["blocks"]["used"] + after["blocks"]["shared"] == 0 and after["num_running"] == 0
+
+
+def test_trace_file_is_a_chrome_trace_of_steps_and_requests(model_dir, tmp_path):
+    path = tmp_path / "trace.json"
+    s = Server(model_dir, "--trace-file", str(path))
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        c.completions.create(model=MODEL, prompt="Hello there", max_tokens=8, temperature=0)
+        c.completions.create(model=MODEL, prompt="A river town", max_tokens=6, temperature=0.5, seed=1, n=2)
+        list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       stream=True))
+    finally:
+        assert s.stop() == 0
+    events = json.loads(path.read_text())  # closed at shutdown: strict JSON
+    steps = [e for e in events if e.get("name") == "step"]
+    assert steps and all(e["ph"] == "X" and e["dur"] >= 0 and e["args"]["decode_tokens"] + e["args"]["prefill_tokens"]
+                         for e in steps)
+    begins = {e["id"] for e in events if e.get("cat") == "request" and e["ph"] == "b"}
+    ends = {e["id"]: e for e in events if e.get("cat") == "request" and e["ph"] == "e"}
+    firsts = {e["id"] for e in events if e.get("name") == "first token"}
+    assert len(begins) == 3 and begins == set(ends) == firsts  # one slice per request (n=2 is one request)
+    assert sorted(len(e["args"]["finish_reason"]) for e in ends.values()) == [1, 1, 2]
+    assert all(e["args"]["output_tokens"] > 0 for e in ends.values())
+    for rid in begins:  # each request's slice starts before its first token and ends after it
+        b = next(e["ts"] for e in events if e.get("id") == rid and e["ph"] == "b")
+        f = next(e["ts"] for e in events if e.get("id") == rid and e.get("name") == "first token")
+        assert b <= f <= ends[rid]["ts"]

@@ -38,8 +38,8 @@ class EngineCore:
         self.config = config
         self.structured = structured
         self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
-        # the last steps' batch composition, for snapshot(): (unix time, decode tokens, prefill tokens)
-        self.step_history: deque[tuple[float, int, int]] = deque(maxlen=600)
+        # the last steps, for snapshot() and traces: (monotonic start, seconds, decode tokens, prefill tokens)
+        self.step_history: deque[tuple[float, float, int, int]] = deque(maxlen=600)
         self.runner = runner
         spec = runner.spec_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
@@ -94,6 +94,7 @@ class EngineCore:
             self.structured.remove(req_id)
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.monotonic()
         if self._grammar_wait:
             self._admit_compiled()
         sched_out = self.scheduler.schedule()
@@ -105,7 +106,7 @@ class EngineCore:
         if sched_out.total_num_scheduled_tokens:
             reqs = self.scheduler.requests
             decode = sum(n for rid, n in sched_out.num_scheduled_tokens.items() if reqs[rid].output_token_ids)
-            self.step_history.append((time.time(), decode, sched_out.total_num_scheduled_tokens - decode))
+            self.step_history.append((t0, time.monotonic() - t0, decode, sched_out.total_num_scheduled_tokens - decode))
         if self.structured is not None and self.structured.matchers:
             self.structured.update(runner_out)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
@@ -160,6 +161,7 @@ class EngineCore:
                                                                            RequestStatus.PREEMPTED)),
                          key=lambda r: r.arrival_time)
         sc = self.config.scheduler_config
+        wall = time.time() - time.monotonic()
         return {
             "time": time.time(),
             "num_blocks": len(block_map), "block_size": s.kv.block_size,
@@ -173,5 +175,6 @@ class EngineCore:
             "waiting": [info(r) for r in waiting[:max_requests]],
             "num_preemptions": s.num_preemptions,
             "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
-            "steps": [{"time": t, "decode_tokens": d, "prefill_tokens": p} for t, d, p in self.step_history],
+            "steps": [{"time": t + wall, "seconds": round(dt, 6), "decode_tokens": d, "prefill_tokens": p}
+                      for t, dt, d, p in self.step_history],
         }

@@ -143,7 +143,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
                     on_ready=ready, trust_request_chat_template=args.trust_request_chat_template,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    trace_file=args.trace_file)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = _graceful_server_class()(uv_config)
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "--tool-call-parser lifts its tool calls out of the text")
     srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                      help="the model's own tool-call format, for --enable-auto-tool-choice")
+    srv.add_argument("--trace-file", default=None, metavar="PATH",
+                     help="write the engine's steps and requests as a Chrome / Perfetto trace (JSON) to PATH")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                      help="larger bodies get 413 (parsing JSON holds Python's GIL for ~25 ms per MiB, "
                           "so this also bounds what one body costs everyone else)")

@@ -149,16 +149,29 @@ class ServerState:
 def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None, max_body_bytes: int = 4 << 20,
               limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
-              trust_request_chat_template: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+              trace_file: str | None = None) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
-    ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``."""
+    ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
+    Chrome / Perfetto trace of the engine's steps and requests."""
     state = ServerState(served_model_name, api_key, limits or RequestLimits(), trust_request_chat_template,
                         tool_call_parser)
+
+    tracer = None
+    if trace_file:
+        from pagedllm.engine.trace import ChromeTraceWriter
+
+        tracer = ChromeTraceWriter(trace_file)
+
+    def on_step(engine: Any, outputs: list) -> None:
+        state.metrics.on_step(engine, outputs)
+        if tracer is not None:
+            tracer.on_step(engine, outputs)
 
     def load() -> None:
         try:
             engine = engine_factory()
-            state.llm = AsyncLLM(engine, max_queue_len, on_step=state.metrics.on_step)
+            state.llm = AsyncLLM(engine, max_queue_len, on_step=on_step)
         except BaseException as e:  # surfaced by /health and every endpoint
             logger.exception("engine failed to load")
             state.load_error = e
@@ -175,6 +188,8 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         yield
         if state.llm is not None:
             state.llm.shutdown()
+        if tracer is not None:
+            tracer.close()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.router.route_class = _Route
