@@ -40,6 +40,7 @@ class EngineCore:
         self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
         # the last steps, for snapshot() and traces: (monotonic start, seconds, decode tokens, prefill tokens)
         self.step_history: deque[tuple[float, float, int, int]] = deque(maxlen=600)
+        self.last_scheduled: dict[str, int] = {}  # the last step's tokens per (child) request, for tracers
         self.runner = runner
         spec = runner.spec_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
@@ -103,6 +104,7 @@ class EngineCore:
         if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0:
             self.structured.wait_any(0.005)  # only compiles pending: do not spin
         runner_out = self.runner.execute_model(sched_out)
+        self.last_scheduled = sched_out.num_scheduled_tokens
         if sched_out.total_num_scheduled_tokens:
             reqs = self.scheduler.requests
             decode = sum(n for rid, n in sched_out.num_scheduled_tokens.items() if reqs[rid].output_token_ids)

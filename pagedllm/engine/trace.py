@@ -84,3 +84,110 @@ class ChromeTraceWriter:
 
 def _us(seconds: float) -> float:
     return round(seconds * 1e6, 1)
+
+
+class OtelRequestTracer:
+    """``--otlp-traces-endpoint``: one OpenTelemetry span per request, with vLLM's attribute names.
+
+    Span ``llm_request`` (kind SERVER) from arrival to finish: ``gen_ai.request.id``,
+    ``gen_ai.response.model``, ``gen_ai.request.{max_tokens,temperature,top_p,n}``,
+    ``gen_ai.usage.{prompt_tokens,completion_tokens,num_sequences}``,
+    ``gen_ai.latency.{time_in_queue,time_to_first_token,e2e}``, and
+    ``gen_ai.response.finish_reasons``; pagedllm's own ``pagedllm.num_preemptions`` and
+    ``pagedllm.cached_prompt_tokens``. Events: each prefill chunk (``prefill_chunk`` with its
+    tokens), each resumption after a preemption, and the first token. Spans are exported by the SDK's batch
+    processor on its own thread.
+    """
+
+    def __init__(self, endpoint: str | None, model_name: str, exporter: Any = None):
+        try:
+            import opentelemetry.sdk  # noqa: F401
+        except ImportError:
+            from pagedllm.errors import InvalidParameterError
+
+            raise InvalidParameterError("--otlp-traces-endpoint needs opentelemetry-sdk and "
+                                        "opentelemetry-exporter-otlp-proto-http: pip install 'pagedllm[otel]'",
+                                        "otlp_traces_endpoint") from None
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=endpoint)
+            processor = BatchSpanProcessor(exporter)
+        else:  # tests hand an in-memory exporter: export at once
+            processor = SimpleSpanProcessor(exporter)
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "pagedllm"}))
+        self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("pagedllm")
+        self.model_name = model_name
+        # per (child) request: prefill chunks [(monotonic time, tokens)], preemptions seen, preemption times
+        self._chunks: dict[str, list[tuple[float, int]]] = {}
+        self._preempted: dict[str, list[float]] = {}
+        self._params: dict[str, Any] = {}
+
+    def on_step(self, engine: Any, outputs: list) -> None:
+        core = engine.core
+        if core.step_history:
+            now = core.step_history[-1][0]
+            for rid, n in core.last_scheduled.items():
+                req = core.scheduler.requests.get(rid)
+                if req is None:
+                    continue
+                self._params.setdefault(rid, req.sampling_params)
+                if req.num_computed_tokens <= req.num_prompt_tokens:  # this step computed part of the prompt
+                    self._chunks.setdefault(rid, []).append((now, n))
+                times = self._preempted.setdefault(rid, [])
+                while len(times) < req.num_preemptions:
+                    times.append(now)
+        for out in outputs:
+            if out.finished:
+                self._span(engine, out)
+
+    def _span(self, engine: Any, out: Any) -> None:
+        import time
+
+        from opentelemetry.trace import SpanKind
+
+        m = out.metrics
+        wall = time.time_ns() - time.monotonic_ns()
+        ns = lambda t: int(t * 1e9) + wall  # noqa: E731
+        children = [c for c in self._params if c == out.request_id or c.endswith("_" + out.request_id)]
+        end = m.finished_time or m.last_token_time or m.arrival_time
+        span = self.tracer.start_span("llm_request", kind=SpanKind.SERVER, start_time=ns(m.arrival_time))
+        params = self._params.get(children[0]) if children else None
+        attrs = {
+            "gen_ai.request.id": out.request_id, "gen_ai.response.model": self.model_name,
+            "gen_ai.usage.prompt_tokens": len(out.prompt_token_ids),
+            "gen_ai.usage.completion_tokens": sum(len(c.token_ids) for c in out.outputs),
+            "gen_ai.usage.num_sequences": len(out.outputs),
+            "gen_ai.request.n": len(out.outputs),
+            "gen_ai.response.finish_reasons": [c.finish_reason or "abort" for c in out.outputs],
+            "gen_ai.latency.e2e": end - m.arrival_time,
+            "pagedllm.cached_prompt_tokens": max(out.num_cached_tokens, 0),
+        }
+        if params is not None:
+            attrs.update({"gen_ai.request.max_tokens": params.max_tokens or 0,
+                          "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p})
+        if m.time_in_queue is not None:
+            attrs["gen_ai.latency.time_in_queue"] = m.time_in_queue
+        if m.first_token_time is not None:
+            attrs["gen_ai.latency.time_to_first_token"] = m.first_token_time - m.arrival_time
+            span.add_event("first_token", timestamp=ns(m.first_token_time))
+        preemptions = 0
+        for c in dict.fromkeys(children):
+            for t, n in self._chunks.pop(c, []):
+                span.add_event("prefill_chunk", {"tokens": n, "sequence": c}, timestamp=ns(t))
+            times = self._preempted.pop(c, [])
+            self._params.pop(c, None)
+            preemptions += len(times)
+            for t in times:  # seen when the sequence is scheduled again
+                span.add_event("resumed_after_preemption", {"sequence": c}, timestamp=ns(t))
+        attrs["pagedllm.num_preemptions"] = preemptions
+        span.set_attributes(attrs)
+        span.end(end_time=ns(end))
+
+    def close(self) -> None:
+        self.provider.shutdown()  # flushes what is batched

@@ -144,7 +144,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
                     on_ready=ready, trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    trace_file=args.trace_file)
+                    trace_file=args.trace_file, otlp_traces_endpoint=args.otlp_traces_endpoint)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = _graceful_server_class()(uv_config)
@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model's own tool-call format, for --enable-auto-tool-choice")
     srv.add_argument("--trace-file", default=None, metavar="PATH",
                      help="write the engine's steps and requests as a Chrome / Perfetto trace (JSON) to PATH")
+    srv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export one OpenTelemetry span per request over OTLP/HTTP to URL (e.g. "
+                          "http://collector:4318/v1/traces); needs pip install 'pagedllm[otel]'")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                      help="larger bodies get 413 (parsing JSON holds Python's GIL for ~25 ms per MiB, "
                           "so this also bounds what one body costs everyone else)")

@@ -150,7 +150,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
               max_queue_len: int | None = None, max_body_bytes: int = 4 << 20,
               limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              trace_file: str | None = None) -> FastAPI:
+              trace_file: str | None = None, otlp_traces_endpoint: str | None = None) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
     Chrome / Perfetto trace of the engine's steps and requests."""
@@ -163,10 +163,17 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
 
         tracer = ChromeTraceWriter(trace_file)
 
+    otel = None
+    if otlp_traces_endpoint:
+        from pagedllm.engine.trace import OtelRequestTracer
+
+        otel = OtelRequestTracer(otlp_traces_endpoint, served_model_name)
+
     def on_step(engine: Any, outputs: list) -> None:
         state.metrics.on_step(engine, outputs)
-        if tracer is not None:
-            tracer.on_step(engine, outputs)
+        for t in (tracer, otel):
+            if t is not None:
+                t.on_step(engine, outputs)
 
     def load() -> None:
         try:
@@ -188,8 +195,9 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         yield
         if state.llm is not None:
             state.llm.shutdown()
-        if tracer is not None:
-            tracer.close()
+        for t in (tracer, otel):
+            if t is not None:
+                t.close()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.router.route_class = _Route

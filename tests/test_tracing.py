@@ -1,0 +1,92 @@
+"""Request traces: OpenTelemetry spans (in-memory exporter, and OTLP/HTTP from a live server)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+from utils import Server
+
+from pagedllm import LLM, SamplingParams
+
+pytest.importorskip("opentelemetry.sdk")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return str(tiny_model_factory("llama"))
+
+
+def test_one_span_per_request_with_chunks_preemptions_and_first_token(model_dir):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagedllm.engine.trace import OtelRequestTracer
+
+    exporter = InMemorySpanExporter()
+    llm = LLM(model_dir, max_model_len=128, num_gpu_blocks_override=8, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    tracer = OtelRequestTracer(None, "tiny", exporter=exporter)
+    prompts = ["The river town " * 8, "Hello", "One two three four five six seven eight nine ten"]
+    params = [SamplingParams(max_tokens=60, temperature=0), SamplingParams(max_tokens=50, n=2, seed=1),
+              SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=2)]
+    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished_requests():
+        tracer.on_step(engine, engine.step())
+    assert engine.core.scheduler.num_preemptions > 0  # 8 blocks of 16 tokens for 4 sequences
+    spans = {s.attributes["gen_ai.request.id"]: s for s in exporter.get_finished_spans()}
+    assert set(spans) == set(ids) and all(s.name == "llm_request" for s in spans.values())
+    long = spans[ids[0]]
+    chunks = [e for e in long.events if e.name == "prefill_chunk"]
+    assert len(chunks) >= 2 and sum(e.attributes["tokens"] for e in chunks) >= long.attributes["gen_ai.usage.prompt_tokens"]
+    assert sum(s.attributes["pagedllm.num_preemptions"] for s in spans.values()) > 0
+    for rid, s in spans.items():
+        a = s.attributes
+        assert a["gen_ai.usage.completion_tokens"] > 0 and a["gen_ai.latency.time_to_first_token"] > 0
+        assert a["gen_ai.latency.e2e"] >= a["gen_ai.latency.time_to_first_token"]
+        assert "gen_ai.latency.time_in_queue" in a and a["gen_ai.response.finish_reasons"]
+        assert any(e.name == "first_token" for e in s.events)
+        assert s.start_time < s.end_time
+    assert spans[ids[1]].attributes["gen_ai.usage.num_sequences"] == 2
+    assert spans[ids[2]].attributes["gen_ai.request.top_p"] == pytest.approx(0.9)
+    assert tracer._params == {} and tracer._chunks == {}  # nothing kept after the requests
+
+
+def test_server_exports_spans_over_otlp_http(model_dir):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received: list = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            req = ExportTraceServiceRequest()
+            req.ParseFromString(body)
+            for rs in req.resource_spans:
+                for ss in rs.scope_spans:
+                    received.extend(ss.spans)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/traces"
+    s = Server(model_dir, "--otlp-traces-endpoint", url)
+    try:
+        import openai
+
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        ids = {c.completions.create(model="tiny", prompt="Hi there", max_tokens=5).id,
+               c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4).id}
+    finally:
+        assert s.stop() == 0  # shutdown flushes the batch processor
+        httpd.shutdown()
+    attrs = [{kv.key: kv.value for kv in span.attributes} for span in received]
+    got = {a["gen_ai.request.id"].string_value for a in attrs}
+    assert ids <= got and all(span.name == "llm_request" for span in received)
+    assert all(a["gen_ai.usage.completion_tokens"].int_value > 0 for a in attrs)
