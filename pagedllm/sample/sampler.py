@@ -85,7 +85,10 @@ def uniform(seed: int, position: int, salt: int) -> float:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        entry = logits.clone() if batch.grammar_bitmask is not None else None  # see _grammar_wins
+        entry = None  # the logits before any mask, kept only where _grammar_wins may need them
+        if batch.grammar_bitmask is not None and (  # only another mask can leave a constrained row no token
+                batch.bias is not None or batch.user_processors or any(batch.stop_masks)):
+            entry = logits.clone()
         want_lp = any(n is not None for n in batch.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp and not batch.processed_logprobs else None
         if batch.penalties is not None:

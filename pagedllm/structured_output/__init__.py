@@ -72,7 +72,7 @@ class StructuredOutputManager:
         self._init_lock = threading.Lock()  # backend set-up (llguidance's takes seconds)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._compiled: OrderedDict[str, Future] = OrderedDict()  # spec -> compiled grammar, shared; LRU
-        self._validated: OrderedDict[str, str] = OrderedDict()  # spec -> the backend that takes it
+        self._validated: OrderedDict[str, None] = OrderedDict()  # specs parsed recently (an LRU set)
         self.matchers: dict[str, Any] = {}
         self._pending: dict[str, tuple[Future, float]] = {}  # request id -> (compile, submit time)
         # stats: cumulative, and the events not yet taken by a metrics exporter (take_events)
@@ -131,9 +131,9 @@ class StructuredOutputManager:
             if key in self._validated:
                 self._validated.move_to_end(key)
                 return
-        backend, _ = self._parse(so)
+        self._parse(so)
         with self._lock:
-            self._validated[key] = backend.name
+            self._validated[key] = None
             if len(self._validated) > 256:
                 self._validated.popitem(last=False)
 
@@ -173,8 +173,8 @@ class StructuredOutputManager:
 
     def _compile(self, so: "StructuredOutputsParams") -> tuple[Any, Any]:
         t0 = time.perf_counter()
-        backend, _ = self._parse(so)
-        compiled = backend.compile(so)
+        backend, grammar = self._parse(so)
+        compiled = backend.compile(grammar)
         self._record((time.perf_counter() - t0, False))
         return backend, compiled
 
@@ -220,9 +220,29 @@ class StructuredOutputManager:
             drafts = so.scheduled_spec_tokens.get(rid, [])
             if req.num_computed_tokens < len(req.all_token_ids) + len(drafts):
                 continue  # a prefill chunk that does not reach the end: nothing sampled
-            backend, m = entry
-            out[rid] = backend.fill(m, drafts)
+            out[rid] = self._fill(*entry, drafts)
         return out
+
+    def _fill(self, backend: Any, matcher: Any, drafts: list[int]) -> torch.Tensor:
+        """Row j: the tokens allowed after the drafts before it (the matcher is left where it was). Once the
+        grammar is complete (its EOS taken: with ignore_eos, or an EOS draft), only EOS again."""
+        mask = backend.allocate(len(drafts) + 1)
+        if backend.terminated(matcher):
+            return allow_only(mask, self.eos_token_ids)
+        backend.fill_row(matcher, mask, 0)
+        accepted = 0
+        for j, tok in enumerate(drafts):
+            if not backend.accept(matcher, tok):
+                mask[j + 1:] = 0  # unreachable: the drafts were validated; allow nothing rather than anything
+                break
+            accepted += 1
+            if backend.terminated(matcher):
+                allow_only(mask[j + 1:], self.eos_token_ids)
+                break
+            backend.fill_row(matcher, mask, j + 1)
+        if accepted:
+            backend.rollback(matcher, accepted)
+        return mask
 
     def update(self, runner_out: "ModelRunnerOutput") -> None:
         """Advance the matchers with the kept tokens; cut new drafts where the grammar would refuse them."""
@@ -246,6 +266,3 @@ class StructuredOutputManager:
     def make_stats(self) -> dict[str, Any]:
         return {"num_constrained_requests": self.num_constrained_requests,
                 "compile_seconds": list(self.compile_seconds)}
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from pagedllm.errors import InvalidParameterError
-from pagedllm.structured_output import allow_only
 
 
 class GuidanceBackend:
@@ -22,7 +21,6 @@ class GuidanceBackend:
         self.ll = llguidance
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
         self.vocab_size = vocab_size
-        self.stop_token_ids = stop_token_ids
 
     def grammar(self, so: Any) -> str:
         ll, kind = self.ll, so.kind
@@ -47,14 +45,20 @@ class GuidanceBackend:
             raise InvalidParameterError(f"structured_outputs.{kind}: {reason[:500]}", f"structured_outputs.{kind}")
         return text
 
-    def compile(self, so: Any) -> Any:
+    def compile(self, grammar: str) -> Any:
         """A matcher with its lexer built (llguidance builds it lazily, at the first mask): off the engine loop."""
-        matcher = self.ll.LLMatcher(self.tokenizer, self.grammar(so))
-        self.ll.torch.fill_next_token_bitmask(matcher, self.ll.torch.allocate_token_bitmask(1, self.vocab_size), 0)
+        matcher = self.ll.LLMatcher(self.tokenizer, grammar)
+        self.fill_row(matcher, self.allocate(1), 0)
         return matcher
 
     def matcher(self, compiled: Any) -> Any:
         return compiled.deep_copy()
+
+    def allocate(self, rows: int) -> torch.Tensor:
+        return self.ll.torch.allocate_token_bitmask(rows, self.vocab_size)
+
+    def fill_row(self, matcher: Any, mask: torch.Tensor, row: int) -> None:
+        self.ll.torch.fill_next_token_bitmask(matcher, mask, row)
 
     def accept(self, matcher: Any, token: int) -> bool:
         return matcher.consume_token(token)
@@ -62,31 +66,11 @@ class GuidanceBackend:
     def terminated(self, matcher: Any) -> bool:
         return matcher.is_stopped()
 
-    def fill(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
-        mask = self.ll.torch.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
-        if matcher.is_stopped():  # the grammar is complete (and its EOS taken, with ignore_eos): only EOS again
-            return allow_only(mask, self.stop_token_ids)
-        self.ll.torch.fill_next_token_bitmask(matcher, mask, 0)
-        accepted = 0
-        for j, tok in enumerate(drafts):
-            if matcher.is_stopped():
-                allow_only(mask[j + 1:], self.stop_token_ids)
-                break
-            if not matcher.consume_token(tok):
-                mask[j + 1:] = 0
-                break
-            accepted += 1
-            if matcher.is_stopped():
-                allow_only(mask[j + 1:], self.stop_token_ids)
-                break
-            self.ll.torch.fill_next_token_bitmask(matcher, mask, j + 1)
-        if accepted:
-            matcher.rollback(accepted)
-        return mask
+    def rollback(self, matcher: Any, num_tokens: int) -> None:
+        matcher.rollback(num_tokens)
 
     def valid_prefix(self, matcher: Any, drafts: list[int]) -> int:
         return 0 if matcher.is_stopped() else matcher.validate_tokens(drafts)
-
 
 
 def _strict(schema: Any) -> Any:

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from pagedllm.errors import InvalidParameterError
-from pagedllm.structured_output import allow_only
 
 
 class XgrammarBackend:
@@ -22,7 +21,6 @@ class XgrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size
-        self.stop_token_ids = stop_token_ids
 
     def grammar(self, so: Any) -> Any:
         xgr = self.xgr
@@ -48,11 +46,17 @@ class XgrammarBackend:
             raise InvalidParameterError(f"structured_outputs.{kind}: {' '.join(reason)[:500] or type(e).__name__}",
                                         f"structured_outputs.{kind}") from None
 
-    def compile(self, so: Any) -> Any:
-        return self.compiler.compile_grammar(self.grammar(so))
+    def compile(self, grammar: Any) -> Any:
+        return self.compiler.compile_grammar(grammar)
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
+
+    def allocate(self, rows: int) -> torch.Tensor:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def fill_row(self, matcher: Any, mask: torch.Tensor, row: int) -> None:
+        matcher.fill_next_token_bitmask(mask, row)
 
     def accept(self, matcher: Any, token: int) -> bool:
         return matcher.accept_token(token)
@@ -60,28 +64,8 @@ class XgrammarBackend:
     def terminated(self, matcher: Any) -> bool:
         return matcher.is_terminated()
 
-    def fill(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
-        """Row j: the tokens allowed after the drafts before it (the matcher is left where it was)."""
-        mask = self.xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
-        if matcher.is_terminated():  # the grammar is complete (and its EOS taken, with ignore_eos): only EOS again
-            return allow_only(mask, self.stop_token_ids)
-        matcher.fill_next_token_bitmask(mask, 0)
-        accepted = 0
-        for j, tok in enumerate(drafts):
-            if matcher.is_terminated():  # a draft ended the grammar (EOS): the request stops there if it is kept
-                allow_only(mask[j + 1:], self.stop_token_ids)
-                break
-            if not matcher.accept_token(tok):
-                mask[j + 1:] = 0  # unreachable: the drafts were validated; allow nothing rather than anything
-                break
-            accepted += 1
-            if matcher.is_terminated():
-                allow_only(mask[j + 1:], self.stop_token_ids)
-                break
-            matcher.fill_next_token_bitmask(mask, j + 1)
-        if accepted:
-            matcher.rollback(accepted)
-        return mask
+    def rollback(self, matcher: Any, num_tokens: int) -> None:
+        matcher.rollback(num_tokens)
 
     def valid_prefix(self, matcher: Any, drafts: list[int]) -> int:
         n = 0
@@ -92,7 +76,6 @@ class XgrammarBackend:
         if n:
             matcher.rollback(n)
         return n
-
 
 
 def _ebnf_literal(text: str) -> str:
