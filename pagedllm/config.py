@@ -63,8 +63,15 @@ class SchedulerConfig:
 
 @dataclass(slots=True, frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = _f(1, "Number of tensor-parallel workers (only 1 is supported so far).")
-    pipeline_parallel_size: int = _f(1, "Number of pipeline stages (only 1 is supported so far).")
+    tensor_parallel_size: int = _f(1, "Tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, and of the vocabulary (Megatron style, one all-reduce after attention and one after the MLP).")
+    pipeline_parallel_size: int = _f(1, "Pipeline stages: each holds a contiguous share of the layers and hands its activations to the next.")
+    distributed_executor_backend: Literal["uniproc", "mp", "ray"] | None = _f(
+        None, "How the tp x pp workers are started: 'mp' (processes on this node; the default above one "
+        "worker), 'ray' (Ray actors across a Ray cluster's nodes), or 'uniproc' (in-process; one worker only).")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,11 +195,17 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}", "gpu_memory_utilization")
         self.speculative_config  # noqa: B018 -- parses, raising on a bad key or value
         self.structured_outputs_config  # noqa: B018
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(p, name)
-            if value != 1:
-                raise InvalidParameterError(
-                    f"{name}={value} is not supported yet: pagedllm currently runs on a single device", name)
+        _positive("tensor_parallel_size", p.tensor_parallel_size)
+        _positive("pipeline_parallel_size", p.pipeline_parallel_size)
+        if p.distributed_executor_backend == "uniproc" and p.world_size > 1:
+            raise InvalidParameterError(
+                f"distributed_executor_backend='uniproc' runs one worker, but tensor_parallel_size x "
+                f"pipeline_parallel_size is {p.world_size}; use 'mp' or 'ray'", "distributed_executor_backend")
+        spec = self.speculative_config
+        if p.world_size > 1 and spec is not None and spec.method != "ngram":
+            raise InvalidParameterError(
+                f"speculative_config.method={spec.method!r} runs in one process; with tensor or pipeline "
+                "parallelism only 'ngram' is supported", "speculative_config.method")
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SampleLogprobs, Scheduler, SchedulerStats
 from pagedllm.request import Request, RequestStatus
-from pagedllm.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from pagedllm.executor import Executor
+    from pagedllm.worker.model_runner import ModelRunner
     from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
@@ -33,7 +34,7 @@ class EngineCoreOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int, max_model_len: int,
+    def __init__(self, config: EngineConfig, executor: "Executor", num_blocks: int, max_model_len: int,
                  structured: "StructuredOutputManager | None" = None):
         self.config = config
         self.structured = structured
@@ -41,12 +42,17 @@ class EngineCore:
         # the last steps, for snapshot() and traces: (monotonic start, seconds, decode tokens, prefill tokens)
         self.step_history: deque[tuple[float, float, int, int]] = deque(maxlen=600)
         self.last_scheduled: dict[str, int] = {}  # the last step's tokens per (child) request, for tracers
-        self.runner = runner
-        spec = runner.spec_config
+        self.executor = executor
+        spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
                                    speculative=spec is not None)
         self._aborted: list[Request] = []
+
+    @property
+    def runner(self) -> "ModelRunner":
+        """The model runner of a single-process engine (for tests and tools)."""
+        return self.executor.runner
 
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None:
@@ -103,7 +109,7 @@ class EngineCore:
             sched_out.grammar_bitmask = self.structured.bitmasks(sched_out, self.scheduler.requests)
         if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0:
             self.structured.wait_any(0.005)  # only compiles pending: do not spin
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         self.last_scheduled = sched_out.num_scheduled_tokens
         if sched_out.total_num_scheduled_tokens:
             reqs = self.scheduler.requests

@@ -9,9 +9,6 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
-import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
@@ -21,12 +18,7 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker import kv_cache
-from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype
-from pagedllm.worker.model_runner import ModelRunner
-
-if TYPE_CHECKING:
-    from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.worker.loader import resolve_device, resolve_dtype
 
 logger = logging.getLogger("pagedllm")
 
@@ -39,7 +31,7 @@ class LLMEngine:
         self.config = config
         self.startup_stages: dict[str, float] = {}  # seconds per start-up stage, in order
         stage = functools.partial(_stage, self.startup_stages)
-        mc, cc = config.model_config, config.cache_config
+        mc = config.model_config
         self.source = resolve_model(mc.model)
         self.device = resolve_device(mc.device)
         if self.device.type == "cpu":
@@ -52,43 +44,31 @@ class LLMEngine:
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         with stage("tokenizer"):
             self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
-        model = self._load_model()
-        spec = config.speculative_config
-        draft = None
-        if spec is not None and spec.method != "ngram":
-            with stage("draft_model"):
-                draft = self._load_draft_model(spec, model)
+        from pagedllm.executor import make_executor
 
-        with stage("kv_cache"):
-            self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
-            # a draft model's cache has as many blocks as the target's: both are indexed by one block table
-            kv_models = [model] + ([draft] if spec is not None and spec.needs_draft_kv else [])
-            per_block = sum(kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer,
-                                                     self.kv_cache_dtype) for m in kv_models)
-            peak = self._profile_peak(model) if self.device.type == "cuda" else None
-            num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, per_block, peak)
+        pc = config.parallel_config
+        if pc.world_size > 1:
+            from pagedllm.distributed import check_parallel_fits
+
+            check_parallel_fits(self.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages)
+        try:
+            num_blocks, stages = self.executor.load_model()
+            for name, seconds in stages.items():  # a remote rank 0's loading stages
+                self.startup_stages.setdefault(name, seconds)
             self.max_model_len = self._resolve_max_model_len(num_blocks)
-            caches, draft_caches = self._allocate_caches(kv_models, num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s); max_model_len %d; max concurrency %.1fx",
-                    num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.kv_cache_dtype, self.max_model_len,
-                    num_blocks * cc.block_size / self.max_model_len)
+            self.executor.init_cache(num_blocks, self.max_model_len)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.num_blocks = num_blocks
-        proposer = None
-        if spec is not None:
-            from pagedllm.spec_decode import build_proposer
-
-            proposer = build_proposer(spec, draft, draft_caches, cc.block_size, self.device, model)
-            logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
-        runner = ModelRunner(model, caches, cc.block_size, self.device, mc.seed,
-                             processed_logprobs=mc.logprobs_mode == "processed_logprobs",
-                             proposer=proposer, spec_config=spec, max_model_len=self.max_model_len)
         from pagedllm.structured_output import StructuredOutputManager
 
         so_cfg = config.structured_outputs_config
         eos = self._eos_token_ids()
         self.structured = StructuredOutputManager(  # the grammar library loads with the first constrained request
             self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"]))
-        self.core = EngineCore(config, runner, num_blocks, self.max_model_len, self.structured)
+        self.core = EngineCore(config, self.executor, num_blocks, self.max_model_len, self.structured)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                    mc.max_logprobs, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -96,53 +76,6 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1fs (%s)", self.startup_seconds,
                     ", ".join(f"{name} {sec:.1f}s" for name, sec in self.startup_stages.items()))
-
-    def _load_model(self) -> torch.nn.Module:
-        mc = self.config.model_config
-        if self.device.type == "cpu":
-            from pagedllm import kernels
-
-            with _stage(self.startup_stages, "kernels"):  # waits for the background build, if still compiling
-                kernels.try_load()
-        return load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
-                          stages=self.startup_stages)
-
-    def _allocate_caches(self, models: list[torch.nn.Module], num_blocks: int) -> tuple[list, list]:
-        bs = self.config.cache_config.block_size
-        caches = [kv_cache.allocate_kv_caches(len(m.layers), num_blocks, bs, *m.kv_cache_shape_per_layer,
-                                              self.kv_cache_dtype, self.device) for m in models]
-        return caches[0], (caches[1] if len(caches) > 1 else [])
-
-    def _load_draft_model(self, spec: "SpeculativeConfig", target: torch.nn.Module) -> torch.nn.Module:
-        """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights;
-        or a head (EAGLE, EAGLE-3, MEDUSA) that reads the target's hidden states."""
-        from pagedllm.model_loader import load_config, resolve_model
-
-        if spec.method != "draft_model":
-            from pagedllm.models.spec_heads import load_spec_head
-
-            logger.info("loading the %s head %s", spec.method, spec.model)
-            head = load_spec_head(spec.method, spec.model, target, self.dtype, self.device)
-            if spec.method == "medusa" and spec.num_speculative_tokens > head.num_heads:
-                raise InvalidParameterError(
-                    f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} is more than the "
-                    f"MEDUSA checkpoint's {head.num_heads} heads", "speculative_config.num_speculative_tokens")
-            if spec.method == "eagle3":
-                target.aux_hidden_state_layers = head.aux_hidden_state_layers(len(target.layers))
-            return head
-
-        source, hf_config = self.source, self.hf_config
-        if spec.model:
-            source = resolve_model(spec.model)
-            hf_config = load_config(source)
-            if hf_config.vocab_size != self.hf_config.vocab_size:
-                raise InvalidParameterError(
-                    f"speculative_config.model: the draft model's vocabulary ({hf_config.vocab_size} tokens) differs "
-                    f"from the target's ({self.hf_config.vocab_size}); a draft must share the target's tokenizer",
-                    "speculative_config.model")
-        logger.info("loading the draft model %s%s", source.name,
-                    f" ({spec.quantization})" if spec.quantization else "")
-        return load_model(source, hf_config, self.dtype, self.device, spec.quantization)
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -164,19 +97,6 @@ class LLMEngine:
         if asked is None and capacity < model_max:
             logger.warning("max_model_len lowered to %d to fit the KV cache", resolved)
         return resolved
-
-    def _profile_peak(self, model: torch.nn.Module) -> int:
-        """CUDA: memory in use after the weights plus a worst-case activation pass (no KV cache yet)."""
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        n = self.config.scheduler_config.max_num_batched_tokens
-        hidden = torch.zeros(n, model.config.hidden_size, dtype=self.dtype, device=self.device)
-        with torch.inference_mode():
-            for layer in model.layers:  # the MLP is the activation peak; attention needs the cache
-                layer.mlp(hidden)
-            model.compute_logits(hidden[: self.config.scheduler_config.max_num_seqs])
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -243,6 +163,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the workers (worker processes or Ray actors); the engine serves nothing after this."""
+        self.executor.shutdown()
 
     def step(self) -> list[RequestOutput]:
         outputs, to_stop = self.output_processor.process(self.core.step())

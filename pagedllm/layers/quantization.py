@@ -193,7 +193,7 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
             f"quantization={method!r} needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}",
             "quantization")
     cls = Int8Linear if method == "int8" else Int4Linear
-    if block is not None:
+    if block is not None and block[1][0].shape[0] == weight.shape[0]:  # a padded vocabulary shard: round
         kind, tensors = block
         if kind == method:
             return cls(*tensors, bias)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.errors import ModelNotFoundError, UnsupportedModelError
 
@@ -66,3 +66,29 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if name.endswith(_SKIPPED_SUFFIXES):
                     continue
                 yield name, f.get_tensor(name).to(torch.float32)
+
+
+def iter_hf_weight_slices(path: str) -> Iterator[tuple[str, "LazyTensor"]]:
+    """Like :func:`iter_hf_weights`, but each value reads from disk only the part asked for
+    (``narrow``): a tensor-parallel rank loads its shard, never the whole tensor."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith(_SKIPPED_SUFFIXES):
+                    yield name, LazyTensor(f.get_slice(name))
+
+
+class LazyTensor:
+    """A tensor in a safetensors file, read on ``narrow`` (float32)."""
+
+    def __init__(self, file_slice: Any):
+        self._slice = file_slice
+        self.shape = tuple(file_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> "torch.Tensor":
+        import torch
+
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index].to(torch.float32)

@@ -8,6 +8,7 @@ separate tensors into the fused ones.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,17 +17,28 @@ from torch import nn
 
 from pagedllm import kernels
 from pagedllm.attention import AttentionMetadata, get_attention_backend
+from pagedllm.distributed import ParallelState, stage_layers
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None):
+    """Tensor parallel as Megatron: each rank holds its q heads and their KV heads (column-parallel
+    q|k|v; KV heads replicated where tp > num_kv_heads), and o_proj's matching input columns
+    (row-parallel), whose partial products one all-reduce sums."""
+
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
+                 ps: ParallelState | None = None):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.ps = ps = ps or ParallelState()
+        total_heads = cfg.num_attention_heads
+        total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.num_heads = total_heads // ps.tp_size
+        self.num_kv_heads = max(1, total_kv // ps.tp_size)
+        self.kv_head_start = ps.tp_rank * total_kv // ps.tp_size  # first KV head of this rank
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
@@ -50,34 +62,38 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         o = self.attn(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.ps.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any):
+    """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism."""
+
+    def __init__(self, cfg: Any, ps: ParallelState | None = None):
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu'")
         bias = getattr(cfg, "mlp_bias", False)
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.ps = ps or ParallelState()
+        self.intermediate = cfg.intermediate_size // self.ps.tp_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         k = kernels.for_tensor(gate_up)
         if k is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
-            return self.down_proj(k.silu_mul(gate_up))
+            return self.ps.all_reduce(self.down_proj(k.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.ps.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None):
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
+                 ps: ParallelState | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, qk_norm, sliding_window)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, qk_norm, sliding_window, ps)
+        self.mlp = LlamaMLP(cfg, ps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -92,30 +108,45 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+@dataclass(slots=True)
+class IntermediateTensors:
+    """What a pipeline stage hands the next: the hidden state and the residual stream."""
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
 class LlamaForCausalLM(nn.Module):
     checkpoint_sets_every_parameter = True  # load_weights raises on a missing one: no random init needed
+    supports_parallel = True  # builds as cls(config, parallel=ParallelState) for tensor / pipeline parallelism
     qkv_bias_default = False
     qk_norm = False
     sliding_window_by_default = False  # Mistral applies config.sliding_window to every layer
     # EAGLE-3 reads the inputs of these layers too: forward then returns (hidden, [T, 3H] aux states)
     aux_hidden_state_layers: tuple[int, ...] = ()
+    start_layer = 0  # the first layer this pipeline stage holds (its layers are named from 0 here)
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, parallel: ParallelState | None = None):
         super().__init__()
         self.config = cfg
+        self.ps = ps = parallel or ParallelState()
         partial = getattr(cfg, "partial_rotary_factor", 1.0)
         if partial not in (None, 1.0):
             raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
         qkv_bias = getattr(cfg, "attention_bias", False) or self.qkv_bias_default
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.start_layer, end = stage_layers(cfg.num_hidden_layers, ps.pp_size, ps.pp_rank)
+        # the first stage embeds; the last needs the embedding too when it is the (tied) head
+        needs_embedding = ps.is_first_stage or (ps.is_last_stage and self.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps) if needs_embedding else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i))
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i), ps)
+            for i in range(self.start_layer, end))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        untied_head = ps.is_last_stage and not self.tie_word_embeddings
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, ps)[1], bias=False) \
+            if untied_head else None
 
     def _sliding_window(self, cfg: Any, i: int) -> int | None:
         window = getattr(cfg, "sliding_window", None)
@@ -135,24 +166,34 @@ class LlamaForCausalLM(nn.Module):
         return a.num_kv_heads, a.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        x = self.embed_tokens(input_ids)
-        residual = None
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
+        """The final hidden states; on a pipeline stage before the last, what the next stage takes."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate.hidden, intermediate.residual
         cos_sin = self.rotary.cos_sin(positions)
         aux: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i in self.aux_hidden_state_layers:
                 aux[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
+        if not self.ps.is_last_stage:
+            return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         if self.aux_hidden_state_layers:
             return x, torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [T, vocab]; under tensor parallelism only the stage's first rank gets them
+        (every rank of the last stage must call this with the same rows)."""
         if self.lm_head is None:  # tied: the embedding is the head
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            local = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            local = self.lm_head(hidden).float()
+        return self.ps.gather_vocab(local, self.config.vocab_size) if self.ps.tp_size > 1 else local
 
     # -- weights --
     _FUSED = {  # transformers' name -> (our fused parameter, shard index)
@@ -160,30 +201,87 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def _local_name(self, name: str) -> str | None:
+        """A checkpoint name (``model.`` removed) as this stage names it, or None where it holds no such weight."""
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            i = int(idx) - self.start_layer
+            return f"layers.{i}.{rest}" if 0 <= i < len(self.layers) else None
+        module = name.split(".", 1)[0]
+        if module in ("embed_tokens", "norm", "lm_head"):  # absent (None) on the stages that do not need them
+            return name if getattr(self, module, None) is not None else None
+        return name
+
+    def _tp_slice(self, module: str, kind: str) -> tuple[int, int, int] | str | None:
+        """This rank's part of a checkpoint tensor as ``(dim, start, length)``; ``"rank0"`` for a
+        row-parallel bias (added once, after the all-reduce); None where every rank holds all of it."""
+        ps = self.ps
+        if ps.tp_size == 1:
+            return None
+        a = self.layers[0].self_attn
+        mlp = self.layers[0].mlp
+        r = ps.tp_rank
+        if module == "q_proj":
+            return 0, r * a.q_size, a.q_size
+        if module in ("k_proj", "v_proj"):
+            return 0, a.kv_head_start * a.head_dim, a.kv_size
+        if module in ("gate_proj", "up_proj"):
+            return 0, r * mlp.intermediate, mlp.intermediate
+        if module in ("o_proj", "down_proj"):
+            if kind == "bias":
+                return "rank0"
+            width = a.q_size if module == "o_proj" else mlp.intermediate
+            return 1, r * width, width
+        if module in ("embed_tokens", "lm_head"):
+            start, per_rank = vocab_shard(self.config.vocab_size, ps)
+            return 0, start, min(per_rank, self.config.vocab_size - start)
+        return None
+
+    def _take(self, module: str, kind: str, tensor: Any) -> torch.Tensor:
+        """This rank's part of ``tensor`` (a tensor, or a lazy checkpoint slice with ``narrow``)."""
+        part = self._tp_slice(module, kind)
+        if part == "rank0":
+            full = _materialize(tensor)
+            return full if self.ps.tp_rank == 0 else torch.zeros_like(full)
+        if part is None:
+            return _materialize(tensor)
+        return tensor.narrow(*part)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Load ``(hf name, tensor)`` pairs: under tensor parallelism a lazy slice (``narrow``) reads only
+        this rank's part; a pipeline stage skips the layers it does not hold."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
+            if name == "lm_head.weight" and getattr(self, "lm_head", None) is None:
+                continue  # tied (the embedding is the head), or not this pipeline stage's
+            name = self._local_name(name)
+            if name is None:
+                continue
             parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self._FUSED:
-                fused, shard = self._FUSED[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+            if module in self._FUSED:
+                fused, shard = self._FUSED[module]
+                target = ".".join(parts[:-2] + [fused, kind])
                 param = params[target]
                 offset, size = self._shard_range(fused, shard)
-                param.data[offset:offset + size].copy_(tensor)
+                param.data[offset:offset + size].copy_(self._take(module, kind, tensor))
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
                 raise UnsupportedModelError(f"checkpoint has unexpected weight {name!r} for {type(self).__name__}")
-            if params[name].shape != tensor.shape:
+            tensor = self._take(module, kind, tensor)
+            param = params[name]
+            if module in ("embed_tokens", "lm_head") and self.ps.tp_size > 1:  # the last shard may be padded
+                param.data.zero_()
+                param = param.data[:tensor.shape[0]]
+            if param.shape != tensor.shape:
                 raise UnsupportedModelError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-            params[name].data.copy_(tensor)
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
             loaded.add(name)
         missing = [n for n in self._expected_loads(params) if n not in loaded]
         if missing:
@@ -194,21 +292,28 @@ class LlamaForCausalLM(nn.Module):
                           ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
         """Map a checkpoint's quantized blocks, keyed by transformers' weight names as ``(kind, row-aligned
         tensors)``, to our module names: fused projections concatenate their shards' rows (kept only when
-        every shard is there, of one kind); a tied embedding also serves as ``lm_head``."""
+        every shard is there, of one kind); a tied embedding also serves as ``lm_head``. Under tensor
+        parallelism each block is cut to this rank's part first (columns in whole groups of 32)."""
         shards: dict[str, dict[int, tuple[str, tuple[torch.Tensor, ...]]]] = {}
-        for name, block in blocks.items():
-            module = name.removeprefix("model.").removesuffix(".weight").split(".")
-            if module == ["embed_tokens"]:
-                if self.lm_head is None:
-                    shards["lm_head"] = {0: block}
+        for name, (kind, tensors) in blocks.items():
+            hf_module = name.removeprefix("model.").removesuffix(".weight")
+            local = self._local_name(hf_module + ".weight")
+            leaf = hf_module.split(".")[-1]
+            if hf_module == "embed_tokens":
+                if self.lm_head is None and self.ps.is_last_stage:
+                    shards["lm_head"] = {0: (kind, _slice_block(tensors, self._tp_slice(leaf, "weight")))}
                 continue
+            if local is None:
+                continue
+            module = local.removesuffix(".weight").split(".")
+            block = (kind, _slice_block(tensors, self._tp_slice(leaf, "weight")))
             fused, shard = self._FUSED.get(module[-1], (module[-1], 0))
             shards.setdefault(".".join(module[:-1] + [fused]), {})[shard] = block
         out = {}
         for module, got in shards.items():
             n = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
             kinds = {kind for kind, _ in got.values()}
-            if len(got) == n and len(kinds) == 1:
+            if len(got) == n and len(kinds) == 1 and all(b[1] is not None for b in got.values()):
                 parts = [got[i][1] for i in range(n)]
                 out[module] = (kinds.pop(), tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
         return out
@@ -218,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
             a = self.layers[0].self_attn
             sizes = [a.q_size, a.kv_size, a.kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [self.layers[0].mlp.intermediate] * 2
         return sum(sizes[:shard]), sizes[shard]
 
     def _expected_loads(self, params: dict[str, nn.Parameter]) -> list[str]:
@@ -232,6 +337,29 @@ class LlamaForCausalLM(nn.Module):
             else:
                 out.append(name)
         return out
+
+
+def _materialize(tensor: Any) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
+
+
+def _slice_block(tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | str | None
+                 ) -> tuple[torch.Tensor, ...] | None:
+    """A quantized block's rows / groups for this rank: rows are whole; columns (row-parallel) are cut in
+    groups of 32 (q's bytes and the per-group scales and mins alike). None where the cut splits a group."""
+    if part is None:
+        return tensors
+    if part == "rank0":
+        return None
+    dim, start, length = part
+    if dim == 0:
+        return tuple(t.narrow(0, start, length) for t in tensors)
+    if start % 32 or length % 32:
+        return None
+    q, *per_group = tensors
+    bytes_per_weight = q.shape[1] / (per_group[0].shape[1] * 32)
+    return (q.narrow(1, int(start * bytes_per_weight), int(length * bytes_per_weight)),
+            *(t.narrow(1, start // 32, length // 32) for t in per_group))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

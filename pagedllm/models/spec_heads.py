@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import ParallelState
 from pagedllm.errors import InvalidParameterError, UnsupportedModelError
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
@@ -49,6 +50,7 @@ class EagleHead(LlamaForCausalLM):
     def __init__(self, cfg: Any, eagle3: bool, max_positions: int):
         nn.Module.__init__(self)
         self.config = cfg
+        self.ps = ParallelState()  # heads run in one process
         self.eagle3 = eagle3
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         qkv_bias = bool(getattr(cfg, "attention_bias", False))

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.distributed import ParallelState
 from pagedllm.models.registry import ModelRegistry
 
 logger = logging.getLogger("pagedllm")
@@ -39,8 +40,10 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 
 
 def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None, stages: dict[str, float] | None = None) -> torch.nn.Module:
-    """Build and load the model; ``stages`` (if given) receives the seconds spent on weights and packing."""
+               quantization: str | None = None, stages: dict[str, float] | None = None,
+               parallel: ParallelState | None = None) -> torch.nn.Module:
+    """Build and load the model (this rank's shard of it under ``parallel``); ``stages`` (if given)
+    receives the seconds spent on weights and packing."""
     from pagedllm.model_loader import iter_weights
 
     if quantization is not None:
@@ -53,9 +56,15 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     logger.info("loading weights (%s, %s)", model_cls.__name__, device)
     # load_weights overwrites every parameter (or raises): skip random initialisation where it says so
     skip_init = getattr(model_cls, "checkpoint_sets_every_parameter", False)
+    sharded = parallel is not None and parallel.world_size > 1
+    if sharded and not getattr(model_cls, "supports_parallel", False):
+        from pagedllm.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"{model_cls.__name__} does not support tensor or pipeline parallelism",
+                                    "tensor_parallel_size")
     with torch.device(device), _no_init() if skip_init else contextlib.nullcontext():
-        model = model_cls(hf_config)
-    model.load_weights(iter_weights(source))
+        model = model_cls(hf_config, parallel=parallel) if sharded else model_cls(hf_config)
+    model.load_weights(iter_weights(source, lazy=sharded))
     model.to(dtype=dtype)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())

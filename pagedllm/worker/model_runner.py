@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedllm.attention.torch_ref import copy_blocks
 from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from pagedllm.distributed import ParallelState
 from pagedllm.sample import Penalties, Sampler, SamplingBatch
 from pagedllm.sample.rejection import verify
 from pagedllm.sample.sampler import SamplerOutput
@@ -50,8 +51,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, default_seed: int = 0, processed_logprobs: bool = False,
                  proposer: "Proposer | None" = None, spec_config: "SpeculativeConfig | None" = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, parallel: ParallelState | None = None):
         self.model = model
+        self.ps = parallel or ParallelState()
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -87,6 +89,31 @@ class ModelRunner:
             st.block_ids.extend(c.new_block_ids)
             st.num_computed_tokens = c.num_computed_tokens
 
+    def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """The tokens the driver rank sampled last step, for the ranks that do not sample."""
+        for rid, tokens in sampled.items():
+            st = self.states.get(rid)
+            if st is not None:
+                st.token_ids.extend(tokens)
+
+    def _forward(self, batch: Any) -> Any:
+        """The model on this rank's layers: a later pipeline stage starts from the previous one's
+        activations, an earlier one hands its own on."""
+        ps = self.ps
+        if ps.pp_size == 1:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        from pagedllm.models.llama import IntermediateTensors
+
+        inter = None
+        if not ps.is_first_stage:
+            shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
+            dtype = next(self.model.layers[0].parameters()).dtype
+            inter = IntermediateTensors(*ps.recv_from_prev_stage([shape, shape], dtype))
+        out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, intermediate=inter)
+        if not ps.is_last_stage:
+            ps.send_to_next_stage([out.hidden, out.residual])
+        return out
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
@@ -112,10 +139,12 @@ class ModelRunner:
             segments.append(Segment(tokens + drafts if drafts else tokens, start, st.block_ids,
                                     split=bool(drafts)))
         batch = build_batch(segments, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        hidden, aux = hidden if isinstance(hidden, tuple) else (hidden, None)  # aux: EAGLE-3's features
+        hidden = self._forward(batch)
         for rid in order:  # the scheduler already counted these tokens (drafts too) as computed
             self.states[rid].num_computed_tokens += num[rid]
+        if not self.ps.is_last_stage:
+            return ModelRunnerOutput({})
+        hidden, aux = hidden if isinstance(hidden, tuple) else (hidden, None)  # aux: EAGLE-3's features
         offsets = batch.offsets
         prompt_lps = self._prompt_logprobs(order, row_starts, offsets, hidden)
 
@@ -138,6 +167,8 @@ class ModelRunner:
         result = ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         if sampled:
             logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_idx, device=self.device)))
+            if logits is None:  # a tensor-parallel rank that is not the driver: it only lent its vocab shard
+                return result
             self._sample(logits, rows, sampled, spec, result, so.grammar_bitmask)
         if self.proposer is not None:
             result.spec_token_ids = self._propose(order, sampled, hidden, aux, offsets, row_starts)
@@ -244,7 +275,10 @@ class ModelRunner:
             for a in range(start, last, self._PROMPT_LOGITS_ROWS):
                 b = min(a + self._PROMPT_LOGITS_ROWS, last)
                 rows = torch.arange(qsl[i] + a - start, qsl[i] + b - start, device=self.device)
-                lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, rows)), dim=-1)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                if logits is None:  # not the driver: it takes part in the gather only
+                    continue
+                lp = torch.log_softmax(logits, dim=-1)
                 target = torch.tensor(st.token_ids[a + 1:b + 1], device=self.device).unsqueeze(1)
                 t_lp = lp.gather(1, target)
                 ranks = ((lp > t_lp).sum(dim=-1) + 1).tolist()
@@ -252,7 +286,8 @@ class ModelRunner:
                 ids = torch.cat([target, top_ids], dim=1).tolist()
                 vals = torch.cat([t_lp, top_lp], dim=1).tolist()
                 entries += [SampleLogprobs(ids[j], vals[j], ranks[j]) for j in range(b - a)]
-            out[rid] = (start + 1, entries)
+            if entries:
+                out[rid] = (start + 1, entries)
         return out
 
     def _sampling_batch(self, rows: list[tuple[_ReqState, list[int]]]) -> SamplingBatch:

@@ -1,0 +1,157 @@
+"""Collectives for tensor and pipeline parallelism, on torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Ranks are laid out as vLLM lays them out: ``rank = pp_rank * tp_size + tp_rank``,
+so one pipeline stage is ``tp_size`` consecutive ranks. The *driver* is the
+first rank of the last stage: it gathers the logits and samples, once, and its
+ModelRunnerOutput is the step's result. Every model and runner reads its rank
+from the :class:`ParallelState` it was given; nothing here is a global.
+
+::
+
+    pp_rank 0:  rank 0 .. tp-1        embeds, runs layers [0, L0)        sends (hidden, residual) ->
+    pp_rank 1:  rank tp .. 2tp-1      runs layers [L0, L), norm, head   rank tp = driver: samples
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.errors import InvalidParameterError
+
+
+@dataclass(slots=True)
+class ParallelState:
+    """Where this process sits: its TP rank within its stage, its stage, and the groups to talk over."""
+    tp_size: int = 1
+    pp_size: int = 1
+    rank: int = 0
+    tp_group: Any = None  # torch.distributed ProcessGroup of this stage's ranks (None when tp_size == 1)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank that samples and reports the step's output."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    @staticmethod
+    def driver_rank(tp_size: int, pp_size: int) -> int:
+        return (pp_size - 1) * tp_size
+
+    # -- tensor parallel --------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over this stage's TP ranks, in place (the row-parallel linears' partial products)."""
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
+
+    def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Concatenate the TP ranks' vocabulary shards of the logits on the stage's first rank (the
+        others get None: sampling happens once)."""
+        if self.tp_size == 1:
+            return local[:, :vocab_size]
+        dst = self.pp_rank * self.tp_size
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        torch.distributed.gather(local.contiguous(), parts, dst=dst, group=self.tp_group)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    # -- pipeline parallel ------------------------------------------------------
+    def send_to_next_stage(self, tensors: list[torch.Tensor]) -> None:
+        """Each rank sends to the rank with its TP rank in the next stage (their activations are replicated)."""
+        dst = self.rank + self.tp_size
+        for t in tensors:
+            torch.distributed.send(t.contiguous(), dst)
+
+    def recv_from_prev_stage(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        src = self.rank - self.tp_size
+        out = []
+        for shape in shapes:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            torch.distributed.recv(t, src)
+            out.append(t)
+        return out
+
+
+def init_distributed(tp_size: int, pp_size: int, rank: int, init_method: str, device: torch.device,
+                     timeout_s: float = 600.0) -> ParallelState:
+    """Join the process group (``init_method`` is ``tcp://host:port`` of rank 0) and build the TP groups."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    world = tp_size * pp_size
+    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    tp_group = None
+    for stage in range(pp_size):  # every rank must create every group, in the same order
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if rank in ranks:
+            tp_group = group
+    return ParallelState(tp_size, pp_size, rank, tp_group, device)
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    """A port free now, chosen by the OS (never a fixed one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """The ``[start, end)`` layers of a pipeline stage: an even split, the first stages taking the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+def check_parallel_fits(hf_config: Any, tp_size: int, pp_size: int) -> None:
+    """A clear start-up error where the model cannot be split this way."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    layers = hf_config.num_hidden_layers
+    if heads % tp_size:
+        raise InvalidParameterError(
+            f"tensor_parallel_size={tp_size} does not divide the model's {heads} attention heads; "
+            f"choose one of {[d for d in range(1, heads + 1) if heads % d == 0]}", "tensor_parallel_size")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise InvalidParameterError(
+            f"tensor_parallel_size={tp_size} neither divides nor is a multiple of the model's {kv_heads} "
+            "key/value heads", "tensor_parallel_size")
+    if hf_config.intermediate_size % tp_size:
+        raise InvalidParameterError(
+            f"tensor_parallel_size={tp_size} does not divide the MLP size {hf_config.intermediate_size}",
+            "tensor_parallel_size")
+    if pp_size > layers:
+        raise InvalidParameterError(
+            f"pipeline_parallel_size={pp_size} is more than the model's {layers} layers", "pipeline_parallel_size")

@@ -1,0 +1,142 @@
+"""The ``mp`` executor: one worker process per rank on this node.
+
+Workers are started as ``python -m pagedllm.executor.worker_process`` (not
+forked: a forked process would inherit the engine's threads and locks, and
+multiprocessing's spawn would re-run the user's script), each talking to the
+engine over its own socket pair. They join one torch.distributed group at a
+port the OS picked at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed import ParallelState, get_open_port
+from pagedllm.errors import EngineDeadError
+from pagedllm.executor import Executor, worker_threads
+
+logger = logging.getLogger("pagedllm")
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        pc = config.parallel_config
+        self.world_size = pc.world_size
+        self.driver = ParallelState.driver_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        self._dead: str | None = None
+        self._started = False  # until the cache is allocated, a worker's ValueError is the user's bad argument
+        self._prev_sampled: dict[str, list[int]] = {}
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        threads = worker_threads(self.world_size)
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        for rank in range(self.world_size):
+            ours, theirs = socket.socketpair()
+            with theirs:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pagedllm.executor.worker_process", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),)))
+            conn = Connection(ours.detach())
+            conn.send((config, rank, init_method, threads))
+            self.conns.append(conn)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        logger.info("started %d worker processes (tp=%d, pp=%d, %d torch threads each)", self.world_size,
+                    pc.tensor_parallel_size, pc.pipeline_parallel_size, threads)
+        self._receive(range(self.world_size))  # every Worker built: the process group is up
+
+    # -- calls ------------------------------------------------------------------
+    def _send(self, ranks: range | list[int], payload: bytes) -> None:
+        for rank in ranks:
+            try:
+                self.conns[rank].send_bytes(payload)
+            except OSError:
+                self._fail(f"worker {rank} is gone (its connection closed)")
+
+    def _receive(self, ranks: Any) -> list[Any]:
+        """The replies of ``ranks``, in order; any error or death on any rank stops every worker and raises."""
+        want = set(ranks)
+        got: dict[int, Any] = {}
+        index = {conn: rank for rank, conn in enumerate(self.conns)}
+        while want - got.keys():
+            for conn in wait(self.conns, timeout=1.0):
+                rank = index[conn]
+                try:
+                    reply = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(f"worker {rank} died (exit code {self.procs[rank].poll()})")
+                if reply[0] == "error":
+                    self._fail(f"worker {rank} failed: {reply[1]!r}\n{reply[2]}", reply[1])
+                got[rank] = reply[1]
+            for rank, proc in enumerate(self.procs):
+                if proc.poll() is not None and rank in want - got.keys():
+                    self._fail(f"worker {rank} died (exit code {proc.returncode})")
+        return [got[r] for r in sorted(want)]
+
+    def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        self._dead = message
+        self.shutdown(graceful=False)
+        if isinstance(cause, ValueError) and not self._started:
+            raise cause  # a bad argument found while loading (e.g. an unsupported option): the user's error
+        raise EngineDeadError(message) from cause
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._check_alive()
+        self._send(range(self.world_size), pickle.dumps((method, args)))
+        return self._receive(range(self.world_size))
+
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
+        super().init_cache(num_blocks, max_model_len)
+        self._started = True
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_alive()
+        others = [r for r in range(self.world_size) if r != self.driver]
+        self._send([self.driver], pickle.dumps(("execute_model", (so, None))))
+        self._send(others, pickle.dumps(("execute_model", (so, self._prev_sampled))))
+        out = self._receive([self.driver])[0]
+        self._prev_sampled = out.sampled
+        return out
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if graceful and self._dead is None:
+            _stop(self.procs, self.conns)
+        else:
+            _stop(self.procs, self.conns, timeout=0.0)
+        self._finalizer.detach()
+
+
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], timeout: float = 5.0) -> None:
+    """Ask every worker to stop, give them ``timeout`` seconds, then kill what is left."""
+    payload = pickle.dumps(("shutdown", ()))
+    for conn in conns:
+        try:
+            conn.send_bytes(payload)
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for conn in conns:
+        conn.close()

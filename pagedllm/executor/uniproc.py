@@ -1,0 +1,26 @@
+"""The single-process executor: one Worker in the engine's own process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor import Executor
+from pagedllm.worker.worker import Worker
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float]):
+        self.config = config
+        self.worker = Worker(config, source=source, hf_config=hf_config, stages=stages)
+
+    @property
+    def runner(self) -> Any:
+        return self.worker.runner
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.runner.execute_model(so)

@@ -1,0 +1,160 @@
+"""Worker: one rank of the engine. Its shard of the model, its KV cache and a ModelRunner.
+
+The uniproc executor holds one in the engine's own process; the mp and ray
+executors run one per process, each joined to the others by torch.distributed.
+Every rank runs every step (the same SchedulerOutput); the driver rank (the
+last pipeline stage's first TP rank) samples and its output is the step's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed import ParallelState, init_distributed
+from pagedllm.errors import InvalidParameterError
+from pagedllm.worker import kv_cache
+from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
+                 num_threads: int | None = None, source: Any = None, hf_config: Any = None,
+                 stages: dict[str, float] | None = None):
+        from pagedllm.model_loader import load_config, resolve_model
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.config = config
+        mc, pc = config.model_config, config.parallel_config
+        self.device = resolve_device(mc.device)
+        self.source = source or resolve_model(mc.model)
+        self.hf_config = hf_config or load_config(self.source)
+        self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
+        self.stages = stages if stages is not None else {}
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.ps = ParallelState() if tp * pp == 1 else init_distributed(tp, pp, rank, init_method, self.device)
+        self.model: torch.nn.Module | None = None
+        self.draft: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+
+    def _stage(self, name: str, t0: float) -> None:
+        self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - t0
+
+    def load_model(self) -> tuple[int, dict[str, float]]:
+        """Load this rank's weights; returns how many KV blocks its memory budget allows, and the
+        seconds of each loading stage."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        if self.device.type == "cpu":
+            from pagedllm import kernels
+
+            t0 = time.perf_counter()
+            kernels.try_load()  # waits for a background build, if one is still compiling
+            self._stage("kernels", t0)
+        self.model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
+                                stages=self.stages, parallel=self.ps)
+        spec = self.config.speculative_config
+        if spec is not None and spec.method != "ngram":
+            t0 = time.perf_counter()
+            self.draft = self._load_draft_model(spec, self.model)
+            self._stage("draft_model", t0)
+        t0 = time.perf_counter()
+        self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
+        self.per_block = sum(kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer,
+                                                      self.kv_cache_dtype) for m in self._kv_models())
+        peak = self._profile_peak(self.model) if self.device.type == "cuda" else None
+        num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak)
+        self._stage("kv_cache", t0)
+        return num_blocks, self.stages
+
+    def _kv_models(self) -> list[torch.nn.Module]:
+        # a draft model's cache has as many blocks as the target's: both are indexed by one block table
+        spec = self.config.speculative_config
+        return [self.model] + ([self.draft] if spec is not None and spec.needs_draft_kv else [])
+
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the KV cache (``num_blocks``, the smallest any rank allows) and build the runner."""
+        t0 = time.perf_counter()
+        mc, cc = self.config.model_config, self.config.cache_config
+        caches = [kv_cache.allocate_kv_caches(len(m.layers), num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
+                                              self.kv_cache_dtype, self.device) for m in self._kv_models()]
+        if self.ps.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s%s); max_model_len %d; max concurrency %.1fx",
+                        num_blocks, cc.block_size, num_blocks * self.per_block / 2**30, self.kv_cache_dtype,
+                        f", per rank of {self.ps.world_size}" if self.ps.world_size > 1 else "", max_model_len,
+                        num_blocks * cc.block_size / max_model_len)
+        spec = self.config.speculative_config
+        proposer = None
+        if spec is not None and self.ps.is_driver:
+            from pagedllm.spec_decode import build_proposer
+
+            proposer = build_proposer(spec, self.draft, caches[1] if len(caches) > 1 else [], cc.block_size,
+                                      self.device, self.model)
+            logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
+        self.runner = ModelRunner(self.model, caches[0], cc.block_size, self.device, mc.seed,
+                                  processed_logprobs=mc.logprobs_mode == "processed_logprobs",
+                                  proposer=proposer, spec_config=spec, max_model_len=max_model_len,
+                                  parallel=self.ps)
+        self._stage("kv_cache", t0)
+
+    def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None
+                      ) -> ModelRunnerOutput | None:
+        """One step. ``prev_sampled``: the tokens the driver sampled last step (the other ranks learn them here)."""
+        if prev_sampled:
+            self.runner.apply_sampled(prev_sampled)
+        out = self.runner.execute_model(so)
+        return out if self.ps.is_driver else None
+
+    def _load_draft_model(self, spec: Any, target: torch.nn.Module) -> torch.nn.Module:
+        """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights;
+        or a head (EAGLE, EAGLE-3, MEDUSA) that reads the target's hidden states."""
+        from pagedllm.model_loader import load_config, resolve_model
+
+        if spec.method != "draft_model":
+            from pagedllm.models.spec_heads import load_spec_head
+
+            logger.info("loading the %s head %s", spec.method, spec.model)
+            head = load_spec_head(spec.method, spec.model, target, self.dtype, self.device)
+            if spec.method == "medusa" and spec.num_speculative_tokens > head.num_heads:
+                raise InvalidParameterError(
+                    f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} is more than the "
+                    f"MEDUSA checkpoint's {head.num_heads} heads", "speculative_config.num_speculative_tokens")
+            if spec.method == "eagle3":
+                target.aux_hidden_state_layers = head.aux_hidden_state_layers(len(target.layers))
+            return head
+
+        source, hf_config = self.source, self.hf_config
+        if spec.model:
+            source = resolve_model(spec.model)
+            hf_config = load_config(source)
+            if hf_config.vocab_size != self.hf_config.vocab_size:
+                raise InvalidParameterError(
+                    f"speculative_config.model: the draft model's vocabulary ({hf_config.vocab_size} tokens) differs "
+                    f"from the target's ({self.hf_config.vocab_size}); a draft must share the target's tokenizer",
+                    "speculative_config.model")
+        logger.info("loading the draft model %s%s", source.name,
+                    f" ({spec.quantization})" if spec.quantization else "")
+        return load_model(source, hf_config, self.dtype, self.device, spec.quantization)
+
+    def _profile_peak(self, model: torch.nn.Module) -> int:
+        """CUDA: memory in use after the weights plus a worst-case activation pass (no KV cache yet)."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        sc = self.config.scheduler_config
+        hidden = torch.zeros(sc.max_num_batched_tokens, model.config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        with torch.inference_mode():
+            for layer in model.layers:  # the MLP is the activation peak; attention needs the cache
+                layer.mlp(hidden)
+            if model.ps.is_last_stage:
+                model.compute_logits(hidden[:sc.max_num_seqs])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
