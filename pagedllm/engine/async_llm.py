@@ -102,6 +102,11 @@ class AsyncLLM:
 
     @property
     def dead(self) -> BaseException | None:
+        """Why the engine can serve no more: its loop died, or (seen between steps) a worker did."""
+        if self._dead is None:
+            failure = self.engine.executor.failure()
+            if failure is not None:
+                return EngineDeadError(failure)
         return self._dead
 
     def num_queued(self) -> int:
@@ -171,6 +176,7 @@ class AsyncLLM:
         self._commands.put(("stop",))
         self._thread.join(timeout)
         self._prep.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()  # the worker processes / Ray actors
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -42,6 +42,11 @@ class Executor:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def failure(self) -> str | None:
+        """Why this executor can run no more steps (a worker died or failed), else None. Cheap, and safe
+        from any thread: /health asks it between steps."""
+        return None
+
     def shutdown(self) -> None:
         pass
 

@@ -108,15 +108,20 @@ class MultiprocExecutor(Executor):
         self._prev_sampled = out.sampled
         return out
 
+    def failure(self) -> str | None:
+        if self._dead is None:
+            for rank, proc in enumerate(self.procs):
+                if proc.poll() is not None:
+                    return f"worker {rank} died (exit code {proc.returncode})"
+        return self._dead
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
     def shutdown(self, graceful: bool = True) -> None:
-        if graceful and self._dead is None:
-            _stop(self.procs, self.conns)
-        else:
-            _stop(self.procs, self.conns, timeout=0.0)
+        _stop(self.procs, self.conns, timeout=5.0 if graceful and self._dead is None else 0.0)
+        self._dead = self._dead or "the engine was shut down"
         self._finalizer.detach()
 
 

@@ -123,6 +123,9 @@ class RayExecutor(Executor):
             raise cause  # a bad argument found while loading: the user's error
         raise EngineDeadError(message) from cause
 
+    def failure(self) -> str | None:
+        return self._dead
+
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         if self._dead is not None:
             raise EngineDeadError(self._dead)

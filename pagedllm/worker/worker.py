@@ -9,6 +9,7 @@ last pipeline stage's first TP rank) samples and its output is the step's.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -112,6 +113,18 @@ class Worker:
             self.runner.apply_sampled(prev_sampled)
         out = self.runner.execute_model(so)
         return out if self.ps.is_driver else None
+
+    def shard_info(self) -> dict[str, Any]:
+        """What this rank holds: its layers, heads and vocabulary rows (for tests and tools)."""
+        m = self.model
+        a = m.layers[0].self_attn
+        emb = m.embed_tokens
+        return {"rank": self.ps.rank, "tp_rank": self.ps.tp_rank, "pp_rank": self.ps.pp_rank,
+                "layers": [m.start_layer, m.start_layer + len(m.layers)], "num_heads": a.num_heads,
+                "num_kv_heads": a.num_kv_heads, "kv_head_start": a.kv_head_start,
+                "mlp_size": m.layers[0].mlp.intermediate,
+                "vocab_rows": None if emb is None else emb.weight.shape[0], "has_head": m.ps.is_last_stage,
+                "pid": os.getpid()}
 
     def _load_draft_model(self, spec: Any, target: torch.nn.Module) -> torch.nn.Module:
         """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights;

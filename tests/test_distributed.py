@@ -1,0 +1,184 @@
+"""Tensor and pipeline parallelism, really run: every engine here starts tp x pp worker processes (``mp``)
+or Ray actors that talk over torch.distributed (gloo), and must give the single-process engine's greedy
+tokens, with logprobs within 1e-4, under chunked prefill, prefix caching and preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import EngineDeadError, InvalidParameterError
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SYSTEM = ("You are a careful assistant. Answer briefly, check every step of your reasoning twice, and say "
+          "so plainly when you do not know the answer to a question. ")
+QUESTIONS = ["What is two plus two?", "Name a colour of the sky.", "Count from one to five.",
+             "Which planet is the largest?", "Spell the word cat.", "What do bees make?"]
+# a shared prefix (prefix caching), prompts longer than the step budget (chunked prefill), and more
+# sequences than the cache holds at once (preemption)
+ENGINE_KW = dict(max_model_len=96, num_gpu_blocks_override=10, max_num_batched_tokens=32, max_num_seqs=6,
+                 enable_prefix_caching=True)
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
+
+
+def _run(model: Path | str, **kw: Any) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
+    llm = LLM(str(model), **{**ENGINE_KW, **kw})
+    try:
+        outs = llm.generate([SYSTEM + q for q in QUESTIONS], PARAMS, use_tqdm=False)
+        s = llm.llm_engine.core.scheduler
+        stats = {"preemptions": s.num_preemptions, "prefix_hits": s.kv.stats.hits}
+    finally:
+        llm.llm_engine.shutdown()
+    got = []
+    for o in outs:
+        c = o.outputs[0]
+        got.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+    return got, stats
+
+
+def _assert_same(ref: list, got: list) -> None:
+    for i, ((ref_ids, ref_lp), (ids, lp)) in enumerate(zip(ref, got)):
+        assert ids == ref_ids, f"prompt {i}: tokens differ from the single-process engine"
+        assert max(abs(a - b) for a, b in zip(ref_lp, lp)) < 1e-4, f"prompt {i}: logprobs differ"
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("qwen2")  # 4 heads, 2 KV heads, q/k/v biases, untied head
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("qwen3")  # q/k norm, tied head (the vocab-parallel embedding is the head)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_dir: Path, qwen3_dir: Path) -> dict[str, tuple[list, dict]]:
+    return {"qwen2": _run(qwen2_dir), "qwen3": _run(qwen3_dir)}
+
+
+def test_the_workload_preempts_and_hits_the_prefix_cache(reference) -> None:
+    for name, (_, stats) in reference.items():
+        assert stats["preemptions"] > 0, name
+        assert stats["prefix_hits"] > 0, name
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_mp_parallel_engine_matches_single_process(tp: int, pp: int, name: str, reference, request) -> None:
+    model = request.getfixturevalue(f"{name}_dir")
+    got, stats = _run(model, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    _assert_same(reference[name][0], got)
+    assert stats == reference[name][1]  # the same scheduling: the scheduler never knows there are workers
+
+
+def test_tp2_ranks_hold_half_of_each_layer(qwen2_dir: Path) -> None:
+    llm = LLM(str(qwen2_dir), **ENGINE_KW, tensor_parallel_size=2, pipeline_parallel_size=2)
+    try:
+        infos = llm.llm_engine.executor.collective_rpc("shard_info")
+    finally:
+        llm.llm_engine.shutdown()
+    assert [(i["tp_rank"], i["pp_rank"]) for i in infos] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [i["layers"] for i in infos] == [[0, 1], [0, 1], [1, 2], [1, 2]]
+    assert all(i["num_heads"] == 2 and i["num_kv_heads"] == 1 and i["mlp_size"] == 64 for i in infos)
+    assert [i["kv_head_start"] for i in infos] == [0, 1, 0, 1]
+    assert [i["vocab_rows"] for i in infos] == [49152 // 2, 49152 // 2, None, None]  # untied: only stage 0 embeds
+    assert len({i["pid"] for i in infos} | {os.getpid()}) == 5  # four worker processes
+
+
+def test_tp3_smollm2_matches_single_process() -> None:
+    """SmolLM2-135M: 9 heads and 3 KV heads over 3 ranks (one KV head each), from the embedded GGUF."""
+    kw = dict(max_model_len=96, num_gpu_blocks_override=16, max_num_batched_tokens=24)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    prompts = [SYSTEM + q for q in QUESTIONS[:3]]
+
+    def run(**extra: Any) -> list:
+        llm = LLM(**kw, **extra)
+        try:
+            return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                  o.outputs[0].logprobs)])
+                    for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+
+    _assert_same(run(), run(tensor_parallel_size=3))
+
+
+def test_a_killed_worker_fails_the_engine_fast(qwen2_dir: Path) -> None:
+    llm = LLM(str(qwen2_dir), **ENGINE_KW, tensor_parallel_size=2)
+    executor = llm.llm_engine.executor
+    try:
+        llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
+        os.kill(executor.procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker 1"):
+            llm.generate([SYSTEM + q for q in QUESTIONS], PARAMS, use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        assert all(p.poll() is not None for p in executor.procs)  # every other worker was stopped too
+        assert executor.failure() is not None
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_bad_parallel_sizes_are_refused_at_start(qwen2_dir: Path) -> None:
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size=3 does not divide the model's 4"):
+        LLM(str(qwen2_dir), tensor_parallel_size=3)
+    with pytest.raises(InvalidParameterError, match="pipeline_parallel_size=3 is more than the model's 2 layers"):
+        LLM(str(qwen2_dir), pipeline_parallel_size=3)
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(str(qwen2_dir), tensor_parallel_size=0)
+    with pytest.raises(InvalidParameterError, match="uniproc"):
+        LLM(str(qwen2_dir), tensor_parallel_size=2, distributed_executor_backend="uniproc")
+    with pytest.raises(InvalidParameterError, match="only 'ngram'"):
+        LLM(str(qwen2_dir), tensor_parallel_size=2,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
+# -- Ray -----------------------------------------------------------------------------
+
+@pytest.fixture
+def local_ray():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_tp2_matches_single_process(qwen3_dir: Path, reference, local_ray) -> None:
+    got, stats = _run(qwen3_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    _assert_same(reference["qwen3"][0], got)
+    assert stats == reference["qwen3"][1]
+
+
+def test_ray_without_enough_cpus_says_what_it_asked_and_found(qwen2_dir: Path, local_ray) -> None:
+    with pytest.raises(InvalidParameterError, match=r"need 8 CPU, one per worker, and the cluster has 4 CPU"):
+        LLM(str(qwen2_dir), tensor_parallel_size=4, pipeline_parallel_size=2, distributed_executor_backend="ray")
+
+
+def test_ray_pp2_spans_two_nodes(qwen2_dir: Path, reference) -> None:
+    """Two simulated nodes of one CPU each: the placement group must put one stage on each."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, logging_level="WARNING")
+    try:
+        llm = LLM(str(qwen2_dir), **ENGINE_KW, pipeline_parallel_size=2, distributed_executor_backend="ray")
+        try:
+            nodes = [node_id for node_id, _, _ in llm.llm_engine.executor.nodes]
+            outs = llm.generate([SYSTEM + q for q in QUESTIONS], PARAMS, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert len(set(nodes)) == 2
+    assert [list(o.outputs[0].token_ids) for o in outs] == [ids for ids, _ in reference["qwen2"][0]]
