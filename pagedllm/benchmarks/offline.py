@@ -109,9 +109,23 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict
     tokens = [o.outputs[0].token_ids for o in outs]
     spec = spec_report(llm)
     grammar = grammar_report(llm) if structured else None
+    comm = comm_report(llm)
+    llm.llm_engine.shutdown()
     del llm
     gc.collect()
-    return {"elapsed_s": elapsed, "outputs": tokens, "spec_decode": spec, "structured_outputs": grammar}
+    return {"elapsed_s": elapsed, "outputs": tokens, "spec_decode": spec, "structured_outputs": grammar,
+            "communication": comm}
+
+
+def comm_report(llm) -> dict | None:
+    """Bytes per computed token each rank all-reduced (TP), gathered (logits) and sent on (PP)."""
+    pc = llm.llm_engine.config.parallel_config
+    if pc.world_size == 1:
+        return None
+    ranks = llm.llm_engine.executor.collective_rpc("comm_stats")
+    return {"per_rank_bytes_per_token": [
+        {k: round(r[k] / max(r["tokens"], 1), 1) for k in ("all_reduce", "gather", "send")} for r in ranks],
+        "tokens_computed": ranks[0]["tokens"]}
 
 
 def grammar_report(llm) -> dict:
@@ -296,11 +310,17 @@ def add_parsers(sub) -> None:
     model_help = "model path or cached repo id; default: the embedded SmolLM2"
     tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
     tp.add_argument("--model", default=None, help=model_help)
-    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off", "structured-vs-off"],
+    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off", "structured-vs-off",
+                                          "parallel-vs-single"],
                     default="both",
                     help="both: pagedllm and transformers side by side in this process, with their ratio; "
                          "spec-vs-off: pagedllm with --speculative-config and without it; structured-vs-off: "
-                         "every request under --structured-outputs, and none")
+                         "every request under --structured-outputs, and none; parallel-vs-single: pagedllm with "
+                         "--tensor/--pipeline-parallel-size and in one process")
+    tp.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's TP ranks")
+    tp.add_argument("--pipeline-parallel-size", type=int, default=1, help="pagedllm's pipeline stages")
+    tp.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                    help="how pagedllm starts its workers (default: mp)")
     tp.add_argument("--structured-outputs", default=None,
                     help='structured-vs-off: the constraint as JSON, e.g. \'{"json": {...}}\' or \'{"regex": "..."}\' '
                          "(default: a schema of 20+ records)")
@@ -376,6 +396,13 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
         kwargs["structured_outputs_config"] = args.structured_outputs_config
     if args.backend == "structured-vs-off":
         return {"pagedllm_structured": ("pagedllm", kwargs), "pagedllm_unconstrained": ("pagedllm", kwargs)}
+    parallel = {k: getattr(args, k) for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                              "distributed_executor_backend") if getattr(args, k, None)}
+    if args.backend == "parallel-vs-single":
+        if parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1) == 1:
+            raise SystemExit("--backend parallel-vs-single needs --tensor-parallel-size or --pipeline-parallel-size")
+        return {"pagedllm_parallel": ("pagedllm", {**kwargs, **parallel}), "pagedllm_single": ("pagedllm", kwargs)}
+    kwargs.update(parallel)
     if args.backend == "spec-vs-off":
         if not args.speculative_config:
             raise SystemExit("--backend spec-vs-off needs --speculative-config")
@@ -421,12 +448,14 @@ def _cmd_throughput(args) -> int:
             results[name]["spec_decode"] = run["spec_decode"]
         if run.get("structured_outputs"):
             results[name]["structured_outputs"] = run["structured_outputs"]
+        if run.get("communication"):
+            results[name]["communication"] = run["communication"]
     if len(outputs) == 2:
         a, b = outputs
         results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
         if args.backend != "structured-vs-off":  # constrained outputs differ by design
-            results["vs_transformers" if b == "transformers" else "spec_vs_no_spec"] = \
-                greedy_agreement(outputs[b], outputs[a])
+            key = {"transformers": "vs_transformers", "pagedllm_single": "parallel_vs_single"}.get(b, "spec_vs_no_spec")
+            results[key] = greedy_agreement(outputs[b], outputs[a])
     results["peak_rss_mb_process"] = peak_rss_mb()
     emit(results, args.output_json)
     return 0

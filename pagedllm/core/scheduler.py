@@ -119,6 +119,7 @@ class Scheduler:
         self._unsent: set[str] = set()  # running requests the runner has not been told about (forked children)
         self._num_unforked = 0  # n>1 siblings registered but not yet forked off their leader's prompt
         self._pending_copies: list[tuple[int, int]] = []
+        self._in_flight: dict[str, int] = {}  # request id -> its scheduled steps whose output is not in yet
 
     # -- request table --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -146,8 +147,11 @@ class Scheduler:
         return len(self.waiting) + self._num_unforked
 
     # -- one step ---------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """``max_seqs`` caps this step's requests below ``max_num_seqs`` (pipeline parallelism splits the
+        running requests into one micro-batch per stage)."""
         budget = self.config.max_num_batched_tokens
+        cap = max_seqs or self.config.max_num_seqs
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -159,8 +163,11 @@ class Scheduler:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         scheduled_spec: dict[str, list[int]] = {}
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
             req = self.running[i]
+            if req.num_computed_tokens == req.num_tokens:  # its last step is still in flight (pipeline)
+                i += 1
+                continue
             # drafts ride after the known tokens, under the same rule and budget; the tail that does not fit
             # (budget, max_tokens, context) is dropped. Nothing is kept for the next step: it proposes anew.
             spec, req.spec_token_ids = req.spec_token_ids, []
@@ -172,15 +179,20 @@ class Scheduler:
             else:
                 spec = []
             new_blocks = self._allocate(req, n)
+            victim = None
             while new_blocks is None:
                 victim = self._pick_victim(i)
+                if victim is None:
+                    break
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
                 new_blocks = self._allocate(req, n)
             if new_blocks is None:
-                continue  # req itself was preempted and removed from running
+                if victim is None:  # the others all wait on a step in flight: try this one again next step
+                    i += 1
+                continue  # (else req itself was preempted and removed from running)
             num_scheduled[req.request_id] = n
             if spec:
                 scheduled_spec[req.request_id] = spec
@@ -195,7 +207,7 @@ class Scheduler:
 
         # admit waiting requests, unless we just had to preempt (no room anyway)
         while (not preempted_now and len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs and len(num_scheduled) < cap):
             req = self.waiting.peek()
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
@@ -225,6 +237,7 @@ class Scheduler:
         self._pending_copies = []
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
+            self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
         return out
 
     def _allocate(self, req: Request, n: int, hits=None, num_hit_tokens: int = 0):
@@ -243,6 +256,10 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions; return the requests that got new tokens, each with
         how many it kept (tokens after a stop are dropped)."""
         now = time.monotonic()
+        for rid in sched_out.num_scheduled_tokens:
+            left = self._in_flight.pop(rid) - 1
+            if left:
+                self._in_flight[rid] = left
         touched: list[tuple[Request, int]] = []
         for rid, tokens in runner_out.sampled.items():
             req = self.requests.get(rid)
@@ -333,9 +350,13 @@ class Scheduler:
             del self.requests[req_id]
 
     # -- preemption -----------------------------------------------------------
-    def _pick_victim(self, first_unscheduled: int) -> Request:
-        """The newest (FCFS) or least important (priority) request not yet served this step."""
-        candidates = self.running[first_unscheduled:]
+    def _pick_victim(self, first_unscheduled: int) -> Request | None:
+        """The newest (FCFS) or least important (priority) request not yet served this step. A request
+        with a step still in flight (pipeline parallelism) is never a victim: that step's token or prompt
+        logprobs would land on the recomputed request."""
+        candidates = [r for r in self.running[first_unscheduled:] if r.request_id not in self._in_flight]
+        if not candidates:
+            return None
         if self.config.scheduling_policy == "priority":
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]

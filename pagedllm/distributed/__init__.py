@@ -32,6 +32,10 @@ class ParallelState:
     rank: int = 0
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's ranks (None when tp_size == 1)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # bytes this rank put into each kind of communication (its payloads, not the wire's overhead)
+    bytes_all_reduced: int = 0
+    bytes_gathered: int = 0
+    bytes_sent: int = 0
 
     @property
     def world_size(self) -> int:
@@ -67,6 +71,7 @@ class ParallelState:
         """Sum ``x`` over this stage's TP ranks, in place (the row-parallel linears' partial products)."""
         if self.tp_size > 1:
             torch.distributed.all_reduce(x, group=self.tp_group)
+            self.bytes_all_reduced += x.numel() * x.element_size()
         return x
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -77,6 +82,7 @@ class ParallelState:
         dst = self.pp_rank * self.tp_size
         parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         torch.distributed.gather(local.contiguous(), parts, dst=dst, group=self.tp_group)
+        self.bytes_gathered += local.numel() * local.element_size()
         return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
 
     # -- pipeline parallel ------------------------------------------------------
@@ -85,6 +91,7 @@ class ParallelState:
         dst = self.rank + self.tp_size
         for t in tensors:
             torch.distributed.send(t.contiguous(), dst)
+            self.bytes_sent += t.numel() * t.element_size()
 
     def recv_from_prev_stage(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
         src = self.rank - self.tp_size

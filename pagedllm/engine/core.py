@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SampleLogprobs, Scheduler, SchedulerStats
+from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, Scheduler, SchedulerOutput, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ class EngineCore:
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
                                    speculative=spec is not None)
         self._aborted: list[Request] = []
+        # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
+        self.max_in_flight = config.parallel_config.pipeline_parallel_size
+        self._in_flight: deque[tuple[float, SchedulerOutput]] = deque()
+        self._batch_shape: dict[int, tuple[int, int]] = {}  # id(step) -> (decode, prefill tokens)
 
     @property
     def runner(self) -> "ModelRunner":
@@ -101,24 +105,58 @@ class EngineCore:
             self.structured.remove(req_id)
 
     def step(self) -> list[EngineCoreOutput]:
-        t0 = time.monotonic()
+        """schedule -> execute -> update. Under pipeline parallelism up to ``pipeline_parallel_size`` steps
+        are in flight (each stage busy with another): this submits a new step while there is room and
+        something to compute, then completes the oldest one once the queue is full or nothing else fits."""
+        if self.max_in_flight == 1:
+            t0 = time.monotonic()
+            sched_out = self._schedule()
+            return self._complete(t0, sched_out, self.executor.execute_model(sched_out))
+        if len(self._in_flight) < self.max_in_flight:
+            t0 = time.monotonic()
+            # one micro-batch per stage: each step takes its share of the requests, so the stages overlap
+            s = self.scheduler
+            share = -(-(len(s.running) + s.num_waiting_requests()) // self.max_in_flight)
+            sched_out = self._schedule(max(1, share))
+            # an empty step still carries finished requests and block copies to the workers
+            if sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.blocks_to_copy:
+                self.executor.submit(sched_out)
+                self._in_flight.append((t0, sched_out))
+                if len(self._in_flight) < self.max_in_flight and sched_out.total_num_scheduled_tokens:
+                    return self._complete(t0, None, None)  # room for one more: schedule it before waiting
+        if not self._in_flight:
+            return self._complete(time.monotonic(), None, None)
+        t0, sched_out = self._in_flight.popleft()
+        return self._complete(t0, sched_out, self.executor.collect())
+
+    def _schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
         if self._grammar_wait:
             self._admit_compiled()
-        sched_out = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule(max_seqs)
         if self.structured is not None and self.structured.matchers:
             sched_out.grammar_bitmask = self.structured.bitmasks(sched_out, self.scheduler.requests)
-        if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0:
+        if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0 and not self._in_flight:
             self.structured.wait_any(0.005)  # only compiles pending: do not spin
-        runner_out = self.executor.execute_model(sched_out)
-        self.last_scheduled = sched_out.num_scheduled_tokens
         if sched_out.total_num_scheduled_tokens:
             reqs = self.scheduler.requests
             decode = sum(n for rid, n in sched_out.num_scheduled_tokens.items() if reqs[rid].output_token_ids)
-            self.step_history.append((t0, time.monotonic() - t0, decode, sched_out.total_num_scheduled_tokens - decode))
-        if self.structured is not None and self.structured.matchers:
-            self.structured.update(runner_out)
-        touched = self.scheduler.update_from_output(sched_out, runner_out)
-        plp = runner_out.prompt_logprobs
+            self._batch_shape[id(sched_out)] = (decode, sched_out.total_num_scheduled_tokens - decode)
+        return sched_out
+
+    def _complete(self, t0: float, sched_out: SchedulerOutput | None,
+                  runner_out: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
+        """Apply a finished step's output (None: no step finished now) and report what changed."""
+        touched: list[tuple[Request, int]] = []
+        plp: dict = {}
+        if sched_out is not None:
+            self.last_scheduled = sched_out.num_scheduled_tokens
+            shape = self._batch_shape.pop(id(sched_out), None)
+            if shape is not None:
+                self.step_history.append((t0, time.monotonic() - t0, *shape))
+            if self.structured is not None and self.structured.matchers:
+                self.structured.update(runner_out)
+            touched = self.scheduler.update_from_output(sched_out, runner_out)
+            plp = runner_out.prompt_logprobs
         outputs = [EngineCoreOutput(r, r.output_token_ids[-n:], runner_out.logprobs.get(r.request_id, [])[:n],
                                     plp.get(r.request_id))
                    for r, n in touched]
@@ -142,7 +180,8 @@ class EngineCore:
         return any(r.request_id == req_id for r in self._grammar_wait)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted) or bool(self._grammar_wait)
+        return (self.scheduler.has_unfinished_requests() or bool(self._aborted) or bool(self._grammar_wait)
+                or bool(self._in_flight))
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -40,6 +40,15 @@ class Executor:
         raise NotImplementedError
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(so)
+        return self.collect()
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Start a step without waiting for it (pipeline parallelism keeps one in flight per stage)."""
+        raise NotImplementedError
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not yet collected."""
         raise NotImplementedError
 
     def failure(self) -> str | None:

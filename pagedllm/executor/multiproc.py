@@ -36,7 +36,7 @@ class MultiprocExecutor(Executor):
         self.driver = ParallelState.driver_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         self._dead: str | None = None
         self._started = False  # until the cache is allocated, a worker's ValueError is the user's bad argument
-        self._prev_sampled: dict[str, list[int]] = {}
+        self._unsent_sampled: dict[str, list[int]] = {}  # sampled tokens the non-driver ranks have not seen
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         threads = worker_threads(self.world_size)
         self.procs: list[subprocess.Popen] = []
@@ -99,13 +99,17 @@ class MultiprocExecutor(Executor):
         super().init_cache(num_blocks, max_model_len)
         self._started = True
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, so: SchedulerOutput) -> None:
         self._check_alive()
         others = [r for r in range(self.world_size) if r != self.driver]
         self._send([self.driver], pickle.dumps(("execute_model", (so, None))))
-        self._send(others, pickle.dumps(("execute_model", (so, self._prev_sampled))))
-        out = self._receive([self.driver])[0]
-        self._prev_sampled = out.sampled
+        self._send(others, pickle.dumps(("execute_model", (so, self._unsent_sampled))))
+        self._unsent_sampled = {}
+
+    def collect(self) -> ModelRunnerOutput:
+        out = self._receive([self.driver])[0]  # the driver answers its steps in order
+        for rid, tokens in out.sampled.items():  # the other ranks learn them with the next step
+            self._unsent_sampled.setdefault(rid, []).extend(tokens)
         return out
 
     def failure(self) -> str | None:

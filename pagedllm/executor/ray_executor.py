@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -66,7 +67,8 @@ class RayExecutor(Executor):
         self.driver = ParallelState.driver_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         self._dead: str | None = None
         self._started = False
-        self._prev_sampled: dict[str, list[int]] = {}
+        self._unsent_sampled: dict[str, list[int]] = {}  # sampled tokens the non-driver ranks have not seen
+        self._pending: deque[list[Any]] = deque()  # the calls of each step in flight
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         use_gpu = config.model_config.device == "cuda" or (
@@ -135,14 +137,18 @@ class RayExecutor(Executor):
         super().init_cache(num_blocks, max_model_len)
         self._started = True
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, so: SchedulerOutput) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         ref = self._ray.put(so)
-        refs = [a.call.remote("execute_model", ref, None if rank == self.driver else self._prev_sampled)
-                for rank, a in enumerate(self.actors)]
-        out = self._get(refs)[self.driver]
-        self._prev_sampled = out.sampled
+        self._pending.append([a.call.remote("execute_model", ref, None if rank == self.driver else self._unsent_sampled)
+                              for rank, a in enumerate(self.actors)])
+        self._unsent_sampled = {}
+
+    def collect(self) -> ModelRunnerOutput:
+        out = self._get(self._pending.popleft())[self.driver]  # each actor runs its calls in order
+        for rid, tokens in out.sampled.items():  # the other ranks learn them with the next step
+            self._unsent_sampled.setdefault(rid, []).extend(tokens)
         return out
 
     def shutdown(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -14,6 +15,7 @@ class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float]):
         self.config = config
         self.worker = Worker(config, source=source, hf_config=hf_config, stages=stages)
+        self._pending: deque[SchedulerOutput] = deque()
 
     @property
     def runner(self) -> Any:
@@ -24,3 +26,9 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute_model(so)
+
+    def submit(self, so: SchedulerOutput) -> None:
+        self._pending.append(so)
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.execute_model(self._pending.popleft())

@@ -54,6 +54,7 @@ class ModelRunner:
                  max_model_len: int | None = None, parallel: ParallelState | None = None):
         self.model = model
         self.ps = parallel or ParallelState()
+        self.num_tokens_computed = 0  # every token of every forward pass, for per-token figures
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -140,6 +141,7 @@ class ModelRunner:
                                     split=bool(drafts)))
         batch = build_batch(segments, self.block_size, self.device)
         hidden = self._forward(batch)
+        self.num_tokens_computed += so.total_num_scheduled_tokens
         for rid in order:  # the scheduler already counted these tokens (drafts too) as computed
             self.states[rid].num_computed_tokens += num[rid]
         if not self.ps.is_last_stage:

@@ -114,6 +114,12 @@ class Worker:
         out = self.runner.execute_model(so)
         return out if self.ps.is_driver else None
 
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank has all-reduced, gathered and sent to the next stage, and tokens it computed."""
+        ps = self.ps
+        return {"all_reduce": ps.bytes_all_reduced, "gather": ps.bytes_gathered, "send": ps.bytes_sent,
+                "tokens": self.runner.num_tokens_computed}
+
     def shard_info(self) -> dict[str, Any]:
         """What this rank holds: its layers, heads and vocabulary rows (for tests and tools)."""
         m = self.model
