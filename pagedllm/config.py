@@ -68,6 +68,8 @@ class ParallelConfig:
     distributed_executor_backend: Literal["uniproc", "mp", "ray"] | None = _f(
         None, "How the tp x pp workers are started: 'mp' (processes on this node; the default above one "
         "worker), 'ray' (Ray actors across a Ray cluster's nodes), or 'uniproc' (in-process; one worker only).")
+    data_parallel_size: int = _f(1, "Engine replicas, each its own process (with its own tp x pp workers), behind "
+                                    "one API server that balances them (`pagedllm serve`).")
 
     @property
     def world_size(self) -> int:
@@ -197,6 +199,7 @@ class EngineConfig:
         self.structured_outputs_config  # noqa: B018
         _positive("tensor_parallel_size", p.tensor_parallel_size)
         _positive("pipeline_parallel_size", p.pipeline_parallel_size)
+        _positive("data_parallel_size", p.data_parallel_size)
         if p.distributed_executor_backend == "uniproc" and p.world_size > 1:
             raise InvalidParameterError(
                 f"distributed_executor_backend='uniproc' runs one worker, but tensor_parallel_size x "

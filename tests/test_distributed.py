@@ -137,6 +137,8 @@ def test_bad_parallel_sizes_are_refused_at_start(qwen2_dir: Path) -> None:
         LLM(str(qwen2_dir), pipeline_parallel_size=3)
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(str(qwen2_dir), tensor_parallel_size=0)
+    with pytest.raises(InvalidParameterError, match="pagedllm serve --data-parallel-size"):
+        LLM(str(qwen2_dir), data_parallel_size=2)
     with pytest.raises(InvalidParameterError, match="uniproc"):
         LLM(str(qwen2_dir), tensor_parallel_size=2, distributed_executor_backend="uniproc")
     with pytest.raises(InvalidParameterError, match="only 'ngram'"):

@@ -47,6 +47,10 @@ class LLMEngine:
         from pagedllm.executor import make_executor
 
         pc = config.parallel_config
+        if pc.data_parallel_size > 1:
+            raise InvalidParameterError(
+                f"data_parallel_size={pc.data_parallel_size}: one engine runs one replica; `pagedllm serve "
+                "--data-parallel-size N` runs N of them behind one API server", "data_parallel_size")
         if pc.world_size > 1:
             from pagedllm.distributed import check_parallel_fits
 

@@ -119,7 +119,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
-    config = _checked_config(args)  # before the socket opens
+    config = _checked_config(args)  # before the socket opens; a bad argument fails once, not in every replica
+    if config.parallel_config.data_parallel_size > 1:
+        from pagedllm.entrypoints.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args, args.argv)
     name = config.model_config.served_model_name or config.model_config.model or DEFAULT_MODEL_NAME
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
@@ -149,6 +153,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = _graceful_server_class()(uv_config)
     server.run()
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.router import RouterConfig, run_router
+
+    config = RouterConfig(args.backend, routing=args.routing, health_check_interval=args.health_check_interval,
+                          block_chars=args.block_chars, prefix_blocks=args.prefix_blocks,
+                          balance_threshold=args.balance_threshold)
+    run_router(config, args.host, args.port, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
+               log_level=args.uvicorn_log_level)
     return 0
 
 
@@ -260,9 +275,32 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="log level of uvicorn's access and server lines")
+    srv.add_argument("--data-parallel-routing", default="least-load", choices=["least-load", "prefix-aware",
+                                                                               "round-robin"],
+                     help="how the API server picks a replica for each request (see `pagedllm router`)")
     _add_limit_args(srv)
     add_engine_args(srv, positional_model=True)
     srv.set_defaults(func=_cmd_serve)
+
+    rt = add_command(sub, "router", help="one OpenAI-compatible front door for many pagedllm servers")
+    rt.add_argument("--backend", action="append", required=True, metavar="URL",
+                    help="a backend server's base URL, e.g. http://h1:8000 (repeat for each)")
+    rt.add_argument("--routing", default="prefix-aware", choices=["prefix-aware", "least-load", "round-robin"],
+                    help="prefix-aware: prompts that begin alike go to the same backend (its prefix cache), "
+                         "unless it is far busier than the least loaded; least-load: fewest running + waiting "
+                         "requests, from each backend's /metrics; round-robin")
+    rt.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    rt.add_argument("--port", type=int, default=8000, help="port to listen on")
+    rt.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (passed on to backends)")
+    rt.add_argument("--health-check-interval", type=float, default=1.0,
+                    help="seconds between polls of each backend's /health and /metrics")
+    rt.add_argument("--prefix-blocks", type=int, default=4, help="prefix-aware: blocks of the prompt hashed")
+    rt.add_argument("--block-chars", type=int, default=64, help="prefix-aware: characters per block")
+    rt.add_argument("--balance-threshold", type=int, default=8,
+                    help="prefix-aware: a backend this many requests busier than the least loaded is passed over")
+    rt.add_argument("--uvicorn-log-level", default="warning",
+                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    rt.set_defaults(func=_cmd_router)
 
     bench = add_command(sub, "bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from pagedllm.benchmarks import offline as bench_offline
@@ -276,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --data-parallel-size` passes it on
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     from pagedllm.logger import set_level
     from pagedllm.errors import PagedLLMError

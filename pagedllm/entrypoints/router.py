@@ -1,0 +1,322 @@
+"""``pagedllm router``: one OpenAI-compatible front door for many pagedllm servers.
+
+It forwards ``/v1/completions`` and ``/v1/chat/completions`` (streamed or not) to one
+backend chosen by the routing policy:
+
+* ``prefix-aware``: requests whose prompts begin alike go to the same backend, so its
+  prefix cache serves them. The key is the prompt's first ``prefix_blocks`` blocks of
+  ``block_chars`` characters (chat messages are rendered to one string first); a
+  rendezvous hash of the key picks among the healthy backends, so a backend that
+  leaves moves only its own keys. A backend more loaded than the least loaded by
+  ``balance_threshold`` requests loses the request to the least loaded one.
+* ``least-load``: the fewest requests running + waiting (from each backend's own
+  ``/metrics``, plus what this router sent since), ties broken by KV cache usage.
+* ``round-robin``.
+
+A background task polls every backend's ``/health`` and ``/metrics``. A request
+whose backend fails before answering (refused, reset, gone mid-request) is retried
+on another one: nothing reached the client, and generating has no side effects. One
+that fails after its answer began (a stream cut off) ends with an error (502 /
+an error event), since the client already has part of it. ``/metrics`` exports
+the router's own counters; ``/health`` answers 200 while any backend is healthy.
+``pagedllm serve --data-parallel-size N`` runs this in front of N engine processes.
+"""
+
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("pagedllm")
+
+ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
+_FORWARDED = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(slots=True)
+class Backend:
+    url: str
+    healthy: bool = False
+    running: float = 0.0  # from its /metrics at the last poll
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    sent_since_poll: int = 0  # requests this router sent it since that poll (the poll lags)
+    in_flight: int = 0  # requests this router is forwarding to it now
+    last_error: str | None = None
+
+    @property
+    def load(self) -> float:
+        return max(self.running + self.waiting + self.sent_since_poll, self.in_flight)
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    backends: list[str]
+    routing: str = "prefix-aware"
+    health_check_interval: float = 1.0
+    block_chars: int = 64
+    prefix_blocks: int = 4
+    balance_threshold: int = 8
+    max_attempts: int = 3
+    request_timeout: float = 600.0
+
+
+def prefix_key(body: dict[str, Any], block_chars: int, prefix_blocks: int) -> str:
+    """The text routing looks at: the first ``prefix_blocks`` whole blocks of the prompt (all of it if shorter)."""
+    if "messages" in body:
+        text = json.dumps(body.get("messages"), sort_keys=True, ensure_ascii=False)
+    else:
+        prompt = body.get("prompt", "")
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    whole = min(len(text) // block_chars, prefix_blocks) * block_chars
+    return text[:whole or len(text)]
+
+
+def rendezvous(key: str, backends: list[Backend]) -> Backend:
+    """Highest-random-weight hashing: each key's ranking of backends is fixed, so removing one moves
+    only the keys it held."""
+    def weight(b: Backend) -> bytes:
+        return hashlib.blake2b(f"{b.url}\0{key}".encode(), digest_size=8).digest()
+
+    return max(backends, key=weight)
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        if config.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {list(ROUTING_POLICIES)}, got {config.routing!r}")
+        if not config.backends:
+            raise ValueError("the router needs at least one --backend")
+        self.config = config
+        self.backends = [Backend(url.rstrip("/")) for url in config.backends]
+        self._rr = 0
+        self._client: Any = None
+        self._poller: asyncio.Task | None = None
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.m_requests = Counter("pagedllm_router:requests", "Requests forwarded, by backend and outcome.",
+                                  ["backend", "outcome"], registry=self.registry)
+        self.m_retries = Counter("pagedllm_router:retries", "Requests retried on another backend because theirs "
+                                 "could not be reached.", registry=self.registry)
+        self.m_healthy = Gauge("pagedllm_router:backend_healthy", "1 while the backend passes its health check.",
+                               ["backend"], registry=self.registry)
+        self.m_load = Gauge("pagedllm_router:backend_load", "Requests running + waiting on the backend.",
+                            ["backend"], registry=self.registry)
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        import httpx
+
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0),
+                                         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(b) for b in self.backends))
+
+    async def _poll(self, b: Backend) -> None:
+        try:
+            health = await self._client.get(f"{b.url}/health", timeout=5.0)
+            ok = health.status_code == 200
+            if ok:
+                metrics = (await self._client.get(f"{b.url}/metrics", timeout=5.0)).text
+                b.running = _metric(metrics, "pagedllm:num_requests_running")
+                b.waiting = _metric(metrics, "pagedllm:num_requests_waiting")
+                b.kv_usage = _metric(metrics, "pagedllm:kv_cache_usage_perc")
+                b.sent_since_poll = 0
+            b.last_error = None if ok else f"/health answered {health.status_code}"
+        except Exception as e:  # noqa: BLE001 -- unreachable, timed out, malformed: not healthy
+            ok, b.last_error = False, f"{type(e).__name__}: {e}"
+        if b.healthy != ok:
+            logger.warning("backend %s is %s%s", b.url, "healthy" if ok else "unhealthy",
+                           f" ({b.last_error})" if b.last_error else "")
+        b.healthy = ok
+        self.m_healthy.labels(b.url).set(1 if ok else 0)
+        self.m_load.labels(b.url).set(b.running + b.waiting)
+
+    # -- routing --------------------------------------------------------------------
+    def choose(self, body: dict[str, Any], exclude: set[str]) -> Backend | None:
+        live = [b for b in self.backends if b.healthy and b.url not in exclude]
+        if not live:
+            return None
+        policy = self.config.routing
+        if policy == "round-robin":
+            self._rr += 1
+            return live[self._rr % len(live)]
+        least = min(live, key=lambda b: (b.load, b.kv_usage))
+        if policy == "least-load":
+            return least
+        pick = rendezvous(prefix_key(body, self.config.block_chars, self.config.prefix_blocks), live)
+        return least if pick.load - least.load > self.config.balance_threshold else pick
+
+    async def forward(self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str]) -> Any:
+        """Send the request to a backend (retrying where it never started); the response to return."""
+        import httpx
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+        tried: set[str] = set()
+        last = "no healthy backend"
+        for attempt in range(self.config.max_attempts):
+            b = self.choose(body, tried)
+            if b is None:
+                break
+            tried.add(b.url)
+            if attempt:
+                self.m_retries.inc()
+            b.sent_since_poll += 1
+            b.in_flight += 1
+            try:
+                req = self._client.build_request("POST", f"{b.url}{path}", content=raw, headers=headers)
+                resp = await self._client.send(req, stream=True)
+            except httpx.TransportError as e:  # before any answer: generating has no side effects, retry
+                b.in_flight -= 1
+                b.healthy = False  # until the next poll says otherwise
+                last = f"{b.url}: {type(e).__name__}: {e}"
+                self.m_requests.labels(b.url, "unreachable").inc()
+                logger.warning("backend %s unreachable, retrying elsewhere: %s", b.url, e)
+                continue
+            self.m_requests.labels(b.url, str(resp.status_code)).inc()
+            out_headers = {"x-pagedllm-backend": b.url}
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                return StreamingResponse(self._relay(resp, b), status_code=resp.status_code,
+                                         media_type="text/event-stream", headers=out_headers)
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as e:  # died after it began answering: may be partly done, no retry
+                self.m_requests.labels(b.url, "broken").inc()
+                return JSONResponse({"error": {"message": f"backend {b.url} failed mid-answer: {e}",
+                                               "type": "BadGateway", "code": 502}}, status_code=502)
+            finally:
+                b.in_flight -= 1
+                await resp.aclose()
+            return Response(content, status_code=resp.status_code, headers=out_headers,
+                            media_type=resp.headers.get("content-type"))
+        return JSONResponse({"error": {"message": f"no backend could take the request ({last})",
+                                       "type": "ServiceUnavailable", "code": 503}}, status_code=503)
+
+    async def _relay(self, resp: Any, b: Backend) -> AsyncIterator[bytes]:
+        import httpx
+
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self.m_requests.labels(b.url, "broken").inc()
+            err = {"error": {"message": f"backend {b.url} failed mid-stream: {e}", "type": "BadGateway", "code": 502}}
+            yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            b.in_flight -= 1
+            await resp.aclose()
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in Prometheus text (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return total
+
+
+def build_router_app(config: RouterConfig, api_key: str | None = None) -> Any:
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+    router = Router(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        yield
+        await router.stop()
+
+    app = FastAPI(title="pagedllm router", lifespan=lifespan)
+    app.state.router = router
+
+    def unauthorized(request: Request) -> JSONResponse | None:
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return JSONResponse({"error": {"message": "invalid or missing API key", "type": "AuthenticationError",
+                                           "code": 401}}, status_code=401)
+        return None
+
+    async def proxy(request: Request, path: str) -> Any:
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            return JSONResponse({"error": {"message": f"the request body is not a JSON object: {e}",
+                                           "type": "BadRequestError", "code": 400}}, status_code=400)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        return await router.forward(path, body, raw, headers)
+
+    for path in _FORWARDED:
+        async def handler(request: Request, _path: str = path) -> Any:
+            return await proxy(request, _path)
+
+        app.post(path)(handler)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        for b in router.backends:
+            if b.healthy:
+                resp = await router._client.get(f"{b.url}/v1/models", headers={
+                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        return JSONResponse({"error": {"message": "no healthy backend", "code": 503}}, status_code=503)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if any(b.healthy for b in router.backends) else 503)
+
+    @app.get("/backends")
+    async def backends() -> Any:
+        return [{"url": b.url, "healthy": b.healthy, "running": b.running, "waiting": b.waiting,
+                 "kv_cache_usage": b.kv_usage, "in_flight": b.in_flight, "last_error": b.last_error}
+                for b in router.backends]
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_router(config: RouterConfig, host: str, port: int, api_key: str | None = None,
+               log_level: str = "warning") -> None:
+    import uvicorn
+
+    from pagedllm.entrypoints.cli import _graceful_server_class
+
+    logger.info("routing (%s) over %d backends at http://%s:%d/v1", config.routing, len(config.backends), host, port)
+    app = build_router_app(config, api_key)
+    _graceful_server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()

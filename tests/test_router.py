@@ -1,0 +1,152 @@
+"""`pagedllm router` in front of real `pagedllm serve` processes, and `serve --data-parallel-size 2`."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from utils import MODEL, Server, _free_port, wait_healthy
+
+from pagedllm.entrypoints.data_parallel import replica_argv
+from pagedllm.entrypoints.router import Backend, prefix_key, rendezvous
+
+
+class RouterProc:
+    def __init__(self, backends: list[str], routing: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--port", str(self.port),
+               "--routing", routing, "--health-check-interval", "0.3"]
+        for b in backends:
+            cmd += ["--backend", b]
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        wait_healthy(self.url, self.proc, timeout=60)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+def _system(k: int, tag: str) -> str:
+    return (f"[{tag} system prompt {k}] You are assistant number {k}. Follow the house style guide: short "
+            "sentences, no lists, British spelling, and always end with a question back to the user. " * 2)
+
+
+def _workload(tag: str) -> list[str]:
+    prompts = [_system(k, tag) + f"Question {q}: say something." for k in range(8) for q in range(8)]
+    random.Random(0).shuffle(prompts)
+    return prompts
+
+
+def _send(url: str, prompts: list[str], max_tokens: int = 2, concurrency: int = 8) -> list[httpx.Response]:
+    with httpx.Client(timeout=120) as client, ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda p: client.post(f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0}), prompts))
+
+
+def _prefix_counts(servers: list[Server]) -> tuple[float, float]:
+    return (sum(s.metric("pagedllm:prefix_cache_hits_total") for s in servers),
+            sum(s.metric("pagedllm:prefix_cache_queries_total") for s in servers))
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    servers = [Server(model), Server(model)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def test_prefix_key_reads_the_first_blocks_and_rendezvous_moves_only_the_lost_keys() -> None:
+    assert prefix_key({"prompt": "a" * 300}, 64, 4) == "a" * 256
+    assert prefix_key({"prompt": "short"}, 64, 4) == "short"
+    assert prefix_key({"messages": [{"role": "user", "content": "x"}]}, 64, 4).startswith('[{"content"')
+    three = [Backend("http://a"), Backend("http://b"), Backend("http://c")]
+    keys = [f"key {i}" for i in range(300)]
+    before = {k: rendezvous(k, three).url for k in keys}
+    after = {k: rendezvous(k, three[:2]).url for k in keys}
+    assert {k for k in keys if before[k] != after[k]} == {k for k in keys if before[k] == "http://c"}
+    assert 60 < sum(v == "http://c" for v in before.values()) < 140  # spread about evenly
+
+
+def test_prefix_aware_routing_hits_the_prefix_cache_more_than_round_robin(backends) -> None:
+    rates = {}
+    for routing in ("round-robin", "prefix-aware"):
+        router = RouterProc([s.url for s in backends], routing)
+        try:
+            hits0, queries0 = _prefix_counts(backends)
+            responses = _send(router.url, _workload(routing))  # a fresh set of system prompts per policy
+            hits1, queries1 = _prefix_counts(backends)
+        finally:
+            router.stop()
+        assert all(r.status_code == 200 for r in responses)
+        rates[routing] = (hits1 - hits0) / (queries1 - queries0)
+    assert rates["prefix-aware"] > rates["round-robin"] + 0.05, rates
+
+
+def test_killing_a_backend_mid_run_still_completes_every_request(tiny_model_factory) -> None:
+    model = str(tiny_model_factory("llama"))
+    servers = [Server(model), Server(model)]
+    router = RouterProc([s.url for s in servers], "round-robin")
+    try:
+        prompts = _workload("kill")[:40]
+        with ThreadPoolExecutor(1) as killer:
+            def kill_soon() -> None:
+                time.sleep(1.0)
+                servers[1].proc.kill()
+            killer.submit(kill_soon)
+            responses = _send(router.url, prompts, max_tokens=24, concurrency=6)
+        assert servers[1].proc.poll() is not None, "the backend was not killed during the run"
+        assert [r.status_code for r in responses] == [200] * len(prompts)
+        assert {r.headers["x-pagedllm-backend"] for r in responses[-10:]} == {servers[0].url}
+        metrics = httpx.get(f"{router.url}/metrics").text
+        assert "pagedllm_router:retries_total" in metrics
+        status = {b["url"]: b["healthy"] for b in httpx.get(f"{router.url}/backends").json()}
+        assert status == {servers[0].url: True, servers[1].url: False}
+    finally:
+        router.stop()
+        for s in servers:
+            s.stop()
+
+
+def test_replica_argv_drops_the_front_flags() -> None:
+    argv = ["--log-level", "INFO", "serve", "m", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0",
+            "--max-num-seqs", "4"]
+    assert replica_argv(argv) == ["--log-level", "INFO", "serve", "m", "--max-num-seqs", "4"]
+
+
+def test_data_parallel_serve_runs_two_engine_processes_with_single_process_outputs(tiny_model_factory) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    model = str(tiny_model_factory("qwen2"))
+    prompts = [f"Story number {i}: once upon a time" for i in range(12)]
+    llm = LLM(model, max_model_len=256, num_gpu_blocks_override=128)
+    ref = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0),
+                                                    use_tqdm=False)]
+    server = Server(model, "--data-parallel-size", "2")
+    try:
+        deadline = time.time() + 120
+        while not all(b["healthy"] for b in httpx.get(f"{server.url}/backends").json()):
+            assert time.time() < deadline, "the replicas did not become healthy"
+            time.sleep(0.3)
+        responses = _send(server.url, prompts, max_tokens=12, concurrency=6)
+        assert [r.json()["choices"][0]["text"] for r in responses] == ref
+        used = {r.headers["x-pagedllm-backend"] for r in responses}
+        assert len(used) == 2  # both replicas served
+        replica_pids = [int(line) for line in subprocess.run(["pgrep", "-P", str(server.proc.pid)],
+                                                             capture_output=True, text=True).stdout.split()]
+        assert len(replica_pids) == 2
+    finally:
+        assert server.stop() == 0
+    for pid in replica_pids:  # the replicas went with the front
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
