@@ -96,9 +96,11 @@ def test_tp2_ranks_hold_half_of_each_layer(qwen2_dir: Path) -> None:
     assert len({i["pid"] for i in infos} | {os.getpid()}) == 5  # four worker processes
 
 
-def test_tp3_smollm2_matches_single_process() -> None:
-    """SmolLM2-135M: 9 heads and 3 KV heads over 3 ranks (one KV head each), from the embedded GGUF."""
-    kw = dict(max_model_len=96, num_gpu_blocks_override=16, max_num_batched_tokens=24)
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_tp3_smollm2_matches_single_process(quantization: str | None) -> None:
+    """SmolLM2-135M: 9 heads and 3 KV heads over 3 ranks (one KV head each), from the embedded GGUF;
+    under int4 each rank cuts the file's Q4_1 blocks (rows, or whole groups of 32 columns)."""
+    kw = dict(max_model_len=96, num_gpu_blocks_override=16, max_num_batched_tokens=24, quantization=quantization)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
     prompts = [SYSTEM + q for q in QUESTIONS[:3]]
 
@@ -187,3 +189,44 @@ def test_ray_pp2_spans_two_nodes(qwen2_dir: Path, reference) -> None:
         cluster.shutdown()
     assert len(set(nodes)) == 2
     assert [list(o.outputs[0].token_ids) for o in outs] == [ids for ids, _ in reference["qwen2"][0]]
+
+
+def test_server_with_a_dead_worker_fails_fast_and_sigterm_stops_every_worker(qwen2_dir: Path) -> None:
+    import subprocess
+
+    import httpx
+    from utils import MODEL, Server
+
+    def workers(pid: int) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    healthy = Server(str(qwen2_dir), "--tensor-parallel-size", "2")
+    pids = workers(healthy.proc.pid)
+    assert len(pids) == 2
+    assert healthy.stop() == 0
+    assert all(not os.path.exists(f"/proc/{p}") or "zombie" in open(f"/proc/{p}/status").read() for p in pids)
+
+    from pagedllm.model_loader import resolve_model
+
+    # SmolLM2 in two pipeline stages: slow enough here that the stream is surely still running at the kill
+    server = Server(resolve_model(None).path, "--pipeline-parallel-size", "2")
+    try:
+        body = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 200, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            assert client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data:"))  # it is generating
+                os.kill(workers(server.proc.pid)[1], signal.SIGKILL)
+                rest = "\n".join(lines)
+            assert '"type": "EngineDeadError"' in rest  # an error event ends the stream: no silent truncation
+            deadline = time.monotonic() + 10
+            while client.get("/health").status_code != 503:
+                assert time.monotonic() < deadline, "/health did not turn 503"
+                time.sleep(0.2)
+            t0 = time.monotonic()
+            late = client.post("/v1/completions", json={**body, "max_tokens": 2})
+            assert late.status_code == 503 and time.monotonic() - t0 < 5
+    finally:
+        server.stop()

@@ -497,7 +497,16 @@ def _chat_logprobs(c, n: int, start: int = 0) -> P.ChatLogprobs:
 
 
 def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for chunk in gen:
+                yield chunk
+        except EngineDeadError as e:  # headers are gone already: say it in the stream, as vLLM does
+            err = {"error": {"message": str(e), "type": "EngineDeadError", "code": 503}}
+            yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -513,6 +522,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         try:
             async for out in s:
                 await q.put((i, out))
+        except EngineDeadError as e:  # the engine died mid-request: the stream ends with an error event
+            await q.put((i, e))
         finally:
             await q.put((i, None))
 
@@ -524,6 +535,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             if out is None:
                 live -= 1
                 continue
+            if isinstance(out, BaseException):
+                raise out
             yield i, out
     finally:
         for t in tasks:
