@@ -77,6 +77,15 @@ class ParallelConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class LoRAConfig:
+    enable_lora: bool = _f(False, "Serve LoRA adapters (PEFT format) over the base model; requests name one.")
+    max_loras: int = _f(1, "Adapters active at once: distinct adapters in one running batch.")
+    max_lora_rank: int = _f(16, "Largest adapter rank accepted (slots are padded to it).")
+    max_cpu_loras: int | None = _f(None, "Adapters kept loaded in memory, least recently used evicted first "
+                                         "(default: max_loras).")
+
+
+@dataclass(slots=True, frozen=True)
 class SpeculativeSection:
     speculative_config: dict | None = _f(
         None, "Speculative decoding, as vLLM's JSON object: {\"method\": \"ngram\" | \"draft_model\" | "
@@ -92,7 +101,7 @@ class StructuredOutputsSection:
 
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
-             "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
+             "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig, "lora_config": LoRAConfig,
              "speculative": SpeculativeSection, "structured": StructuredOutputsSection}
 
 
@@ -102,6 +111,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     structured: StructuredOutputsSection = field(default_factory=StructuredOutputsSection)
 
@@ -204,6 +214,17 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"distributed_executor_backend='uniproc' runs one worker, but tensor_parallel_size x "
                 f"pipeline_parallel_size is {p.world_size}; use 'mp' or 'ray'", "distributed_executor_backend")
+        lc = self.lora_config
+        _positive("max_loras", lc.max_loras)
+        _positive("max_lora_rank", lc.max_lora_rank)
+        if lc.max_cpu_loras is not None:
+            _positive("max_cpu_loras", lc.max_cpu_loras)
+            if lc.max_cpu_loras < lc.max_loras:
+                raise InvalidParameterError(f"max_cpu_loras ({lc.max_cpu_loras}) must be >= max_loras "
+                                            f"({lc.max_loras})", "max_cpu_loras")
+        if lc.enable_lora and p.world_size > 1:
+            raise InvalidParameterError("enable_lora with tensor or pipeline parallelism is not supported yet",
+                                        "enable_lora")
         spec = self.speculative_config
         if p.world_size > 1 and spec is not None and spec.method != "ngram":
             raise InvalidParameterError(

@@ -158,10 +158,13 @@ def local_ray():
     ray.shutdown()
 
 
-def test_ray_tp2_matches_single_process(qwen3_dir: Path, reference, local_ray) -> None:
-    got, stats = _run(qwen3_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
+def test_ray_parallel_engine_matches_single_process(tp: int, pp: int, qwen3_dir: Path, reference, local_ray) -> None:
+    got, stats = _run(qwen3_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                      distributed_executor_backend="ray")
     _assert_same(reference["qwen3"][0], got)
-    assert stats == reference["qwen3"][1]
+    if pp == 1:
+        assert stats == reference["qwen3"][1]
 
 
 def test_ray_without_enough_cpus_says_what_it_asked_and_found(qwen2_dir: Path, local_ray) -> None:

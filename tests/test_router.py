@@ -47,10 +47,12 @@ def _workload(tag: str) -> list[str]:
     return prompts
 
 
-def _send(url: str, prompts: list[str], max_tokens: int = 2, concurrency: int = 8) -> list[httpx.Response]:
+def _send(url: str, prompts: list[str], max_tokens: int = 2, concurrency: int = 8,
+          logprobs: int | None = None) -> list[httpx.Response]:
     with httpx.Client(timeout=120) as client, ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(lambda p: client.post(f"{url}/v1/completions", json={
-            "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0}), prompts))
+            "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "logprobs": logprobs}),
+            prompts))
 
 
 def _prefix_counts(servers: list[Server]) -> tuple[float, float]:
@@ -131,16 +133,21 @@ def test_data_parallel_serve_runs_two_engine_processes_with_single_process_outpu
     model = str(tiny_model_factory("qwen2"))
     prompts = [f"Story number {i}: once upon a time" for i in range(12)]
     llm = LLM(model, max_model_len=256, num_gpu_blocks_override=128)
-    ref = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0),
-                                                    use_tqdm=False)]
+    ref = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=1),
+                                               use_tqdm=False)]
     server = Server(model, "--data-parallel-size", "2")
     try:
         deadline = time.time() + 120
         while not all(b["healthy"] for b in httpx.get(f"{server.url}/backends").json()):
             assert time.time() < deadline, "the replicas did not become healthy"
             time.sleep(0.3)
-        responses = _send(server.url, prompts, max_tokens=12, concurrency=6)
-        assert [r.json()["choices"][0]["text"] for r in responses] == ref
+        responses = _send(server.url, prompts, max_tokens=12, concurrency=6, logprobs=1)
+        for r, want in zip(responses, ref):
+            choice = r.json()["choices"][0]
+            assert choice["text"] == want.text
+            got_lp = choice["logprobs"]["token_logprobs"]
+            want_lp = [lp[t].logprob for t, lp in zip(want.token_ids, want.logprobs)]
+            assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
         used = {r.headers["x-pagedllm-backend"] for r in responses}
         assert len(used) == 2  # both replicas served
         replica_pids = [int(line) for line in subprocess.run(["pgrep", "-P", str(server.proc.pid)],

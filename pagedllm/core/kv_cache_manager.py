@@ -57,7 +57,9 @@ class KVCacheManager:
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            # an adapter's KV differs from the base model's for the same tokens: its id is in every hash
+            extra = request.lora_int_id.to_bytes(8, "little") if request.lora_int_id else b""
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, as (blocks, number of tokens)."""

@@ -30,6 +30,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Any = None  # LoRARequest | None
 
 
 @dataclass(slots=True)
@@ -103,8 +104,9 @@ class SpecDecodeStats:
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 num_lookahead_tokens: int = 0, speculative: bool = False):
+                 num_lookahead_tokens: int = 0, speculative: bool = False, max_loras: int = 1):
         self.config = sched
+        self.max_loras = max_loras  # distinct adapters among the running requests, at most
         # slots past the verified tokens a proposer writes its own KV into (the draft model's)
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodeStats() if speculative else None
@@ -206,9 +208,14 @@ class Scheduler:
             i += 1
 
         # admit waiting requests, unless we just had to preempt (no room anyway)
+        adapters = {r.lora_int_id for r in self.running} - {0}
+        skipped: list[Request] = []  # waiting for an adapter slot: others are admitted meanwhile
         while (not preempted_now and len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs and len(num_scheduled) < cap):
             req = self.waiting.peek()
+            if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
@@ -230,6 +237,10 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             new_reqs.append(self._new_request_data(req))
             budget -= n
+            if req.lora_int_id:
+                adapters.add(req.lora_int_id)
+        for req in reversed(skipped):
+            self.waiting.push_front(req)
 
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
                               self.finished_req_ids, self._pending_copies, scheduled_spec)
@@ -249,7 +260,7 @@ class Scheduler:
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                              self.kv.get_block_ids(req.request_id), req.num_computed_tokens)
+                              self.kv.get_block_ids(req.request_id), req.num_computed_tokens, req.lora_request)
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[tuple[Request, int]]:

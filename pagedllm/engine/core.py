@@ -46,7 +46,7 @@ class EngineCore:
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
-                                   speculative=spec is not None)
+                                   speculative=spec is not None, max_loras=config.lora_config.max_loras)
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
         self.max_in_flight = config.parallel_config.pipeline_parallel_size

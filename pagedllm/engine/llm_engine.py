@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
@@ -19,6 +20,10 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.loader import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from pagedllm.lora import LoRARequest
+    from pagedllm.lora.adapter import AdapterCache
 
 logger = logging.getLogger("pagedllm")
 
@@ -55,7 +60,9 @@ class LLMEngine:
             from pagedllm.distributed import check_parallel_fits
 
             check_parallel_fits(self.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages)
+        self.lora_cache = self._lora_cache()
+        self._lora_ids: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path): one meaning per id
+        self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages, self.lora_cache)
         try:
             num_blocks, stages = self.executor.load_model()
             for name, seconds in stages.items():  # a remote rank 0's loading stages
@@ -80,6 +87,43 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1fs (%s)", self.startup_seconds,
                     ", ".join(f"{name} {sec:.1f}s" for name, sec in self.startup_stages.items()))
+
+    def _lora_cache(self) -> "AdapterCache | None":
+        lc = self.config.lora_config
+        if not lc.enable_lora:
+            return None
+        from pagedllm.lora.adapter import AdapterCache, load_adapter
+        from pagedllm.lora.manager import part_shapes
+
+        loader = functools.partial(load_adapter, max_rank=lc.max_lora_rank,
+                                   num_layers=self.hf_config.num_hidden_layers,
+                                   part_shapes=part_shapes(self.hf_config), base_model=self.source.name)
+        return AdapterCache(lc.max_cpu_loras or lc.max_loras, loader)
+
+    def check_lora(self, lora_request: "LoRARequest | None") -> None:
+        """A request's adapter: enabled, one meaning per id, and loadable (it is loaded here, into the CPU
+        cache, so a bad adapter fails its own request with the reason)."""
+        if lora_request is None:
+            return
+        from pagedllm.lora import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidParameterError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                        "lora_request")
+        if self.lora_cache is None:
+            raise InvalidParameterError("lora_request needs an engine started with enable_lora=True",
+                                        "lora_request")
+        known = self._lora_ids.setdefault(lora_request.lora_int_id, (lora_request.lora_name, lora_request.lora_path))
+        if known != (lora_request.lora_name, lora_request.lora_path):
+            raise InvalidParameterError(
+                f"lora_int_id {lora_request.lora_int_id} already names adapter {known[0]!r} at {known[1]}; "
+                "give each adapter its own id", "lora_request.lora_int_id")
+        try:
+            self.lora_cache.get(lora_request)
+        except BaseException:
+            if lora_request.lora_int_id not in self.lora_cache.ids():
+                self._lora_ids.pop(lora_request.lora_int_id, None)
+            raise
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -120,16 +164,17 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0) -> str:
+                    priority: int = 0, lora_request: "LoRARequest | None" = None) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.scheduler.requests or self.core.is_waiting_for_grammar(request_id):
             raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
-        prepared = self.make_request(request_id, prompt, params, priority)
+        prepared = self.make_request(request_id, prompt, params, priority, lora_request=lora_request)
         self.add_prepared_request(prepared)
         return request_id
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     priority: int = 0, group: str | None = None) -> "PreparedRequest":
+                     priority: int = 0, group: str | None = None,
+                     lora_request: "LoRARequest | None" = None) -> "PreparedRequest":
         """Tokenize and validate, touching no engine state (safe from another thread).
 
         ``n`` > 1 becomes n child requests ``"{i}_{request_id}"``; child i samples with
@@ -143,6 +188,7 @@ class LLMEngine:
         ids = self.processor.truncate(ids, params)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)  # a bad schema / regex / grammar: 400 here
+        self.check_lora(lora_request)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
@@ -154,7 +200,7 @@ class LLMEngine:
             max_tokens = self.processor.check(ids, child_params)
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, ids, child_params, max_tokens, priority=priority,
-                                    parent_id=request_id, index=i, group=group))
+                                    parent_id=request_id, index=i, group=group, lora_request=lora_request))
         children[0].pending_children = children[1:]
         return PreparedRequest(request_id, children, text)
 

@@ -15,6 +15,7 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
+    from pagedllm.lora import LoRARequest
 
 ChatMessage = dict[str, Any]
 
@@ -35,8 +36,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. ``lora_request``: one adapter for
+        every prompt, or one per prompt (None: the base model); needs ``enable_lora=True``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -44,13 +47,20 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise InvalidParameterError(
                 f"priority has {len(priority)} entries for {len(prompts)} prompts", "priority")
+        if lora_request is None or not isinstance(lora_request, (list, tuple)):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise InvalidParameterError(
+                    f"lora_request has {len(loras)} entries for {len(prompts)} prompts", "lora_request")
         # offline callers want the finished results only: skip building intermediate outputs
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         engine = self.llm_engine
         ids: list[str] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                ids.append(engine.add_request(None, prompt, sp, priority[i] if priority else 0))
+                ids.append(engine.add_request(None, prompt, sp, priority[i] if priority else 0, loras[i]))
         except Exception:
             engine.abort_request(ids)  # leave the engine clean for the next call
             self._drain()

@@ -8,6 +8,7 @@ run all one-token queries as one batched call.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pagedllm.spec_decode.proposer import ProposeContext
 from pagedllm.worker.batch import Segment, build_batch
 
 if TYPE_CHECKING:
+    from pagedllm.lora.manager import LoRAManager
     from pagedllm.spec_decode.config import SpeculativeConfig
     from pagedllm.spec_decode.proposer import Proposer
 
@@ -45,16 +47,19 @@ class _ReqState:
     spec_failures: int = 0  # steps in a row whose drafts were all rejected
     spec_pause: int = 0  # length of the current back-off, in steps
     spec_skip: int = 0  # steps left without drafting
+    lora: Any = None  # the request's LoRARequest, or None
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, default_seed: int = 0, processed_logprobs: bool = False,
                  proposer: "Proposer | None" = None, spec_config: "SpeculativeConfig | None" = None,
-                 max_model_len: int | None = None, parallel: ParallelState | None = None):
+                 max_model_len: int | None = None, parallel: ParallelState | None = None,
+                 lora: "LoRAManager | None" = None):
         self.model = model
         self.ps = parallel or ParallelState()
         self.num_tokens_computed = 0  # every token of every forward pass, for per-token figures
+        self.lora = lora
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -82,7 +87,8 @@ class ModelRunner:
         for new in so.new_reqs:
             self.states[new.req_id] = _ReqState(
                 new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
-                new.sampling_params, self._seed_for(new.req_id, new.sampling_params), new.num_computed_tokens)
+                new.sampling_params, self._seed_for(new.req_id, new.sampling_params), new.num_computed_tokens,
+                lora=new.lora_request)
             if self.proposer is not None:
                 self.proposer.add(new.req_id, new.num_computed_tokens)
         for c in so.cached_reqs:
@@ -140,7 +146,14 @@ class ModelRunner:
             segments.append(Segment(tokens + drafts if drafts else tokens, start, st.block_ids,
                                     split=bool(drafts)))
         batch = build_batch(segments, self.block_size, self.device)
-        hidden = self._forward(batch)
+        step_lora = contextlib.nullcontext()
+        if self.lora is not None:
+            segments = self.lora.segments([(self.states[rid].lora, batch.offsets[i], batch.offsets[i + 1])
+                                           for i, rid in enumerate(order)])
+            if segments:
+                step_lora = self.lora.state.active(segments)
+        with step_lora:
+            hidden = self._forward(batch)
         self.num_tokens_computed += so.total_num_scheduled_tokens
         for rid in order:  # the scheduler already counted these tokens (drafts too) as computed
             self.states[rid].num_computed_tokens += num[rid]

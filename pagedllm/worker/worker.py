@@ -29,7 +29,7 @@ logger = logging.getLogger("pagedllm")
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
                  num_threads: int | None = None, source: Any = None, hf_config: Any = None,
-                 stages: dict[str, float] | None = None):
+                 stages: dict[str, float] | None = None, lora_cache: Any = None):
         from pagedllm.model_loader import load_config, resolve_model
 
         if num_threads:
@@ -46,6 +46,7 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.draft: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
+        self.lora_cache = lora_cache  # the engine's AdapterCache (LoRA runs in one process)
 
     def _stage(self, name: str, t0: float) -> None:
         self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - t0
@@ -100,10 +101,16 @@ class Worker:
             proposer = build_proposer(spec, self.draft, caches[1] if len(caches) > 1 else [], cc.block_size,
                                       self.device, self.model)
             logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
+        lora = None
+        lc = self.config.lora_config
+        if lc.enable_lora:
+            from pagedllm.lora.manager import LoRAManager
+
+            lora = LoRAManager(self.model, lc.max_loras, lc.max_lora_rank, self.lora_cache)
         self.runner = ModelRunner(self.model, caches[0], cc.block_size, self.device, mc.seed,
                                   processed_logprobs=mc.logprobs_mode == "processed_logprobs",
                                   proposer=proposer, spec_config=spec, max_model_len=max_model_len,
-                                  parallel=self.ps)
+                                  parallel=self.ps, lora=lora)
         self._stage("kv_cache", t0)
 
     def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None

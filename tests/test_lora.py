@@ -1,0 +1,172 @@
+"""Multi-LoRA: PEFT adapters built here with peft (random weights) must give what transformers + peft
+gives with the same adapter on the same base model, alone and mixed in one batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from utils import check_greedy_close, hf_greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import InvalidParameterError
+from pagedllm.lora import LoRARequest
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL_LINEAR = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+PROMPTS = ["The quick brown fox jumps over", "In a hole in the ground there lived", "1, 2, 3, 4,",
+           "Once upon a time, in a land far away"]
+MAX_TOKENS = 12
+
+
+def build_adapter(base_dir: Path, out_dir: Path, r: int, targets: list[str], rslora: bool = False,
+                  seed: int = 0, alpha: int | None = None) -> Path:
+    """A PEFT LoRA adapter with random (non-zero) A and B, saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=targets,
+                                            use_rslora=rslora, lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 / r ** 0.5))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[list[int]]) -> list:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return hf_greedy(model, prompt_ids, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")  # GQA, head_dim 32 != hidden / heads
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "r8_attn": build_adapter(base_dir, root / "r8_attn", 8, ATTENTION, seed=1),
+        "r8_all_rslora": build_adapter(base_dir, root / "r8_all_rslora", 8, ALL_LINEAR, rslora=True, seed=2),
+        "r64_all": build_adapter(base_dir, root / "r64_all", 64, ALL_LINEAR, seed=3),
+        "r16_mlp": build_adapter(base_dir, root / "r16_mlp", 16, ["gate_proj", "down_proj"], seed=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(base_dir: Path) -> LLM:
+    return LLM(str(base_dir), enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=256,
+               num_gpu_blocks_override=64)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [tok(p).input_ids for p in PROMPTS]
+
+
+def _ours(llm: LLM, prompt_ids: list[list[int]], loras: Any) -> list:
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=5, ignore_eos=True),
+                        use_tqdm=False, lora_request=loras)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("name", ["r8_attn", "r8_all_rslora", "r64_all", "r16_mlp"])
+def test_each_adapter_matches_transformers_with_peft(name: str, llm: LLM, base_dir: Path, adapters, prompt_ids) -> None:
+    ref = peft_greedy(base_dir, adapters[name], prompt_ids)
+    ours = _ours(llm, prompt_ids, LoRARequest(name, 1 + list(adapters).index(name), str(adapters[name])))
+    result = check_greedy_close(ref, ours, topk=5, logprob_atol=1e-4, min_exact_fraction=1.0)
+    assert result.num_exact == len(PROMPTS)
+    base = _ours(llm, prompt_ids, None)
+    assert [list(o.token_ids) for o in ours] != [list(o.token_ids) for o in base]  # the adapter does something
+
+
+def test_one_batch_mixing_the_base_and_four_adapters_equals_each_alone(llm: LLM, adapters, prompt_ids) -> None:
+    reqs = [None] + [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+    mixed_prompts = [ids for ids in prompt_ids for _ in reqs]
+    mixed_loras = [r for _ in prompt_ids for r in reqs]
+    mixed = _ours(llm, mixed_prompts, mixed_loras)
+    for j, req in enumerate(reqs):
+        alone = _ours(llm, prompt_ids, req)
+        got = [mixed[i * len(reqs) + j] for i in range(len(prompt_ids))]
+        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in alone], req
+        for a, b in zip(got, alone):
+            assert max(abs(x[t].logprob - y[t].logprob) for t, x, y in zip(a.token_ids, a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_more_adapters_than_slots_queue_for_a_slot_and_all_finish(base_dir: Path, adapters, prompt_ids) -> None:
+    """max_loras=2 with four adapters: at most two adapters run at once; every request still finishes with
+    its own adapter's output."""
+    small = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=64, max_cpu_loras=2,
+                max_model_len=256, num_gpu_blocks_override=64)
+    reqs = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+    loras = [r for r in reqs for _ in prompt_ids]
+    got = _ours(small, [ids for _ in reqs for ids in prompt_ids], loras)
+    seen = []
+    core = small.llm_engine.core
+    orig = core.scheduler.schedule
+
+    def spy(*a, **k):
+        out = orig(*a, **k)
+        seen.append({r.lora_int_id for r in core.scheduler.running} - {0})
+        return out
+    core.scheduler.schedule = spy
+    try:
+        again = _ours(small, [ids for _ in reqs for ids in prompt_ids], loras)
+    finally:
+        core.scheduler.schedule = orig
+    assert max(len(s) for s in seen) == 2 and len(set().union(*seen)) == 4
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in again]
+    for i, req in enumerate(reqs):  # each equals the adapter alone in the 4-slot engine's reference run
+        alone = _ours(small, prompt_ids, req)
+        assert [list(o.token_ids) for o in got[i * len(prompt_ids):(i + 1) * len(prompt_ids)]] == \
+            [list(o.token_ids) for o in alone]
+
+
+def test_prefix_cache_never_shares_kv_between_adapters(llm: LLM, adapters, prompt_ids) -> None:
+    req = LoRARequest("r8_attn", 1, str(adapters["r8_attn"]))
+    long_prompt = [prompt_ids[0] * 8]  # several full blocks
+    base_first = _ours(llm, long_prompt, None)
+    with_adapter = _ours(llm, long_prompt, req)
+    assert with_adapter[0].token_ids != base_first[0].token_ids
+    outs = llm.generate([{"prompt_token_ids": long_prompt[0]}], SamplingParams(max_tokens=1), use_tqdm=False,
+                        lora_request=req)
+    assert outs[0].num_cached_tokens > 0  # the same adapter does reuse its own blocks
+
+
+def test_bad_adapters_and_requests_get_clear_errors(llm: LLM, base_dir: Path, adapters, tmp_path) -> None:
+    with pytest.raises(InvalidParameterError, match="enable_lora"):
+        LLM(str(base_dir), max_model_len=64, num_gpu_blocks_override=8).generate(
+            ["hi"], lora_request=LoRARequest("a", 1, str(adapters["r8_attn"])), use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="no adapter_config.json"):
+        llm.generate(["hi"], lora_request=LoRARequest("missing", 90, str(tmp_path)), use_tqdm=False)
+    small_rank = LLM(str(base_dir), enable_lora=True, max_lora_rank=16, max_model_len=64, num_gpu_blocks_override=8)
+    with pytest.raises(InvalidParameterError, match="rank 64 is above max_lora_rank=16"):
+        small_rank.generate(["hi"], lora_request=LoRARequest("big", 3, str(adapters["r64_all"])), use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="already names adapter"):
+        llm.generate(["hi"], lora_request=LoRARequest("other", 1, str(adapters["r64_all"])), use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("x", 0, "/x")
+    with pytest.raises(InvalidParameterError, match="lora_request has 1 entries for 2 prompts"):
+        llm.generate(["a", "b"], lora_request=[None], use_tqdm=False)
+    # an adapter for another model shape: the shapes do not fit this base
+    from utils import build_tiny_model
+    other = build_tiny_model(tmp_path / "other", "qwen2")
+    wrong = build_adapter(other, tmp_path / "wrong", 8, ATTENTION)
+    with pytest.raises(InvalidParameterError, match="do not fit"):
+        llm.generate(["hi"], lora_request=LoRARequest("wrong", 91, str(wrong)), use_tqdm=False)
+    assert llm.generate(["still serving"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
