@@ -72,7 +72,8 @@ class _State:
     done: bool = False
 
 
-def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
+                lora_request: Any = None) -> list[BeamSearchOutput]:
     from pagedllm.sampling_params import SamplingParams
 
     k = params.beam_width
@@ -92,7 +93,7 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams)
         for si, s in enumerate(live):
             for bi, (tokens, _) in enumerate(s.running):
                 rid = f"beam-{id(s)}-{bi}"
-                engine.add_request(rid, {"prompt_token_ids": tokens}, step_params)
+                engine.add_request(rid, {"prompt_token_ids": tokens}, step_params, lora_request=lora_request)
                 ids[rid] = (s, bi)
         top: dict[tuple[int, int], list[tuple[int, float]]] = {}
         while engine.has_unfinished_requests():

@@ -34,6 +34,8 @@ def _run(model: Path | str, **kw: Any) -> tuple[list[tuple[list[int], list[float
         outs = llm.generate([SYSTEM + q for q in QUESTIONS], PARAMS, use_tqdm=False)
         s = llm.llm_engine.core.scheduler
         stats = {"preemptions": s.num_preemptions, "prefix_hits": s.kv.stats.hits}
+        if llm.llm_engine.config.parallel_config.world_size > 1:  # read after the run: no step left in flight
+            _check_communication(llm, llm.llm_engine.executor.collective_rpc("comm_stats"))
     finally:
         llm.llm_engine.shutdown()
     got = []
@@ -41,6 +43,23 @@ def _run(model: Path | str, **kw: Any) -> tuple[list[tuple[list[int], list[float
         c = o.outputs[0]
         got.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
     return got, stats
+
+
+def _check_communication(llm: LLM, ranks: list[dict[str, int]]) -> None:
+    """The bytes each rank moved per computed token are what the split implies: per layer two all-reduces
+    of [H] floats (plus one for the embedding on the first stage), and [H] hidden + [H] residual floats
+    from each stage to the next."""
+    pc, cfg = llm.llm_engine.config.parallel_config, llm.llm_engine.hf_config
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    for rank, r in enumerate(ranks):
+        stage = rank // pc.tensor_parallel_size
+        assert r["tokens"] > 0
+        first, last = stage == 0, stage == pc.pipeline_parallel_size - 1
+        my_layers = layers // pc.pipeline_parallel_size
+        reduces = (2 * my_layers + first) if pc.tensor_parallel_size > 1 else 0
+        assert r["all_reduce"] == reduces * h * 4 * r["tokens"]
+        assert r["send"] == (0 if last else 2 * h * 4 * r["tokens"])
+        assert (r["gather"] > 0) == (last and pc.tensor_parallel_size > 1)
 
 
 def _assert_same(ref: list, got: list) -> None:

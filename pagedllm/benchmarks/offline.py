@@ -92,7 +92,43 @@ BENCH_SCHEMA = {"type": "array", "minItems": 20, "items": {"type": "object", "pr
     "required": ["name", "age", "tags"]}}
 
 
-def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict | None = None) -> dict:
+def make_random_adapters(model: str | None, num: int, rank: int, root: str, seed: int = 0) -> list:
+    """``num`` PEFT-format LoRA adapters of ``rank`` over every projection of the model, random weights
+    (scaled so each changes the outputs without wrecking them), written under ``root``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pagedllm.lora import LoRARequest
+    from pagedllm.lora.adapter import ADAPTABLE
+    from pagedllm.lora.manager import part_shapes
+    from pagedllm.model_loader import load_config, resolve_model
+
+    src = resolve_model(model)
+    cfg = load_config(src)
+    shapes = part_shapes(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(num):
+        path = os.path.join(root, f"adapter{k}")
+        os.makedirs(path, exist_ok=True)
+        tensors = {}
+        for i in range(cfg.num_hidden_layers):
+            for proj, (fused, part) in ADAPTABLE.items():
+                o, n = shapes[fused][part]
+                block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+                stem = f"base_model.model.model.layers.{i}.{block}.{proj}"
+                tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n, generator=gen) / n ** 0.5
+                tensors[f"{stem}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * (0.02 / rank ** 0.5)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(ADAPTABLE),
+                       "bias": "none", "base_model_name_or_path": src.name}, f)
+        out.append(LoRARequest(f"adapter{k}", k + 1, path))
+    return out
+
+
+def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict | None = None,
+                 loras: list | None = None) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
@@ -104,7 +140,8 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict
         llm.llm_engine.structured.compile_seconds.clear()
     t = time.perf_counter()
     spec_report(llm)  # drop the warm-up's counts
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True,
+                        lora_request=[loras[i % len(loras)] for i in range(len(prompts))] if loras else None)
     elapsed = time.perf_counter() - t
     tokens = [o.outputs[0].token_ids for o in outs]
     spec = spec_report(llm)
@@ -311,12 +348,15 @@ def add_parsers(sub) -> None:
     tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
     tp.add_argument("--model", default=None, help=model_help)
     tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off", "structured-vs-off",
-                                          "parallel-vs-single"],
+                                          "parallel-vs-single", "lora-vs-base"],
                     default="both",
                     help="both: pagedllm and transformers side by side in this process, with their ratio; "
                          "spec-vs-off: pagedllm with --speculative-config and without it; structured-vs-off: "
                          "every request under --structured-outputs, and none; parallel-vs-single: pagedllm with "
-                         "--tensor/--pipeline-parallel-size and in one process")
+                         "--tensor/--pipeline-parallel-size and in one process; lora-vs-base: the prompts spread "
+                         "over --num-loras random adapters of --lora-rank, and the base model alone")
+    tp.add_argument("--num-loras", type=int, default=8, help="lora-vs-base: adapters (all active at once)")
+    tp.add_argument("--lora-rank", type=int, default=16, help="lora-vs-base: their rank")
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's TP ranks")
     tp.add_argument("--pipeline-parallel-size", type=int, default=1, help="pagedllm's pipeline stages")
     tp.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
@@ -398,6 +438,9 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
         return {"pagedllm_structured": ("pagedllm", kwargs), "pagedllm_unconstrained": ("pagedllm", kwargs)}
     parallel = {k: getattr(args, k) for k in ("tensor_parallel_size", "pipeline_parallel_size",
                                               "distributed_executor_backend") if getattr(args, k, None)}
+    if args.backend == "lora-vs-base":
+        lora = {"enable_lora": True, "max_loras": args.num_loras, "max_lora_rank": args.lora_rank}
+        return {"pagedllm_lora": ("pagedllm", {**kwargs, **lora}), "pagedllm_base": ("pagedllm", kwargs)}
     if args.backend == "parallel-vs-single":
         if parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1) == 1:
             raise SystemExit("--backend parallel-vs-single needs --tensor-parallel-size or --pipeline-parallel-size")
@@ -439,7 +482,13 @@ def _cmd_throughput(args) -> int:
             structured = None
             if name == "pagedllm_structured":
                 structured = json.loads(args.structured_outputs) if args.structured_outputs else {"json": BENCH_SCHEMA}
-            run = run_pagedllm(prompts, args.output_len, kwargs, structured)
+            loras = None
+            if name == "pagedllm_lora":
+                import tempfile
+
+                root = tempfile.mkdtemp(prefix="pagedllm-bench-loras-")
+                loras = make_random_adapters(args.model, args.num_loras, args.lora_rank, root)
+            run = run_pagedllm(prompts, args.output_len, kwargs, structured, loras)
         else:
             run = run_transformers(prompts, args.output_len, args.model, args.hf_batch_size)
         outputs[name] = run["outputs"]
@@ -453,7 +502,7 @@ def _cmd_throughput(args) -> int:
     if len(outputs) == 2:
         a, b = outputs
         results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
-        if args.backend != "structured-vs-off":  # constrained outputs differ by design
+        if args.backend not in ("structured-vs-off", "lora-vs-base"):  # outputs differ by design
             key = {"transformers": "vs_transformers", "pagedllm_single": "parallel_vs_single"}.get(b, "spec_vs_no_spec")
             results[key] = greedy_agreement(outputs[b], outputs[a])
     results["peak_rss_mb_process"] = peak_rss_mb()

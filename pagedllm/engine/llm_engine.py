@@ -61,7 +61,7 @@ class LLMEngine:
 
             check_parallel_fits(self.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size)
         self.lora_cache = self._lora_cache()
-        self._lora_ids: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path): one meaning per id
+        self._lora_ids: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path): one adapter per id
         self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages, self.lora_cache)
         try:
             num_blocks, stages = self.executor.load_model()
@@ -114,7 +114,7 @@ class LLMEngine:
             raise InvalidParameterError("lora_request needs an engine started with enable_lora=True",
                                         "lora_request")
         known = self._lora_ids.setdefault(lora_request.lora_int_id, (lora_request.lora_name, lora_request.lora_path))
-        if known != (lora_request.lora_name, lora_request.lora_path):
+        if known[1] != lora_request.lora_path:
             raise InvalidParameterError(
                 f"lora_int_id {lora_request.lora_int_id} already names adapter {known[0]!r} at {known[1]}; "
                 "give each adapter its own id", "lora_request.lora_int_id")

@@ -120,6 +120,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     config = _checked_config(args)  # before the socket opens; a bad argument fails once, not in every replica
+    lora_modules = _lora_modules(args.lora_modules or [])
+    if (lora_modules or args.allow_runtime_lora_updating) and not config.lora_config.enable_lora:
+        raise SystemExit("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     if config.parallel_config.data_parallel_size > 1:
         from pagedllm.entrypoints.data_parallel import serve_data_parallel
 
@@ -148,12 +151,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
                     on_ready=ready, trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    trace_file=args.trace_file, otlp_traces_endpoint=args.otlp_traces_endpoint)
+                    trace_file=args.trace_file, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                    lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = _graceful_server_class()(uv_config)
     server.run()
     return 0
+
+
+def _lora_modules(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules takes name=path, got {item!r}")
+        if name in out:
+            raise SystemExit(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -275,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="log level of uvicorn's access and server lines")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) to serve, each selected by its name in a request's "
+                          "`model` field; needs --enable-lora")
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     srv.add_argument("--data-parallel-routing", default="least-load", choices=["least-load", "prefix-aware",
                                                                                "round-robin"],
                      help="how the API server picks a replica for each request (see `pagedllm router`)")

@@ -68,8 +68,9 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: "BeamSearchParams",
-                    use_tqdm: bool = False) -> list["BeamSearchOutput"]:
-        """Beam search with transformers' algorithm (see :mod:`pagedllm.beam_search`); best sequences first."""
+                    use_tqdm: bool = False, lora_request: "LoRARequest | None" = None) -> list["BeamSearchOutput"]:
+        """Beam search with transformers' algorithm (see :mod:`pagedllm.beam_search`); best sequences first.
+        ``lora_request``: one adapter for every beam."""
         from pagedllm.beam_search import beam_search
 
         if isinstance(prompts, (str, dict)):
@@ -77,7 +78,7 @@ class LLM:
         token_prompts = [self.llm_engine.processor.tokenize(p)[1] for p in prompts]
         for ids in token_prompts:
             self.llm_engine.processor.check(ids, SamplingParams(max_tokens=1))
-        return beam_search(self.llm_engine, token_prompts, params)
+        return beam_search(self.llm_engine, token_prompts, params, lora_request)
 
     def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -124,6 +125,7 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+            self._drain()  # pipeline parallelism: steps still in flight (they finish nothing of ours)
         except BaseException:
             engine.abort_request([i for i in ids if i not in done])
             self._drain()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -37,6 +38,8 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._started = False  # until the cache is allocated, a worker's ValueError is the user's bad argument
         self._unsent_sampled: dict[str, list[int]] = {}  # sampled tokens the non-driver ranks have not seen
+        self._outstanding = 0  # steps submitted whose output has not been read
+        self._early: deque[ModelRunnerOutput] = deque()  # outputs read ahead of collect() by collective_rpc
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         threads = worker_threads(self.world_size)
         self.procs: list[subprocess.Popen] = []
@@ -92,6 +95,8 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self._check_alive()
+        while self._outstanding:  # steps still in the pipe answer first: keep them for collect()
+            self._early.append(self._collect_step())
         self._send(range(self.world_size), pickle.dumps((method, args)))
         return self._receive(range(self.world_size))
 
@@ -105,9 +110,14 @@ class MultiprocExecutor(Executor):
         self._send([self.driver], pickle.dumps(("execute_model", (so, None))))
         self._send(others, pickle.dumps(("execute_model", (so, self._unsent_sampled))))
         self._unsent_sampled = {}
+        self._outstanding += 1
 
     def collect(self) -> ModelRunnerOutput:
+        return self._early.popleft() if self._early else self._collect_step()
+
+    def _collect_step(self) -> ModelRunnerOutput:
         out = self._receive([self.driver])[0]  # the driver answers its steps in order
+        self._outstanding -= 1
         for rid, tokens in out.sampled.items():  # the other ranks learn them with the next step
             self._unsent_sampled.setdefault(rid, []).extend(tokens)
         return out

@@ -69,6 +69,7 @@ class RayExecutor(Executor):
         self._started = False
         self._unsent_sampled: dict[str, list[int]] = {}  # sampled tokens the non-driver ranks have not seen
         self._pending: deque[list[Any]] = deque()  # the calls of each step in flight
+        self._early: deque[ModelRunnerOutput] = deque()  # outputs read ahead of collect() by collective_rpc
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         use_gpu = config.model_config.device == "cuda" or (
@@ -131,6 +132,8 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        while self._pending:  # steps still running finish first: keep their outputs for collect()
+            self._early.append(self._collect_step())
         return self._get([a.call.remote(method, *args) for a in self.actors])
 
     def init_cache(self, num_blocks: int, max_model_len: int) -> None:
@@ -146,6 +149,9 @@ class RayExecutor(Executor):
         self._unsent_sampled = {}
 
     def collect(self) -> ModelRunnerOutput:
+        return self._early.popleft() if self._early else self._collect_step()
+
+    def _collect_step(self) -> ModelRunnerOutput:
         out = self._get(self._pending.popleft())[self.driver]  # each actor runs its calls in order
         for rid, tokens in out.sampled.items():  # the other ranks learn them with the next step
             self._unsent_sampled.setdefault(rid, []).extend(tokens)

@@ -49,6 +49,10 @@ class _ReqState:
     spec_skip: int = 0  # steps left without drafting
     lora: Any = None  # the request's LoRARequest, or None
 
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora.lora_int_id if self.lora is not None else 0
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
@@ -135,6 +139,8 @@ class ModelRunner:
         num = so.num_scheduled_tokens
         # one-token rows first (decodes, and every token of a request verifying drafts), then prefill chunks
         order = sorted(num, key=lambda r: not (num[r] == 1 or r in spec))
+        if self.lora is not None:  # each adapter's rows side by side: its LoRA term runs on whole slices
+            order.sort(key=lambda r: (not (num[r] == 1 or r in spec), self.states[r].lora_int_id))
         segments: list[Segment] = []
         row_starts: list[int] = []
         for rid in order:

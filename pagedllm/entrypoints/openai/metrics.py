@@ -58,10 +58,17 @@ class ServerMetrics:
                                     "(cold compiles; cache hits are counted apart).", _LATENCY_BUCKETS)
         self.grammar_cache_hits = counter("grammar_compile_cache_hits", "Structured outputs: grammars served "
                                           "from the compile cache.")
+        self.lora_requests = counter("lora_requests", "Prompts sent to each LoRA adapter.", extra=["lora_name"])
+        self.lora_info = Gauge("pagedllm:lora_requests_info", "Running and waiting LoRA adapters (the value is the "
+                               "time of the last change), as vLLM reports them.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_labels: tuple[str, str, str] | None = None
         self._last_token: dict[str, tuple[float, int]] = {}
 
     def on_step(self, engine: Any, outputs: list) -> None:
         """Called in the engine thread after every step."""
+        if engine.lora_cache is not None:
+            self._lora_step(engine)
         stats = engine.core.make_stats()
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -106,3 +113,15 @@ class ServerMetrics:
                     self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
                 self.req_prompt_tokens.observe(len(out.prompt_token_ids))
                 self.req_gen_tokens.observe(n_tokens)
+
+    def _lora_step(self, engine: Any) -> None:
+        s = engine.core.scheduler
+        running = sorted({r.lora_request.lora_name for r in s.running if r.lora_request is not None})
+        waiting = sorted({r.lora_request.lora_name for r in s.requests.values()
+                          if r.lora_request is not None and r.status.name in ("WAITING", "PREEMPTED")})
+        labels = (str(engine.config.lora_config.max_loras), ",".join(running), ",".join(waiting))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self.lora_info.remove(*self._lora_labels)
+            self.lora_info.labels(*labels).set(time.time())
+            self._lora_labels = labels

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import threading
@@ -27,6 +28,7 @@ from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.lora import LoRARequest
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm")
@@ -144,13 +146,26 @@ class ServerState:
         self.llm: AsyncLLM | None = None
         self.metrics = ServerMetrics(served_model_name)
         self.load_error: BaseException | None = None
+        self.loras: dict[str, LoRARequest] = {}  # adapter name -> request (the `model` field selects one)
+        self.lora_lock = asyncio.Lock()
+        self._lora_ids = itertools.count(1)
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Register an adapter (checked and loaded by the engine first)."""
+        if name == self.served_model_name or name in self.loras:
+            raise InvalidParameterError(f"a model or adapter named {name!r} is already served", "lora_name")
+        req = LoRARequest(name, next(self._lora_ids), path)
+        self.llm.engine.check_lora(req)
+        self.loras[name] = req
+        return req
 
 
 def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None, max_body_bytes: int = 4 << 20,
               limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              trace_file: str | None = None, otlp_traces_endpoint: str | None = None) -> FastAPI:
+              trace_file: str | None = None, otlp_traces_endpoint: str | None = None,
+              lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
     Chrome / Perfetto trace of the engine's steps and requests."""
@@ -179,6 +194,8 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         try:
             engine = engine_factory()
             state.llm = AsyncLLM(engine, max_queue_len, on_step=on_step)
+            for name, path in (lora_modules or {}).items():  # a bad adapter fails the start, with its reason
+                state.add_lora(name, path)
         except BaseException as e:  # surfaced by /health and every endpoint
             logger.exception("engine failed to load")
             state.load_error = e
@@ -254,10 +271,15 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             raise APIError(503, "the model is still loading", "model_loading", headers={"Retry-After": "5"})
         return state.llm
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != state.served_model_name:
-            raise APIError(404, f"the model `{name}` does not exist; this server serves "
-                                f"`{state.served_model_name}`", "NotFoundError", "model")
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 for an unknown name."""
+        if name is None or name == state.served_model_name:
+            return None
+        if name in state.loras:
+            return state.loras[name]
+        served = ", ".join(f"`{n}`" for n in [state.served_model_name, *state.loras])
+        raise APIError(404, f"the model `{name}` does not exist; this server serves {served}", "NotFoundError",
+                       "model")
 
     # -- probes and info --------------------------------------------------------
     @app.get("/health")
@@ -280,7 +302,31 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     @app.get("/v1/models", response_model=P.ModelList)
     async def models():
         max_len = state.llm.engine.max_model_len if state.llm else None
-        return P.ModelList(data=[P.ModelCard(id=state.served_model_name, max_model_len=max_len)])
+        cards = [P.ModelCard(id=state.served_model_name, max_model_len=max_len)]
+        cards += [P.ModelCard(id=name, root=req.lora_path, parent=state.served_model_name, max_model_len=max_len)
+                  for name, req in state.loras.items()]
+        return P.ModelList(data=cards)
+
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: P.LoadLoRAAdapterRequest):
+            llm = engine()
+            if llm.engine.lora_cache is None:
+                raise APIError(400, "this server was started without --enable-lora", "invalid_request_error",
+                               "lora_name")
+            async with state.lora_lock:  # one at a time: the name check and the registration go together
+                await llm.prepare(state.add_lora, req.lora_name, req.lora_path)  # reads the files off the loop
+            return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: P.UnloadLoRAAdapterRequest):
+            lora = state.loras.pop(req.lora_name, None)
+            if lora is None:
+                raise APIError(404, f"no LoRA adapter named `{req.lora_name}` is loaded", "NotFoundError",
+                               "lora_name")
+            # requests already running with it finish with it; it leaves the memory cache now
+            engine().engine.lora_cache.remove(lora.lora_int_id)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/v1/engine/state", response_model=None)
     async def engine_state():
@@ -317,14 +363,16 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     @app.post("/v1/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request):
         llm = engine()
-        check_model(req.model)
+        lora = check_model(req.model)
         prompts = _completion_prompts(req.prompt)
         params = req.to_sampling_params()
         rid = P.random_id("cmpl")
-        streams = await llm.add_requests(prompts, params, rid, req.priority)
+        streams = await llm.add_requests(prompts, params, rid, req.priority, lora_request=lora)
+        if lora is not None:
+            state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc(len(prompts))
         tok = llm.tokenizer
         if req.stream:
-            return _sse(_completion_chunks(rid, state.served_model_name, req, streams, tok))
+            return _sse(_completion_chunks(rid, req.model or state.served_model_name, req, streams, tok))
         finals = await _run_to_end(streams, raw)
         choices = []
         for i, out in enumerate(finals):
@@ -335,13 +383,14 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
                     stop_reason=c.stop_reason,
                     logprobs=_completion_logprobs(c, len(prefix), req.logprobs)
                     if req.logprobs is not None else None))
-        return P.CompletionResponse(id=rid, model=state.served_model_name, choices=choices, usage=_usage(finals))
+        return P.CompletionResponse(id=rid, model=req.model or state.served_model_name, choices=choices,
+                                    usage=_usage(finals))
 
     # -- chat -------------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: P.ChatCompletionRequest, raw: Request):
         llm = engine()
-        check_model(req.model)
+        lora = check_model(req.model)
         if req.chat_template is not None and not state.trust_request_chat_template:
             # a Jinja template runs arbitrary loops and string arithmetic on the server
             raise APIError(400, "chat_template in a request needs the server flag --trust-request-chat-template",
@@ -356,9 +405,12 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         ids = await llm.prepare(_chat_ids, llm.tokenizer, req.messages, req.chat_template,
                                 req.add_generation_prompt, req.chat_template_kwargs, tools)
         rid = P.random_id("chatcmpl")
-        streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority)
+        streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority, lora_request=lora)
+        if lora is not None:
+            state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc()
         if req.stream:
-            return _sse(_chat_chunks(rid, state.served_model_name, req, streams[0], choice, state.tool_parser))
+            return _sse(_chat_chunks(rid, req.model or state.served_model_name, req, streams[0], choice,
+                                    state.tool_parser))
         finals = await _run_to_end(streams, raw)
         choices = []
         for c in finals[0].outputs:
@@ -367,7 +419,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             choices.append(P.ChatChoice(
                 index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                 logprobs=_chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None))
-        return P.ChatCompletionResponse(id=rid, model=state.served_model_name, choices=choices,
+        return P.ChatCompletionResponse(id=rid, model=req.model or state.served_model_name, choices=choices,
                                         usage=_usage(finals))
 
     return app
