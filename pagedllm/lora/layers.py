@@ -4,11 +4,13 @@ An adapted linear keeps its base (packed float32, int4 or int8: LoRA never needs
 of it) and ``max_loras`` slots of low-rank weights, zero-padded to ``max_lora_rank``::
 
     lora_a  [max_loras, parts * R, in]     the parts' A stacked (q|k|v, gate|up, or one)
-    lora_b  [max_loras, out_j, R] per part  B with the adapter's scale folded in
+    lora_b  [max_loras, out, parts * R]    the parts' B block-diagonal, the adapter's scale folded in
 
-A step's rows are grouped by slot (:class:`LoRAState`): each adapter present costs two small
-matmuls per linear on its rows (SGMV-style segments), whatever the batch size; there is no loop
-over tokens. Rows of the base model skip the LoRA term entirely.
+so a fused projection's LoRA term is two matmuls whatever its parts. A step's rows are grouped by
+slot (:class:`LoRAState`), each adapter's rows side by side: per adapter present, each linear runs
+``y[rows] += (x[rows] @ A.T) @ B.T`` (SGMV-style segments; the second matmul adds in place). There
+is no loop over tokens, and rows of the base model skip the LoRA term entirely. The zero blocks of B
+cost (parts - 1) x R x out multiply-adds a row: small against a dispatch per part.
 """
 
 from __future__ import annotations
@@ -53,9 +55,8 @@ class LoRALinear(nn.Module):
         device = weight.device if weight is not None else torch.device("cpu")
         self.register_buffer("lora_a", torch.zeros(max_loras, len(part_sizes) * max_rank, base.in_features,
                                                    dtype=dtype, device=device), persistent=False)
-        for j, size in enumerate(part_sizes):
-            self.register_buffer(f"lora_b{j}", torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device),
-                                 persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, sum(part_sizes), len(part_sizes) * max_rank,
+                                                   dtype=dtype, device=device), persistent=False)
 
     @property
     def in_features(self) -> int:
@@ -65,31 +66,34 @@ class LoRALinear(nn.Module):
         """Load one adapter's (A, scaled B) per part into ``slot``; None leaves that part unadapted."""
         r_max = self.max_rank
         self.lora_a[slot].zero_()
-        for j, part in enumerate(parts):
-            b_slot = getattr(self, f"lora_b{j}")[slot]
-            b_slot.zero_()
+        self.lora_b[slot].zero_()
+        offset = 0
+        for j, (size, part) in enumerate(zip(self.part_sizes, parts)):
             if part is not None:
                 a, b = part
                 r = a.shape[0]
                 self.lora_a[slot, j * r_max:j * r_max + r].copy_(a)
-                b_slot[:, :r].copy_(b)
+                self.lora_b[slot, offset:offset + size, j * r_max:j * r_max + r].copy_(b)
+            offset += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         segments = self.state.segments
         if not segments:
             return y
-        r = self.max_rank
+        if x.dtype != self.lora_a.dtype:
+            x = x.to(self.lora_a.dtype)
         for slot, rows in segments:
-            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            xa = xs.to(self.lora_a.dtype) @ self.lora_a[slot].T  # [t, parts * R]
-            deltas = [xa[:, j * r:(j + 1) * r] @ getattr(self, f"lora_b{j}")[slot].T
-                      for j in range(len(self.part_sizes))]
-            delta = (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1)).to(y.dtype)
-            if isinstance(rows, slice):
-                y[rows] += delta
+            a, b = self.lora_a[slot], self.lora_b[slot]
+            if isinstance(rows, slice) and y.dtype == b.dtype:
+                y[rows].addmm_(x[rows] @ a.T, b.T)
             else:
-                y.index_add_(0, rows, delta)
+                xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+                delta = ((xs @ a.T) @ b.T).to(y.dtype)
+                if isinstance(rows, slice):
+                    y[rows] += delta
+                else:
+                    y.index_add_(0, rows, delta)
         return y
 
     def extra_repr(self) -> str:
