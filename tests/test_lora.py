@@ -311,3 +311,19 @@ def test_loading_unloading_and_eviction_under_traffic_lose_no_request(llm: LLM, 
         assert [r.json()["choices"][0]["text"] for r in answers] == [want[n] for n in order]
     finally:
         srv.stop()
+
+
+def test_speculative_decoding_keeps_each_adapters_outputs(base_dir: Path, adapters, prompt_ids) -> None:
+    """n-gram drafts are verified by the target with its adapter: outputs equal those without drafting."""
+    reqs = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+    kw = dict(enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=256, num_gpu_blocks_override=64)
+    spec = LLM(str(base_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 2, "prompt_lookup_min": 1}, **kw)
+    plain = LLM(str(base_dir), **kw)
+    prompts = [{"prompt_token_ids": ids * 2} for ids in prompt_ids]  # repeats: n-gram finds drafts
+    loras = [reqs[i % len(reqs)] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    a = spec.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    b = plain.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [list(o.outputs[0].token_ids) for o in a] == [list(o.outputs[0].token_ids) for o in b]
+    assert spec.llm_engine.core.scheduler.spec_stats.num_draft_tokens > 0
