@@ -157,3 +157,52 @@ def test_data_parallel_serve_runs_two_engine_processes_with_single_process_outpu
         assert server.stop() == 0
     for pid in replica_pids:  # the replicas went with the front
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_blue_green_restart_behind_the_router_drops_nothing(tiny_model_factory) -> None:
+    """A replacement server comes up on another port while the old one serves; the old one then drains
+    (SIGTERM: stop accepting, finish in flight, exit 0). Every request of a steady stream succeeds."""
+    import threading
+
+    model = str(tiny_model_factory("llama"))
+    old = Server(model)
+    green_port = _free_port()
+    router = RouterProc([old.url, f"http://127.0.0.1:{green_port}"], "least-load")
+    new: list[Server] = []
+    results: list[httpx.Response] = []
+    stop = threading.Event()
+    prompts = _workload("bluegreen")
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            i = k
+            while not stop.is_set():
+                results.append(c.post(f"{router.url}/v1/completions", json={
+                    "model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 16, "temperature": 0}))
+                i += 4
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        new.append(Server(model, port=green_port))  # green comes up while blue serves
+        deadline = time.time() + 30
+        while not all(b["healthy"] for b in httpx.get(f"{router.url}/backends").json()):
+            assert time.time() < deadline, "the router did not see the new server"
+            time.sleep(0.2)
+        before = len(results)
+        assert old.stop() == 0  # blue drains: what it had in flight finishes, then it exits cleanly
+        time.sleep(2.0)  # traffic goes on, to green only
+        stop.set()
+        for t in threads:
+            t.join(120)
+        assert len(results) > before > 0
+        assert [r.status_code for r in results] == [200] * len(results)
+        served_by = [r.headers["x-pagedllm-backend"] for r in results]
+        assert set(served_by) == {old.url, new[0].url}
+        assert served_by[-4:] == [new[0].url] * 4
+    finally:
+        stop.set()
+        router.stop()
+        for s in [old, *new]:
+            s.stop()

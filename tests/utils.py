@@ -278,8 +278,8 @@ def _free_port() -> int:
 class Server:
     """`pagedllm serve` on a tiny model in a subprocess, on a free loopback port; healthy on return."""
 
-    def __init__(self, model_dir: str, *extra: str):
-        self.port = _free_port()
+    def __init__(self, model_dir: str, *extra: str, port: int | None = None):
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir, "--port", str(self.port),
                "--served-model-name", MODEL, "--max-model-len", "256", "--num-gpu-blocks-override", "128",
