@@ -33,6 +33,14 @@ class EngineCoreOutput:
         return self.request.status.finished
 
 
+@dataclass(slots=True)
+class _Step:
+    """A scheduled step on its way through the workers."""
+    t0: float  # monotonic time it was scheduled
+    sched_out: SchedulerOutput
+    decode: int  # of its tokens, those of requests already decoding (the rest are prompt tokens)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: "Executor", num_blocks: int, max_model_len: int,
                  structured: "StructuredOutputManager | None" = None):
@@ -50,8 +58,7 @@ class EngineCore:
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
         self.max_in_flight = config.parallel_config.pipeline_parallel_size
-        self._in_flight: deque[tuple[float, SchedulerOutput]] = deque()
-        self._batch_shape: dict[int, tuple[int, int]] = {}  # id(step) -> (decode, prefill tokens)
+        self._in_flight: deque[_Step] = deque()
 
     @property
     def runner(self) -> "ModelRunner":
@@ -109,27 +116,26 @@ class EngineCore:
         are in flight (each stage busy with another): this submits a new step while there is room and
         something to compute, then completes the oldest one once the queue is full or nothing else fits."""
         if self.max_in_flight == 1:
-            t0 = time.monotonic()
-            sched_out = self._schedule()
-            return self._complete(t0, sched_out, self.executor.execute_model(sched_out))
+            step = self._schedule()
+            return self._complete(step, self.executor.execute_model(step.sched_out))
         if len(self._in_flight) < self.max_in_flight:
-            t0 = time.monotonic()
             # one micro-batch per stage: each step takes its share of the requests, so the stages overlap
             s = self.scheduler
             share = -(-(len(s.running) + s.num_waiting_requests()) // self.max_in_flight)
-            sched_out = self._schedule(max(1, share))
+            step = self._schedule(max(1, share))
+            so = step.sched_out
             # an empty step still carries finished requests and block copies to the workers
-            if sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.blocks_to_copy:
-                self.executor.submit(sched_out)
-                self._in_flight.append((t0, sched_out))
-                if len(self._in_flight) < self.max_in_flight and sched_out.total_num_scheduled_tokens:
-                    return self._complete(t0, None, None)  # room for one more: schedule it before waiting
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.blocks_to_copy:
+                self.executor.submit(so)
+                self._in_flight.append(step)
+                if len(self._in_flight) < self.max_in_flight and so.total_num_scheduled_tokens:
+                    return self._complete(None, None)  # room for one more: schedule it before waiting
         if not self._in_flight:
-            return self._complete(time.monotonic(), None, None)
-        t0, sched_out = self._in_flight.popleft()
-        return self._complete(t0, sched_out, self.executor.collect())
+            return self._complete(None, None)
+        return self._complete(self._in_flight.popleft(), self.executor.collect())
 
-    def _schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+    def _schedule(self, max_seqs: int | None = None) -> "_Step":
+        t0 = time.monotonic()
         if self._grammar_wait:
             self._admit_compiled()
         sched_out = self.scheduler.schedule(max_seqs)
@@ -137,22 +143,21 @@ class EngineCore:
             sched_out.grammar_bitmask = self.structured.bitmasks(sched_out, self.scheduler.requests)
         if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0 and not self._in_flight:
             self.structured.wait_any(0.005)  # only compiles pending: do not spin
-        if sched_out.total_num_scheduled_tokens:
-            reqs = self.scheduler.requests
-            decode = sum(n for rid, n in sched_out.num_scheduled_tokens.items() if reqs[rid].output_token_ids)
-            self._batch_shape[id(sched_out)] = (decode, sched_out.total_num_scheduled_tokens - decode)
-        return sched_out
+        # decode tokens, counted now: by the time the step completes its requests may be gone
+        reqs = self.scheduler.requests
+        decode = sum(n for rid, n in sched_out.num_scheduled_tokens.items() if reqs[rid].output_token_ids)
+        return _Step(t0, sched_out, decode)
 
-    def _complete(self, t0: float, sched_out: SchedulerOutput | None,
-                  runner_out: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
+    def _complete(self, step: "_Step | None", runner_out: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
         """Apply a finished step's output (None: no step finished now) and report what changed."""
         touched: list[tuple[Request, int]] = []
         plp: dict = {}
-        if sched_out is not None:
+        if step is not None:
+            sched_out = step.sched_out
             self.last_scheduled = sched_out.num_scheduled_tokens
-            shape = self._batch_shape.pop(id(sched_out), None)
-            if shape is not None:
-                self.step_history.append((t0, time.monotonic() - t0, *shape))
+            total = sched_out.total_num_scheduled_tokens
+            if total:
+                self.step_history.append((step.t0, time.monotonic() - step.t0, step.decode, total - step.decode))
             if self.structured is not None and self.structured.matchers:
                 self.structured.update(runner_out)
             touched = self.scheduler.update_from_output(sched_out, runner_out)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
@@ -19,7 +17,7 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.loader import resolve_device, resolve_dtype
+from pagedllm.worker.loader import resolve_device, resolve_dtype, timed_stage
 
 if TYPE_CHECKING:
     from pagedllm.lora import LoRARequest
@@ -35,7 +33,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         self.startup_stages: dict[str, float] = {}  # seconds per start-up stage, in order
-        stage = functools.partial(_stage, self.startup_stages)
+        stage = functools.partial(timed_stage, self.startup_stages)
         mc = config.model_config
         self.source = resolve_model(mc.model)
         self.device = resolve_device(mc.device)
@@ -227,13 +225,6 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         s = self.core.scheduler
         return len(s.running) + len(s.waiting) + self.core.num_waiting_for_grammar()
-
-
-@contextlib.contextmanager
-def _stage(stages: dict[str, float], name: str) -> Iterator[None]:
-    t0 = time.perf_counter()
-    yield
-    stages[name] = stages.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclasses.dataclass(slots=True)

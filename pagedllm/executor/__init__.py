@@ -60,6 +60,86 @@ class Executor:
         pass
 
 
+class DistributedExecutor(Executor):
+    """What the ``mp`` and ``ray`` executors share: the step queue, the sampled tokens owed to the ranks
+    that do not sample, and failing fast. A backend provides ``_call_all`` (every rank, results in rank
+    order), ``_send_step`` / ``_receive_step`` (start a step; the driver's output of the oldest one) and
+    ``_stop_workers``; each raises through :meth:`_fail` when a rank is lost."""
+
+    def __init__(self, config: EngineConfig):
+        from collections import deque
+
+        from pagedllm.distributed import ParallelState
+
+        self.config = config
+        pc = config.parallel_config
+        self.world_size = pc.world_size
+        self.driver = ParallelState.driver_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        self._dead: str | None = None
+        self._started = False  # until the cache is allocated, a worker's ValueError is the user's bad argument
+        self._unsent_sampled: dict[str, list[int]] = {}  # sampled tokens the non-driver ranks have not seen
+        self._outstanding = 0  # steps submitted whose output has not been read
+        self._early: deque[ModelRunnerOutput] = deque()  # outputs read ahead of collect() by collective_rpc
+
+    def _call_all(self, method: str, args: tuple) -> list[Any]:
+        raise NotImplementedError
+
+    def _send_step(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Start a step on every rank; the ranks other than the driver also get ``sampled``."""
+        raise NotImplementedError
+
+    def _receive_step(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def _stop_workers(self) -> None:
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._check_alive()
+        while self._outstanding:  # steps still in flight answer first: keep their outputs for collect()
+            self._early.append(self._collect_step())
+        return self._call_all(method, args)
+
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
+        super().init_cache(num_blocks, max_model_len)
+        self._started = True
+
+    def submit(self, so: SchedulerOutput) -> None:
+        self._check_alive()
+        self._send_step(so, self._unsent_sampled)
+        self._unsent_sampled = {}
+        self._outstanding += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        return self._early.popleft() if self._early else self._collect_step()
+
+    def _collect_step(self) -> ModelRunnerOutput:
+        out = self._receive_step()  # the driver answers its steps in order
+        self._outstanding -= 1
+        for rid, tokens in out.sampled.items():  # the other ranks learn them with the next step
+            self._unsent_sampled.setdefault(rid, []).extend(tokens)
+        return out
+
+    def failure(self) -> str | None:
+        return self._dead
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            from pagedllm.errors import EngineDeadError
+
+            raise EngineDeadError(self._dead)
+
+    def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        """A rank is lost: stop every worker (nothing may wait on a collective that cannot finish) and raise."""
+        from pagedllm.errors import EngineDeadError
+
+        self._dead = message
+        self._stop_workers()
+        if isinstance(cause, ValueError) and not self._started:
+            raise cause  # a bad argument found while loading (e.g. an unsupported option): the user's error
+        raise EngineDeadError(message) from cause
+
+
 def make_executor(config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float],
                   lora_cache: Any = None) -> Executor:
     pc = config.parallel_config

@@ -16,30 +16,21 @@ import subprocess
 import sys
 import time
 import weakref
-from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed import ParallelState, get_open_port
-from pagedllm.errors import EngineDeadError
-from pagedllm.executor import Executor, worker_threads
+from pagedllm.distributed import get_open_port
+from pagedllm.executor import DistributedExecutor, worker_threads
 
 logger = logging.getLogger("pagedllm")
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig):
-        self.config = config
+        super().__init__(config)
         pc = config.parallel_config
-        self.world_size = pc.world_size
-        self.driver = ParallelState.driver_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        self._dead: str | None = None
-        self._started = False  # until the cache is allocated, a worker's ValueError is the user's bad argument
-        self._unsent_sampled: dict[str, list[int]] = {}  # sampled tokens the non-driver ranks have not seen
-        self._outstanding = 0  # steps submitted whose output has not been read
-        self._early: deque[ModelRunnerOutput] = deque()  # outputs read ahead of collect() by collective_rpc
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         threads = worker_threads(self.world_size)
         self.procs: list[subprocess.Popen] = []
@@ -86,41 +77,20 @@ class MultiprocExecutor(Executor):
                     self._fail(f"worker {rank} died (exit code {proc.returncode})")
         return [got[r] for r in sorted(want)]
 
-    def _fail(self, message: str, cause: BaseException | None = None) -> None:
-        self._dead = message
-        self.shutdown(graceful=False)
-        if isinstance(cause, ValueError) and not self._started:
-            raise cause  # a bad argument found while loading (e.g. an unsupported option): the user's error
-        raise EngineDeadError(message) from cause
-
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        self._check_alive()
-        while self._outstanding:  # steps still in the pipe answer first: keep them for collect()
-            self._early.append(self._collect_step())
+    def _call_all(self, method: str, args: tuple) -> list[Any]:
         self._send(range(self.world_size), pickle.dumps((method, args)))
         return self._receive(range(self.world_size))
 
-    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
-        super().init_cache(num_blocks, max_model_len)
-        self._started = True
-
-    def submit(self, so: SchedulerOutput) -> None:
-        self._check_alive()
+    def _send_step(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         others = [r for r in range(self.world_size) if r != self.driver]
         self._send([self.driver], pickle.dumps(("execute_model", (so, None))))
-        self._send(others, pickle.dumps(("execute_model", (so, self._unsent_sampled))))
-        self._unsent_sampled = {}
-        self._outstanding += 1
+        self._send(others, pickle.dumps(("execute_model", (so, sampled))))
 
-    def collect(self) -> ModelRunnerOutput:
-        return self._early.popleft() if self._early else self._collect_step()
+    def _receive_step(self) -> ModelRunnerOutput:
+        return self._receive([self.driver])[0]
 
-    def _collect_step(self) -> ModelRunnerOutput:
-        out = self._receive([self.driver])[0]  # the driver answers its steps in order
-        self._outstanding -= 1
-        for rid, tokens in out.sampled.items():  # the other ranks learn them with the next step
-            self._unsent_sampled.setdefault(rid, []).extend(tokens)
-        return out
+    def _stop_workers(self) -> None:
+        self.shutdown(graceful=False)
 
     def failure(self) -> str | None:
         if self._dead is None:
@@ -128,10 +98,6 @@ class MultiprocExecutor(Executor):
                 if proc.poll() is not None:
                     return f"worker {rank} died (exit code {proc.returncode})"
         return self._dead
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
 
     def shutdown(self, graceful: bool = True) -> None:
         _stop(self.procs, self.conns, timeout=5.0 if graceful and self._dead is None else 0.0)

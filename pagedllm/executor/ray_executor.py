@@ -16,9 +16,9 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed import ParallelState, get_open_port
-from pagedllm.errors import EngineDeadError, InvalidParameterError
-from pagedllm.executor import Executor
+from pagedllm.distributed import get_open_port
+from pagedllm.errors import InvalidParameterError
+from pagedllm.executor import DistributedExecutor
 
 logger = logging.getLogger("pagedllm")
 
@@ -50,7 +50,7 @@ class RayWorker:
         return getattr(self.worker, method)(*args)
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig):
         try:
             import ray
@@ -60,16 +60,10 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.config = config
+        super().__init__(config)
         self._ray = ray
         pc = config.parallel_config
-        self.world_size = pc.world_size
-        self.driver = ParallelState.driver_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        self._dead: str | None = None
-        self._started = False
-        self._unsent_sampled: dict[str, list[int]] = {}  # sampled tokens the non-driver ranks have not seen
         self._pending: deque[list[Any]] = deque()  # the calls of each step in flight
-        self._early: deque[ModelRunnerOutput] = deque()  # outputs read ahead of collect() by collective_rpc
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         use_gpu = config.model_config.device == "cuda" or (
@@ -119,43 +113,19 @@ class RayExecutor(Executor):
                     self._fail(f"a Ray worker failed: {e}", cause if isinstance(cause, BaseException) else e)
         return ray.get(refs)
 
-    def _fail(self, message: str, cause: BaseException) -> None:
-        self._dead = message
-        self.shutdown()
-        if isinstance(cause, ValueError) and not self._started:
-            raise cause  # a bad argument found while loading: the user's error
-        raise EngineDeadError(message) from cause
-
-    def failure(self) -> str | None:
-        return self._dead
-
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        while self._pending:  # steps still running finish first: keep their outputs for collect()
-            self._early.append(self._collect_step())
+    def _call_all(self, method: str, args: tuple) -> list[Any]:
         return self._get([a.call.remote(method, *args) for a in self.actors])
 
-    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
-        super().init_cache(num_blocks, max_model_len)
-        self._started = True
-
-    def submit(self, so: SchedulerOutput) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+    def _send_step(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         ref = self._ray.put(so)
-        self._pending.append([a.call.remote("execute_model", ref, None if rank == self.driver else self._unsent_sampled)
+        self._pending.append([a.call.remote("execute_model", ref, None if rank == self.driver else sampled)
                               for rank, a in enumerate(self.actors)])
-        self._unsent_sampled = {}
 
-    def collect(self) -> ModelRunnerOutput:
-        return self._early.popleft() if self._early else self._collect_step()
+    def _receive_step(self) -> ModelRunnerOutput:
+        return self._get(self._pending.popleft())[self.driver]  # each actor runs its calls in order
 
-    def _collect_step(self) -> ModelRunnerOutput:
-        out = self._get(self._pending.popleft())[self.driver]  # each actor runs its calls in order
-        for rid, tokens in out.sampled.items():  # the other ranks learn them with the next step
-            self._unsent_sampled.setdefault(rid, []).extend(tokens)
-        return out
+    def _stop_workers(self) -> None:
+        self.shutdown()
 
     def shutdown(self) -> None:
         for a in getattr(self, "actors", []):

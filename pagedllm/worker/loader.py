@@ -84,6 +84,14 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     return model
 
 
+@contextlib.contextmanager
+def timed_stage(stages: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``stages[name]`` (start-up stages, reported in order)."""
+    t0 = time.perf_counter()
+    yield
+    stages[name] = stages.get(name, 0.0) + time.perf_counter() - t0
+
+
 _NO_INIT_LOCK = threading.Lock()
 
 

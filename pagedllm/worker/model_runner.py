@@ -138,9 +138,10 @@ class ModelRunner:
         spec = so.scheduled_spec_tokens
         num = so.num_scheduled_tokens
         # one-token rows first (decodes, and every token of a request verifying drafts), then prefill chunks
-        order = sorted(num, key=lambda r: not (num[r] == 1 or r in spec))
-        if self.lora is not None:  # each adapter's rows side by side: its LoRA term runs on whole slices
-            order.sort(key=lambda r: (not (num[r] == 1 or r in spec), self.states[r].lora_int_id))
+        # (with LoRA, each adapter's rows side by side within each group: its LoRA term runs on whole slices)
+        with_lora = self.lora is not None
+        order = sorted(num, key=lambda r: (not (num[r] == 1 or r in spec),
+                                           self.states[r].lora_int_id if with_lora else 0))
         segments: list[Segment] = []
         row_starts: list[int] = []
         for rid in order:
@@ -153,11 +154,11 @@ class ModelRunner:
                                     split=bool(drafts)))
         batch = build_batch(segments, self.block_size, self.device)
         step_lora = contextlib.nullcontext()
-        if self.lora is not None:
-            segments = self.lora.segments([(self.states[rid].lora, batch.offsets[i], batch.offsets[i + 1])
-                                           for i, rid in enumerate(order)])
-            if segments:
-                step_lora = self.lora.state.active(segments)
+        if with_lora:
+            lora_rows = self.lora.segments([(self.states[rid].lora, batch.offsets[i], batch.offsets[i + 1])
+                                            for i, rid in enumerate(order)])
+            if lora_rows:
+                step_lora = self.lora.state.active(lora_rows)
         with step_lora:
             hidden = self._forward(batch)
         self.num_tokens_computed += so.total_num_scheduled_tokens

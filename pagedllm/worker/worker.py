@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import ParallelState, init_distributed
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker import kv_cache
-from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype
+from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype, timed_stage
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -48,9 +47,6 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.lora_cache = lora_cache  # the engine's AdapterCache (LoRA runs in one process)
 
-    def _stage(self, name: str, t0: float) -> None:
-        self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - t0
-
     def load_model(self) -> tuple[int, dict[str, float]]:
         """Load this rank's weights; returns how many KV blocks its memory budget allows, and the
         seconds of each loading stage."""
@@ -58,23 +54,20 @@ class Worker:
         if self.device.type == "cpu":
             from pagedllm import kernels
 
-            t0 = time.perf_counter()
-            kernels.try_load()  # waits for a background build, if one is still compiling
-            self._stage("kernels", t0)
+            with timed_stage(self.stages, "kernels"):
+                kernels.try_load()  # waits for a background build, if one is still compiling
         self.model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
                                 stages=self.stages, parallel=self.ps)
         spec = self.config.speculative_config
         if spec is not None and spec.method != "ngram":
-            t0 = time.perf_counter()
-            self.draft = self._load_draft_model(spec, self.model)
-            self._stage("draft_model", t0)
-        t0 = time.perf_counter()
-        self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
-        self.per_block = sum(kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer,
-                                                      self.kv_cache_dtype) for m in self._kv_models())
-        peak = self._profile_peak(self.model) if self.device.type == "cuda" else None
-        num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak)
-        self._stage("kv_cache", t0)
+            with timed_stage(self.stages, "draft_model"):
+                self.draft = self._load_draft_model(spec, self.model)
+        with timed_stage(self.stages, "kv_cache"):
+            self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
+            self.per_block = sum(kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer,
+                                                          self.kv_cache_dtype) for m in self._kv_models())
+            peak = self._profile_peak(self.model) if self.device.type == "cuda" else None
+            num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak)
         return num_blocks, self.stages
 
     def _kv_models(self) -> list[torch.nn.Module]:
@@ -84,7 +77,10 @@ class Worker:
 
     def init_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV cache (``num_blocks``, the smallest any rank allows) and build the runner."""
-        t0 = time.perf_counter()
+        with timed_stage(self.stages, "kv_cache"):
+            self._init_cache(num_blocks, max_model_len)
+
+    def _init_cache(self, num_blocks: int, max_model_len: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         caches = [kv_cache.allocate_kv_caches(len(m.layers), num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
                                               self.kv_cache_dtype, self.device) for m in self._kv_models()]
@@ -111,7 +107,6 @@ class Worker:
                                   processed_logprobs=mc.logprobs_mode == "processed_logprobs",
                                   proposer=proposer, spec_config=spec, max_model_len=max_model_len,
                                   parallel=self.ps, lora=lora)
-        self._stage("kv_cache", t0)
 
     def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None
                       ) -> ModelRunnerOutput | None:
