@@ -206,3 +206,23 @@ def test_blue_green_restart_behind_the_router_drops_nothing(tiny_model_factory) 
         router.stop()
         for s in [old, *new]:
             s.stop()
+
+
+def test_router_refuses_hostile_bodies_and_keeps_routing(backends) -> None:
+    router = RouterProc([s.url for s in backends], "round-robin")
+    try:
+        with httpx.Client(base_url=router.url, timeout=60) as c:
+            huge = c.post("/v1/completions", content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}',
+                          headers={"content-type": "application/json"})
+            assert huge.status_code == 413
+            deep = c.post("/v1/completions", content=b"[" * 100_000, headers={"content-type": "application/json"})
+            assert deep.status_code == 400 and "nested" in deep.text
+            assert c.post("/v1/completions", json=[1, 2]).status_code == 400
+            assert c.post("/v1/completions", content=b"\xff{", headers={"content-type": "application/json"}
+                          ).status_code == 400
+            unknown = c.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 1})
+            assert unknown.status_code == 404  # the backend's own answer, passed through
+            ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert ok.status_code == 200
+    finally:
+        router.stop()

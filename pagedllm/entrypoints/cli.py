@@ -179,7 +179,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
                           block_chars=args.block_chars, prefix_blocks=args.prefix_blocks,
                           balance_threshold=args.balance_threshold)
     run_router(config, args.host, args.port, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-               log_level=args.uvicorn_log_level)
+               log_level=args.uvicorn_log_level, max_body_bytes=args.max_request_body_bytes)
     return 0
 
 
@@ -319,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--block-chars", type=int, default=64, help="prefix-aware: characters per block")
     rt.add_argument("--balance-threshold", type=int, default=8,
                     help="prefix-aware: a backend this many requests busier than the least loaded is passed over")
+    rt.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                    help="larger bodies get 413 before they are read whole")
     rt.add_argument("--uvicorn-log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     rt.set_defaults(func=_cmd_router)

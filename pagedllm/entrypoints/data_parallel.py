@@ -60,7 +60,7 @@ def serve_data_parallel(args: Any, argv: list[str]) -> int:
                           health_check_interval=0.5)
     try:
         run_router(config, args.host, args.port, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                   log_level=args.uvicorn_log_level)
+                   log_level=args.uvicorn_log_level, max_body_bytes=args.max_request_body_bytes)
     finally:
         for p in procs:
             if p.poll() is None:

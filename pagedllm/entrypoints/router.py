@@ -238,11 +238,13 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-def build_router_app(config: RouterConfig, api_key: str | None = None) -> Any:
+def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_bytes: int = 4 << 20) -> Any:
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
+
+    from pagedllm.entrypoints.openai.server import BodyLimit
 
     router = Router(config)
 
@@ -254,6 +256,7 @@ def build_router_app(config: RouterConfig, api_key: str | None = None) -> Any:
 
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # the servers' own body limit: 413 beyond it
 
     def unauthorized(request: Request) -> JSONResponse | None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -269,6 +272,9 @@ def build_router_app(config: RouterConfig, api_key: str | None = None) -> Any:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("not a JSON object")
+        except RecursionError:
+            return JSONResponse({"error": {"message": "the JSON body is nested too deeply",
+                                           "type": "BadRequestError", "code": 400}}, status_code=400)
         except ValueError as e:
             return JSONResponse({"error": {"message": f"the request body is not a JSON object: {e}",
                                            "type": "BadRequestError", "code": 400}}, status_code=400)
@@ -312,11 +318,11 @@ def build_router_app(config: RouterConfig, api_key: str | None = None) -> Any:
 
 
 def run_router(config: RouterConfig, host: str, port: int, api_key: str | None = None,
-               log_level: str = "warning") -> None:
+               log_level: str = "warning", max_body_bytes: int = 4 << 20) -> None:
     import uvicorn
 
     from pagedllm.entrypoints.cli import _graceful_server_class
 
     logger.info("routing (%s) over %d backends at http://%s:%d/v1", config.routing, len(config.backends), host, port)
-    app = build_router_app(config, api_key)
+    app = build_router_app(config, api_key, max_body_bytes)
     _graceful_server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()

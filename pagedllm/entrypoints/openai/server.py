@@ -98,7 +98,7 @@ class _Route(APIRoute):
         return route
 
 
-class _BodyLimit:
+class BodyLimit:
     """ASGI middleware: 413 for a body over the limit, counted as it streams in (chunked bodies
     have no Content-Length to check up front); 400 for a body that is not JSON."""
 
@@ -219,7 +219,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.router.route_class = _Route
     app.state.server = state
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
