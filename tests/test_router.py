@@ -121,6 +121,56 @@ def test_killing_a_backend_mid_run_still_completes_every_request(tiny_model_fact
             s.stop()
 
 
+class _CutOffBackend:
+    """A backend that looks healthy but dies between an answer's headers and its body."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.write(b'{"id": "cmpl-')  # ... and gone
+                self.wfile.flush()
+                self.close_connection = True
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+def test_an_answer_cut_off_before_its_body_is_retried_on_another_backend(backends) -> None:
+    broken = _CutOffBackend()
+    router = RouterProc([broken.url, backends[0].url], "round-robin")
+    try:
+        responses = _send(router.url, _workload("cut")[:12], concurrency=3)
+        assert [r.status_code for r in responses] == [200] * 12, [r.text for r in responses]
+        assert {r.headers["x-pagedllm-backend"] for r in responses} == {backends[0].url}
+        metrics = httpx.get(f"{router.url}/metrics").text
+        broken_line = f'pagedllm_router:requests_total{{backend="{broken.url}",outcome="broken"}} '
+        assert float(metrics.split(broken_line)[1].split()[0]) >= 1  # it was tried, and cut off
+        assert float(metrics.split("\npagedllm_router:retries_total ")[1].split()[0]) >= 1
+    finally:
+        router.stop()
+        broken.stop()
+
+
 def test_replica_argv_drops_the_front_flags() -> None:
     argv = ["--log-level", "INFO", "serve", "m", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0",
             "--max-num-seqs", "4"]

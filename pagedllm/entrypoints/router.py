@@ -14,10 +14,10 @@ backend chosen by the routing policy:
 * ``round-robin``.
 
 A background task polls every backend's ``/health`` and ``/metrics``. A request
-whose backend fails before answering (refused, reset, gone mid-request) is retried
-on another one: nothing reached the client, and generating has no side effects. One
-that fails after its answer began (a stream cut off) ends with an error (502 /
-an error event), since the client already has part of it. ``/metrics`` exports
+whose backend fails before the client got anything (refused, reset, gone mid-request,
+or a non-streamed answer cut off between its headers and its body) is retried on
+another one: generating has no side effects. A stream cut off after it began ends
+with an error event, since the client already has part of it. ``/metrics`` exports
 the router's own counters; ``/health`` answers 200 while any backend is healthy.
 ``pagedllm serve --data-parallel-size N`` runs this in front of N engine processes.
 """
@@ -102,7 +102,7 @@ class Router:
         self.m_requests = Counter("pagedllm_router:requests", "Requests forwarded, by backend and outcome.",
                                   ["backend", "outcome"], registry=self.registry)
         self.m_retries = Counter("pagedllm_router:retries", "Requests retried on another backend because theirs "
-                                 "could not be reached.", registry=self.registry)
+                                 "could not be reached or cut its answer off before the body.", registry=self.registry)
         self.m_healthy = Gauge("pagedllm_router:backend_healthy", "1 while the backend passes its health check.",
                                ["backend"], registry=self.registry)
         self.m_load = Gauge("pagedllm_router:backend_load", "Requests running + waiting on the backend.",
@@ -199,10 +199,12 @@ class Router:
                                          media_type="text/event-stream", headers=out_headers)
             try:
                 content = await resp.aread()
-            except httpx.HTTPError as e:  # died after it began answering: may be partly done, no retry
-                self.m_requests.labels(b.url, "broken").inc()
-                return JSONResponse({"error": {"message": f"backend {b.url} failed mid-answer: {e}",
-                                               "type": "BadGateway", "code": 502}}, status_code=502)
+            except httpx.HTTPError as e:  # died between its headers and its body: the client has
+                self.m_requests.labels(b.url, "broken").inc()  # nothing yet, so retry elsewhere
+                b.healthy = False
+                last = f"{b.url}: failed mid-answer: {type(e).__name__}: {e}"
+                logger.warning("backend %s failed mid-answer, retrying elsewhere: %s", b.url, e)
+                continue
             finally:
                 b.in_flight -= 1
                 await resp.aclose()
