@@ -147,12 +147,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("pagedllm").info("ready: serving %s at http://%s:%d/v1 (started in %.1fs)", name,
                                            args.host, args.port, time.monotonic() - _STARTED)
 
+    if args.engine_state_interval <= 0:
+        raise SystemExit("--engine-state-interval must be > 0 seconds")
     app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
                     on_ready=ready, trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                     trace_file=args.trace_file, otlp_traces_endpoint=args.otlp_traces_endpoint,
-                    lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                    lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                    engine_state_interval=args.engine_state_interval)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = _graceful_server_class()(uv_config)
@@ -197,6 +200,8 @@ def _graceful_server_class():
 
         def handle_exit(self, sig, frame):
             super().handle_exit(sig, frame)
+            for hook in getattr(getattr(self.config.app, "state", None), "on_exit", ()):
+                hook()  # e.g. end the streams that would never finish by themselves
             if sig == signal.SIGTERM:
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
@@ -283,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                      help="export one OpenTelemetry span per request over OTLP/HTTP to URL (e.g. "
                           "http://collector:4318/v1/traces); needs pip install 'pagedllm[otel]'")
+    srv.add_argument("--engine-state-interval", type=float, default=1.0, metavar="SECONDS",
+                     help="how often /v1/engine/state/stream (the /dashboard page's feed) snapshots the engine "
+                          "while anyone watches; one snapshot per interval serves every watcher")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                      help="larger bodies get 413 (parsing JSON holds Python's GIL for ~25 ms per MiB, "
                           "so this also bounds what one body costs everyone else)")

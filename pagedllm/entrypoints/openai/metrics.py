@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -58,12 +59,20 @@ class ServerMetrics:
                                     "(cold compiles; cache hits are counted apart).", _LATENCY_BUCKETS)
         self.grammar_cache_hits = counter("grammar_compile_cache_hits", "Structured outputs: grammars served "
                                           "from the compile cache.")
+        self.engine_state_snapshots = counter("engine_state_snapshots", "Engine snapshots taken for "
+                                              "/v1/engine/state and its stream (the dashboard).")
         self.lora_requests = counter("lora_requests", "Prompts sent to each LoRA adapter.", extra=["lora_name"])
         self.lora_info = Gauge("pagedllm:lora_requests_info", "Running and waiting LoRA adapters (the value is the "
                                "time of the last change), as vLLM reports them.",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self._lora_labels: tuple[str, str, str] | None = None
         self._last_token: dict[str, tuple[float, int]] = {}
+        # for the dashboard: the latest latencies (wall time, seconds) and running totals, engine thread only
+        self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=512)
+        self._recent_itl: deque[tuple[float, float]] = deque(maxlen=512)
+        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
+                        "prefix_cache_hits": 0, "spec_decode_draft_tokens": 0, "spec_decode_accepted_tokens": 0,
+                        "finished_requests": 0}
 
     def on_step(self, engine: Any, outputs: list) -> None:
         """Called in the engine thread after every step."""
@@ -76,8 +85,13 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions)
         self.prefix_queries.inc(stats.prefix_cache.queries)
         self.prefix_hits.inc(stats.prefix_cache.hits)
+        totals = self._totals
+        totals["prefix_cache_queries"] += stats.prefix_cache.queries
+        totals["prefix_cache_hits"] += stats.prefix_cache.hits
         spec = stats.spec_decode
         if spec is not None:
+            totals["spec_decode_draft_tokens"] += spec.num_draft_tokens
+            totals["spec_decode_accepted_tokens"] += spec.num_accepted_tokens
             self.spec_drafts.inc(spec.num_drafts)
             self.spec_draft_tokens.inc(spec.num_draft_tokens)
             self.spec_accepted.inc(spec.num_accepted_tokens)
@@ -93,18 +107,26 @@ class ServerMetrics:
                 else:
                     self.grammar_compile.observe(seconds)
         now = time.monotonic()
+        wall = time.time()
         for out in outputs:
             n_tokens = sum(len(c.token_ids) for c in out.outputs)
             last = self._last_token.get(out.request_id)
             if last is None:
                 if n_tokens:
-                    self.ttft.observe(now - out.metrics.arrival_time)
+                    ttft = now - out.metrics.arrival_time
+                    self.ttft.observe(ttft)
+                    self._recent_ttft.append((wall, ttft))
                     self.prompt_tokens.inc(len(out.prompt_token_ids) - out.num_cached_tokens)
+                    totals["prompt_tokens"] += len(out.prompt_token_ids) - out.num_cached_tokens
             elif n_tokens > last[1]:
-                self.itl.observe((now - last[0]) / (n_tokens - last[1]))
+                itl = (now - last[0]) / (n_tokens - last[1])
+                self.itl.observe(itl)
+                self._recent_itl.append((wall, itl))
             self.generation_tokens.inc(n_tokens - (last[1] if last else 0))
+            totals["generation_tokens"] += n_tokens - (last[1] if last else 0)
             self._last_token[out.request_id] = (now, n_tokens)
             if out.finished:
+                totals["finished_requests"] += 1
                 self._last_token.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason or "abort"
                 self.success.labels(self.model_name, reason).inc()
@@ -113,6 +135,12 @@ class ServerMetrics:
                     self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
                 self.req_prompt_tokens.observe(len(out.prompt_token_ids))
                 self.req_gen_tokens.observe(n_tokens)
+
+    def recent(self) -> dict:
+        """The dashboard's latency samples and running totals (call on the engine thread, as on_step)."""
+        return {"totals": dict(self._totals),
+                "ttft": [[round(t, 3), round(v, 5)] for t, v in self._recent_ttft],
+                "itl": [[round(t, 3), round(v, 5)] for t, v in self._recent_itl]}
 
     def _lora_step(self, engine: Any) -> None:
         s = engine.core.scheduler

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
 from pagedllm.entrypoints.openai import protocol as P
+from pagedllm.entrypoints.openai.dashboard import EngineStateHub, dashboard_html
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.errors import EngineDeadError, InvalidParameterError
@@ -165,7 +166,8 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
               limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
               trace_file: str | None = None, otlp_traces_endpoint: str | None = None,
-              lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
+              lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False,
+              engine_state_interval: float = 1.0) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
     Chrome / Perfetto trace of the engine's steps and requests."""
@@ -328,13 +330,39 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             engine().engine.lora_cache.remove(lora.lora_int_id)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
+    async def take_state() -> dict:
+        def take(e: Any) -> dict:  # on the engine thread, between two steps
+            state.metrics.engine_state_snapshots.inc()
+            return {**e.core.snapshot(), **state.metrics.recent(), "model": state.served_model_name}
+        return await engine().call(take)
+
+    hub = EngineStateHub(take_state, engine_state_interval)
+    app.state.on_exit = [hub.close_soon]  # run by the server on SIGTERM / SIGINT: end the dashboards' streams
+
     @app.get("/v1/engine/state", response_model=None)
     async def engine_state():
-        """A snapshot of the engine (taken between two steps): KV block map, queues, the last steps' batches."""
-        llm = engine()
-        snap = await llm.call(lambda e: e.core.snapshot())
-        snap["model"] = state.served_model_name
-        return snap
+        """A snapshot of the engine (taken between two steps): KV block map, queues, the last steps' batches,
+        the latest latencies and running totals."""
+        return await take_state()
+
+    @app.get("/v1/engine/state/stream", response_model=None)
+    async def engine_state_stream():
+        """The same snapshot as Server-Sent Events, one per interval, shared by every watcher."""
+        engine()  # 503 while loading
+        if hub.closed:
+            raise APIError(503, "the server is shutting down", "server_overloaded")
+        if hub.full:
+            raise APIError(503, f"{hub.max_watchers} clients already watch the engine state", "server_overloaded",
+                           headers={"Retry-After": "5"})
+        return StreamingResponse(hub.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/dashboard", response_model=None)
+    async def dashboard():
+        """The live dashboard (its data comes from /v1/engine/state/stream, behind the API key)."""
+        from fastapi.responses import HTMLResponse
+
+        return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})
 
     @app.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):
