@@ -71,6 +71,7 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
     lora_request: "LoRARequest | None" = None  # the adapter this request runs with (None: the base model)
+    trace_headers: dict[str, str] | None = None  # the client's W3C trace context, parent of its OTLP span
 
     @property
     def lora_int_id(self) -> int:

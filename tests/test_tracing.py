@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import http.server
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -52,30 +55,40 @@ def test_one_span_per_request_with_chunks_preemptions_and_first_token(model_dir)
     assert tracer._params == {} and tracer._chunks == {}  # nothing kept after the requests
 
 
+class Collector:
+    """A small OTLP/HTTP receiver: the spans servers export to it, decoded."""
+
+    def __init__(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        received = self.spans = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    for ss in rs.scope_spans:
+                        received.extend(ss.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/traces"
+
+    def stop(self):
+        self.httpd.shutdown()
+
+
 def test_server_exports_spans_over_otlp_http(model_dir):
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    received: list = []
-
-    class Collector(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            req = ExportTraceServiceRequest()
-            req.ParseFromString(body)
-            for rs in req.resource_spans:
-                for ss in rs.scope_spans:
-                    received.extend(ss.spans)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/traces"
-    s = Server(model_dir, "--otlp-traces-endpoint", url)
+    collector = Collector()
+    s = Server(model_dir, "--otlp-traces-endpoint", collector.url)
     try:
         import openai
 
@@ -85,8 +98,36 @@ def test_server_exports_spans_over_otlp_http(model_dir):
                                          max_tokens=4).id}
     finally:
         assert s.stop() == 0  # shutdown flushes the batch processor
-        httpd.shutdown()
-    attrs = [{kv.key: kv.value for kv in span.attributes} for span in received]
+        collector.stop()
+    attrs = [{kv.key: kv.value for kv in span.attributes} for span in collector.spans]
     got = {a["gen_ai.request.id"].string_value for a in attrs}
-    assert ids <= got and all(span.name == "llm_request" for span in received)
+    assert ids <= got and all(span.name == "llm_request" for span in collector.spans)
+    assert all(span.parent_span_id == b"" for span in collector.spans)  # no traceparent sent: a root span
     assert all(a["gen_ai.usage.completion_tokens"].int_value > 0 for a in attrs)
+
+
+def test_bench_serve_trace_links_the_slowest_requests_to_their_spans(model_dir, tmp_path):
+    """`pagedllm bench serve --trace`: each request carries its own traceparent, the server's span joins
+    that trace, and the report's slowest requests name trace ids that the collector received."""
+    collector = Collector()
+    s = Server(model_dir, "--otlp-traces-endpoint", collector.url)
+    result = tmp_path / "bench.json"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", s.url,
+             "--num-prompts", "8", "--random-input-len", "24", "--random-output-len", "6", "--max-concurrency", "4",
+             "--trace", "--slowest", "3", "--result-file", str(result)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    finally:
+        assert s.stop() == 0  # flushes the spans
+        collector.stop()
+    slowest = json.loads(result.read_text())["slowest_requests"]
+    assert len(slowest) == 3 and slowest[0]["e2el_ms"] >= slowest[1]["e2el_ms"] >= slowest[2]["e2el_ms"]
+    spans = {span.trace_id.hex(): span for span in collector.spans}
+    assert len(spans) == 8  # one trace per request: none shared, none dropped
+    for slow in slowest:
+        span = spans[slow["trace_id"]]  # the bench's trace holds the server's span ...
+        attrs = {kv.key: kv.value for kv in span.attributes}
+        assert attrs["gen_ai.request.id"].string_value == slow["request_id"]  # ... of that very request
+        assert len(span.parent_span_id) == 8 and span.parent_span_id != bytes(8)  # a child of the bench's span
+        assert attrs["gen_ai.usage.completion_tokens"].int_value == slow["output_tokens"]

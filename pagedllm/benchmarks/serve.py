@@ -7,6 +7,11 @@ Definitions (as in vLLM's benchmark_serving):
   E2EL  time from sending the request to the last chunk
 Goodput counts requests meeting every SLO given with --goodput (milliseconds).
 Prompts are random token ids (exact lengths, no shared prefixes), sent as token arrays.
+
+``--trace`` sends each request a W3C ``traceparent`` of its own; a server exporting spans
+(``pagedllm serve --otlp-traces-endpoint``) puts its ``llm_request`` span in that trace,
+so the report's ``slowest_requests`` (with their trace and request ids) lead straight to
+the spans that say where the time went (queue, prefill chunks, preemptions).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     ok: bool = False
     error: str = ""
+    request_id: str = ""  # the server's response id (the span's gen_ai.request.id, the Chrome trace's slice)
+    trace_id: str = ""  # with --trace: the W3C trace id sent in traceparent
 
 
 def random_dataset(num: int, input_len: int, output_len: int, input_ratio: float, output_ratio: float, vocab: int,
@@ -44,8 +51,11 @@ def random_dataset(num: int, input_len: int, output_len: int, input_ratio: float
 
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool,
-               headers: dict) -> RequestResult:
+               headers: dict, trace_rng: random.Random | None = None) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
+    if trace_rng is not None:  # a trace of our own for this request, the server's span its child
+        res.trace_id = f"{trace_rng.getrandbits(128) or 1:032x}"
+        headers = {**headers, "traceparent": f"00-{res.trace_id}-{trace_rng.getrandbits(64) or 1:016x}-01"}
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if ignore_eos:
@@ -65,6 +75,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()
+                res.request_id = res.request_id or chunk.get("id", "")
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -100,6 +111,7 @@ async def run(args: argparse.Namespace) -> dict:
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
+    trace_rng = random.Random() if args.trace else None  # ids must not repeat across runs: not seeded
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     limits = httpx.Limits(max_connections=args.max_concurrency or len(data) or 1)
     from tqdm.auto import tqdm
@@ -109,9 +121,9 @@ async def run(args: argparse.Namespace) -> dict:
         async def limited(p, n):
             try:
                 if sem is None:
-                    return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
+                    return await _one(client, url, args.model, p, n, args.ignore_eos, headers, trace_rng)
                 async with sem:
-                    return await _one(client, url, args.model, p, n, args.ignore_eos, headers)
+                    return await _one(client, url, args.model, p, n, args.ignore_eos, headers, trace_rng)
             finally:
                 bar.update(1)
 
@@ -148,6 +160,11 @@ async def run(args: argparse.Namespace) -> dict:
             good += all(vals[k] * 1000 <= float(v) for k, v in slos.items())
         report["request_goodput"] = good / duration
         report["goodput_slos_ms"] = slos
+    slowest = sorted(ok, key=lambda r: r.e2el, reverse=True)[:args.slowest]
+    report["slowest_requests"] = [
+        {"request_id": r.request_id, **({"trace_id": r.trace_id} if r.trace_id else {}),
+         "e2el_ms": r.e2el * 1000, "ttft_ms": r.ttft * 1000, "prompt_tokens": r.prompt_len,
+         "output_tokens": r.output_tokens} for r in slowest]
     errors = [r.error for r in results if not r.ok][:5]
     if errors:
         report["first_errors"] = errors
@@ -178,6 +195,11 @@ def add_parser(sub) -> None:
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs as ttft:MS tpot:MS e2el:MS")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles to report")
     p.add_argument("--result-file", default=None, help="write the JSON report here")
+    p.add_argument("--trace", action="store_true",
+                   help="send each request a W3C traceparent, so the server's spans (--otlp-traces-endpoint) "
+                        "join the bench's traces; slowest_requests then gives each one's trace id")
+    p.add_argument("--slowest", type=int, default=5, help="how many of the slowest requests to list, with "
+                   "their request ids (and trace ids with --trace)")
     p.set_defaults(func=main)
 
 

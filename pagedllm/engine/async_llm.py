@@ -119,7 +119,8 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
     async def add_requests(self, prompts: Sequence[PromptType], params: SamplingParams, request_id: str | None = None,
-                           priority: int = 0, lora_request: Any = None) -> list[RequestStream]:
+                           priority: int = 0, lora_request: Any = None,
+                           trace_headers: dict[str, str] | None = None) -> list[RequestStream]:
         """Admit one user request of one or more prompts, all or nothing; a stream per prompt.
 
         Raises at once on invalid input (InvalidParameterError) or a full queue
@@ -131,7 +132,8 @@ class AsyncLLM:
         size = len(prompts) * params.n
         self._check_room(size)  # a full queue answers before any tokenization
         prepared: list[PreparedRequest] = await self.prepare(
-            lambda: [self.engine.make_request(rid, p, params, priority, group=request_id, lora_request=lora_request)
+            lambda: [self.engine.make_request(rid, p, params, priority, group=request_id, lora_request=lora_request,
+                                              trace_headers=trace_headers)
                      for rid, p in zip(ids, prompts)])
         loop = asyncio.get_running_loop()
         streams = []

@@ -172,7 +172,8 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                      priority: int = 0, group: str | None = None,
-                     lora_request: "LoRARequest | None" = None) -> "PreparedRequest":
+                     lora_request: "LoRARequest | None" = None,
+                     trace_headers: dict[str, str] | None = None) -> "PreparedRequest":
         """Tokenize and validate, touching no engine state (safe from another thread).
 
         ``n`` > 1 becomes n child requests ``"{i}_{request_id}"``; child i samples with
@@ -198,7 +199,8 @@ class LLMEngine:
             max_tokens = self.processor.check(ids, child_params)
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, ids, child_params, max_tokens, priority=priority,
-                                    parent_id=request_id, index=i, group=group, lora_request=lora_request))
+                                    parent_id=request_id, index=i, group=group, lora_request=lora_request,
+                                    trace_headers=trace_headers))
         children[0].pending_children = children[1:]
         return PreparedRequest(request_id, children, text)
 

@@ -95,8 +95,9 @@ class OtelRequestTracer:
     ``gen_ai.latency.{time_in_queue,time_to_first_token,e2e}``, and
     ``gen_ai.response.finish_reasons``; pagedllm's own ``pagedllm.num_preemptions`` and
     ``pagedllm.cached_prompt_tokens``. Events: each prefill chunk (``prefill_chunk`` with its
-    tokens), each resumption after a preemption, and the first token. Spans are exported by the SDK's batch
-    processor on its own thread.
+    tokens), each resumption after a preemption, and the first token. A request that carries a W3C
+    ``traceparent`` header gets its span in that trace, as a child of the client's span. Spans are exported
+    by the SDK's batch processor on its own thread.
     """
 
     def __init__(self, endpoint: str | None, model_name: str, exporter: Any = None):
@@ -127,6 +128,7 @@ class OtelRequestTracer:
         self._chunks: dict[str, list[tuple[float, int]]] = {}
         self._preempted: dict[str, list[float]] = {}
         self._params: dict[str, Any] = {}
+        self._headers: dict[str, dict[str, str]] = {}  # the client's trace context, per (child) request
 
     def on_step(self, engine: Any, outputs: list) -> None:
         core = engine.core
@@ -136,7 +138,10 @@ class OtelRequestTracer:
                 req = core.scheduler.requests.get(rid)
                 if req is None:
                     continue
-                self._params.setdefault(rid, req.sampling_params)
+                if rid not in self._params:
+                    self._params[rid] = req.sampling_params
+                    if req.trace_headers:
+                        self._headers[rid] = req.trace_headers
                 if req.num_computed_tokens <= req.num_prompt_tokens:  # this step computed part of the prompt
                     self._chunks.setdefault(rid, []).append((now, n))
                 times = self._preempted.setdefault(rid, [])
@@ -156,7 +161,14 @@ class OtelRequestTracer:
         ns = lambda t: int(t * 1e9) + wall  # noqa: E731
         children = [c for c in self._params if c == out.request_id or c.endswith("_" + out.request_id)]
         end = m.finished_time or m.last_token_time or m.arrival_time
-        span = self.tracer.start_span("llm_request", kind=SpanKind.SERVER, start_time=ns(m.arrival_time))
+        headers = next((h for c in children if (h := self._headers.get(c))), None)
+        context = None
+        if headers:  # the span joins the client's trace (what `pagedllm bench serve --trace` sends)
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+            context = TraceContextTextMapPropagator().extract(carrier=headers)
+        span = self.tracer.start_span("llm_request", kind=SpanKind.SERVER, start_time=ns(m.arrival_time),
+                                      context=context)
         params = self._params.get(children[0]) if children else None
         attrs = {
             "gen_ai.request.id": out.request_id, "gen_ai.response.model": self.model_name,
@@ -182,6 +194,7 @@ class OtelRequestTracer:
                 span.add_event("prefill_chunk", {"tokens": n, "sequence": c}, timestamp=ns(t))
             times = self._preempted.pop(c, [])
             self._params.pop(c, None)
+            self._headers.pop(c, None)
             preemptions += len(times)
             for t in times:  # seen when the sequence is scheduled again
                 span.add_event("resumed_after_preemption", {"sequence": c}, timestamp=ns(t))

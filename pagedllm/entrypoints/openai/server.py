@@ -186,6 +186,13 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
 
         otel = OtelRequestTracer(otlp_traces_endpoint, served_model_name)
 
+    def trace_headers(raw: Request) -> dict[str, str] | None:
+        """The client's W3C trace context (``traceparent``, ``tracestate``), kept only when spans are exported."""
+        if otel is None:
+            return None
+        got = {k: v for k in ("traceparent", "tracestate") if (v := raw.headers.get(k)) and len(v) <= 512}
+        return got or None
+
     def on_step(engine: Any, outputs: list) -> None:
         state.metrics.on_step(engine, outputs)
         for t in (tracer, otel):
@@ -395,7 +402,8 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         prompts = _completion_prompts(req.prompt)
         params = req.to_sampling_params()
         rid = P.random_id("cmpl")
-        streams = await llm.add_requests(prompts, params, rid, req.priority, lora_request=lora)
+        streams = await llm.add_requests(prompts, params, rid, req.priority, lora_request=lora,
+                                         trace_headers=trace_headers(raw))
         if lora is not None:
             state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc(len(prompts))
         tok = llm.tokenizer
@@ -433,7 +441,8 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         ids = await llm.prepare(_chat_ids, llm.tokenizer, req.messages, req.chat_template,
                                 req.add_generation_prompt, req.chat_template_kwargs, tools)
         rid = P.random_id("chatcmpl")
-        streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority, lora_request=lora)
+        streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority, lora_request=lora,
+                                         trace_headers=trace_headers(raw))
         if lora is not None:
             state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc()
         if req.stream:
