@@ -48,6 +48,9 @@ class CacheConfig:
     gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory the engine may use (weights + activations + KV cache).")
     num_gpu_blocks_override: int | None = _f(None, "Use exactly this many KV blocks, whatever the memory budget says (for tests).")
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes across requests.")
+    kv_cache_prefault: bool = _f(False, "Write every page of a CPU KV cache at start-up, so all of it is resident "
+                                 "from the first request: a memory limit fails at start rather than hours in, and "
+                                 "RSS stays flat. Without it, pages become resident as blocks are first used.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = _f(
         "auto", "KV cache storage dtype; 'auto' uses the model dtype. fp8 (= fp8_e4m3) and fp8_e5m2 store "
         "unscaled 8-bit floats, converted back to the model dtype when attention reads them.")

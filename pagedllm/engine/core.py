@@ -191,11 +191,13 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
-    def snapshot(self, max_requests: int = 256) -> dict:
+    def snapshot(self, max_requests: int = 256, check: bool = False) -> dict:
         """A plain picture of the engine now (engine thread only): the block map, the queues, the last steps.
 
         ``block_map`` has one character per KV block: ``.`` free, ``c`` free but holding a prefix-cached
         block (reusable until evicted), ``u`` used by one request, ``s`` shared (ref count > 1).
+        ``check`` adds ``invariants``: "ok", or the first broken invariant of the block pool and scheduler
+        (ref counts against holders, the free queue, the hash map, who holds blocks).
         """
         s = self.scheduler
         codes = []
@@ -214,7 +216,14 @@ class EngineCore:
                          key=lambda r: r.arrival_time)
         sc = self.config.scheduler_config
         wall = time.time() - time.monotonic()
-        return {
+        extra = {}
+        if check:
+            try:
+                s.check_invariants()
+                extra["invariants"] = "ok"
+            except AssertionError as e:
+                extra["invariants"] = f"broken: {e}"
+        return {**extra,
             "time": time.time(),
             "num_blocks": len(block_map), "block_size": s.kv.block_size,
             "blocks": {"free": block_map.count("."), "cached": block_map.count("c"),

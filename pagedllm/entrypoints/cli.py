@@ -336,8 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = add_command(sub, "bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from pagedllm.benchmarks import offline as bench_offline
     from pagedllm.benchmarks import serve as bench_serve
+    from pagedllm.benchmarks import soak as bench_soak
 
     bench_serve.add_parser(bench)
+    bench_soak.add_parser(bench)
     bench_offline.add_parsers(bench)
     return parser
 

@@ -40,7 +40,7 @@ def num_blocks_for_budget(cache: CacheConfig, device: torch.device, per_block: i
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+                       dtype: torch.dtype, device: torch.device, prefault: bool = False) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, kv_heads, head_dim] view per layer into a single zeroed buffer.
 
     On CPU a large buffer is taken with ``torch.empty``: the allocator maps fresh
@@ -48,11 +48,14 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     resident memory only for the blocks actually written. Small buffers (which
     the C allocator may recycle, dirty) are zeroed explicitly. Unwritten slots
     must read as zeros, never NaN: attention multiplies masked-out values by 0.
+    The free queue hands out the least recently freed block first, so over time every
+    block is used and the whole cache becomes resident; ``prefault`` makes it resident
+    at once (``torch.zeros`` writes every page).
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and numel * itemsize >= _FRESH_MMAP_BYTES:
+    if device.type == "cpu" and numel * itemsize >= _FRESH_MMAP_BYTES and not prefault:
         buf = torch.empty(shape, dtype=dtype, device=device)
     else:
         buf = torch.zeros(shape, dtype=dtype, device=device)

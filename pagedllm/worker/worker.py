@@ -83,10 +83,12 @@ class Worker:
     def _init_cache(self, num_blocks: int, max_model_len: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         caches = [kv_cache.allocate_kv_caches(len(m.layers), num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
-                                              self.kv_cache_dtype, self.device) for m in self._kv_models()]
+                                              self.kv_cache_dtype, self.device, prefault=cc.kv_cache_prefault)
+                  for m in self._kv_models()]
         if self.ps.rank == 0:
-            logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s%s); max_model_len %d; max concurrency %.1fx",
+            logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s%s%s); max_model_len %d; max concurrency %.1fx",
                         num_blocks, cc.block_size, num_blocks * self.per_block / 2**30, self.kv_cache_dtype,
+                        ", prefaulted" if cc.kv_cache_prefault and self.device.type == "cpu" else "",
                         f", per rank of {self.ps.world_size}" if self.ps.world_size > 1 else "", max_model_len,
                         num_blocks * cc.block_size / max_model_len)
         spec = self.config.speculative_config

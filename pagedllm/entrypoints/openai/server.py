@@ -337,20 +337,20 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             engine().engine.lora_cache.remove(lora.lora_int_id)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
-    async def take_state() -> dict:
+    async def take_state(check: bool = False) -> dict:
         def take(e: Any) -> dict:  # on the engine thread, between two steps
             state.metrics.engine_state_snapshots.inc()
-            return {**e.core.snapshot(), **state.metrics.recent(), "model": state.served_model_name}
+            return {**e.core.snapshot(check=check), **state.metrics.recent(), "model": state.served_model_name}
         return await engine().call(take)
 
     hub = EngineStateHub(take_state, engine_state_interval)
     app.state.on_exit = [hub.close_soon]  # run by the server on SIGTERM / SIGINT: end the dashboards' streams
 
     @app.get("/v1/engine/state", response_model=None)
-    async def engine_state():
+    async def engine_state(check: bool = False):
         """A snapshot of the engine (taken between two steps): KV block map, queues, the last steps' batches,
-        the latest latencies and running totals."""
-        return await take_state()
+        the latest latencies and running totals; ``?check=true`` also checks the block pool's invariants."""
+        return await take_state(check)
 
     @app.get("/v1/engine/state/stream", response_model=None)
     async def engine_state_stream():

@@ -1,0 +1,464 @@
+"""`pagedllm bench soak`: run a server under sustained abuse for N minutes, then prove it lost and leaked nothing.
+
+It starts ``pagedllm serve`` itself (it reads the server's memory, file descriptors and threads
+from /proc) and drives it with a seeded mix of clients:
+
+* well-behaved ones: completions and chat, streamed and not, some with ``n`` > 1 and stop strings;
+* careless ones (10 %): a stream dropped after a few chunks;
+* hostile ones (5 %): huge numbers, NaN, a 10 MB body, JSON nested 100 000 deep, unknown fields,
+  invalid UTF-8, a prompt 100x the context, an unknown model;
+* bursts at 5x what the server can hold (running + queued), which it must refuse with 503 and
+  ``Retry-After``.
+
+Then it waits for the server to go idle and checks:
+
+* every answer was one the request deserved (200 for good ones, the right 4xx for hostile
+  ones, 503 with Retry-After only as backpressure, no other 5xx, no hang, no broken stream);
+  a good answer obeys the request (``n`` choices, no stop string in the text);
+* every accepted request either completed or was aborted by its own client, by the server's own
+  count (``pagedllm:request_success_total``);
+* the KV cache is empty again and the block pool's invariants hold (``/v1/engine/state?check=true``);
+* after warm-up, RSS stays within 5 % of what it was at the end of warm-up (the KV cache is
+  made resident at start-up, ``--kv-cache-prefault``, so RSS measures everything else), and
+  file descriptors and threads, idle before and idle after, do not grow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORDS = ("the river town market old bridge morning light quiet street bakery window children garden "
+         "story about a small dog who learned to read letters from the sea captain evening rain "
+         "mountain path winter fire kitchen table song friend journey home lantern harbour").split()
+STOPS = ["\n", " the", "."]
+GOOD_KINDS = ("complete", "chat", "stream", "n_stop")
+HOSTILE = ("huge_max_tokens", "huge_logprobs", "nan", "huge_body", "deep_json", "unknown_field", "invalid_utf8",
+           "long_prompt", "huge_n", "negative_temperature", "unknown_model")
+# the other hostile requests get 400; a max_tokens of 10**18 is cut to the context, as in vLLM, and answered
+_EXPECTED = {"huge_body": {413}, "unknown_model": {404}, "huge_max_tokens": {200}}
+
+
+@dataclass
+class SoakConfig:
+    minutes: float = 3.0
+    seed: int = 0
+    clients: int = 8
+    warmup_fraction: float = 0.25
+    burst_every_s: float = 30.0
+    burst_factor: int = 5
+    max_num_seqs: int = 16
+    max_queue_len: int = 16
+    max_model_len: int = 256
+    max_tokens: int = 48
+    kv_cache_bytes: int = 1 << 30
+    rss_tolerance: float = 0.05
+    idle_settle_s: float = 12.0  # idle threads of the server's thread pools exit after 10 s
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)  # (kind, outcome) -> count
+    problems: list[str] = field(default_factory=list)
+    completed: int = 0  # accepted and answered in full
+    client_aborted: int = 0  # accepted, then dropped by its client on purpose
+    rejected_503: int = 0
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < 50:
+            self.problems.append(text)
+        self.outcomes[("problem", text.split(":")[0])] += 1
+
+
+def _prompt(rng: random.Random, lo: int = 4, hi: int = 40) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+class Soak:
+    def __init__(self, url: str, model: str, config: SoakConfig, headers: dict | None = None):
+        self.url, self.model, self.c = url, model, config
+        self.headers = headers or {}
+        self.tally = Tally()
+        self.end = 0.0
+
+    # -- one request of each kind ------------------------------------------------------------------
+    async def _good(self, client, rng: random.Random, kind: str) -> None:
+        chat = rng.random() < 0.4
+        body: dict = {"model": self.model, "max_tokens": rng.randint(1, self.c.max_tokens),
+                      "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1 << 30)}
+        if chat:
+            body["messages"] = [{"role": "user", "content": _prompt(rng)}]
+        else:
+            body["prompt"] = _prompt(rng)
+        n = 1
+        if kind == "n_stop":
+            n = rng.randint(2, 4)
+            body.update(n=n, stop=STOPS)
+        stream = kind == "stream" or (kind == "n_stop" and rng.random() < 0.5)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        if not stream:
+            r = await client.post(self.url + path, json=body, headers=self.headers)
+            if not self._status_ok(kind, r):
+                return
+            choices = r.json()["choices"]
+            texts = [(c["message"]["content"] if chat else c["text"]) or "" for c in choices]
+            self._check_answer(kind, n, texts, [c["finish_reason"] for c in choices])
+            return
+        body["stream"] = True
+        async with client.stream("POST", self.url + path, json=body, headers=self.headers) as r:
+            if not self._status_ok(kind, r):
+                await r.aread()
+                return
+            texts, reasons, done = [""] * n, [None] * n, False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.tally.problem(f"stream error event: {chunk['error']}")
+                    return
+                for c in chunk["choices"]:
+                    piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                    texts[c["index"]] += piece or ""
+                    reasons[c["index"]] = c.get("finish_reason") or reasons[c["index"]]
+            if not done:
+                self.tally.problem(f"{kind}: stream ended without [DONE]")
+                return
+            self._check_answer(kind, n, texts, reasons)
+
+    def _status_ok(self, kind: str, r) -> bool:
+        if r.status_code == 200:
+            return True
+        if r.status_code == 503 and r.headers.get("retry-after"):
+            self.tally.rejected_503 += 1
+            self.tally.outcomes[(kind, "503")] += 1
+        else:
+            self.tally.problem(f"{kind}: HTTP {r.status_code}")
+        return False
+
+    def _check_answer(self, kind: str, n: int, texts: list[str], reasons: list) -> None:
+        if len(texts) != n or any(reason not in ("stop", "length") for reason in reasons):
+            self.tally.problem(f"{kind}: {len(texts)} choices for n={n}, finish reasons {reasons}")
+        elif kind == "n_stop" and any(s in t for t in texts for s in STOPS):
+            self.tally.problem(f"{kind}: a stop string in the output {texts}")
+        else:
+            self.tally.completed += 1
+            self.tally.outcomes[(kind, "200")] += 1
+
+    async def _disconnect(self, client, rng: random.Random) -> None:
+        body = {"model": self.model, "prompt": _prompt(rng), "max_tokens": self.c.max_tokens, "stream": True,
+                "ignore_eos": True, "temperature": 0.8}
+        after = rng.randint(1, 5)
+        async with client.stream("POST", self.url + "/v1/completions", json=body, headers=self.headers) as r:
+            if not self._status_ok("disconnect", r):
+                await r.aread()
+                return
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= after:
+                        break  # leaving the block drops the connection mid-stream
+        self.tally.client_aborted += 1
+        self.tally.outcomes[("disconnect", "dropped")] += 1
+
+    async def _hostile(self, client, rng: random.Random) -> None:
+        what = rng.choice(HOSTILE)
+        base = {"model": self.model, "prompt": "hello", "max_tokens": 4}
+        raw: bytes
+        if what == "huge_max_tokens":
+            raw = json.dumps({**base, "max_tokens": 10**18, "ignore_eos": True}).encode()
+        elif what == "huge_logprobs":
+            raw = json.dumps({**base, "logprobs": 10**9}).encode()
+        elif what == "nan":
+            raw = json.dumps({**base, "temperature": float("nan")}).encode()  # Python writes the NaN literal
+        elif what == "huge_body":
+            raw = json.dumps({**base, "prompt": "x" * (10 << 20)}).encode()
+        elif what == "deep_json":
+            raw = b"[" * 100_000 + b"]" * 100_000
+        elif what == "unknown_field":
+            raw = json.dumps({**base, "definitely_not_a_field": 1}).encode()
+        elif what == "invalid_utf8":
+            raw = b'{"model": "x", "prompt": "\xff\xfe\xfd"}'
+        elif what == "long_prompt":
+            raw = json.dumps({**base, "prompt": "word " * (100 * self.c.max_model_len)}).encode()
+        elif what == "huge_n":
+            raw = json.dumps({**base, "n": 10**9}).encode()
+        elif what == "negative_temperature":
+            raw = json.dumps({**base, "temperature": -1}).encode()
+        else:
+            raw = json.dumps({**base, "model": "no-such-model"}).encode()
+        r = await client.post(self.url + "/v1/completions", content=raw,
+                              headers={**self.headers, "content-type": "application/json"})
+        want = _EXPECTED.get(what, {400})
+        if r.status_code == 200 == min(want):  # accepted: it must cost no more than any request may
+            usage = r.json()["usage"]
+            if usage["prompt_tokens"] + usage["completion_tokens"] > self.c.max_model_len:
+                self.tally.problem(f"hostile {what}: {usage} is over the context")
+            else:
+                self.tally.completed += 1
+                self.tally.outcomes[("hostile", what)] += 1
+        elif r.status_code in want:
+            self.tally.outcomes[("hostile", what)] += 1
+        elif r.status_code == 503 and r.headers.get("retry-after"):
+            self.tally.rejected_503 += 1
+        else:
+            self.tally.problem(f"hostile {what}: HTTP {r.status_code}, wanted {sorted(want)}: {r.text[:200]}")
+
+    async def _one(self, client, rng: random.Random) -> None:
+        x = rng.random()
+        kind = ("hostile" if x < 0.05 else "disconnect" if x < 0.15 else "n_stop" if x < 0.30
+                else "stream" if x < 0.55 else "chat" if x < 0.70 else "complete")
+        try:
+            if kind == "hostile":
+                await self._hostile(client, rng)
+            elif kind == "disconnect":
+                await self._disconnect(client, rng)
+            else:
+                await self._good(client, rng, kind)
+        except Exception as e:  # noqa: BLE001 -- a reset, a timeout (a hang), a malformed answer
+            self.tally.problem(f"{kind}: {type(e).__name__}: {e}")
+
+    async def _client(self, client, i: int) -> None:
+        rng = random.Random(self.c.seed * 1000 + i)
+        while time.monotonic() < self.end:
+            await self._one(client, rng)
+
+    async def _bursts(self, client) -> None:
+        rng = random.Random(self.c.seed * 1000 - 1)
+        size = self.c.burst_factor * (self.c.max_num_seqs + self.c.max_queue_len)
+        while time.monotonic() + self.c.burst_every_s < self.end:
+            await asyncio.sleep(self.c.burst_every_s)
+            rngs = [random.Random(rng.random()) for _ in range(size)]
+            await asyncio.gather(*(self._burst_one(client, r) for r in rngs))
+
+    async def _burst_one(self, client, rng: random.Random) -> None:
+        try:
+            await self._good(client, rng, "burst")
+        except Exception as e:  # noqa: BLE001
+            self.tally.problem(f"burst: {type(e).__name__}: {e}")
+
+    async def run(self, seconds: float) -> None:
+        import httpx
+
+        self.end = time.monotonic() + seconds
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+            await asyncio.gather(self._bursts(client), *(self._client(client, i) for i in range(self.c.clients)))
+
+
+# -- the server process and what it holds ---------------------------------------------------------------
+
+def proc_stats(pid: int) -> dict:
+    status = Path(f"/proc/{pid}/status").read_text()
+    get = lambda key: int(re.search(rf"^{key}:\s+(\d+)", status, re.M).group(1))  # noqa: E731
+    return {"rss_mib": get("VmRSS") / 1024, "threads": get("Threads"), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+class Sampler:
+    """The server's RSS, fds and threads every ``every`` seconds, on a thread of its own."""
+
+    def __init__(self, pid: int, every: float = 1.0):
+        import threading
+
+        self.pid, self.every, self.samples = pid, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append((time.monotonic(), proc_stats(self.pid)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _metric_sum(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _finished_counts(url: str) -> dict:
+    import httpx
+
+    text = httpx.get(url + "/metrics").text
+    name = "pagedllm:request_success_total"
+    return {r: _metric_sum(text, name, finished_reason=r) for r in ("stop", "length", "abort")}
+
+
+def wait_idle(url: str, headers: dict, timeout: float = 120.0) -> dict:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(url + "/v1/engine/state", params={"check": "true"}, headers=headers, timeout=30).json()
+        if state["num_running"] == 0 and state["num_waiting"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+def start_server(model: str, config: SoakConfig, extra: list[str], log) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the KV cache resident from the start (--kv-cache-prefault), so RSS measures everything else: without
+    # it, pages of the cache become resident as the free queue first hands out each block, which looks
+    # like steady growth until the whole cache has been used once
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port),
+           "--max-num-seqs", str(config.max_num_seqs), "--max-queue-len", str(config.max_queue_len),
+           "--max-model-len", str(config.max_model_len), "--kv-cache-memory", str(config.kv_cache_bytes),
+           "--kv-cache-prefault", "--uvicorn-log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not become healthy in 600 s")
+
+
+def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str = "soak") -> dict:
+    """Start a server on ``model``, soak it, stop it; the report (``report["problems"]`` empty when it held)."""
+    import httpx
+
+    log = tempfile.TemporaryFile(mode="w+")
+    proc, url = start_server(model, config, ["--served-model-name", served_name, *extra], log)
+    headers: dict = {}
+    try:
+        soaker = Soak(url, served_name, config, headers)
+        total = config.minutes * 60
+        warmup = total * config.warmup_fraction
+        asyncio.run(soaker.run(warmup))  # warm-up: every path taken once, caches and pools grown
+        wait_idle(url, headers)
+        time.sleep(config.idle_settle_s)
+        idle_before = proc_stats(proc.pid)
+        finished_before = _finished_counts(url)
+        accepted_before = soaker.tally.completed + soaker.tally.client_aborted
+        sampler = Sampler(proc.pid)
+        t_main = time.monotonic()
+        asyncio.run(soaker.run(total - warmup))
+        state = wait_idle(url, headers)
+        sampler.stop()
+        time.sleep(config.idle_settle_s)
+        idle_after = proc_stats(proc.pid)
+        finished_after = _finished_counts(url)
+        final = httpx.post(url + "/v1/completions", json={"model": served_name, "prompt": "still there?",
+                                                          "max_tokens": 4}, timeout=60)
+    finally:
+        proc.terminate()
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = None
+    t = soaker.tally
+    problems = list(t.problems)
+    # the server's own count: every request accepted in the main phase finished or was aborted by its client
+    accepted = t.completed + t.client_aborted - accepted_before
+    done = {k: finished_after[k] - finished_before[k] for k in finished_after}
+    if done["stop"] + done["length"] + done["abort"] != accepted:
+        problems.append(f"the server finished {done} requests, the clients had {accepted} accepted")
+    if done["abort"] > t.client_aborted:
+        problems.append(f"the server aborted {done['abort']} requests, the clients dropped {t.client_aborted}")
+    leaked = state["blocks"]["used"] + state["blocks"]["shared"]
+    if state["num_running"] or state["num_waiting"] or leaked or state["kv_cache_usage"] != 0:
+        problems.append(f"not idle at the end: {state['num_running']} running, {state['num_waiting']} waiting, "
+                        f"{leaked} blocks held")
+    if state.get("invariants") != "ok":
+        problems.append(f"block pool invariants: {state.get('invariants')}")
+    rss = [s["rss_mib"] for _, s in sampler.samples]
+    step = max(1, len(rss) // 12)
+    timeline = [[round(t - t_main), round(s["rss_mib"])] for t, s in sampler.samples[::step]]
+    peak_rss = max(rss + [idle_after["rss_mib"]])
+    if peak_rss > idle_before["rss_mib"] * (1 + config.rss_tolerance):
+        problems.append(f"RSS grew from {idle_before['rss_mib']:.0f} MiB to a peak of {peak_rss:.0f} MiB")
+    for key in ("fds", "threads"):
+        if idle_after[key] > idle_before[key]:
+            problems.append(f"{key}: {idle_before[key]} idle before, {idle_after[key]} idle after")
+    if final.status_code != 200:
+        problems.append(f"a request after the soak got HTTP {final.status_code}")
+    if code != 0:
+        problems.append(f"the server exited with {code} on SIGTERM")
+    bursts_503 = t.outcomes.get(("burst", "503"), 0)
+    if config.minutes * 60 * (1 - config.warmup_fraction) > config.burst_every_s and bursts_503 == 0:
+        problems.append("no burst was refused with 503: the bursts did not exceed the server's capacity")
+    five_xx = sum(v for (kind, what), v in t.outcomes.items() if kind == "problem" and "HTTP 5" in what)
+    return {
+        "minutes": config.minutes, "seed": config.seed, "clients": config.clients,
+        "requests": sum(v for (kind, _), v in t.outcomes.items() if kind != "problem") + len(t.problems),
+        "completed": t.completed, "client_aborted": t.client_aborted, "rejected_503": t.rejected_503,
+        "server_finished_main_phase": done, "unexpected_5xx": five_xx,
+        "outcomes": {f"{k}/{v}": n for (k, v), n in sorted(t.outcomes.items())},
+        "rss_mib": {"idle_after_warmup": idle_before["rss_mib"], "peak": peak_rss,
+                    "idle_at_end": idle_after["rss_mib"], "timeline": timeline},
+        "fds": {"before": idle_before["fds"], "after": idle_after["fds"]},
+        "threads": {"before": idle_before["threads"], "after": idle_after["threads"]},
+        "leaked_blocks": leaked, "invariants": state.get("invariants"),
+        "main_phase_s": round(time.monotonic() - t_main, 1),
+        "problems": problems,
+    }
+
+
+def add_parser(sub) -> None:
+    from pagedllm.entrypoints.cli import add_command
+
+    p = add_command(sub, "soak", help="run a server under sustained abuse and check it lost and leaked nothing")
+    p.add_argument("model", nargs="?", default=None, help="model to serve (default: the embedded SmolLM2)")
+    p.add_argument("--minutes", type=float, default=30.0, help="how long, warm-up included")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, each sending one request at a time")
+    p.add_argument("--burst-every", type=float, default=30.0, help="seconds between bursts")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="the server's --max-num-seqs")
+    p.add_argument("--max-queue-len", type=int, default=16, help="the server's --max-queue-len")
+    p.add_argument("--max-model-len", type=int, default=512, help="the server's --max-model-len")
+    p.add_argument("--server-arg", action="append", default=[], help="one more argument for pagedllm serve")
+    p.add_argument("--result-file", default=None, help="write the JSON report here")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    model = args.model
+    if model is None:
+        from pagedllm.model_loader.resolve import default_model_path
+
+        model = default_model_path()
+    config = SoakConfig(minutes=args.minutes, seed=args.seed, clients=args.clients, burst_every_s=args.burst_every,
+                        max_num_seqs=args.max_num_seqs, max_queue_len=args.max_queue_len,
+                        max_model_len=args.max_model_len)
+    report = soak(model, config, args.server_arg)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.result_file:
+        Path(args.result_file).write_text(text)
+    return 0 if not report["problems"] else 1

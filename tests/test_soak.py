@@ -1,0 +1,25 @@
+"""The soak test, short: three minutes of a seeded mix of good, careless and hostile clients and bursts past
+capacity, against a live server on a tiny model; then nothing lost, nothing leaked
+(`pagedllm bench soak --minutes 30` is the long run; its figures are in the README)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pagedllm.benchmarks.soak import SoakConfig, soak
+
+
+def test_three_minute_soak_loses_and_leaks_nothing(tiny_model_factory):
+    minutes = float(os.environ.get("PAGEDLLM_SOAK_MINUTES", "3"))
+    config = SoakConfig(minutes=minutes, seed=0, clients=8, burst_every_s=min(30.0, minutes * 60 / 5))
+    report = soak(str(tiny_model_factory("llama")), config)
+    print(json.dumps(report, indent=2))
+    assert report["problems"] == [], json.dumps(report, indent=2)
+    out = report["outcomes"]
+    # every part of the mix happened, and backpressure answered the bursts
+    for kind in ("complete/200", "chat/200", "stream/200", "n_stop/200", "disconnect/dropped", "burst/503"):
+        assert out.get(kind, 0) > 0, kind
+    assert sum(v for k, v in out.items() if k.startswith("hostile/")) >= 5
+    assert report["rejected_503"] > 0 and report["unexpected_5xx"] == 0 and report["leaked_blocks"] == 0
+    assert report["completed"] > 100 and report["client_aborted"] > 10
