@@ -145,7 +145,7 @@ def _agreement(ref: list[list[int]], ours: list[list[int]]) -> float:
 _PROMPTS = [[(37 * i + 11 * j) % 5000 + 100 for j in range(5 + 9 * i)] for i in range(6)]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_engine_matches_its_dequantized_reference(tiny_model_factory, name, method):
     """End to end (prefill through BLAS, decode through the kernels, the int8 head): the same greedy

@@ -60,6 +60,15 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=32, tie_word_embeddings=False)),
+    # Mixture of Experts: 8 experts, 2 per token (renormalised); Qwen2-MoE with a shared expert and raw
+    # top-k weights; Qwen3-MoE renormalised, with a dense layer 0 (mlp_only_layers)
+    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                      tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                         tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=True)),
 }
 TINY_MODEL_NAMES = list(TINY_MODELS)
 

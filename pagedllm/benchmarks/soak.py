@@ -448,6 +448,9 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     model = args.model
     if model is None:
         from pagedllm.model_loader.resolve import default_model_path

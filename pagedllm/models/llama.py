@@ -1,4 +1,6 @@
-"""The Llama family, config-driven: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), SmolLM2.
+"""The Llama family, config-driven: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), SmolLM2, and the
+Mixture-of-Experts members Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE (their sparse blocks in
+:mod:`pagedllm.layers.fused_moe`).
 
 Projections are fused (q|k|v and gate|up) so each layer runs two big matmuls
 instead of five; :meth:`LlamaForCausalLM.load_weights` maps transformers'
@@ -68,14 +70,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism."""
 
-    def __init__(self, cfg: Any, ps: ParallelState | None = None):
+    def __init__(self, cfg: Any, ps: ParallelState | None = None, intermediate_size: int | None = None):
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu'")
         bias = getattr(cfg, "mlp_bias", False)
         self.ps = ps or ParallelState()
-        self.intermediate = cfg.intermediate_size // self.ps.tp_size
+        self.intermediate = (intermediate_size or cfg.intermediate_size) // self.ps.tp_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
@@ -90,10 +92,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
-                 ps: ParallelState | None = None):
+                 ps: ParallelState | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, qk_norm, sliding_window, ps)
-        self.mlp = LlamaMLP(cfg, ps)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, ps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -132,14 +134,14 @@ class LlamaForCausalLM(nn.Module):
         partial = getattr(cfg, "partial_rotary_factor", 1.0)
         if partial not in (None, 1.0):
             raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
-        qkv_bias = getattr(cfg, "attention_bias", False) or self.qkv_bias_default
+        qkv_bias = getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", self.qkv_bias_default)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.start_layer, end = stage_layers(cfg.num_hidden_layers, ps.pp_size, ps.pp_rank)
         # the first stage embeds; the last needs the embedding too when it is the (tied) head
         needs_embedding = ps.is_first_stage or (ps.is_last_stage and self.tie_word_embeddings)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps) if needs_embedding else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i), ps)
+            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i), ps, self._mlp(cfg, i, ps))
             for i in range(self.start_layer, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
@@ -147,6 +149,10 @@ class LlamaForCausalLM(nn.Module):
         untied_head = ps.is_last_stage and not self.tie_word_embeddings
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, ps)[1], bias=False) \
             if untied_head else None
+
+    def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block (the MoE families return their sparse block)."""
+        return LlamaMLP(cfg, ps)
 
     def _sliding_window(self, cfg: Any, i: int) -> int | None:
         window = getattr(cfg, "sliding_window", None)
@@ -253,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = self._checkpoint_name(name.removeprefix("model."))
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and getattr(self, "lm_head", None) is None:
@@ -267,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
                 fused, shard = self._FUSED[module]
                 target = ".".join(parts[:-2] + [fused, kind])
                 param = params[target]
-                offset, size = self._shard_range(fused, shard)
+                offset, size = self._shard_range(fused, shard, param)
                 param.data[offset:offset + size].copy_(self._take(module, kind, tensor))
                 loaded.add(f"{target}#{shard}")
                 continue
@@ -318,12 +324,16 @@ class LlamaForCausalLM(nn.Module):
                 out[module] = (kinds.pop(), tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
         return out
 
-    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+    def _checkpoint_name(self, name: str) -> str:
+        """A checkpoint's weight name in this family's terms (Mixtral renames its experts' weights)."""
+        return name
+
+    def _shard_range(self, fused: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
         if fused == "qkv_proj":
             a = self.layers[0].self_attn
             sizes = [a.q_size, a.kv_size, a.kv_size]
-        else:
-            sizes = [self.layers[0].mlp.intermediate] * 2
+        else:  # gate | up, of whichever MLP (dense, expert or shared expert) this is
+            sizes = [param.shape[0] // 2] * 2
         return sum(sizes[:shard]), sizes[shard]
 
     def _expected_loads(self, params: dict[str, nn.Parameter]) -> list[str]:
@@ -372,3 +382,48 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Every layer a sparse block of ``num_local_experts`` experts, top-``num_experts_per_tok`` routing
+    renormalised over the chosen experts."""
+    sliding_window_by_default = True
+
+    def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
+        from pagedllm.layers.fused_moe import FusedMoE
+
+        return FusedMoE(cfg, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
+                        renormalize=True, ps=ps)
+
+    _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+    def _checkpoint_name(self, name: str) -> str:
+        parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
+        if len(parts) >= 2 and parts[-2] in self._MIXTRAL_NAMES and "experts" in parts:
+            parts[-2] = self._MIXTRAL_NAMES[parts[-2]]
+        return ".".join(parts)
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Sparse layers (every ``decoder_sparse_step``-th, except ``mlp_only_layers``) route to
+    ``num_experts`` experts and add a shared expert gated by a sigmoid; QKV biases as Qwen2."""
+    qkv_bias_default = True
+    shared_expert = True
+
+    def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
+        from pagedllm.layers.fused_moe import FusedMoE
+
+        sparse = (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
+                  and cfg.num_experts > 0 and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0)
+        if not sparse:
+            return LlamaMLP(cfg, ps)
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0) if self.shared_expert else 0
+        return FusedMoE(cfg, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                        renormalize=bool(getattr(cfg, "norm_topk_prob", False)), shared_intermediate=shared, ps=ps)
+
+
+class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    """Qwen2-MoE's layout without the shared expert, with Qwen3's q/k norms and no QKV bias."""
+    qkv_bias_default = False
+    qk_norm = True
+    shared_expert = False

@@ -19,12 +19,16 @@ _BUILTIN = {
     "MistralForCausalLM": "pagedllm.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "pagedllm.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pagedllm.models.llama:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "pagedllm.models.llama:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "pagedllm.models.llama:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedllm.models.llama:Qwen3MoeForCausalLM",
 }
 
 
 # configs without `architectures` (e.g. built from GGUF metadata) are matched by model_type
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class _ModelRegistry:
