@@ -71,6 +71,10 @@ class ParallelConfig:
     distributed_executor_backend: Literal["uniproc", "mp", "ray"] | None = _f(
         None, "How the tp x pp workers are started: 'mp' (processes on this node; the default above one "
         "worker), 'ray' (Ray actors across a Ray cluster's nodes), or 'uniproc' (in-process; one worker only).")
+    enable_expert_parallel: bool = _f(False, "Mixture-of-Experts models under tensor parallelism: each rank holds "
+                                      "1/tp of the experts whole (and runs them for every token) instead of a "
+                                      "slice of every expert; the partial outputs are summed by the all-reduce "
+                                      "the layer needs anyway.")
     data_parallel_size: int = _f(1, "Engine replicas, each its own process (with its own tp x pp workers), behind "
                                     "one API server that balances them (`pagedllm serve`).")
 

@@ -252,3 +252,18 @@ def test_server_with_a_dead_worker_fails_fast_and_sigterm_stops_every_worker(qwe
             assert late.status_code == 503 and time.monotonic() - t0 < 5
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_expert_parallel_matches_single_process(tiny_model_factory, name: str) -> None:
+    """--enable-expert-parallel at tp=2: each rank holds 4 of the 8 experts whole (rank 0 the shared expert),
+    attention and qwen3_moe's dense layer 0 split as usual; the same tokens as one process."""
+    model = tiny_model_factory(name)
+    ref, _ = _run(model)
+    got, _ = _run(model, tensor_parallel_size=2, enable_expert_parallel=True)
+    _assert_same(ref, got)
+
+
+def test_tensor_parallel_moe_without_expert_parallel_is_refused(tiny_model_factory) -> None:
+    with pytest.raises(InvalidParameterError, match="enable_expert_parallel"):
+        LLM(str(tiny_model_factory("mixtral")), tensor_parallel_size=2)

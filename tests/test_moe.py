@@ -91,9 +91,9 @@ def test_int4_quantizes_the_experts_but_not_the_router(tiny_model_factory):
         assert type(router) is RouterLinear and router.weight.dtype == torch.float32
 
 
-def test_tensor_parallel_moe_is_refused_clearly():
+def test_tensor_parallel_moe_without_expert_parallel_is_refused_clearly():
     class Cfg:
         hidden_size, intermediate_size, hidden_act = 16, 32, "silu"
 
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported for Mixture-of-Experts"):
+    with pytest.raises(UnsupportedModelError, match="needs enable_expert_parallel"):
         FusedMoE(Cfg, 4, 2, 8, True, ps=ParallelState(tp_size=2))

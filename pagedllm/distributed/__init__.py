@@ -33,6 +33,7 @@ class ParallelState:
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's ranks (None when tp_size == 1)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # bytes this rank put into each kind of communication (its payloads, not the wire's overhead)
+    expert_parallel: bool = False  # MoE layers shard experts across the TP ranks (enable_expert_parallel)
     bytes_all_reduced: int = 0
     bytes_gathered: int = 0
     bytes_sent: int = 0
@@ -142,8 +143,16 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
-def check_parallel_fits(hf_config: Any, tp_size: int, pp_size: int) -> None:
+def check_parallel_fits(hf_config: Any, tp_size: int, pp_size: int, expert_parallel: bool = False) -> None:
     """A clear start-up error where the model cannot be split this way."""
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
+    if experts and tp_size > 1 and not expert_parallel:
+        raise InvalidParameterError(
+            f"tensor parallelism of a Mixture-of-Experts model needs enable_expert_parallel "
+            f"(--enable-expert-parallel): its {experts} experts are shared out whole", "enable_expert_parallel")
+    if experts and experts % tp_size:
+        raise InvalidParameterError(f"tensor_parallel_size={tp_size} does not divide the model's {experts} experts",
+                                    "tensor_parallel_size")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     layers = hf_config.num_hidden_layers

@@ -57,7 +57,8 @@ class LLMEngine:
         if pc.world_size > 1:
             from pagedllm.distributed import check_parallel_fits
 
-            check_parallel_fits(self.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+            check_parallel_fits(self.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                                pc.enable_expert_parallel)
         self.lora_cache = self._lora_cache()
         self._lora_ids: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path): one adapter per id
         self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages, self.lora_cache)

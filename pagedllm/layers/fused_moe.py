@@ -44,18 +44,26 @@ class FusedMoE(nn.Module):
         super().__init__()
         from pagedllm.models.llama import LlamaMLP
 
-        ps = ps or ParallelState()
-        if ps.tp_size > 1:
-            raise UnsupportedModelError("tensor parallelism is not supported for Mixture-of-Experts models yet "
-                                        "(expert parallelism is planned); use pipeline or data parallelism")
+        self.ps = ps = ps or ParallelState()
+        if ps.tp_size > 1 and not ps.expert_parallel:
+            raise UnsupportedModelError("tensor parallelism of a Mixture-of-Experts model needs "
+                                        "enable_expert_parallel (its experts are shared out whole)")
         if not 0 < top_k <= num_experts:
             raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        if num_experts % ps.tp_size:
+            raise UnsupportedModelError(f"{ps.tp_size} expert-parallel ranks do not divide {num_experts} experts")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        # expert parallelism: this rank holds experts [first, first + local) whole; every rank routes every
+        # token (its input is replicated after attention's all-reduce), runs the pairs of its own experts,
+        # and one all-reduce sums the ranks' partial outputs. Rank 0 adds the shared expert.
+        self.num_local = num_experts // ps.tp_size
+        self.first_expert = ps.tp_rank * self.num_local
         self.gate = RouterLinear(cfg.hidden_size, num_experts)
         self.experts = nn.ModuleList(LlamaMLP(cfg, intermediate_size=intermediate_size)
-                                     for _ in range(num_experts))
-        self.shared_expert = LlamaMLP(cfg, intermediate_size=shared_intermediate) if shared_intermediate else None
-        self.shared_expert_gate = RouterLinear(cfg.hidden_size, 1) if shared_intermediate else None
+                                     for _ in range(self.num_local))
+        shared_here = shared_intermediate and ps.tp_rank == 0
+        self.shared_expert = LlamaMLP(cfg, intermediate_size=shared_intermediate) if shared_here else None
+        self.shared_expert_gate = RouterLinear(cfg.hidden_size, 1) if shared_here else None
         self.expert_calls = 0  # expert matmul groups run so far (a test counts them: one per expert per step)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +80,13 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         rows = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        lo = sum(counts[:self.first_expert])  # this rank's experts' pairs are one contiguous run
+        hi = lo + sum(counts[self.first_expert:self.first_expert + self.num_local])
+        order, rows = order[lo:hi], rows[lo:hi]
         gathered = x.index_select(0, rows)
         out = torch.empty_like(gathered)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts[self.first_expert:self.first_expert + self.num_local]):
             if n:
                 out[start:start + n] = self.experts[e](gathered[start:start + n])
                 self.expert_calls += 1
@@ -84,4 +95,4 @@ class FusedMoE(nn.Module):
         y = torch.zeros_like(x).index_add_(0, rows, out)
         if self.shared_expert is not None:
             y += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return self.ps.all_reduce(y)

@@ -218,14 +218,18 @@ class LlamaForCausalLM(nn.Module):
             return name if getattr(self, module, None) is not None else None
         return name
 
-    def _tp_slice(self, module: str, kind: str) -> tuple[int, int, int] | str | None:
+    def _tp_slice(self, module: str, kind: str, name: str = "") -> tuple[int, int, int] | str | None:
         """This rank's part of a checkpoint tensor as ``(dim, start, length)``; ``"rank0"`` for a
-        row-parallel bias (added once, after the all-reduce); None where every rank holds all of it."""
+        row-parallel bias (added once, after the all-reduce); None where every rank holds all of it.
+        ``name`` (this stage's name of the weight) tells a dense MLP's projections from an expert's."""
         ps = self.ps
         if ps.tp_size == 1:
             return None
+        if ".experts." in name or ".shared_expert." in name:
+            return None  # expert parallelism: an expert lives whole on the rank that holds it
         a = self.layers[0].self_attn
-        mlp = self.layers[0].mlp
+        parts = name.split(".")
+        mlp = self.layers[int(parts[1])].mlp if name.startswith("layers.") else self.layers[0].mlp
         r = ps.tp_rank
         if module == "q_proj":
             return 0, r * a.q_size, a.q_size
@@ -243,9 +247,9 @@ class LlamaForCausalLM(nn.Module):
             return 0, start, min(per_rank, self.config.vocab_size - start)
         return None
 
-    def _take(self, module: str, kind: str, tensor: Any) -> torch.Tensor:
+    def _take(self, module: str, kind: str, tensor: Any, name: str = "") -> torch.Tensor:
         """This rank's part of ``tensor`` (a tensor, or a lazy checkpoint slice with ``narrow``)."""
-        part = self._tp_slice(module, kind)
+        part = self._tp_slice(module, kind, name)
         if part == "rank0":
             full = _materialize(tensor)
             return full if self.ps.tp_rank == 0 else torch.zeros_like(full)
@@ -274,12 +278,12 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join(parts[:-2] + [fused, kind])
                 param = params[target]
                 offset, size = self._shard_range(fused, shard, param)
-                param.data[offset:offset + size].copy_(self._take(module, kind, tensor))
+                param.data[offset:offset + size].copy_(self._take(module, kind, tensor, name))
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
                 raise UnsupportedModelError(f"checkpoint has unexpected weight {name!r} for {type(self).__name__}")
-            tensor = self._take(module, kind, tensor)
+            tensor = self._take(module, kind, tensor, name)
             param = params[name]
             if module in ("embed_tokens", "lm_head") and self.ps.tp_size > 1:  # the last shard may be padded
                 param.data.zero_()
@@ -312,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
             if local is None:
                 continue
             module = local.removesuffix(".weight").split(".")
-            block = (kind, _slice_block(tensors, self._tp_slice(leaf, "weight")))
+            block = (kind, _slice_block(tensors, self._tp_slice(leaf, "weight", local)))
             fused, shard = self._FUSED.get(module[-1], (module[-1], 0))
             shards.setdefault(".".join(module[:-1] + [fused]), {})[shard] = block
         out = {}
@@ -384,7 +388,29 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class _MoEWeights:
+    """Under expert parallelism a rank loads only its own experts (renumbered from 0), and only rank 0
+    the shared expert."""
+
+    def _local_name(self, name: str) -> str | None:
+        name = super()._local_name(name)
+        if name is None or ".mlp." not in name or self.ps.tp_size == 1:
+            return name
+        parts = name.split(".")
+        if "shared_expert" in parts or "shared_expert_gate" in parts:
+            return name if self.ps.tp_rank == 0 else None
+        if "experts" in parts:
+            i = parts.index("experts") + 1
+            total = getattr(self.config, "num_local_experts", None) or self.config.num_experts
+            local = total // self.ps.tp_size
+            e = int(parts[i]) - self.ps.tp_rank * local
+            if not 0 <= e < local:
+                return None
+            parts[i] = str(e)
+        return ".".join(parts)
+
+
+class MixtralForCausalLM(_MoEWeights, LlamaForCausalLM):
     """Every layer a sparse block of ``num_local_experts`` experts, top-``num_experts_per_tok`` routing
     renormalised over the chosen experts."""
     sliding_window_by_default = True
@@ -404,7 +430,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return ".".join(parts)
 
 
-class Qwen2MoeForCausalLM(LlamaForCausalLM):
+class Qwen2MoeForCausalLM(_MoEWeights, LlamaForCausalLM):
     """Sparse layers (every ``decoder_sparse_step``-th, except ``mlp_only_layers``) route to
     ``num_experts`` experts and add a shared expert gated by a sigmoid; QKV biases as Qwen2."""
     qkv_bias_default = True

@@ -42,6 +42,7 @@ class Worker:
         self.stages = stages if stages is not None else {}
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.ps = ParallelState() if tp * pp == 1 else init_distributed(tp, pp, rank, init_method, self.device)
+        self.ps.expert_parallel = pc.enable_expert_parallel
         self.model: torch.nn.Module | None = None
         self.draft: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
