@@ -27,6 +27,9 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ModelConfig:
     model: str | None = _f(None, "Path to an HF directory or .gguf file, or an HF repo id already in the local cache. Default: the embedded SmolLM2-135M-Instruct.", positional=True)
     tokenizer: str | None = _f(None, "Tokenizer path; defaults to the model's own.")
+    runner: Literal["auto", "generate", "pooling"] = _f(
+        "auto", "'generate' (text generation) or 'pooling' (embeddings and scores: llm.embed / llm.score, "
+        "/v1/embeddings); 'auto' picks pooling for encoder models (BertModel).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Weight and activation dtype. 'auto' is float32 on CPU and the checkpoint's dtype (or bfloat16) on CUDA.")
     max_model_len: int | None = _f(None, "Context length (prompt + output). Defaults to the model's, capped to what the KV cache can hold.")
     served_model_name: str | None = _f(None, "Name reported in outputs and the API. Defaults to the model argument.")

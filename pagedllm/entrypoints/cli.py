@@ -133,7 +133,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         with open(chat_template) as f:
             chat_template = f.read()
 
-    def factory() -> LLMEngine:
+    from pagedllm.engine.pooling import PoolingEngine, is_pooling_config
+
+    pooling = is_pooling_config(config)
+
+    def factory() -> LLMEngine | PoolingEngine:
+        if pooling:
+            return PoolingEngine(config)
         engine = LLMEngine(config)
         if chat_template is not None:
             engine.tokenizer.chat_template = chat_template
@@ -336,10 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = add_command(sub, "bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from pagedllm.benchmarks import offline as bench_offline
     from pagedllm.benchmarks import serve as bench_serve
+    from pagedllm.benchmarks import embed as bench_embed
     from pagedllm.benchmarks import soak as bench_soak
 
     bench_serve.add_parser(bench)
     bench_soak.add_parser(bench)
+    bench_embed.add_parser(bench)
     bench_offline.add_parsers(bench)
     return parser
 

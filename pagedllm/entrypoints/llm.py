@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+import torch
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.llm_engine import LLMEngine
@@ -29,10 +31,64 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        from pagedllm.engine.pooling import PoolingEngine, is_pooling_config
+
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.llm_engine: Any = PoolingEngine(config) if is_pooling_config(config) else LLMEngine(config)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def _generator(self) -> LLMEngine:
+        if not isinstance(self.llm_engine, LLMEngine):
+            raise InvalidParameterError("this is a pooling model (runner='pooling'): use embed or score, "
+                                        "not generation", "runner")
+        return self.llm_engine
+
+    def _pooler(self) -> Any:
+        from pagedllm.engine.pooling import PoolingEngine
+
+        if not isinstance(self.llm_engine, PoolingEngine):
+            raise InvalidParameterError("embed and score need a pooling model (runner='pooling'); this LLM "
+                                        "generates text", "runner")
+        return self.llm_engine
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list[Any]:
+        """One ``EmbeddingRequestOutput`` per prompt (``.outputs.embedding``), in input order."""
+        from pagedllm.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput
+
+        engine = self._pooler()
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = engine.tokenize_many(list(prompts), truncate_prompt_tokens)
+        vectors = engine.embed_ids(ids)
+        return [EmbeddingRequestOutput(str(i), t, EmbeddingOutput(v.tolist())) for i, (t, v) in
+                enumerate(zip(ids, vectors))]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[Any]:
+        """The cosine similarity of each pair (one text against many, or pairwise), as vLLM scores with an
+        embedding model; one ``ScoringRequestOutput`` (``.outputs.score``) per pair."""
+        from pagedllm.engine.pooling import ScoringOutput, ScoringRequestOutput
+
+        engine = self._pooler()
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise InvalidParameterError(f"score takes one text_1 or as many as text_2; got {len(first)} and "
+                                        f"{len(second)}", "text_1")
+        ids = engine.tokenize_many(first + second, truncate_prompt_tokens)
+        vectors = engine.embed_ids(ids)
+        n = len(first)
+        out = []
+        for i in range(n):
+            a, b = vectors[i], vectors[n + i]
+            score = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+            out.append(ScoringRequestOutput(str(i), ids[i] + ids[n + i], ScoringOutput(score)))
+        return out
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -40,6 +96,7 @@ class LLM:
                  lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: one adapter for
         every prompt, or one per prompt (None: the base model); needs ``enable_lora=True``."""
+        self._generator()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

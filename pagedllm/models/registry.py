@@ -22,13 +22,14 @@ _BUILTIN = {
     "MixtralForCausalLM": "pagedllm.models.llama:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "pagedllm.models.llama:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pagedllm.models.llama:Qwen3MoeForCausalLM",
+    "BertModel": "pagedllm.models.bert:BertModel",  # pooling (sentence embeddings)
 }
 
 
 # configs without `architectures` (e.g. built from GGUF metadata) are matched by model_type
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "bert": "BertModel"}
 
 
 class _ModelRegistry:

@@ -68,6 +68,9 @@ class RequestLimits:
             value = body.get(name)
             if isinstance(value, (list, dict)):
                 _at_most(name, len(value), getattr(self, limit), limit)
+        for name in ("input", "documents", "text_1", "text_2"):  # the pooling endpoints' batches
+            _at_most(name, _num_prompts(body.get(name)), self.max_prompts_per_request, "max_prompts_per_request",
+                     "inputs")
         words = body.get("bad_words")
         if isinstance(words, list):
             _at_most("bad_words", _longest(words), self.max_bad_word_length, "max_bad_word_length",

@@ -338,3 +338,87 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# -- pooling models -------------------------------------------------------------------------
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings, plus vLLM's ``truncate_prompt_tokens``."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class PoolingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: PoolingUsage
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /score: one ``text_1`` against each ``text_2``, or pairwise."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+
+class ScoreData(BaseModel):
+    object: Literal["score"] = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank (Jina / Cohere style): the documents ordered by relevance to the query."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: PoolingUsage
+    results: list[RerankResult]

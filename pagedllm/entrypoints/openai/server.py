@@ -202,7 +202,12 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     def load() -> None:
         try:
             engine = engine_factory()
-            state.llm = AsyncLLM(engine, max_queue_len, on_step=on_step)
+            from pagedllm.engine.pooling import AsyncPooler, PoolingEngine
+
+            if isinstance(engine, PoolingEngine):
+                state.llm = AsyncPooler(engine, max_queue_len)
+            else:
+                state.llm = AsyncLLM(engine, max_queue_len, on_step=on_step)
             for name, path in (lora_modules or {}).items():  # a bad adapter fails the start, with its reason
                 state.add_lora(name, path)
         except BaseException as e:  # surfaced by /health and every endpoint
@@ -280,6 +285,24 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             raise APIError(503, "the model is still loading", "model_loading", headers={"Retry-After": "5"})
         return state.llm
 
+    def generator() -> AsyncLLM:
+        llm = engine()
+        if not isinstance(llm, AsyncLLM):
+            raise APIError(400, f"`{state.served_model_name}` is a pooling model: use /v1/embeddings, /score or "
+                           "/rerank", "invalid_request_error", "model")
+        return llm
+
+    def pooler() -> Any:
+        llm = engine()
+        if isinstance(llm, AsyncLLM):
+            raise APIError(400, f"`{state.served_model_name}` generates text; embeddings and scores need a pooling "
+                           "model (pagedllm serve MODEL --runner pooling)", "invalid_request_error", "model")
+        return llm
+
+    async def pool(llm: Any, prompts: list, truncate: int | None) -> tuple[list[list[int]], list]:
+        ids = await llm.prepare(llm.engine.tokenize_many, prompts, truncate)
+        return ids, await llm.embed(ids)
+
     def check_model(name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for an unknown name."""
         if name is None or name == state.served_model_name:
@@ -319,7 +342,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     if allow_runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(req: P.LoadLoRAAdapterRequest):
-            llm = engine()
+            llm = generator()
             if llm.engine.lora_cache is None:
                 raise APIError(400, "this server was started without --enable-lora", "invalid_request_error",
                                "lora_name")
@@ -334,14 +357,14 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
                 raise APIError(404, f"no LoRA adapter named `{req.lora_name}` is loaded", "NotFoundError",
                                "lora_name")
             # requests already running with it finish with it; it leaves the memory cache now
-            engine().engine.lora_cache.remove(lora.lora_int_id)
+            generator().engine.lora_cache.remove(lora.lora_int_id)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
     async def take_state(check: bool = False) -> dict:
         def take(e: Any) -> dict:  # on the engine thread, between two steps
             state.metrics.engine_state_snapshots.inc()
             return {**e.core.snapshot(check=check), **state.metrics.recent(), "model": state.served_model_name}
-        return await engine().call(take)
+        return await generator().call(take)
 
     hub = EngineStateHub(take_state, engine_state_interval)
     app.state.on_exit = [hub.close_soon]  # run by the server on SIGTERM / SIGINT: end the dashboards' streams
@@ -355,7 +378,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     @app.get("/v1/engine/state/stream", response_model=None)
     async def engine_state_stream():
         """The same snapshot as Server-Sent Events, one per interval, shared by every watcher."""
-        engine()  # 503 while loading
+        generator()  # 503 while loading, 400 for a pooling model
         if hub.closed:
             raise APIError(503, "the server is shutting down", "server_overloaded")
         if hub.full:
@@ -370,6 +393,75 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         from fastapi.responses import HTMLResponse
 
         return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})
+
+    # -- pooling models ------------------------------------------------------------
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(req: P.EmbeddingRequest):
+        llm = pooler()
+        check_model(req.model)
+        inp = req.input
+        if isinstance(inp, str):
+            prompts: list = [inp]
+        elif inp and all(isinstance(x, int) for x in inp):
+            prompts = [{"prompt_token_ids": inp}]
+        else:
+            prompts = [x if isinstance(x, str) else {"prompt_token_ids": x} for x in inp]
+        if not prompts:
+            raise APIError(400, "input is empty", "invalid_request_error", "input")
+        size = llm.engine.hidden_size
+        if req.dimensions is not None and req.dimensions != size:
+            raise APIError(400, f"dimensions={req.dimensions}: this model's embeddings have {size} dimensions "
+                           "and it is not a Matryoshka model", "invalid_request_error", "dimensions")
+        ids, vectors = await pool(llm, prompts, req.truncate_prompt_tokens)
+        data = []
+        for i, v in enumerate(vectors):
+            if req.encoding_format == "base64":
+                import base64
+
+                emb: list[float] | str = base64.b64encode(v.float().numpy().tobytes()).decode()
+            else:
+                emb = v.tolist()
+            data.append(P.EmbeddingData(index=i, embedding=emb))
+        n = sum(map(len, ids))
+        return P.EmbeddingResponse(id=P.random_id("embd"), model=req.model or state.served_model_name, data=data,
+                                   usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n))
+
+    async def _similarities(llm: Any, first: list[str], second: list[str], truncate: int | None
+                            ) -> tuple[list[float], int]:
+        import torch
+
+        if len(first) == 1:
+            first = first * len(second)
+        if not second or len(first) != len(second):
+            raise APIError(400, f"give one text_1 or as many as text_2 ({len(first)} and {len(second)})",
+                           "invalid_request_error", "text_1")
+        ids, vectors = await pool(llm, first + second, truncate)
+        n = len(first)
+        scores = [float(torch.nn.functional.cosine_similarity(vectors[i], vectors[n + i], dim=0)) for i in range(n)]
+        return scores, sum(map(len, ids))
+
+    @app.post("/score", response_model=None)
+    async def score(req: P.ScoreRequest):
+        llm = pooler()
+        check_model(req.model)
+        first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+        second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+        scores, n = await _similarities(llm, first, second, req.truncate_prompt_tokens)
+        return P.ScoreResponse(id=P.random_id("score"), model=req.model or state.served_model_name,
+                               data=[P.ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+                               usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n))
+
+    @app.post("/rerank", response_model=None)
+    @app.post("/v1/rerank", response_model=None)
+    async def rerank(req: P.RerankRequest):
+        llm = pooler()
+        check_model(req.model)
+        scores, n = await _similarities(llm, [req.query], req.documents, req.truncate_prompt_tokens)
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or len(scores)]
+        return P.RerankResponse(id=P.random_id("rerank"), model=req.model or state.served_model_name,
+                                usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n),
+                                results=[P.RerankResult(index=i, document=P.RerankDocument(text=req.documents[i]),
+                                                        relevance_score=scores[i]) for i in ranked])
 
     @app.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):
@@ -397,7 +489,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     # -- completions --------------------------------------------------------------
     @app.post("/v1/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request):
-        llm = engine()
+        llm = generator()
         lora = check_model(req.model)
         prompts = _completion_prompts(req.prompt)
         params = req.to_sampling_params()
@@ -425,7 +517,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     # -- chat -------------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: P.ChatCompletionRequest, raw: Request):
-        llm = engine()
+        llm = generator()
         lora = check_model(req.model)
         if req.chat_template is not None and not state.trust_request_chat_template:
             # a Jinja template runs arbitrary loops and string arithmetic on the server
