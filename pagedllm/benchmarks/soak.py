@@ -202,8 +202,11 @@ class Soak:
             raw = json.dumps({**base, "temperature": -1}).encode()
         else:
             raw = json.dumps({**base, "model": "no-such-model"}).encode()
+        # a max_tokens of 10**18 is cut to the context: a whole context of tokens, which takes a while on a
+        # loaded server, so it gets a longer timeout than the others
+        longer = {"timeout": 600.0} if what == "huge_max_tokens" else {}
         r = await client.post(self.url + "/v1/completions", content=raw,
-                              headers={**self.headers, "content-type": "application/json"})
+                              headers={**self.headers, "content-type": "application/json"}, **longer)
         want = _EXPECTED.get(what, {400})
         if r.status_code == 200 == min(want):  # accepted: it must cost no more than any request may
             usage = r.json()["usage"]
@@ -231,6 +234,10 @@ class Soak:
             else:
                 await self._good(client, rng, kind)
         except Exception as e:  # noqa: BLE001 -- a reset, a timeout (a hang), a malformed answer
+            import httpx
+
+            if isinstance(e, httpx.TimeoutException):  # we hung up: the server aborts it (still a problem)
+                self.tally.client_aborted += 1
             self.tally.problem(f"{kind}: {type(e).__name__}: {e}")
 
     async def _client(self, client, i: int) -> None:
