@@ -90,6 +90,25 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
+def score_texts(text_1: str | list[str], text_2: str | list[str]) -> list[str]:
+    """What to embed to score ``text_1`` against ``text_2`` (one text against each, or pairwise): the n left
+    sides, then the n right sides; :func:`pair_scores` turns their vectors into the n scores."""
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    if len(first) == 1:
+        first = first * len(second)
+    if not second or len(first) != len(second):
+        raise InvalidParameterError(f"give one text_1 or as many as text_2; got {len(first)} and {len(second)}",
+                                    "text_1")
+    return first + second
+
+
+def pair_scores(vectors: list[torch.Tensor]) -> list[float]:
+    """The cosine similarity of each left vector with its right one (as vLLM scores with embedding models)."""
+    n = len(vectors) // 2
+    return torch.nn.functional.cosine_similarity(torch.stack(vectors[:n]), torch.stack(vectors[n:]), dim=-1).tolist()
+
+
 class PoolingEngine:
     def __init__(self, config: EngineConfig):
         from pagedllm.model_loader import load_config, load_tokenizer, resolve_model
@@ -130,23 +149,25 @@ class PoolingEngine:
         """``tokenize`` for a list, the texts through the tokenizer in one batch call."""
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(self.tokenizer(texts)["input_ids"] if texts else [])
-        return [self.tokenize(next(encoded) if isinstance(p, str) else p, truncate, pretokenized=isinstance(p, str))
+        return [self._checked(next(encoded) if isinstance(p, str) else self._given_ids(p), truncate)
                 for p in prompts]
 
-    def tokenize(self, prompt: Any, truncate: int | None = None, pretokenized: bool = False) -> list[int]:
+    def tokenize(self, prompt: Any, truncate: int | None = None) -> list[int]:
         """Token ids of a prompt (text, or ``{"prompt_token_ids": [...]}``), with the model's special tokens."""
-        if pretokenized:
-            ids = list(prompt)
-        elif isinstance(prompt, str):
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-            vocab = self.hf_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise InvalidParameterError(f"token ids must be integers in [0, {vocab})", "prompt_token_ids")
-        else:
+        return self.tokenize_many([prompt], truncate)[0]
+
+    def _given_ids(self, prompt: Any) -> list[int]:
+        if not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             raise InvalidParameterError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got "
                                         f"{type(prompt).__name__}", "prompt")
+        ids = list(prompt["prompt_token_ids"])
+        vocab = self.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidParameterError(f"token ids must be integers in [0, {vocab})", "prompt_token_ids")
+        return ids
+
+    def _checked(self, ids: list[int], truncate: int | None) -> list[int]:
+        """``ids`` cut to ``truncate`` (keeping the final special token), refused when empty or too long."""
         if truncate is not None and len(ids) > truncate:
             ids = ids[:truncate - 1] + ids[-1:] if truncate > 1 else ids[:truncate]  # keep the final [SEP]
         if not ids:

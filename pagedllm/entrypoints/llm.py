@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-
-import torch
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.llm_engine import LLMEngine
@@ -70,25 +68,13 @@ class LLM:
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[Any]:
         """The cosine similarity of each pair (one text against many, or pairwise), as vLLM scores with an
         embedding model; one ``ScoringRequestOutput`` (``.outputs.score``) per pair."""
-        from pagedllm.engine.pooling import ScoringOutput, ScoringRequestOutput
+        from pagedllm.engine.pooling import ScoringOutput, ScoringRequestOutput, pair_scores, score_texts
 
         engine = self._pooler()
-        first = [text_1] if isinstance(text_1, str) else list(text_1)
-        second = [text_2] if isinstance(text_2, str) else list(text_2)
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second) or not second:
-            raise InvalidParameterError(f"score takes one text_1 or as many as text_2; got {len(first)} and "
-                                        f"{len(second)}", "text_1")
-        ids = engine.tokenize_many(first + second, truncate_prompt_tokens)
-        vectors = engine.embed_ids(ids)
-        n = len(first)
-        out = []
-        for i in range(n):
-            a, b = vectors[i], vectors[n + i]
-            score = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-            out.append(ScoringRequestOutput(str(i), ids[i] + ids[n + i], ScoringOutput(score)))
-        return out
+        ids = engine.tokenize_many(score_texts(text_1, text_2), truncate_prompt_tokens)
+        scores = pair_scores(engine.embed_ids(ids))
+        n = len(scores)
+        return [ScoringRequestOutput(str(i), ids[i] + ids[n + i], ScoringOutput(s)) for i, s in enumerate(scores)]
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

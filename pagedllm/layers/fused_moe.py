@@ -27,6 +27,12 @@ from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
 
 
+def local_experts(num_experts: int, ps: ParallelState) -> tuple[int, int]:
+    """``(first, count)``: the experts this rank holds whole under expert parallelism (all, without it)."""
+    count = num_experts // ps.tp_size
+    return ps.tp_rank * count, count
+
+
 class RouterLinear(nn.Module):
     """``x @ W.T`` that the loader neither packs nor quantizes (a router's logits decide the routing)."""
 
@@ -56,8 +62,7 @@ class FusedMoE(nn.Module):
         # expert parallelism: this rank holds experts [first, first + local) whole; every rank routes every
         # token (its input is replicated after attention's all-reduce), runs the pairs of its own experts,
         # and one all-reduce sums the ranks' partial outputs. Rank 0 adds the shared expert.
-        self.num_local = num_experts // ps.tp_size
-        self.first_expert = ps.tp_rank * self.num_local
+        self.first_expert, self.num_local = local_experts(num_experts, ps)
         self.gate = RouterLinear(cfg.hidden_size, num_experts)
         self.experts = nn.ModuleList(LlamaMLP(cfg, intermediate_size=intermediate_size)
                                      for _ in range(self.num_local))
@@ -80,13 +85,13 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         rows = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        mine = counts[self.first_expert:self.first_expert + self.num_local]
         lo = sum(counts[:self.first_expert])  # this rank's experts' pairs are one contiguous run
-        hi = lo + sum(counts[self.first_expert:self.first_expert + self.num_local])
-        order, rows = order[lo:hi], rows[lo:hi]
+        order, rows = order[lo:lo + sum(mine)], rows[lo:lo + sum(mine)]
         gathered = x.index_select(0, rows)
         out = torch.empty_like(gathered)
         start = 0
-        for e, n in enumerate(counts[self.first_expert:self.first_expert + self.num_local]):
+        for e, n in enumerate(mine):
             if n:
                 out[start:start + n] = self.experts[e](gathered[start:start + n])
                 self.expert_calls += 1

@@ -96,7 +96,6 @@ class BertModel(nn.Module):
             name = name.removeprefix("bert.").removeprefix("model.")
             if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
                 continue  # the pooler head and MLM head are not used for sentence embeddings
-            tensor = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
             if name.startswith("encoder.layer."):
                 _, _, idx, rest = name.split(".", 3)
                 module, kind = rest.rsplit(".", 1)

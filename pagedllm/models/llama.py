@@ -400,11 +400,13 @@ class _MoEWeights:
         if "shared_expert" in parts or "shared_expert_gate" in parts:
             return name if self.ps.tp_rank == 0 else None
         if "experts" in parts:
+            from pagedllm.layers.fused_moe import local_experts
+
             i = parts.index("experts") + 1
-            total = getattr(self.config, "num_local_experts", None) or self.config.num_experts
-            local = total // self.ps.tp_size
-            e = int(parts[i]) - self.ps.tp_rank * local
-            if not 0 <= e < local:
+            first, count = local_experts(getattr(self.config, "num_local_experts", None) or self.config.num_experts,
+                                         self.ps)
+            e = int(parts[i]) - first
+            if not 0 <= e < count:
                 return None
             parts[i] = str(e)
         return ".".join(parts)

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
-
-logger = logging.getLogger("pagedllm")
 
 
 def dashboard_html() -> str:
@@ -33,7 +30,6 @@ class EngineStateHub:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
-        self.snapshots_taken = 0
 
     @property
     def full(self) -> bool:
@@ -74,7 +70,6 @@ class EngineStateHub:
                 data = json.dumps(await self._take(), separators=(",", ":"))
             except Exception as e:  # noqa: BLE001 -- the engine died or is not up: say so to the page
                 data = json.dumps({"error": f"{type(e).__name__}: {e}"})
-            self.snapshots_taken += 1
             if self.closed:
                 return
             for q in list(self._watchers):

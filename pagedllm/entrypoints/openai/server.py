@@ -426,27 +426,18 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         return P.EmbeddingResponse(id=P.random_id("embd"), model=req.model or state.served_model_name, data=data,
                                    usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n))
 
-    async def _similarities(llm: Any, first: list[str], second: list[str], truncate: int | None
+    async def _similarities(llm: Any, text_1: str | list[str], text_2: str | list[str], truncate: int | None
                             ) -> tuple[list[float], int]:
-        import torch
+        from pagedllm.engine.pooling import pair_scores, score_texts
 
-        if len(first) == 1:
-            first = first * len(second)
-        if not second or len(first) != len(second):
-            raise APIError(400, f"give one text_1 or as many as text_2 ({len(first)} and {len(second)})",
-                           "invalid_request_error", "text_1")
-        ids, vectors = await pool(llm, first + second, truncate)
-        n = len(first)
-        scores = [float(torch.nn.functional.cosine_similarity(vectors[i], vectors[n + i], dim=0)) for i in range(n)]
-        return scores, sum(map(len, ids))
+        ids, vectors = await pool(llm, score_texts(text_1, text_2), truncate)
+        return pair_scores(vectors), sum(map(len, ids))
 
     @app.post("/score", response_model=None)
     async def score(req: P.ScoreRequest):
         llm = pooler()
         check_model(req.model)
-        first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
-        second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
-        scores, n = await _similarities(llm, first, second, req.truncate_prompt_tokens)
+        scores, n = await _similarities(llm, req.text_1, req.text_2, req.truncate_prompt_tokens)
         return P.ScoreResponse(id=P.random_id("score"), model=req.model or state.served_model_name,
                                data=[P.ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                                usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n))
@@ -456,7 +447,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     async def rerank(req: P.RerankRequest):
         llm = pooler()
         check_model(req.model)
-        scores, n = await _similarities(llm, [req.query], req.documents, req.truncate_prompt_tokens)
+        scores, n = await _similarities(llm, req.query, req.documents, req.truncate_prompt_tokens)
         ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or len(scores)]
         return P.RerankResponse(id=P.random_id("rerank"), model=req.model or state.served_model_name,
                                 usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n),
