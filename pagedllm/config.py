@@ -54,6 +54,12 @@ class CacheConfig:
     kv_cache_prefault: bool = _f(False, "Write every page of a CPU KV cache at start-up, so all of it is resident "
                                  "from the first request: a memory limit fails at start rather than hours in, and "
                                  "RSS stays flat. Without it, pages become resident as blocks are first used.")
+    kv_offloading_size: float | None = _f(
+        None, "GiB of RAM for a second KV tier behind the prefix cache (all ranks together): cached blocks the "
+        "cache evicts are kept there, least recently used dropped first, and a prefix found there is loaded back "
+        "instead of recomputed. Needs enable_prefix_caching.")
+    kv_offloading_backend: Literal["native"] = _f("native", "The offload tier's implementation: 'native' (a RAM "
+                                                  "pool in each worker, pinned on CUDA).")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = _f(
         "auto", "KV cache storage dtype; 'auto' uses the model dtype. fp8 (= fp8_e4m3) and fp8_e5m2 store "
         "unscaled 8-bit floats, converted back to the model dtype when attention reads them.")
@@ -64,6 +70,11 @@ class SchedulerConfig:
     max_num_seqs: int = _f(256, "Most requests running at once.")
     max_num_batched_tokens: int = _f(2048, "Token budget of one engine step (prefill chunks + decodes).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts across steps to fit the token budget.")
+    preemption_mode: Literal["recompute", "swap"] = _f(
+        "recompute", "What a request preempted for lack of KV blocks loses: 'recompute' frees its blocks (its "
+        "full blocks stay prefix-cached, and with an offload tier reach RAM when evicted); 'swap' also keeps its "
+        "partial last block in the offload tier, so it resumes without recomputing anything. Needs "
+        "kv_offloading_size.")
     scheduling_policy: Literal["fcfs", "priority"] = _f("fcfs", "Order of admission: arrival (the prompts and completions of one request take turns with other requests), or (priority, arrival) with lower values first.")
 
 
@@ -110,9 +121,17 @@ class StructuredOutputsSection:
         "\"compile_timeout\": seconds (30)}.")
 
 
+@dataclass(slots=True, frozen=True)
+class KVTransferSection:
+    kv_transfer_config: dict | None = _f(
+        None, "A KV connector, as vLLM's JSON object: {\"kv_connector\": name, \"kv_role\": \"kv_both\" | "
+        "\"kv_producer\" | \"kv_consumer\", \"kv_connector_extra_config\": {...}}; see the README.")
+
+
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig, "lora_config": LoRAConfig,
-             "speculative": SpeculativeSection, "structured": StructuredOutputsSection}
+             "speculative": SpeculativeSection, "structured": StructuredOutputsSection,
+             "kv_transfer": KVTransferSection}
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,6 +143,13 @@ class EngineConfig:
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     structured: StructuredOutputsSection = field(default_factory=StructuredOutputsSection)
+    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
+
+    @property
+    def kv_transfer_config(self) -> "KVTransferConfig | None":
+        from pagedllm.kv_transfer import KVTransferConfig
+
+        return KVTransferConfig.parse(self.kv_transfer.kv_transfer_config)
 
     @property
     def structured_outputs_config(self) -> dict[str, Any]:
@@ -235,7 +261,27 @@ class EngineConfig:
         if lc.enable_lora and p.world_size > 1:
             raise InvalidParameterError("enable_lora with tensor or pipeline parallelism is not supported yet",
                                         "enable_lora")
+        tiers = [name for name, on in (("kv_offloading_size", c.kv_offloading_size is not None),
+                                       ("kv_transfer_config", self.kv_transfer_config is not None)) if on]
+        if c.kv_offloading_size is not None:
+            size = c.kv_offloading_size
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+                raise InvalidParameterError(f"kv_offloading_size must be > 0 GiB, got {size!r}", "kv_offloading_size")
+        if tiers and not c.enable_prefix_caching:
+            raise InvalidParameterError(f"{tiers[0]} needs enable_prefix_caching: the KV tiers find blocks by "
+                                        "their prefix hashes", tiers[0])
+        if "kv_transfer_config" in tiers and self.lora_config.enable_lora:
+            raise InvalidParameterError("kv_transfer_config with enable_lora is not supported yet: a block's hash "
+                                        "names its adapter by an id that means nothing after a restart",
+                                        "kv_transfer_config")
+        if s.preemption_mode == "swap" and c.kv_offloading_size is None:
+            raise InvalidParameterError("preemption_mode='swap' needs an offload tier to swap to: set "
+                                        "kv_offloading_size", "preemption_mode")
         spec = self.speculative_config
+        if tiers and spec is not None and spec.needs_draft_kv:
+            raise InvalidParameterError(
+                f"{tiers[0]} with speculative_config.method={spec.method!r} is not supported yet: the KV tiers "
+                "keep the target model's KV only", tiers[0])
         if p.world_size > 1 and spec is not None and spec.method != "ngram":
             raise InvalidParameterError(
                 f"speculative_config.method={spec.method!r} runs in one process; with tensor or pipeline "

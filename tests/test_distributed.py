@@ -34,6 +34,8 @@ def _run(model: Path | str, **kw: Any) -> tuple[list[tuple[list[int], list[float
         outs = llm.generate([SYSTEM + q for q in QUESTIONS], PARAMS, use_tqdm=False)
         s = llm.llm_engine.core.scheduler
         stats = {"preemptions": s.num_preemptions, "prefix_hits": s.kv.stats.hits}
+        if s.connector is not None:
+            stats["tier_hits"] = s.connector.stats.hits
         if llm.llm_engine.config.parallel_config.world_size > 1:  # read after the run: no step left in flight
             _check_communication(llm, llm.llm_engine.executor.collective_rpc("comm_stats"))
     finally:
@@ -99,6 +101,21 @@ def test_mp_parallel_engine_matches_single_process(tp: int, pp: int, name: str, 
         assert stats == reference[name][1]  # the same scheduling: the scheduler never knows there are workers
     else:  # one micro-batch per stage schedules differently, and still preempts and hits the cache
         assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0
+
+
+def test_kv_tiers_under_tensor_and_pipeline_parallelism(qwen2_dir: Path, reference, tmp_path: Path) -> None:
+    """Each of the 4 ranks keeps its own shard in the RAM pool and on disk, at the same slots and names."""
+    disk = {"kv_connector": "DiskConnector", "kv_connector_extra_config": {"path": str(tmp_path)}}
+    got, stats = _run(qwen2_dir, tensor_parallel_size=2, pipeline_parallel_size=2, kv_offloading_size=0.01,
+                      preemption_mode="swap", kv_transfer_config=disk)
+    _assert_same(reference["qwen2"][0], got)
+    assert stats["preemptions"] > 0 and stats["tier_hits"] > 0
+    files = [f.name for d in tmp_path.iterdir() for f in d.iterdir()]
+    assert files and {f.rsplit(".r", 1)[1] for f in files} == {"0", "1", "2", "3"}
+    assert len(files) % 4 == 0  # every block on every rank
+    got, stats = _run(qwen2_dir, tensor_parallel_size=2, pipeline_parallel_size=2, kv_transfer_config=disk)
+    _assert_same(reference["qwen2"][0], got)  # a restarted engine reads every rank's files back
+    assert stats["tier_hits"] > 0
 
 
 def test_tp2_ranks_hold_half_of_each_layer(qwen2_dir: Path) -> None:

@@ -20,7 +20,7 @@ Invariants (checked by :meth:`BlockPool.check_invariants`):
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class KVCacheBlock:
@@ -94,6 +94,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # called with (block id, hash) when a cached block is about to be reused (a KV connector saves it)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,6 +115,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

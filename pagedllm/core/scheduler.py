@@ -13,12 +13,16 @@ import heapq
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.kv_transfer import KVConnectorMetadata, KVConnectorStats
+    from pagedllm.kv_transfer.offload import OffloadScheduler
 
 
 @dataclass(slots=True)
@@ -54,6 +58,8 @@ class SchedulerOutput:
     # structured outputs: allowed-token bits ([1 + drafts, ceil(V / 32)] int32) of each constrained request
     # that samples this step; filled by the engine core's StructuredOutputManager
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
+    # KV connector: the copies every rank makes before this step's forward (None: nothing to copy)
+    kv_connector_meta: "KVConnectorMetadata | None" = None
 
 
 @dataclass(slots=True)
@@ -66,6 +72,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list["SampleLogprobs"]]] = field(default_factory=dict)
     # the drafts proposed for each request's next step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector: seconds the driver rank spent saving and loading blocks this step
+    kv_transfer_seconds: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +91,7 @@ class SchedulerStats:
     num_preemptions: int  # since the last stats call
     prefix_cache: PrefixCacheStats
     spec_decode: "SpecDecodeStats | None" = None  # since the last stats call; None without speculation
+    kv_connector: "KVConnectorStats | None" = None  # since the last stats call; None without a connector
 
 
 @dataclass(slots=True)
@@ -104,14 +113,18 @@ class SpecDecodeStats:
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 num_lookahead_tokens: int = 0, speculative: bool = False, max_loras: int = 1):
+                 num_lookahead_tokens: int = 0, speculative: bool = False, max_loras: int = 1,
+                 kv_connector: "OffloadScheduler | None" = None):
         self.config = sched
+        self.connector = kv_connector
         self.max_loras = max_loras  # distinct adapters among the running requests, at most
         # slots past the verified tokens a proposer writes its own KV into (the draft model's)
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodeStats() if speculative else None
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        if kv_connector is not None:
+            self.kv.pool.on_evict = kv_connector.on_primary_evict
         self.requests: dict[str, Request] = {}
         self.waiting = _WaitQueue(sched.scheduling_policy)
         self.running: list[Request] = []
@@ -142,7 +155,10 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        """Also true while a KV connector has copies to send (a finished request's blocks to save): one more
+        step, empty but for them, carries them to the workers."""
+        return bool(self.running) or len(self.waiting) > 0 or (self.connector is not None
+                                                               and self.connector.has_pending())
 
     def num_waiting_requests(self) -> int:
         """Requests not running yet, unforked n>1 siblings included; O(1)."""
@@ -216,22 +232,27 @@ class Scheduler:
             if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.pop())
                 continue
-            hits, num_hit_tokens = ([], 0)
+            hits, num_hit_tokens, ext = [], 0, 0
             if req.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - num_hit_tokens
+                if self.connector is not None:  # the next tier: tokens it can load instead of computing
+                    ext = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
+            n = req.num_tokens - num_hit_tokens - ext
             if not self.config.enable_chunked_prefill and n > budget:
                 break  # head-of-line waits for a step with enough budget
             n = min(n, budget)
-            new_blocks = self._allocate(req, n, hits, num_hit_tokens)
+            new_blocks = self._allocate(req, ext + n, hits, num_hit_tokens)
             if new_blocks is None:
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
+                                                        num_hit_tokens, ext)
             self.waiting.pop()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens + ext
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
+                req.num_cached_tokens = num_hit_tokens + ext
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             num_scheduled[req.request_id] = n
@@ -247,8 +268,13 @@ class Scheduler:
         self.finished_req_ids = set()
         self._pending_copies = []
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            if self.connector is not None:
+                self.connector.on_scheduled(req, self.kv.req_blocks[rid], req.num_computed_tokens, n)
+            req.num_computed_tokens += n
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+        if self.connector is not None:
+            out.kv_connector_meta = self.connector.build_connector_meta()
         return out
 
     def _allocate(self, req: Request, n: int, hits=None, num_hit_tokens: int = 0):
@@ -351,6 +377,8 @@ class Scheduler:
             self._num_unforked -= len(req.pending_children)
             req.pending_children = []
         req.status = status
+        if self.connector is not None:
+            self.connector.request_finished(req)
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
 
@@ -375,6 +403,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._unsent.discard(req.request_id)
+        if self.connector is not None:
+            self.connector.on_preempt(req, self.kv.get_block_ids(req.request_id))
         self.kv.free(req)
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
@@ -392,10 +422,13 @@ class Scheduler:
         if spec is not None:
             self.spec_stats = SpecDecodeStats()
         return SchedulerStats(len(self.running), self.num_waiting_requests(), self.kv.usage(),
-                              new_preemptions, self.kv.stats.reset(), spec)
+                              new_preemptions, self.kv.stats.reset(), spec,
+                              self.connector.stats.take() if self.connector is not None else None)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        if self.connector is not None:
+            self.connector.check_invariants()
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
             assert req.num_computed_tokens <= req.num_tokens

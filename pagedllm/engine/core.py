@@ -14,6 +14,7 @@ from pagedllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagedllm.executor import Executor
+    from pagedllm.kv_transfer.offload import OffloadScheduler
     from pagedllm.worker.model_runner import ModelRunner
     from pagedllm.structured_output import StructuredOutputManager
 
@@ -43,7 +44,7 @@ class _Step:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: "Executor", num_blocks: int, max_model_len: int,
-                 structured: "StructuredOutputManager | None" = None):
+                 structured: "StructuredOutputManager | None" = None, kv_connector: "OffloadScheduler | None" = None):
         self.config = config
         self.structured = structured
         self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
@@ -54,7 +55,8 @@ class EngineCore:
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
-                                   speculative=spec is not None, max_loras=config.lora_config.max_loras)
+                                   speculative=spec is not None, max_loras=config.lora_config.max_loras,
+                                   kv_connector=kv_connector)
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
         self.max_in_flight = config.parallel_config.pipeline_parallel_size
@@ -125,7 +127,7 @@ class EngineCore:
             step = self._schedule(max(1, share))
             so = step.sched_out
             # an empty step still carries finished requests and block copies to the workers
-            if so.total_num_scheduled_tokens or so.finished_req_ids or so.blocks_to_copy:
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.blocks_to_copy or so.kv_connector_meta:
                 self.executor.submit(so)
                 self._in_flight.append(step)
                 if len(self._in_flight) < self.max_in_flight and so.total_num_scheduled_tokens:
@@ -161,6 +163,10 @@ class EngineCore:
             if self.structured is not None and self.structured.matchers:
                 self.structured.update(runner_out)
             touched = self.scheduler.update_from_output(sched_out, runner_out)
+            if runner_out.kv_transfer_seconds is not None:
+                stats = self.scheduler.connector.stats
+                stats.save_seconds += runner_out.kv_transfer_seconds[0]
+                stats.load_seconds += runner_out.kv_transfer_seconds[1]
             plp = runner_out.prompt_logprobs
         outputs = [EngineCoreOutput(r, r.output_token_ids[-n:], runner_out.logprobs.get(r.request_id, [])[:n],
                                     plp.get(r.request_id))

@@ -20,6 +20,9 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.loader import resolve_device, resolve_dtype, timed_stage
 
 if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.kv_transfer.disk import DiskIndex
     from pagedllm.lora import LoRARequest
     from pagedllm.lora.adapter import AdapterCache
 
@@ -67,7 +70,12 @@ class LLMEngine:
             for name, seconds in stages.items():  # a remote rank 0's loading stages
                 self.startup_stages.setdefault(name, seconds)
             self.max_model_len = self._resolve_max_model_len(num_blocks)
-            self.executor.init_cache(num_blocks, self.max_model_len)
+            layouts = self.executor.collective_rpc("kv_block_layout")  # per rank: one block's shape, dtype
+            block_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in layouts)
+            offload_slots = self._offload_slots(block_bytes)
+            disk = self._disk_tier(layouts, block_bytes)
+            self.executor.init_cache(num_blocks, self.max_model_len, offload_slots,
+                                     None if disk is None else (str(disk.root.parent), disk.fingerprint))
         except BaseException:
             self.executor.shutdown()
             raise
@@ -78,7 +86,13 @@ class LLMEngine:
         eos = self._eos_token_ids()
         self.structured = StructuredOutputManager(  # the grammar library loads with the first constrained request
             self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"]))
-        self.core = EngineCore(config, self.executor, num_blocks, self.max_model_len, self.structured)
+        connector = None
+        if offload_slots or disk is not None:
+            from pagedllm.kv_transfer.offload import OffloadScheduler
+
+            connector = OffloadScheduler(offload_slots, config.cache_config.block_size, block_bytes,
+                                         swap=config.scheduler_config.preemption_mode == "swap", disk=disk)
+        self.core = EngineCore(config, self.executor, num_blocks, self.max_model_len, self.structured, connector)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                    mc.max_logprobs, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -123,6 +137,38 @@ class LLMEngine:
             if lora_request.lora_int_id not in self.lora_cache.ids():
                 self._lora_ids.pop(lora_request.lora_int_id, None)
             raise
+
+    def _offload_slots(self, block_bytes: int) -> int:
+        """Blocks the RAM tier holds (``block_bytes``: one block on all ranks together)."""
+        size = self.config.cache_config.kv_offloading_size
+        if size is None:
+            return 0
+        slots = int(size * (1 << 30)) // block_bytes
+        if slots < 1:
+            raise InvalidParameterError(f"kv_offloading_size={size} GiB holds no KV block (one block is "
+                                        f"{block_bytes} bytes)", "kv_offloading_size")
+        logger.info("KV offload tier: %d blocks (%.2f GiB of RAM)", slots, slots * block_bytes / (1 << 30))
+        return slots
+
+    def _disk_tier(self, layouts: list[tuple["torch.Size", "torch.dtype"]], block_bytes: int) -> "DiskIndex | None":
+        kt = self.config.kv_transfer_config
+        if kt is None:
+            return None
+        from pagedllm.kv_transfer.disk import DiskIndex, model_fingerprint
+
+        path, max_gb = kt.disk_options()
+        mc, cc, pc = self.config.model_config, self.config.cache_config, self.config.parallel_config
+        identity = {"dtype": str(self.dtype), "kv": [str(d) for _, d in layouts], "q": mc.quantization,
+                    "block_size": cc.block_size, "tp": pc.tensor_parallel_size, "pp": pc.pipeline_parallel_size,
+                    "ep": pc.enable_expert_parallel}
+        try:
+            disk = DiskIndex(path, model_fingerprint(self.source.path, identity), len(layouts), block_bytes,
+                             int(max_gb * (1 << 30)), [(list(s), d) for s, d in layouts], kt.kv_role)
+        except OSError as e:
+            raise InvalidParameterError(f"kv_transfer_config: DiskConnector cannot use {path!r}: {e}",
+                                        "kv_transfer_config.kv_connector_extra_config.path") from None
+        logger.info("KV disk tier: %s, up to %d blocks", disk.root, disk.max_blocks)
+        return disk
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048

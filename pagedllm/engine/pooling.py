@@ -128,6 +128,9 @@ class PoolingEngine:
         if config.parallel_config.world_size > 1:
             raise InvalidParameterError("pooling models run in one process: tensor / pipeline parallelism "
                                         "is not supported for them", "tensor_parallel_size")
+        if config.cache_config.kv_offloading_size is not None or config.kv_transfer_config is not None:
+            raise InvalidParameterError("pooling models keep no KV cache: kv_offloading_size and "
+                                        "kv_transfer_config do not apply to them", "kv_offloading_size")
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
         self.model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization)

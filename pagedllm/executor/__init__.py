@@ -32,8 +32,9 @@ class Executor:
         results = self.collective_rpc("load_model")
         return min(n for n, _ in results), results[0][1]
 
-    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.collective_rpc("init_cache", num_blocks, max_model_len)
+    def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
+                   disk: tuple[str, str] | None = None) -> None:
+        self.collective_rpc("init_cache", num_blocks, max_model_len, num_offload_slots, disk)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``Worker.method(*args)`` on every rank; their results in rank order."""
@@ -100,8 +101,9 @@ class DistributedExecutor(Executor):
             self._early.append(self._collect_step())
         return self._call_all(method, args)
 
-    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
-        super().init_cache(num_blocks, max_model_len)
+    def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
+                   disk: tuple[str, str] | None = None) -> None:
+        super().init_cache(num_blocks, max_model_len, num_offload_slots, disk)
         self._started = True
 
     def submit(self, so: SchedulerOutput) -> None:

@@ -26,7 +26,7 @@ class UniprocExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.runner.execute_model(so)
+        return self.worker.execute_model(so)
 
     def submit(self, so: SchedulerOutput) -> None:
         self._pending.append(so)

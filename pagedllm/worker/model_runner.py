@@ -27,6 +27,7 @@ from pagedllm.spec_decode.proposer import ProposeContext
 from pagedllm.worker.batch import Segment, build_batch
 
 if TYPE_CHECKING:
+    from pagedllm.kv_transfer.offload import OffloadWorker
     from pagedllm.lora.manager import LoRAManager
     from pagedllm.spec_decode.config import SpeculativeConfig
     from pagedllm.spec_decode.proposer import Proposer
@@ -59,8 +60,9 @@ class ModelRunner:
                  device: torch.device, default_seed: int = 0, processed_logprobs: bool = False,
                  proposer: "Proposer | None" = None, spec_config: "SpeculativeConfig | None" = None,
                  max_model_len: int | None = None, parallel: ParallelState | None = None,
-                 lora: "LoRAManager | None" = None):
+                 lora: "LoRAManager | None" = None, kv_connector: "OffloadWorker | None" = None):
         self.model = model
+        self.kv_connector = kv_connector
         self.ps = parallel or ParallelState()
         self.num_tokens_computed = 0  # every token of every forward pass, for per-token figures
         self.lora = lora
@@ -128,6 +130,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.kv_connector_meta:  # saves out of blocks this step may overwrite, then loads: before all else
+            self.kv_connector.execute(so.kv_connector_meta)
         if so.blocks_to_copy:  # copy-on-write for n>1 siblings, before anything writes this step
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=self.device)

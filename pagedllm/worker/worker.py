@@ -76,12 +76,22 @@ class Worker:
         spec = self.config.speculative_config
         return [self.model] + ([self.draft] if spec is not None and spec.needs_draft_kv else [])
 
-    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """Allocate the KV cache (``num_blocks``, the smallest any rank allows) and build the runner."""
-        with timed_stage(self.stages, "kv_cache"):
-            self._init_cache(num_blocks, max_model_len)
+    def kv_block_layout(self) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of one KV block on this rank: [layers, 2, block_size, kv heads, head dim]."""
+        m = self.model
+        return torch.Size([len(m.layers), 2, self.config.cache_config.block_size, *m.kv_cache_shape_per_layer]), \
+            self.kv_cache_dtype
 
-    def _init_cache(self, num_blocks: int, max_model_len: int) -> None:
+    def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
+                   disk: tuple[str, str] | None = None) -> None:
+        """Allocate the KV cache (``num_blocks``, the smallest any rank allows) and, with an offload tier, its
+        RAM pool of ``num_offload_slots`` blocks, and with a disk tier its (path, model fingerprint); build the
+        runner."""
+        with timed_stage(self.stages, "kv_cache"):
+            self._init_cache(num_blocks, max_model_len, num_offload_slots, disk)
+
+    def _init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int,
+                    disk: tuple[str, str] | None) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         caches = [kv_cache.allocate_kv_caches(len(m.layers), num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
                                               self.kv_cache_dtype, self.device, prefault=cc.kv_cache_prefault)
@@ -106,10 +116,17 @@ class Worker:
             from pagedllm.lora.manager import LoRAManager
 
             lora = LoRAManager(self.model, lc.max_loras, lc.max_lora_rank, self.lora_cache)
+        connector = None
+        if num_offload_slots or disk is not None:
+            from pagedllm.kv_transfer.disk import DiskStore
+            from pagedllm.kv_transfer.offload import OffloadWorker
+
+            store = None if disk is None else DiskStore(disk[0], disk[1], self.ps.rank)
+            connector = OffloadWorker(caches[0], num_offload_slots, store)
         self.runner = ModelRunner(self.model, caches[0], cc.block_size, self.device, mc.seed,
                                   processed_logprobs=mc.logprobs_mode == "processed_logprobs",
                                   proposer=proposer, spec_config=spec, max_model_len=max_model_len,
-                                  parallel=self.ps, lora=lora)
+                                  parallel=self.ps, lora=lora, kv_connector=connector)
 
     def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None
                       ) -> ModelRunnerOutput | None:
@@ -117,7 +134,13 @@ class Worker:
         if prev_sampled:
             self.runner.apply_sampled(prev_sampled)
         out = self.runner.execute_model(so)
-        return out if self.ps.is_driver else None
+        if so.kv_connector_meta and so.kv_connector_meta.disk_saves:
+            self.runner.kv_connector.after_forward(so.kv_connector_meta)
+        if not self.ps.is_driver:
+            return None
+        if self.runner.kv_connector is not None and so.kv_connector_meta:
+            out.kv_transfer_seconds = self.runner.kv_connector.take_times()
+        return out
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank has all-reduced, gathered and sent to the next stage, and tokens it computed."""

@@ -36,6 +36,21 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.external_queries = counter("external_prefix_cache_queries", "KV tiers (RAM, disk): tokens looked up "
+                                        "past the prefix cache's hit.")
+        self.external_hits = counter("external_prefix_cache_hits", "KV tiers (RAM, disk): tokens found there and "
+                                     "loaded instead of computed.")
+        self.kv_tier_bytes = counter("kv_offload_bytes", "KV tiers: bytes copied, by tier and direction.",
+                                     extra=["tier", "direction"])
+        self.kv_transfer_seconds = counter("kv_transfer_seconds", "KV tiers: worker time spent copying blocks "
+                                           "(the driver rank's), by direction.", extra=["direction"])
+        for tier in ("ram", "disk"):
+            for direction in ("save", "load"):
+                self.kv_tier_bytes.labels(m, tier, direction)
+        for direction in ("save", "load"):
+            self.kv_transfer_seconds.labels(m, direction)
+        self.kv_swaps = counter("kv_preemption_swaps", "Preempted requests whose partial last block was swapped "
+                                "to the RAM tier (preemption_mode='swap').")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens produced.")
         self.success = counter("request_success", "Finished requests.", extra=["finished_reason"])
@@ -88,6 +103,17 @@ class ServerMetrics:
         totals = self._totals
         totals["prefix_cache_queries"] += stats.prefix_cache.queries
         totals["prefix_cache_hits"] += stats.prefix_cache.hits
+        kv = stats.kv_connector
+        if kv is not None:
+            self.external_queries.inc(kv.queries)
+            self.external_hits.inc(kv.hits)
+            for tier in ("ram", "disk"):
+                for direction in ("saved", "loaded"):
+                    self.kv_tier_bytes.labels(self.model_name, tier, direction[:-1]).inc(
+                        getattr(kv, f"{tier}_bytes_{direction}"))
+            self.kv_transfer_seconds.labels(self.model_name, "save").inc(kv.save_seconds)
+            self.kv_transfer_seconds.labels(self.model_name, "load").inc(kv.load_seconds)
+            self.kv_swaps.inc(kv.swapped_out)
         spec = stats.spec_decode
         if spec is not None:
             totals["spec_decode_draft_tokens"] += spec.num_draft_tokens
