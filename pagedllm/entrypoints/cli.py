@@ -184,12 +184,35 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
 def _cmd_router(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.router import RouterConfig, run_router
 
-    config = RouterConfig(args.backend, routing=args.routing, health_check_interval=args.health_check_interval,
-                          block_chars=args.block_chars, prefix_blocks=args.prefix_blocks,
-                          balance_threshold=args.balance_threshold)
+    prefill = getattr(args, "prefill", None) or []
+    config = RouterConfig(getattr(args, "decode", None) or args.backend, routing=args.routing,
+                          health_check_interval=args.health_check_interval, block_chars=args.block_chars,
+                          prefix_blocks=args.prefix_blocks, balance_threshold=args.balance_threshold,
+                          prefill=[u.rstrip("/") for u in prefill])
     run_router(config, args.host, args.port, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
                log_level=args.uvicorn_log_level, max_body_bytes=args.max_request_body_bytes)
     return 0
+
+
+def _router_args(rt: argparse.ArgumentParser) -> None:
+    """The options `pagedllm router` and `pagedllm disagg-proxy` share."""
+    rt.add_argument("--routing", default="prefix-aware", choices=["prefix-aware", "least-load", "round-robin"],
+                    help="prefix-aware: prompts that begin alike go to the same backend (its prefix cache), "
+                         "unless it is far busier than the least loaded; least-load: fewest running + waiting "
+                         "requests, from each backend's /metrics; round-robin")
+    rt.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    rt.add_argument("--port", type=int, default=8000, help="port to listen on")
+    rt.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (passed on to backends)")
+    rt.add_argument("--health-check-interval", type=float, default=1.0,
+                    help="seconds between polls of each backend's /health and /metrics")
+    rt.add_argument("--prefix-blocks", type=int, default=4, help="prefix-aware: blocks of the prompt hashed")
+    rt.add_argument("--block-chars", type=int, default=64, help="prefix-aware: characters per block")
+    rt.add_argument("--balance-threshold", type=int, default=8,
+                    help="prefix-aware: a backend this many requests busier than the least loaded is passed over")
+    rt.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                    help="larger bodies get 413 before they are read whole")
+    rt.add_argument("--uvicorn-log-level", default="warning",
+                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
 
 
 def _graceful_server_class():
@@ -320,24 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     rt = add_command(sub, "router", help="one OpenAI-compatible front door for many pagedllm servers")
     rt.add_argument("--backend", action="append", required=True, metavar="URL",
                     help="a backend server's base URL, e.g. http://h1:8000 (repeat for each)")
-    rt.add_argument("--routing", default="prefix-aware", choices=["prefix-aware", "least-load", "round-robin"],
-                    help="prefix-aware: prompts that begin alike go to the same backend (its prefix cache), "
-                         "unless it is far busier than the least loaded; least-load: fewest running + waiting "
-                         "requests, from each backend's /metrics; round-robin")
-    rt.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    rt.add_argument("--port", type=int, default=8000, help="port to listen on")
-    rt.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (passed on to backends)")
-    rt.add_argument("--health-check-interval", type=float, default=1.0,
-                    help="seconds between polls of each backend's /health and /metrics")
-    rt.add_argument("--prefix-blocks", type=int, default=4, help="prefix-aware: blocks of the prompt hashed")
-    rt.add_argument("--block-chars", type=int, default=64, help="prefix-aware: characters per block")
-    rt.add_argument("--balance-threshold", type=int, default=8,
-                    help="prefix-aware: a backend this many requests busier than the least loaded is passed over")
-    rt.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
-                    help="larger bodies get 413 before they are read whole")
-    rt.add_argument("--uvicorn-log-level", default="warning",
-                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    _router_args(rt)
     rt.set_defaults(func=_cmd_router)
+
+    dp = add_command(sub, "disagg-proxy", help="disaggregated prefill / decode: each request is computed by a "
+                                               "prefill server, then decoded by a decode server")
+    dp.add_argument("--prefill", action="append", required=True, metavar="URL",
+                    help="a prefill server (kv_role kv_producer), e.g. http://127.0.0.1:8100 (repeat for each)")
+    dp.add_argument("--decode", action="append", required=True, metavar="URL",
+                    help="a decode server (kv_role kv_consumer) sharing the prefill servers' KV tier (repeat "
+                         "for each)")
+    _router_args(dp)
+    dp.set_defaults(func=_cmd_router)
 
     bench = add_command(sub, "bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from pagedllm.benchmarks import offline as bench_offline

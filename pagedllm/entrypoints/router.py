@@ -20,6 +20,11 @@ another one: generating has no side effects. A stream cut off after it began end
 with an error event, since the client already has part of it. ``/metrics`` exports
 the router's own counters; ``/health`` answers 200 while any backend is healthy.
 ``pagedllm serve --data-parallel-size N`` runs this in front of N engine processes.
+
+``pagedllm disagg-proxy --prefill URL --decode URL`` is the same router with prefill
+engines in front: each request first goes to a prefill engine as a one-token request
+(its prompt's KV blocks are written to the KV tier it shares with the decode engines),
+then to a decode engine, which finds the blocks there and streams the answer.
 """
 
 
@@ -28,7 +33,7 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("pagedllm")
@@ -63,6 +68,9 @@ class RouterConfig:
     balance_threshold: int = 8
     max_attempts: int = 3
     request_timeout: float = 600.0
+    # disaggregated serving (`pagedllm disagg-proxy`): prefill engines that compute each prompt first, their KV
+    # reaching the backends (the decode engines) through a shared KV tier
+    prefill: list[str] = field(default_factory=list)
 
 
 def prefix_key(body: dict[str, Any], block_chars: int, prefix_blocks: int) -> str:
@@ -107,6 +115,11 @@ class Router:
                                ["backend"], registry=self.registry)
         self.m_load = Gauge("pagedllm_router:backend_load", "Requests running + waiting on the backend.",
                             ["backend"], registry=self.registry)
+        self.m_prefills = Counter("pagedllm_router:prefills", "Disaggregated serving: prompts sent to a prefill "
+                                  "engine first, by outcome (a failed one is computed by the decode engine).",
+                                  ["backend", "outcome"], registry=self.registry)
+        self.m_prefill_seconds = Counter("pagedllm_router:prefill_seconds", "Disaggregated serving: time spent "
+                                         "waiting for prefill engines.", registry=self.registry)
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -166,10 +179,32 @@ class Router:
         pick = rendezvous(prefix_key(body, self.config.block_chars, self.config.prefix_blocks), live)
         return least if pick.load - least.load > self.config.balance_threshold else pick
 
+    async def prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        """Disaggregated serving: have a prefill engine compute the prompt (one token, nothing returned) so its
+        KV blocks reach the shared tier before the decode engine looks. Any failure only costs the decode
+        engine the prompt's computation."""
+        import time
+
+        urls = self.config.prefill
+        self._rr += 1
+        url = urls[self._rr % len(urls)]
+        t0 = time.monotonic()
+        try:
+            resp = await self._client.post(f"{url}{path}", json=prefill_body(body), headers=headers)
+            outcome = str(resp.status_code)
+        except Exception as e:  # noqa: BLE001 -- the decode engine computes the prompt itself
+            outcome = "unreachable"
+            logger.warning("prefill engine %s failed (%s); the decode engine computes the prompt", url, e)
+        self.m_prefills.labels(url, outcome).inc()
+        self.m_prefill_seconds.inc(time.monotonic() - t0)
+
     async def forward(self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str]) -> Any:
         """Send the request to a backend (retrying where it never started); the response to return."""
         import httpx
         from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+        if self.config.prefill:
+            await self.prefill(path, body, headers)
 
         tried: set[str] = set()
         last = "no healthy backend"
@@ -226,6 +261,20 @@ class Router:
         finally:
             b.in_flight -= 1
             await resp.aclose()
+
+
+# what a prefill request drops: it returns one token nobody reads, so nothing about the answer matters
+_NOT_FOR_PREFILL = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+                    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar", "min_tokens", "max_completion_tokens", "stop", "stop_token_ids")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request a prefill engine gets: the same prompt (the same tokens, so the same block hashes), one
+    greedy token."""
+    out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    out.update(max_tokens=1, temperature=0)
+    return out
 
 
 def _metric(text: str, name: str) -> float:
