@@ -248,3 +248,24 @@ def test_cli_flags_reach_the_engine_config():
     kw = engine_kwargs(args)
     assert kw["kv_offloading_size"] == 8.0 and kw["preemption_mode"] == "swap"
     assert kw["kv_transfer_config"]["kv_connector"] == "DiskConnector"
+
+
+def test_smollm2_through_every_tier_gives_the_same_tokens(tmp_path):
+    """The embedded model with a 40-block primary cache (3 of these prompts fit, not their outputs): preempted requests swap,
+    evicted blocks go to RAM, and a restarted engine reads the disk; the tokens never change."""
+    rng = random.Random(41)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(200)]} for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    kw = dict(kv_cache_memory=40 * 16 * 2 * 30 * 3 * 64 * 4, max_model_len=512)
+    ref, ref_computed = _run(LLM(**kw), prompts, params)
+    tiers = dict(kv_offloading_size=0.05, preemption_mode="swap", kv_transfer_config=_disk(tmp_path))
+    first = LLM(**kw, **tiers)
+    outs, computed = _run(first, prompts, params)
+    _same(ref, outs)
+    assert first.llm_engine.core.scheduler.num_preemptions > 0
+    assert computed <= ref_computed
+    _clean(first)
+    del first
+    outs, computed = _run(LLM(**kw, **tiers), prompts, params)  # restarted: the prompts come from disk
+    _same(ref, outs)
+    assert computed < ref_computed / 4
