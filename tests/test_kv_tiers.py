@@ -269,3 +269,53 @@ def test_smollm2_through_every_tier_gives_the_same_tokens(tmp_path):
     outs, computed = _run(LLM(**kw, **tiers), prompts, params)  # restarted: the prompts come from disk
     _same(ref, outs)
     assert computed < ref_computed / 4
+
+
+def test_a_block_deleted_between_its_check_and_its_load_is_recomputed(model, tmp_path, monkeypatch):
+    """Another engine sharing the directory may delete a file after this scheduler checked it: the worker
+    reports the block, the requests that read it lose that step and are recomputed, and nothing computed
+    from it stays in the prefix cache."""
+    from pagedllm.kv_transfer.offload import OffloadScheduler
+
+    prompts = _ask(_docs(51, 3, 200), 52)
+    kw = dict(model=model, max_model_len=512, num_gpu_blocks_override=64, kv_transfer_config=_disk(tmp_path))
+    ref, _ = _run(LLM(model=model, max_model_len=512, num_gpu_blocks_override=64), prompts)
+    _run(LLM(**kw), prompts)  # writes every block
+    build = OffloadScheduler.build_connector_meta
+    deleted = []
+
+    def racing(self):
+        meta = build(self)
+        if meta is not None and meta.disk_loads and not deleted:
+            h = meta.disk_loads[3][0]
+            (self.disk.root / f"{h.hex()}.r0").unlink()
+            deleted.append(h)
+        return meta
+
+    monkeypatch.setattr(OffloadScheduler, "build_connector_meta", racing)
+    llm = LLM(**kw)
+    outs, _ = _run(llm, prompts)
+    _same(ref, outs)
+    assert deleted and llm.llm_engine.core.scheduler.num_preemptions >= 1
+    disk = llm.llm_engine.core.scheduler.connector.disk
+    assert (disk.root / f"{deleted[0].hex()}.r0").exists()  # recomputed, and written again
+    _clean(llm)
+
+
+def test_smollm2_prefilled_by_a_producer_engine_decodes_to_the_same_tokens(tmp_path):
+    """P/D without the HTTP legs (tests/test_disagg.py has them): a kv_producer engine computes each prompt
+    with one token, a kv_consumer engine sharing its directory loads the blocks and decodes."""
+    rng = random.Random(61)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(300)]} for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    kw = dict(max_model_len=512)
+
+    def tier(role):
+        return {**_disk(tmp_path), "kv_role": role}
+
+    ref, ref_computed = _run(LLM(**kw), prompts, params)
+    _run(LLM(**kw, kv_transfer_config=tier("kv_producer")), prompts, SamplingParams(temperature=0, max_tokens=1))
+    consumer = LLM(**kw, kv_transfer_config=tier("kv_consumer"))
+    outs, computed = _run(consumer, prompts, params)
+    _same(ref, outs)
+    assert computed == ref_computed - 3 * 288  # each prompt's 18 full blocks came from the producer

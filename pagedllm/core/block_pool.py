@@ -148,6 +148,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash (its contents are not what the hash says): no prefix hit will find it."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:

@@ -74,6 +74,8 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # KV connector: seconds the driver rank spent saving and loading blocks this step
     kv_transfer_seconds: tuple[float, float] | None = None
+    # KV connector: blocks the driver rank could not load (a file gone or changed since it was checked)
+    kv_load_failed: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -323,6 +325,24 @@ class Scheduler:
                 req.spec_token_ids = runner_out.spec_token_ids.get(rid, [])
             touched.append((req, req.num_output_tokens - before))
         return touched
+
+    def handle_kv_load_failures(self, runner_out: ModelRunnerOutput) -> None:
+        """Blocks the worker could not load held garbage in this step's forward: every request reading one
+        loses this step's output and is preempted (recomputed), and the blocks computed from it leave the
+        prefix cache. Call before anything reads ``runner_out``."""
+        failed = set(runner_out.kv_load_failed)
+        for req in list(self.running):
+            blocks = self.kv.req_blocks.get(req.request_id, [])
+            bad = next((i for i, b in enumerate(blocks) if b.block_id in failed), None)
+            if bad is None:
+                continue
+            self.connector.on_load_failed([b.block_hash for b in blocks[bad:] if b.block_id in failed])
+            for b in blocks[bad:]:
+                self.kv.pool.uncache(b)
+            for out in (runner_out.sampled, runner_out.logprobs, runner_out.spec_token_ids,
+                        runner_out.prompt_logprobs):
+                out.pop(req.request_id, None)
+            self._preempt(req)
 
     def _fork(self, leader: Request, now: float) -> None:
         """Start n>1 siblings off the leader's prompt KV: shared full blocks, a copy of the last one.

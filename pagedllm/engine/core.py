@@ -160,6 +160,8 @@ class EngineCore:
             total = sched_out.total_num_scheduled_tokens
             if total:
                 self.step_history.append((step.t0, time.monotonic() - step.t0, step.decode, total - step.decode))
+            if runner_out.kv_load_failed:
+                self.scheduler.handle_kv_load_failures(runner_out)
             if self.structured is not None and self.structured.matchers:
                 self.structured.update(runner_out)
             touched = self.scheduler.update_from_output(sched_out, runner_out)

@@ -99,7 +99,8 @@ class DiskIndex:
         self.block_bytes = block_bytes  # all ranks' files of one block
         self.max_blocks = max(1, max_bytes // block_bytes)
         self.layouts = layouts  # per rank: (shape, dtype) of a block's payload
-        self.lru: OrderedDict[bytes, bool] = OrderedDict()  # hash -> checked (files are never rewritten in place)
+        # hash -> the (inode, mtime, size) of every rank's file when last checked, or None (not checked yet)
+        self.lru: OrderedDict[bytes, tuple | None] = OrderedDict()
         found: dict[bytes, tuple[int, float]] = {}
         for f in self.root.iterdir():
             if f.name.startswith("."):  # a temporary file a crash left behind
@@ -113,7 +114,7 @@ class DiskIndex:
             n, t = found.get(h, (0, 0.0))
             found[h] = (n + 1, max(t, f.stat().st_mtime))
         for h, _ in sorted(((h, t) for h, (n, t) in found.items() if n == world_size), key=lambda x: x[1]):
-            self.lru[h] = False
+            self.lru[h] = None
         self.deletes: list[bytes] = []  # hashes to delete on every rank with this step
         while len(self.lru) > self.max_blocks:
             self.deletes.append(self.lru.popitem(last=False)[0])
@@ -133,13 +134,19 @@ class DiskIndex:
         return self.add(block_hash, pinned)
 
     def verify(self, block_hash: bytes) -> bool:
-        """Every rank's file of the block is whole and made by this engine; else it is dropped. A file is
-        read once: after that its check is remembered (we never rewrite a file in place)."""
-        if self.lru[block_hash]:
+        """Every rank's file of the block is whole and made by this engine; else it is dropped. A file is read
+        again only if it changed since its last check (another engine sharing the directory may have deleted
+        or replaced it): a lookup of a checked block costs a stat per rank."""
+        files = [_file(self.root, block_hash, rank) for rank in range(self.world_size)]
+        try:
+            ident = tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in (f.stat() for f in files))
+        except OSError:
+            ident = None
+        if ident is not None and self.lru[block_hash] == ident:
             return True
         for rank, (shape, dtype) in enumerate(self.layouts):
             try:
-                raw = _file(self.root, block_hash, rank).read_bytes()
+                raw = files[rank].read_bytes() if ident is not None else b""
             except OSError:
                 raw = b""
             if decode(raw, self.fingerprint, block_hash, rank, shape, dtype) is None:
@@ -147,7 +154,7 @@ class DiskIndex:
                                "recomputing it", block_hash.hex()[:16], rank)
                 self.drop(block_hash)
                 return False
-        self.lru[block_hash] = True
+        self.lru[block_hash] = ident
         return True
 
     def touch(self, block_hash: bytes) -> None:
@@ -160,7 +167,7 @@ class DiskIndex:
             if victim is None:
                 return False
             self.drop(victim)
-        self.lru[block_hash] = False  # checked when first read: the write may yet fail (disk full)
+        self.lru[block_hash] = None  # checked when first read: the write may yet fail (disk full)
         return True
 
     def drop(self, block_hash: bytes) -> None:

@@ -33,9 +33,9 @@ from collections import OrderedDict
 
 import torch
 
+from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.kv_transfer import KVConnectorMetadata, KVConnectorStats
 from pagedllm.kv_transfer.disk import DiskIndex, DiskStore
-from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.request import Request
 
 
@@ -70,8 +70,7 @@ class OffloadScheduler:
             slot = self._lru.get(h)
             if slot is not None:
                 self._pinned.add(slot)
-            elif self.disk is not None and self.disk.loads and self.disk.find(h, self._pinned_disk) and (h in self._pinned_disk
-                                                                                       or self.disk.verify(h)):
+            elif self._readable_on_disk(h):
                 self._pinned_disk.add(h)
             else:
                 break
@@ -83,6 +82,12 @@ class OffloadScheduler:
             self._pinned.add(slot)
             tokens += min(computed, request.num_tokens - 1) - (first + n) * bs
         return tokens
+
+    def _readable_on_disk(self, block_hash: bytes) -> bool:
+        disk = self.disk
+        if disk is None or not disk.loads or not disk.find(block_hash, self._pinned_disk):
+            return False
+        return block_hash in self._pinned_disk or disk.verify(block_hash)  # (pinned: checked this step)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_computed_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -152,6 +157,11 @@ class OffloadScheduler:
                 self._meta.disk_saves.append((blocks[i].block_id, h))
                 self.stats.disk_bytes_saved += self.block_bytes
 
+    def on_load_failed(self, block_hashes: list[bytes | None]) -> None:
+        for h in block_hashes:
+            if h is not None and self.disk is not None:
+                self.disk.drop(h)
+
     def request_finished(self, request: Request) -> None:
         swapped = self._swapped.pop(request.request_id, None)
         if swapped is not None:
@@ -207,6 +217,7 @@ class OffloadWorker:
         self.disk = disk
         self.block_shape = [len(kv_caches), 2, *c.shape[2:]]  # one block on disk: every layer's K and V
         self.save_seconds = self.load_seconds = 0.0
+        self.failed: list[int] = []  # blocks this step could not load
 
     def execute(self, meta: KVConnectorMetadata) -> None:
         """Before the forward pass: deletes, saves into RAM, then loads (disk saves wait for the forward)."""
@@ -228,8 +239,9 @@ class OffloadWorker:
                 cache.index_copy_(1, blocks, pool.index_select(1, slots).to(dev, non_blocking=True))
         for h, block_id in meta.disk_loads:
             data = self.disk.read(h, self.block_shape, self.kv_caches[0].dtype)
-            if data is None:  # checked by the scheduler this step: only a file changed since can get here
-                raise RuntimeError(f"KV disk tier: block {h.hex()[:16]} changed on disk after it was checked")
+            if data is None:  # checked by the scheduler this step: deleted or replaced since, by another engine
+                self.failed.append(block_id)
+                continue
             for layer, cache in enumerate(self.kv_caches):
                 cache[:, block_id].copy_(data[layer])
         self.load_seconds += time.perf_counter() - t1

@@ -134,12 +134,19 @@ class Worker:
         if prev_sampled:
             self.runner.apply_sampled(prev_sampled)
         out = self.runner.execute_model(so)
-        if so.kv_connector_meta and so.kv_connector_meta.disk_saves:
-            self.runner.kv_connector.after_forward(so.kv_connector_meta)
+        connector = self.runner.kv_connector
+        if not so.kv_connector_meta:
+            return out if self.ps.is_driver else None
+        if so.kv_connector_meta.disk_saves:
+            connector.after_forward(so.kv_connector_meta)
+        failed, connector.failed = connector.failed, []
         if not self.ps.is_driver:
+            if failed:  # only the driver's output can say so; garbage on this rank must not be used
+                raise RuntimeError(f"KV disk tier: rank {self.ps.rank} could not load blocks {failed}: their "
+                                   "files were deleted or replaced after the scheduler checked them")
             return None
-        if self.runner.kv_connector is not None and so.kv_connector_meta:
-            out.kv_transfer_seconds = self.runner.kv_connector.take_times()
+        out.kv_transfer_seconds = connector.take_times()
+        out.kv_load_failed = failed
         return out
 
     def comm_stats(self) -> dict[str, int]:
