@@ -37,11 +37,12 @@ MAGIC = b"PGKV1\n"
 
 
 def model_fingerprint(source_path: str, identity: dict[str, Any]) -> str:
-    """Names the KV a model computes: its weight files (names, sizes, first and last MiB) and everything
-    else that changes the cached values (dtype, KV dtype, quantization, block size, tensor parallelism)."""
+    """Names the KV a model computes: its files (names, sizes, first and last MiB of each: weights in any
+    format, config) and everything else that changes the cached values (dtype, KV dtype, quantization, block
+    size, parallelism)."""
     h = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     p = Path(source_path)
-    files = sorted(p.glob("*.safetensors")) + sorted(p.glob("*.gguf")) if p.is_dir() else [p]
+    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
