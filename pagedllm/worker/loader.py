@@ -45,7 +45,11 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     """Build and load the model (this rank's shard of it under ``parallel``); ``stages`` (if given)
     receives the seconds spent on weights and packing."""
     from pagedllm.model_loader import iter_weights
+    from pagedllm.model_loader.awq import awq_group_size
 
+    awq_group = awq_group_size(hf_config) if source.kind == "hf_dir" else None
+    if awq_group is not None and quantization is None:
+        quantization = "int4"  # the checkpoint's own 4-bit groups, as they are
     if quantization is not None:
         from pagedllm.layers.quantization import check_quantization_supported
 
@@ -64,13 +68,18 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
                                     "tensor_parallel_size")
     with torch.device(device), _no_init() if skip_init else contextlib.nullcontext():
         model = model_cls(hf_config, parallel=parallel) if sharded else model_cls(hf_config)
-    model.load_weights(iter_weights(source, lazy=sharded))
+    if awq_group is not None:
+        from pagedllm.model_loader.awq import iter_awq_weights, iter_raw
+
+        model.load_weights(iter_awq_weights(iter_raw(source.path), awq_group))
+    else:
+        model.load_weights(iter_weights(source, lazy=sharded))
     model.to(dtype=dtype)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     t1 = time.perf_counter()
     if quantization is not None:
-        _quantize(model, source, quantization)
+        _quantize(model, source, quantization, awq_group)
     if device.type == "cpu" and dtype == torch.float32:
         from pagedllm.layers.linear import onednn_available, pack_linears
 
@@ -118,7 +127,7 @@ def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return tensor
 
 
-def _quantize(model: torch.nn.Module, source: Any, method: str) -> None:
+def _quantize(model: torch.nn.Module, source: Any, method: str, awq_group: int | None = None) -> None:
     from pagedllm.layers.quantization import quantize_model
 
     blocks = None
@@ -126,4 +135,8 @@ def _quantize(model: torch.nn.Module, source: Any, method: str) -> None:
         from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks
 
         blocks = model.quantized_modules(gguf_quantized_blocks(source.path))
+    elif awq_group is not None:  # likewise AWQ's 4-bit groups
+        from pagedllm.model_loader.awq import awq_blocks, iter_raw
+
+        blocks = model.quantized_modules(awq_blocks(iter_raw(source.path), awq_group))
     quantize_model(model, method, blocks)
