@@ -36,8 +36,10 @@ def awq_group_size(hf_config: Any) -> int | None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
+    if method == "gptq":
+        return None  # pagedllm.model_loader.gptq
     if method != "awq":
-        raise UnsupportedModelError(f"checkpoint quantization {method!r} is not supported yet (AWQ is)")
+        raise UnsupportedModelError(f"checkpoint quantization {method!r} is not supported yet (AWQ and GPTQ are)")
     bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
     version = str(qc.get("version", "gemm")).lower()
     if bits != 4 or version != "gemm" or not qc.get("zero_point", True) or not group or group % 32:
@@ -127,3 +129,26 @@ def awq_blocks(weights: Iterator[tuple[str, torch.Tensor]], group: int) -> dict[
     """Every AWQ linear as ``("int4", (packed, scales, mins))``, by its weight's transformers name."""
     return {f"{name}.weight": ("int4", int4_blocks(value["qweight"], value["qzeros"], value["scales"], group))
             for name, value in _modules(weights) if isinstance(value, dict)}
+
+
+class AWQ:
+    """The loader's view of an AWQ checkpoint (the same interface as :class:`~pagedllm.model_loader.gptq.GPTQ`)."""
+
+    method = "int4"  # the engine's quantization for it
+
+    def __init__(self, group: int):
+        self.group = group
+
+    def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_awq_weights(weights, self.group)
+
+    def blocks(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, tuple]]:
+        return awq_blocks(weights, self.group)
+
+
+def checkpoint_scheme(hf_config: Any) -> "AWQ | GPTQ | None":
+    """How an HF checkpoint's linears are quantized (its ``quantization_config``), None if they are not."""
+    from pagedllm.model_loader.gptq import GPTQ
+
+    group = awq_group_size(hf_config)
+    return AWQ(group) if group is not None else GPTQ.from_config(hf_config)

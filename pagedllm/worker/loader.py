@@ -45,11 +45,11 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     """Build and load the model (this rank's shard of it under ``parallel``); ``stages`` (if given)
     receives the seconds spent on weights and packing."""
     from pagedllm.model_loader import iter_weights
-    from pagedllm.model_loader.awq import awq_group_size
+    from pagedllm.model_loader.awq import checkpoint_scheme
 
-    awq_group = awq_group_size(hf_config) if source.kind == "hf_dir" else None
-    if awq_group is not None and quantization is None:
-        quantization = "int4"  # the checkpoint's own 4-bit groups, as they are
+    scheme = checkpoint_scheme(hf_config) if source.kind == "hf_dir" else None  # AWQ, GPTQ
+    if scheme is not None and quantization is None:
+        quantization = scheme.method  # the checkpoint's own 4- or 8-bit groups, as they are
     if quantization is not None:
         from pagedllm.layers.quantization import check_quantization_supported
 
@@ -68,10 +68,10 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
                                     "tensor_parallel_size")
     with torch.device(device), _no_init() if skip_init else contextlib.nullcontext():
         model = model_cls(hf_config, parallel=parallel) if sharded else model_cls(hf_config)
-    if awq_group is not None:
-        from pagedllm.model_loader.awq import iter_awq_weights, iter_raw
+    if scheme is not None:
+        from pagedllm.model_loader.awq import iter_raw
 
-        model.load_weights(iter_awq_weights(iter_raw(source.path), awq_group))
+        model.load_weights(scheme.iter_float(iter_raw(source.path)))
     else:
         model.load_weights(iter_weights(source, lazy=sharded))
     model.to(dtype=dtype)
@@ -79,7 +79,7 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     n_params = sum(p.numel() for p in model.parameters())
     t1 = time.perf_counter()
     if quantization is not None:
-        _quantize(model, source, quantization, awq_group)
+        _quantize(model, source, quantization, scheme)
     if device.type == "cpu" and dtype == torch.float32:
         from pagedllm.layers.linear import onednn_available, pack_linears
 
@@ -127,7 +127,7 @@ def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return tensor
 
 
-def _quantize(model: torch.nn.Module, source: Any, method: str, awq_group: int | None = None) -> None:
+def _quantize(model: torch.nn.Module, source: Any, method: str, scheme: Any = None) -> None:
     from pagedllm.layers.quantization import quantize_model
 
     blocks = None
@@ -135,8 +135,8 @@ def _quantize(model: torch.nn.Module, source: Any, method: str, awq_group: int |
         from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks
 
         blocks = model.quantized_modules(gguf_quantized_blocks(source.path))
-    elif awq_group is not None:  # likewise AWQ's 4-bit groups
-        from pagedllm.model_loader.awq import awq_blocks, iter_raw
+    elif scheme is not None:  # likewise an AWQ / GPTQ checkpoint's groups
+        from pagedllm.model_loader.awq import iter_raw
 
-        blocks = model.quantized_modules(awq_blocks(iter_raw(source.path), awq_group))
+        blocks = model.quantized_modules(scheme.blocks(iter_raw(source.path)))
     quantize_model(model, method, blocks)

@@ -1,0 +1,115 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel): 4- or 8-bit weights packed along the input dimension, with
+zero points and float16 scales per group of inputs.
+
+A quantized linear ``name`` is stored as::
+
+    name.qweight  int32 [in * bits / 32, out]   values packed along the input dimension, lowest bits first
+    name.qzeros   int32 [groups, out * bits / 32] zero points packed along the output dimension
+    name.scales   fp16  [groups, out]
+    name.g_idx    int32 [in]                    each input's group (i // group_size without act-order)
+
+and ``W[n, k] = (q[k, n] - z[g, n]) * s[g, n]`` with ``g = g_idx[k]``. The original
+format (``checkpoint_format`` "gptq") stores each zero point minus one; "gptq_v2" stores it
+as it is. That is pagedllm's int4 layout (4 bits: scale ``s``, min ``-z * s``) or int8 layout
+(8 bits: ``q - 128`` with min ``(128 - z) * s``) per group of 32: no second rounding.
+
+Act-order checkpoints (``desc_act``, a non-trivial ``g_idx``) are refused: their groups are not
+contiguous runs of inputs, which the int4 / int8 kernels need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pagedllm.errors import UnsupportedModelError
+
+_REQUIRED = ("qweight", "qzeros", "scales")
+
+
+class GPTQ:
+    def __init__(self, bits: int, group: int | None, zero_offset: int):
+        self.bits, self.group, self.zero_offset = bits, group, zero_offset
+        self.method = f"int{bits}"  # the engine's quantization for it
+
+    @classmethod
+    def from_config(cls, hf_config: Any) -> "GPTQ | None":
+        qc = getattr(hf_config, "quantization_config", None)
+        if qc is None:
+            return None
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        if qc.get("quant_method") != "gptq":
+            return None
+        bits, group = qc.get("bits"), qc.get("group_size", 128)
+        fmt = qc.get("checkpoint_format", "gptq")
+        if bits not in (4, 8) or qc.get("desc_act") or fmt not in ("gptq", "gptq_v2") or (
+                group not in (-1, None) and group % 32):
+            raise UnsupportedModelError(
+                f"GPTQ with bits={bits}, group_size={group}, desc_act={qc.get('desc_act')}, checkpoint_format="
+                f"{fmt!r} is not supported: pagedllm runs 4- and 8-bit GPTQ without act-order, in groups of a "
+                "multiple of 32 (or one group per row)")
+        return cls(bits, None if group in (-1, None) else int(group), 1 if fmt == "gptq" else 0)
+
+    def _unpack(self, packed: torch.Tensor, dim: int) -> torch.Tensor:
+        """int32 words -> their ``32 / bits`` values along ``dim`` (0: rows, 1: columns), lowest bits first."""
+        per = 32 // self.bits
+        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32)
+        vals = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << self.bits) - 1)  # [R, C, per]
+        if dim == 1:
+            return vals.reshape(packed.shape[0], packed.shape[1] * per)
+        return vals.permute(0, 2, 1).reshape(packed.shape[0] * per, packed.shape[1])
+
+    def _parts(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(q [N, K], zero points [N, G], scales [N, G], group) of one linear."""
+        q = self._unpack(t["qweight"], 0).t()
+        n, k = q.shape
+        group = self.group or k
+        z = self._unpack(t["qzeros"], 1).t()[:n] + self.zero_offset
+        g_idx = t.get("g_idx")
+        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+            raise UnsupportedModelError("GPTQ: a g_idx that is not i // group_size (act-order) is not supported")
+        return q, z, t["scales"].float().t(), group
+
+    def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        q, z, s, group = self._parts(t)
+        return ((q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)).contiguous()
+
+    def block(self, t: dict[str, torch.Tensor]) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """One linear in pagedllm's int4 / int8 layout, groups of 32."""
+        q, z, s, group = self._parts(t)
+        n, k = q.shape
+        rep = group // 32
+        s = s.repeat_interleave(rep, 1).contiguous()
+        z = z.float().repeat_interleave(rep, 1)
+        if self.bits == 4:
+            g = q.to(torch.uint8).view(n, k // 32, 32)
+            return "int4", ((g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous(), s,
+                            (-z * s).contiguous())
+        return "int8", ((q - 128).to(torch.int8).contiguous(), s, ((128 - z) * s).contiguous())
+
+    # -- the checkpoint, module by module -------------------------------------------------------------------
+    def _modules(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+        """Plain tensors as they come (float32), then each quantized linear's parts together (packed
+        weights are small: holding them all costs what the file does)."""
+        quantized: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in weights:
+            module, _, part = name.rpartition(".")
+            if part in _REQUIRED or part == "g_idx":
+                quantized.setdefault(module, {})[part] = t
+            elif not name.endswith("rotary_emb.inv_freq"):
+                yield name, t.to(torch.float32)
+        for module, parts in quantized.items():
+            missing = [p for p in _REQUIRED if p not in parts]
+            if missing:
+                raise UnsupportedModelError(f"GPTQ checkpoint: {module} lacks {missing}")
+            yield module, parts
+
+    def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in self._modules(weights):
+            yield (f"{name}.weight", self.dequantize(value)) if isinstance(value, dict) else (name, value)
+
+    def blocks(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, tuple]]:
+        return {f"{name}.weight": self.block(value) for name, value in self._modules(weights)
+                if isinstance(value, dict)}

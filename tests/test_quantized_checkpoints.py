@@ -1,0 +1,186 @@
+"""AWQ (AutoAWQ's GEMM layout) and GPTQ checkpoints, written here by the formats' rules since none can be
+downloaded: they load into the int4 / int8 kernels without a second rounding and compute what their
+dequantized weights do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_loader import awq
+from pagedllm.model_loader.gptq import GPTQ
+from utils import check_greedy_close, hf_greedy
+
+GROUP = 128
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _round(w: torch.Tensor, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric rounding of W [out, in] in groups along in: (q [in, out], zero points, fp16 scales [G, out])."""
+    out, k = w.shape
+    top = (1 << bits) - 1
+    g = w.t().reshape(k // group, group, out)  # [groups, group, out]
+    lo, hi = g.amin(dim=1), g.amax(dim=1)
+    scales = ((hi - lo).clamp(min=1e-5) / top).half()
+    s = scales.float()
+    zeros = torch.clamp(torch.round(-lo / s), 0, top)
+    q = torch.clamp(torch.round(g / s[:, None]) + zeros[:, None], 0, top).reshape(k, out)
+    return q, zeros, scales
+
+
+def _dequantized(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weights the rounding stands for, computed here from the unpacked values: W [out, in]."""
+    group = q.shape[0] // zeros.shape[0]
+    return ((q - zeros.repeat_interleave(group, 0)) * scales.float().repeat_interleave(group, 0)).t().contiguous()
+
+
+def _awq(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    q, zeros, scales = _round(w, GROUP, 4)
+    return {"qweight": awq.pack(q), "qzeros": awq.pack(zeros), "scales": scales}, _dequantized(q, zeros, scales)
+
+
+def _pack_gptq(v: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """GPTQ's packing: ``32 / bits`` values a word along ``dim``, lowest bits first."""
+    per = 32 // bits
+    v = v.to(torch.int64)
+    v = v.reshape(v.shape[0] // per, per, v.shape[1]).transpose(1, 2) if dim == 0 else v.reshape(v.shape[0], -1, per)
+    word = sum(v[..., i] << (bits * i) for i in range(per))
+    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()
+
+
+def _gptq(bits: int, group: int, v1: bool):
+    def write(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        k = w.shape[1]
+        g = k if group == -1 else group
+        q, zeros, scales = _round(w, g, bits)
+        if v1:  # the original format keeps each zero point minus one: 0 must not occur
+            zeros = zeros.clamp(min=1)
+        stored = zeros - 1 if v1 else zeros
+        return ({"qweight": _pack_gptq(q, bits, 0), "qzeros": _pack_gptq(stored, bits, 1), "scales": scales,
+                 "g_idx": (torch.arange(k) // g).to(torch.int32)}, _dequantized(q, zeros, scales))
+    return write
+
+
+SCHEMES = {  # name -> (writer, quantization_config)
+    "awq": (_awq, {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}),
+    "gptq4": (_gptq(4, GROUP, True), {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+                                      "sym": False, "checkpoint_format": "gptq"}),
+    "gptq8_v2_per_row": (_gptq(8, -1, False), {"quant_method": "gptq", "bits": 8, "group_size": -1,
+                                               "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"}),
+}
+
+
+def _write(src: Path, dst: Path, ref: Path, scheme: str) -> None:
+    """``dst``: the model in the scheme's layout; ``ref``: the same model holding the dequantized weights (and
+    the logits head as pagedllm's quantized modes hold it: int8 groups of 32)."""
+    from pagedllm.layers.quantization import Int8Linear
+
+    writer, qc = SCHEMES[scheme]
+    for d in (dst, ref):
+        shutil.copytree(src, d)
+    tensors = load_file(str(src / "model.safetensors"))
+    quant, deq = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in PROJ:
+            parts, deq[name] = writer(t.float())
+            module = name.removesuffix(".weight")
+            quant.update({f"{module}.{p}": v for p, v in parts.items()})
+        elif name == "lm_head.weight":
+            quant[name] = t
+            deq[name] = Int8Linear.from_float(t.float(), None).dequantized()[0].contiguous()
+        else:
+            quant[name] = deq[name] = t
+    save_file(quant, str(dst / "model.safetensors"))
+    save_file(deq, str(ref / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_factory, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    src = tiny_model_factory("llama", hidden_size=128, intermediate_size=256)
+    root = tmp_path_factory.mktemp("quantized")
+    for name in SCHEMES:
+        _write(src, root / name, root / f"{name}-ref", name)
+    return {name: (root / name, root / f"{name}-ref") for name in SCHEMES}
+
+
+@pytest.fixture(scope="module")
+def awq_dirs(checkpoints) -> tuple[Path, Path]:
+    return checkpoints["awq"]
+
+
+def test_pack_and_unpack_follow_the_nibble_order():
+    q = torch.arange(16).repeat(3, 1) % 16  # [3, 16]
+    packed = awq.pack(q)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 2)
+    assert torch.equal(awq.unpack(packed), q)
+    # nibble i of a word holds column AWQ_ORDER[i]: columns 0..7 = 0..7 pack as 0x75316420
+    assert packed[0, 0].item() == 0x75316420
+
+
+def test_int4_blocks_hold_exactly_the_dequantized_weights(awq_dirs):
+    from pagedllm.layers.quantization import Int4Linear
+
+    tensors = load_file(str(awq_dirs[0] / "model.safetensors"))
+    parts = [tensors[f"model.layers.1.mlp.down_proj.{p}"] for p in ("qweight", "qzeros", "scales")]
+    lin = Int4Linear(*awq.int4_blocks(*parts, GROUP), None)
+    w, _ = lin.dequantized()
+    assert torch.allclose(w, awq.dequantize(*parts, GROUP), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme, kernel", [("awq", "Int4Linear"), ("gptq4", "Int4Linear"),
+                                            ("gptq8_v2_per_row", "Int8Linear")])
+def test_a_quantized_checkpoint_runs_on_our_kernels_and_matches_its_dequantized_weights(checkpoints, scheme,
+                                                                                          kernel):
+    quant_dir, ref_dir = checkpoints[scheme]
+    prompts = [[5, 17, 300, 4000, 12, 9, 77], [1000 + i for i in range(40)], [42] * 12]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    llm = LLM(str(quant_dir), max_model_len=256, num_gpu_blocks_override=64)
+    model = llm.llm_engine.executor.worker.model
+    assert type(model.layers[0].self_attn.qkv_proj).__name__ == kernel  # fused from three quantized linears
+    assert type(model.layers[1].mlp.down_proj).__name__ == kernel
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    from transformers import AutoModelForCausalLM
+
+    ref = hf_greedy(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32), prompts, 24, 5)
+    check_greedy_close(ref, [o.outputs[0] for o in ours], topk=5, logprob_atol=1e-4, min_exact_fraction=0.9,
+                       names=("transformers on the dequantized weights", f"pagedllm on {scheme}"))
+
+
+def test_gptq_blocks_hold_exactly_the_dequantized_weights(checkpoints):
+    from pagedllm.layers.quantization import Int4Linear, Int8Linear
+
+    for scheme, cls in (("gptq4", Int4Linear), ("gptq8_v2_per_row", Int8Linear)):
+        tensors = load_file(str(checkpoints[scheme][0] / "model.safetensors"))
+        parts = {p: tensors[f"model.layers.1.mlp.down_proj.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
+        reader = GPTQ.from_config(type("C", (), {"quantization_config": SCHEMES[scheme][1]})())
+        _, tensors_ = reader.block(parts)
+        w, _ = cls(*tensors_, None).dequantized()
+        assert torch.allclose(w, reader.dequantize(parts), rtol=0, atol=1e-6), scheme
+
+
+def test_unsupported_awq_layouts_are_refused(awq_dirs, tmp_path):
+    bad = tmp_path / "gemv"
+    shutil.copytree(awq_dirs[0], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["version"] = "gemv"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="version='gemv'"):
+        LLM(str(bad))
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="'bitsandbytes' is not supported"):
+        LLM(str(bad))
+    config["quantization_config"] = {**SCHEMES["gptq4"][1], "desc_act": True}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="desc_act=True"):
+        LLM(str(bad))
