@@ -87,18 +87,6 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     return ((q - z) * s).t().contiguous()
 
 
-def iter_raw(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """A directory's safetensors tensors as stored (packed int32 must not pass through float32)."""
-    from safetensors import safe_open
-
-    from pagedllm.model_loader.hf_loader import safetensors_files
-
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 def _modules(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors with each AWQ linear's three gathered: ``(name, tensor)`` for plain ones,
     ``(module, {part: tensor})`` for quantized ones."""

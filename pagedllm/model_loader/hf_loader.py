@@ -55,17 +55,23 @@ def safetensors_files(path: str) -> list[str]:
     )
 
 
-def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, float32 tensor)`` one tensor at a time, never the whole model."""
-    import torch
+def iter_raw(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A directory's safetensors tensors as stored (packed int32 must not pass through float32)."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name.endswith(_SKIPPED_SUFFIXES):
-                    continue
-                yield name, f.get_tensor(name).to(torch.float32)
+                yield name, f.get_tensor(name)
+
+
+def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, float32 tensor)`` one tensor at a time, never the whole model."""
+    import torch
+
+    for name, t in iter_raw(path):
+        if not name.endswith(_SKIPPED_SUFFIXES):
+            yield name, t.to(torch.float32)
 
 
 def iter_hf_weight_slices(path: str) -> Iterator[tuple[str, "LazyTensor"]]:

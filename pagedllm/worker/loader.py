@@ -69,7 +69,7 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     with torch.device(device), _no_init() if skip_init else contextlib.nullcontext():
         model = model_cls(hf_config, parallel=parallel) if sharded else model_cls(hf_config)
     if scheme is not None:
-        from pagedllm.model_loader.awq import iter_raw
+        from pagedllm.model_loader.hf_loader import iter_raw
 
         model.load_weights(scheme.iter_float(iter_raw(source.path)))
     else:
@@ -136,7 +136,7 @@ def _quantize(model: torch.nn.Module, source: Any, method: str, scheme: Any = No
 
         blocks = model.quantized_modules(gguf_quantized_blocks(source.path))
     elif scheme is not None:  # likewise an AWQ / GPTQ checkpoint's groups
-        from pagedllm.model_loader.awq import iter_raw
+        from pagedllm.model_loader.hf_loader import iter_raw
 
         blocks = model.quantized_modules(scheme.blocks(iter_raw(source.path)))
     quantize_model(model, method, blocks)
