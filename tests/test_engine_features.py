@@ -350,3 +350,27 @@ def test_kv_cache_prefault_makes_the_cache_resident_at_once():
         assert all(float(c.abs().max()) == 0 for c in caches)  # zeros either way (read after measuring)
         del caches
     assert grew[False] < 32 and grew[True] > 240, grew
+
+
+def test_a_large_cpu_cache_reads_as_zeros_even_over_dirty_freed_memory():
+    """The C allocator may hand a large request memory freed earlier, dirty (CI once saw a cache that was
+    not all zeros). Forced here in a child process: mallopt makes glibc serve everything from its heap and
+    keep what is freed, so a freed 320 MiB of NaNs is there to reuse; the cache allocated next must still
+    read as zeros."""
+    import subprocess
+    import sys
+
+    code = """
+import ctypes, torch
+from pagedllm.worker.kv_cache import allocate_kv_caches
+libc = ctypes.CDLL("libc.so.6")
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+assert libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+dirty = torch.full((80 << 20,), float("nan"))  # 320 MiB from the heap, then freed into it
+del dirty
+assert torch.empty(64 << 20).isnan().any(), "glibc did not reuse the freed memory: the test proves nothing"
+caches = allocate_kv_caches(2, 4096, 16, 4, 64, torch.float32, torch.device("cpu"))
+assert all(float(c.abs().max()) == 0 for c in caches), "the KV cache holds garbage"
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -43,11 +43,12 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                        dtype: torch.dtype, device: torch.device, prefault: bool = False) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, kv_heads, head_dim] view per layer into a single zeroed buffer.
 
-    On CPU a large buffer is taken with ``torch.empty``: the allocator maps fresh
-    pages, which the kernel zero-fills on first touch, so a 4 GiB cache costs
-    resident memory only for the blocks actually written. Small buffers (which
-    the C allocator may recycle, dirty) are zeroed explicitly. Unwritten slots
-    must read as zeros, never NaN: attention multiplies masked-out values by 0.
+    On CPU a large buffer is an anonymous memory mapping of its own: the kernel
+    zero-fills its pages on first touch, so a 4 GiB cache costs resident memory
+    only for the blocks actually written. (``torch.empty`` is not enough: the C
+    allocator may serve even a large request from memory freed earlier, dirty, as
+    CI once caught.) Small buffers are zeroed explicitly. Unwritten slots must read
+    as zeros, never NaN: attention multiplies masked-out values by 0.
     The free queue hands out the least recently freed block first, so over time every
     block is used and the whole cache becomes resident; ``prefault`` makes it resident
     at once (``torch.zeros`` writes every page).
@@ -56,11 +57,14 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
     if device.type == "cpu" and numel * itemsize >= _FRESH_MMAP_BYTES and not prefault:
-        buf = torch.empty(shape, dtype=dtype, device=device)
+        import mmap
+
+        # the tensor keeps the mapping alive; it is unmapped when the last view goes
+        buf = torch.frombuffer(mmap.mmap(-1, numel * itemsize), dtype=torch.uint8).view(dtype).view(shape)
     else:
         buf = torch.zeros(shape, dtype=dtype, device=device)
     return list(buf.unbind(0))
 
 
-# glibc serves allocations above its (dynamic, at most 32 MiB) mmap threshold from fresh mappings
+# below this, zeroing the buffer at once costs little
 _FRESH_MMAP_BYTES = 256 << 20
