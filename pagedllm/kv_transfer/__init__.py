@@ -4,8 +4,9 @@ As vLLM V1 splits it, a connector has a **scheduler half** (in the engine core,
 next to the block pool) and a **worker half** (in every rank, next to the KV
 cache tensors). They talk only through the step's ``SchedulerOutput``: the
 scheduler half fills a :class:`KVConnectorMetadata` (which blocks to save where,
-which to load from where) and every rank's worker half carries it out before the
-forward pass. So the connector works unchanged under every executor
+which to load from where) and every rank's worker half carries it out around the
+forward pass (copies in and out of RAM before it, disk writes of the blocks it
+filled after it). So the connector works unchanged under every executor
 (uniproc, mp, ray) and with tensor or pipeline parallelism (each rank copies
 its own shard, at the same slot indices).
 
