@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_loader import awq
-from pagedllm.model_loader.gptq import GPTQ
+from pagedllm.model_loader.zero_point import checkpoint_scheme
 from utils import check_greedy_close, hf_greedy
 
 GROUP = 128
@@ -127,14 +127,18 @@ def test_pack_and_unpack_follow_the_nibble_order():
     assert packed[0, 0].item() == 0x75316420
 
 
-def test_int4_blocks_hold_exactly_the_dequantized_weights(awq_dirs):
-    from pagedllm.layers.quantization import Int4Linear
+@pytest.mark.parametrize("scheme, kernel", [("awq", "Int4Linear"), ("gptq4", "Int4Linear"),
+                                            ("gptq8_v2_per_row", "Int8Linear")])
+def test_blocks_hold_exactly_the_dequantized_weights(checkpoints, scheme, kernel):
+    from pagedllm.layers import quantization
 
-    tensors = load_file(str(awq_dirs[0] / "model.safetensors"))
-    parts = [tensors[f"model.layers.1.mlp.down_proj.{p}"] for p in ("qweight", "qzeros", "scales")]
-    lin = Int4Linear(*awq.int4_blocks(*parts, GROUP), None)
-    w, _ = lin.dequantized()
-    assert torch.allclose(w, awq.dequantize(*parts, GROUP), rtol=0, atol=1e-6)
+    tensors = load_file(str(checkpoints[scheme][0] / "model.safetensors"))
+    prefix = "model.layers.1.mlp.down_proj."
+    parts = {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}
+    reader = checkpoint_scheme(type("Config", (), {"quantization_config": SCHEMES[scheme][1]})())
+    _, blocks = reader.block(parts)
+    w, _ = getattr(quantization, kernel)(*blocks, None).dequantized()
+    assert torch.allclose(w, reader.dequantize(parts), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("scheme, kernel", [("awq", "Int4Linear"), ("gptq4", "Int4Linear"),
@@ -154,18 +158,6 @@ def test_a_quantized_checkpoint_runs_on_our_kernels_and_matches_its_dequantized_
     ref = hf_greedy(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32), prompts, 24, 5)
     check_greedy_close(ref, [o.outputs[0] for o in ours], topk=5, logprob_atol=1e-4, min_exact_fraction=0.9,
                        names=("transformers on the dequantized weights", f"pagedllm on {scheme}"))
-
-
-def test_gptq_blocks_hold_exactly_the_dequantized_weights(checkpoints):
-    from pagedllm.layers.quantization import Int4Linear, Int8Linear
-
-    for scheme, cls in (("gptq4", Int4Linear), ("gptq8_v2_per_row", Int8Linear)):
-        tensors = load_file(str(checkpoints[scheme][0] / "model.safetensors"))
-        parts = {p: tensors[f"model.layers.1.mlp.down_proj.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
-        reader = GPTQ.from_config(type("C", (), {"quantization_config": SCHEMES[scheme][1]})())
-        _, tensors_ = reader.block(parts)
-        w, _ = cls(*tensors_, None).dequantized()
-        assert torch.allclose(w, reader.dequantize(parts), rtol=0, atol=1e-6), scheme
 
 
 def test_unsupported_awq_layouts_are_refused(awq_dirs, tmp_path):

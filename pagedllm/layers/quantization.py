@@ -154,9 +154,26 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit groups of 32 (GGUF Q4_1's grid): (packed [N, K/2] uint8, scales, mins)."""
     q, scales, lo = _round_groups(weight, 15)
-    q = q.to(torch.uint8)
-    packed = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
-    return packed.reshape(weight.shape[0], -1).contiguous(), scales, lo
+    return pack_int4(q.reshape(weight.shape)), scales, lo
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> Int4Linear's packed [N, K/2] uint8 (element j and j + 16 of a group share a byte)."""
+    g = q.to(torch.uint8).reshape(q.shape[0], -1, GROUP)
+    return (g[..., :GROUP // 2] | (g[..., GROUP // 2:] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+def zero_point_blocks(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, bits: int
+                      ) -> tuple[str, tuple[torch.Tensor, ...]]:
+    """Weights ``W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g]`` (g = k // group, a multiple of 32) in
+    the int4 (bits 4, q 0..15) or int8 (bits 8, q 0..255) layout, holding exactly the same values:
+    ``("int4" | "int8", (q, scales, mins))`` per group of 32."""
+    rep = group // GROUP
+    s = scales.float().repeat_interleave(rep, 1).contiguous()
+    z = zeros.float().repeat_interleave(rep, 1)
+    if bits == 4:
+        return "int4", (pack_int4(q), s, (-z * s).contiguous())
+    return "int8", ((q.to(torch.int32) - 128).to(torch.int8).contiguous(), s, ((128 - z) * s).contiguous())
 
 
 def widen_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:

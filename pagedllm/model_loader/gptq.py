@@ -19,29 +19,24 @@ contiguous runs of inputs, which the int4 / int8 kernels need.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_loader.zero_point import ZeroPointCheckpoint
 
-_REQUIRED = ("qweight", "qzeros", "scales")
 
+class GPTQ(ZeroPointCheckpoint):
+    name = "GPTQ"
+    parts = ("qweight", "qzeros", "scales")
+    optional = ("g_idx",)
 
-class GPTQ:
     def __init__(self, bits: int, group: int | None, zero_offset: int):
         self.bits, self.group, self.zero_offset = bits, group, zero_offset
-        self.method = f"int{bits}"  # the engine's quantization for it
 
     @classmethod
-    def from_config(cls, hf_config: Any) -> "GPTQ | None":
-        qc = getattr(hf_config, "quantization_config", None)
-        if qc is None:
-            return None
-        qc = qc if isinstance(qc, dict) else qc.to_dict()
-        if qc.get("quant_method") != "gptq":
-            return None
+    def from_config(cls, qc: dict[str, Any]) -> "GPTQ":
         bits, group = qc.get("bits"), qc.get("group_size", 128)
         fmt = qc.get("checkpoint_format", "gptq")
         if bits not in (4, 8) or qc.get("desc_act") or fmt not in ("gptq", "gptq_v2") or (
@@ -61,8 +56,7 @@ class GPTQ:
             return vals.reshape(packed.shape[0], packed.shape[1] * per)
         return vals.permute(0, 2, 1).reshape(packed.shape[0] * per, packed.shape[1])
 
-    def _parts(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(q [N, K], zero points [N, G], scales [N, G], group) of one linear."""
+    def unpack(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         q = self._unpack(t["qweight"], 0).t()
         n, k = q.shape
         group = self.group or k
@@ -71,45 +65,3 @@ class GPTQ:
         if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
             raise UnsupportedModelError("GPTQ: a g_idx that is not i // group_size (act-order) is not supported")
         return q, z, t["scales"].float().t(), group
-
-    def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        q, z, s, group = self._parts(t)
-        return ((q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)).contiguous()
-
-    def block(self, t: dict[str, torch.Tensor]) -> tuple[str, tuple[torch.Tensor, ...]]:
-        """One linear in pagedllm's int4 / int8 layout, groups of 32."""
-        q, z, s, group = self._parts(t)
-        n, k = q.shape
-        rep = group // 32
-        s = s.repeat_interleave(rep, 1).contiguous()
-        z = z.float().repeat_interleave(rep, 1)
-        if self.bits == 4:
-            g = q.to(torch.uint8).view(n, k // 32, 32)
-            return "int4", ((g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous(), s,
-                            (-z * s).contiguous())
-        return "int8", ((q - 128).to(torch.int8).contiguous(), s, ((128 - z) * s).contiguous())
-
-    # -- the checkpoint, module by module -------------------------------------------------------------------
-    def _modules(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
-        """Plain tensors as they come (float32), then each quantized linear's parts together (packed
-        weights are small: holding them all costs what the file does)."""
-        quantized: dict[str, dict[str, torch.Tensor]] = {}
-        for name, t in weights:
-            module, _, part = name.rpartition(".")
-            if part in _REQUIRED or part == "g_idx":
-                quantized.setdefault(module, {})[part] = t
-            elif not name.endswith("rotary_emb.inv_freq"):
-                yield name, t.to(torch.float32)
-        for module, parts in quantized.items():
-            missing = [p for p in _REQUIRED if p not in parts]
-            if missing:
-                raise UnsupportedModelError(f"GPTQ checkpoint: {module} lacks {missing}")
-            yield module, parts
-
-    def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, value in self._modules(weights):
-            yield (f"{name}.weight", self.dequantize(value)) if isinstance(value, dict) else (name, value)
-
-    def blocks(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, tuple]]:
-        return {f"{name}.weight": self.block(value) for name, value in self._modules(weights)
-                if isinstance(value, dict)}

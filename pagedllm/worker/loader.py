@@ -45,7 +45,7 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     """Build and load the model (this rank's shard of it under ``parallel``); ``stages`` (if given)
     receives the seconds spent on weights and packing."""
     from pagedllm.model_loader import iter_weights
-    from pagedllm.model_loader.awq import checkpoint_scheme
+    from pagedllm.model_loader.zero_point import checkpoint_scheme
 
     scheme = checkpoint_scheme(hf_config) if source.kind == "hf_dir" else None  # AWQ, GPTQ
     if scheme is not None and quantization is None:
@@ -135,8 +135,6 @@ def _quantize(model: torch.nn.Module, source: Any, method: str, scheme: Any = No
         from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks
 
         blocks = model.quantized_modules(gguf_quantized_blocks(source.path))
-    elif scheme is not None:  # likewise an AWQ / GPTQ checkpoint's groups
-        from pagedllm.model_loader.hf_loader import iter_raw
-
-        blocks = model.quantized_modules(scheme.blocks(iter_raw(source.path)))
+    elif scheme is not None:  # likewise an AWQ / GPTQ checkpoint's groups, kept when its weights were read
+        blocks = model.quantized_modules(scheme.blocks)
     quantize_model(model, method, blocks)

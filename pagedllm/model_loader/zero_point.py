@@ -1,0 +1,88 @@
+"""Checkpoints quantized with zero points (AWQ, GPTQ): what the formats share.
+
+Each format unpacks one linear's tensors into ``q [out, in]``, ``zeros [out, groups]``,
+``scales [out, groups]`` and its group size, with ``W = (q - zeros) * scales`` per group; from
+there the weights are the same thing: dequantized for the float32 model that is built first, and
+the int4 / int8 blocks (:func:`pagedllm.layers.quantization.zero_point_blocks`) that then replace
+its linears with the checkpoint's own values. Both come from one read of the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pagedllm.errors import UnsupportedModelError
+
+
+class ZeroPointCheckpoint:
+    name: str  # the format, for messages
+    parts: tuple[str, ...]  # the tensors every quantized linear has
+    optional: tuple[str, ...] = ()
+    bits: int
+
+    @property
+    def method(self) -> str:
+        """The engine's quantization for this checkpoint: its own bits."""
+        return f"int{self.bits}"
+
+    def unpack(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(q [N, K], zeros [N, G], scales [N, G], group) of one linear."""
+        raise NotImplementedError
+
+    def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """float32 [out, in]."""
+        q, z, s, group = self.unpack(t)
+        return ((q.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
+                ).contiguous()
+
+    def block(self, t: dict[str, torch.Tensor]) -> tuple[str, tuple[torch.Tensor, ...]]:
+        from pagedllm.layers.quantization import zero_point_blocks
+
+        return zero_point_blocks(*self.unpack(t), self.bits)
+
+    def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint as float32 weights by transformers' names, quantized linears dequantized; their
+        blocks are kept in ``self.blocks`` (by weight name) as they go by."""
+        self.blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = {}
+        for name, value in self._modules(weights):
+            if isinstance(value, dict):
+                self.blocks[f"{name}.weight"] = self.block(value)
+                yield f"{name}.weight", self.dequantize(value)
+            else:
+                yield name, value
+
+    def _modules(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+        """Plain tensors as they come (float32), then each quantized linear's tensors together (packed weights
+        are small: holding them all costs what the file does)."""
+        quantized: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in weights:
+            module, _, part = name.rpartition(".")
+            if part in self.parts or part in self.optional:
+                quantized.setdefault(module, {})[part] = t
+            elif not name.endswith("rotary_emb.inv_freq"):
+                yield name, t.to(torch.float32)
+        for module, got in quantized.items():
+            missing = [p for p in self.parts if p not in got]
+            if missing:
+                raise UnsupportedModelError(f"{self.name} checkpoint: {module} lacks {missing}")
+            yield module, got
+
+
+def checkpoint_scheme(hf_config: Any) -> ZeroPointCheckpoint | None:
+    """How an HF checkpoint's linears are quantized (its ``quantization_config``), None if they are not; a
+    method or layout pagedllm cannot run is refused with the reason."""
+    from pagedllm.model_loader.awq import AWQ
+    from pagedllm.model_loader.gptq import GPTQ
+
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    formats = {"awq": AWQ, "gptq": GPTQ}
+    method = qc.get("quant_method")
+    if method not in formats:
+        raise UnsupportedModelError(f"checkpoint quantization {method!r} is not supported yet (AWQ and GPTQ are)")
+    return formats[method].from_config(qc)
