@@ -70,10 +70,12 @@ class LLMEngine:
             for name, seconds in stages.items():  # a remote rank 0's loading stages
                 self.startup_stages.setdefault(name, seconds)
             self.max_model_len = self._resolve_max_model_len(num_blocks)
-            layouts = self.executor.collective_rpc("kv_block_layout")  # per rank: one block's shape, dtype
-            block_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in layouts)
-            offload_slots = self._offload_slots(block_bytes)
-            disk = self._disk_tier(layouts, block_bytes)
+            offload_slots, block_bytes, disk = 0, 0, None
+            if config.cache_config.kv_offloading_size is not None or config.kv_transfer_config is not None:
+                layouts = self.executor.collective_rpc("kv_block_layout")  # per rank: one block's shape, dtype
+                block_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in layouts)
+                offload_slots = self._offload_slots(block_bytes)
+                disk = self._disk_tier(layouts, block_bytes)
             self.executor.init_cache(num_blocks, self.max_model_len, offload_slots,
                                      None if disk is None else (str(disk.root.parent), disk.fingerprint))
         except BaseException:
