@@ -4,6 +4,7 @@ that share a disk KV tier (kv_producer writes each prompt's blocks, kv_consumer 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +92,10 @@ def test_decode_server_loads_the_prefill_servers_blocks_and_answers_the_same(pai
         loaded = decode.metric("pagedllm:external_prefix_cache_hits_total") - hits
         computed = decode.metric("pagedllm:prompt_tokens_total") - tokens
         assert loaded > 0 and computed < 16 * len(PROMPTS), (loaded, computed)
+        tier_bytes = {m[0]: float(m[1]) for m in re.findall(
+            r'^pagedllm:kv_offload_bytes_total\{direction="(\w+)",model_name="[^"]*",tier="disk"\} (\S+)$',
+            httpx.get(f"{decode.url}/metrics").text, re.M)}
+        assert set(tier_bytes) == {"save", "load"} and tier_bytes["load"] > 0, tier_bytes
         assert got == [_complete(prefill.url, p) for p in PROMPTS]  # what one engine answers alone
     finally:
         proxy.stop()

@@ -108,9 +108,9 @@ class ServerMetrics:
             self.external_queries.inc(kv.queries)
             self.external_hits.inc(kv.hits)
             for tier in ("ram", "disk"):
-                for direction in ("saved", "loaded"):
-                    self.kv_tier_bytes.labels(self.model_name, tier, direction[:-1]).inc(
-                        getattr(kv, f"{tier}_bytes_{direction}"))
+                for direction, field in (("save", "saved"), ("load", "loaded")):
+                    self.kv_tier_bytes.labels(self.model_name, tier, direction).inc(
+                        getattr(kv, f"{tier}_bytes_{field}"))
             self.kv_transfer_seconds.labels(self.model_name, "save").inc(kv.save_seconds)
             self.kv_transfer_seconds.labels(self.model_name, "load").inc(kv.load_seconds)
             self.kv_swaps.inc(kv.swapped_out)
