@@ -39,9 +39,11 @@ class ModelConfig:
         "raw_logprobs", "What returned logprobs describe: the model's raw distribution, or the processed one "
         "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
-    quantization: Literal["int8", "int4"] | None = _f(
-        None, "Weight-only quantization on CPU, float32 activations: 'int8' or 'int4' (groups of 32 with a "
-        "scale and a min; a GGUF's Q8_0 / Q4_0 / Q4_1 blocks load without a second rounding).")
+    quantization: Literal["int8", "int4", "w4a8"] | None = _f(
+        None, "Quantization on CPU. Weight-only, float32 activations: 'int8' or 'int4' (groups of 32 with a "
+        "scale and a min; a GGUF's Q8_0 / Q4_0 / Q4_1 blocks load without a second rounding). 'w4a8': int4 "
+        "weights with activations rounded to int8 per group of 32 and integer dot products, as llama.cpp "
+        "computes (faster decode, not the float32 function: see `pagedllm bench accuracy`).")
 
 
 @dataclass(slots=True, frozen=True)

@@ -4,6 +4,9 @@
   weights: what remains is activation rounding, bounded by a stated relative error.
 * Q4 blocks taken straight from the GGUF equal the loader's float32 dequantization.
 * The paged decode-attention kernel equals the torch reference (gather + SDPA).
+* int8 activations (``w4a8``): the kernels' rounding is GGUF's Q8_0 (checked against
+  a torch rounding), and their result is F.linear of the rounded activations on the
+  dequantized weights, at every row count, NaN included.
 * End to end, quantized engines and fp8/bf16 caches agree with float32 greedy decoding.
 """
 
@@ -19,8 +22,8 @@ from utils import GreedyResult, check_greedy_close
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import AttentionMetadata, cpu_paged, torch_ref
 from pagedllm.errors import InvalidParameterError
-from pagedllm.layers.quantization import (SMALL_BATCH, Int4Linear, Int8Linear, dequantize_model, quantize_int4,
-                                          quantize_int8)
+from pagedllm.layers.quantization import (SMALL_BATCH, SMALL_BATCH_A8, Int4Linear, Int8Linear, dequantize_model,
+                                          quantize_int4, quantize_int8)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,6 +48,84 @@ def test_quantized_linear_matches_its_dequantized_reference(shape, cls, levels):
         torch.testing.assert_close(lin(x), F.linear(x, wd, bd), rtol=1e-5, atol=5e-4)  # sums of ~K unit terms
     x3 = torch.randn(2, 3, shape[1])
     assert lin(x3).shape == (2, 3, shape[0])
+
+
+def _round_q8(x: torch.Tensor) -> torch.Tensor:
+    """GGUF's Q8_0 rounding of activations in torch: per group of 32, scale max|x| / 127, round to nearest."""
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 65])
+@pytest.mark.parametrize("k", [32, 96, 576])  # one group; an odd number (the last group alone); SmolLM2's width
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activation_kernels_match_rounded_reference(rows, k, bits):
+    from pagedllm import kernels
+
+    kern = kernels.load()
+    torch.manual_seed(rows + k + bits)
+    x, w = torch.randn(rows, k) * 3, torch.randn(37, k)
+    x[:, -1] = 40.0  # the group at the end of each row has a large scale
+    q, d = kern.quantize_activations_q8(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape and d.shape == (rows, k // 32)
+    assert q.numel() == 0 or q.abs().max().item() <= 127
+    xr = kern.round_activations_q8(x)
+    assert torch.equal(xr, (q.float().view(rows, k // 32, 32) * d[..., None]).view(rows, k))
+    torch.testing.assert_close(xr, _round_q8(x), rtol=0, atol=1e-6)  # ties aside, torch's Q8_0 rounding
+    blocks = (quantize_int4 if bits == 4 else quantize_int8)(w)
+    wd = (kern.int4_dequantize if bits == 4 else kern.int8_dequantize)(*blocks)
+    y = (kern.int4_matmul_a8 if bits == 4 else kern.int8_matmul_a8)(x, *blocks)
+    assert y.shape == (rows, 37)
+    torch.testing.assert_close(y, xr @ wd.T, rtol=1e-5, atol=5e-4)
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_int8_activation_linear_is_one_function_at_every_batch_size(cls):
+    """Up to SMALL_BATCH_A8 rows the integer kernel, above it the rounded activations times the
+    dequantized weights through the float32 GEMM: a row's result does not depend on its batch."""
+    torch.manual_seed(3)
+    w, b = torch.randn(200, 576), torch.randn(200)
+    lin = cls.from_float(w, b, int8_activations=True)
+    wd, _ = lin.dequantized()
+    x = torch.randn(64, 576)
+    x[5, 100] = float("nan")
+    full = lin(x)
+    assert full[5].isnan().all() and not full[torch.arange(64) != 5].isnan().any()
+    ref = F.linear(_round_q8(x), wd, b)
+    for m in (1, 2, SMALL_BATCH_A8, SMALL_BATCH_A8 + 1, 64):
+        torch.testing.assert_close(lin(x[:m]), ref[:m], rtol=1e-5, atol=5e-4, equal_nan=True)
+    assert "int8 activations" in repr(lin)
+
+
+class _RoundedInput(torch.nn.Module):
+    """A float32 linear whose input is first rounded as Q8_0 (torch's rounding): w4a8's reference."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(_round_q8(x))
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_w4a8_engine_matches_rounded_activation_reference(tiny_model_factory, name):
+    """End to end under w4a8 (prefill through the rounded-activation GEMM, decode through the integer
+    kernels, the head too): the greedy tokens and logprobs of float32 linears on the dequantized weights
+    whose inputs torch rounds to Q8_0."""
+    model = str(tiny_model_factory(name))
+    llm = LLM(model=model, num_gpu_blocks_override=64, quantization="w4a8")
+    net = llm.llm_engine.core.runner.model
+    assert net.lm_head.int8_activations and isinstance(net.layers[0].self_attn.qkv_proj, Int4Linear)
+    ours = _greedy_with_logprobs(llm, 16)
+    dequantize_model(net)
+    for module in list(net.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, child_name, _RoundedInput(child))
+    check_greedy_close(_greedy_with_logprobs(llm, 16), ours, topk=5, logprob_atol=1e-3,
+                       names=("rounded-activation reference", "w4a8"))
 
 
 def test_int4_blocks_widen_to_int8_exactly():

@@ -52,6 +52,9 @@ class Kernels:
         self._dequant = lib.int4_dequantize
         self._matmul8 = lib.int8_matmul
         self._dequant8 = lib.int8_dequantize
+        self._matmul_a8, self._matmul8_a8 = lib.int4_matmul_a8, lib.int8_matmul_a8
+        self._quantize_q8 = lib.quantize_activations_q8
+        self._quantize_q8.argtypes = [p, p, p, p, i64, i64]
         self._attn = lib.paged_decode_attention
         self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
         self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -60,11 +63,12 @@ class Kernels:
         self._matmul.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._dequant.argtypes = [p, p, p, p, i64, i64]
         self._matmul8.argtypes = [p, p, p, p, p, i64, i64, i64]
+        self._matmul_a8.argtypes = self._matmul8_a8.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._dequant8.argtypes = [p, p, p, p, i64, i64]
         self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                                ctypes.c_int, p]
         for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn, self._norm,
-                   self._silu_mul, self._rotary):
+                   self._silu_mul, self._rotary, self._matmul_a8, self._matmul8_a8, self._quantize_q8):
             fn.restype = None
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -114,6 +118,31 @@ class Kernels:
                     mins: torch.Tensor) -> torch.Tensor:
         """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
         return self._quant_matmul(self._matmul8, x, qweight, scales, mins)
+
+    def int4_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       mins: torch.Tensor) -> torch.Tensor:
+        """As int4_matmul, with each row of x first rounded to int8 per group of 32 (GGUF's Q8_0: scale
+        max|x| / 127); the mins multiply the groups' exact float sums. Any number of rows."""
+        return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins)
+
+    def int8_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       mins: torch.Tensor) -> torch.Tensor:
+        """As int8_matmul, with x rounded to int8 as in int4_matmul_a8."""
+        return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins)
+
+    def quantize_activations_q8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 contiguous rounded as the *_a8 matmuls round it: (int8 [M, K], scales [M, K/32])."""
+        q = torch.empty(x.shape, dtype=torch.int8)
+        d = x.new_empty(x.shape[0], x.shape[1] // 32)
+        self._quantize_q8(x.data_ptr(), q.data_ptr(), d.data_ptr(), None, x.shape[0], x.shape[1])
+        return q, d
+
+    def round_activations_q8(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous as the *_a8 matmuls see it: each group of 32 rounded to int8 and
+        scaled back (float32 [M, K])."""
+        out = torch.empty_like(x)
+        self._quantize_q8(x.data_ptr(), None, None, out.data_ptr(), x.shape[0], x.shape[1])
+        return out
 
     @staticmethod
     def _quant_matmul(fn, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -15,6 +15,7 @@
  * Rows n are split across OpenMP threads; the library is linked against the
  * libgomp PyTorch already loaded, so both share one thread pool.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #ifdef __AVX2__
@@ -31,6 +32,19 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 #endif
+
+/* sum_g a[g] * b[g], eight lanes at a time: a scalar loop is one chain of dependent adds */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t g = 0;
+    float t = 0.f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= n; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
+    t = hsum(acc);
+#endif
+    for (; g < n; g++) t += a[g] * b[g];
+    return t;
+}
 
 /* per row of x, the sum of each group of 32: what the groups' mins multiply */
 static float *group_sums(const float *x, int64_t M, int64_t K) {
@@ -138,10 +152,7 @@ static inline void quant_matmul(int bits, const float *x, const uint8_t *qw, con
             }
 #endif
             for (int64_t i = 0; i < mc; i++) {
-                const float *xs = xsum + (m0 + i) * G;
-                float t = dot[i];
-                for (int64_t g = 0; g < G; g++) t += mn[g] * xs[g];
-                y[(m0 + i) * N + n] = t;
+                y[(m0 + i) * N + n] = dot[i] + dot_f32(mn, xsum + (m0 + i) * G, G);
             }
         }
     }
@@ -186,4 +197,191 @@ void int4_dequantize(const uint8_t *qw, const float *scales, const float *mins, 
 
 void int8_dequantize(const int8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
     quant_dequantize(8, (const uint8_t *)qw, scales, mins, w, N, K);
+}
+
+/* ---- int8 activations (quantization "w4a8") ----------------------------------------------------
+ *
+ * Each row of x is rounded per group of 32 to int8 as GGUF's Q8_0 rounds it: d = max|x_g| / 127,
+ * q = round(x_g / d), so x is replaced by xr = q * d. The result is W_dequantized . xr up to float
+ * summation order, whatever the number of rows (the batched path computes exactly that in float32):
+ *   y[m, n] = sum_g scale[n, g] * d[m, g] * (q_w . q_x) + min[n, g] * d[m, g] * sum(q_x)
+ * (GGUF's Q8_1 keeps d * sum(q) for the same min term). The integer dot runs on AVX2's maddubs
+ * (unsigned 8-bit x signed 8-bit, adjacent pairs summed into int16) and madd (pairs of int16 into
+ * int32): 32 products in two instructions, where float32 needs four FMAs and first has to widen every
+ * nibble to a float. 4-bit weights (0..15) times activations (-127..127) sum to at most 2*15*127 = 3,810
+ * a pair, int8 weights (|q| <= 128, sign moved onto the activation) to 32,512: neither saturates int16.
+ * Integer dots are exact, and a row is summed in the same order whatever the number of rows, so its
+ * result does not depend on its batch. A group holding NaN or infinity gets d = NaN: its row's
+ * results are NaN, as float32's would be (or infinite) and never silently finite.
+ */
+
+/* x [M, K] -> qx [M, K] int8, d and d * sum(q) [M, K/32]; xr (if not NULL) [M, K] = q * d */
+static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *d, float *xsum, float *xr) {
+    const int64_t R = M * (K / GROUP);
+#pragma omp parallel for schedule(static) if (R > 512)
+    for (int64_t r = 0; r < R; r++) {
+        const float *xg = x + r * GROUP;
+        int8_t *q = qx + r * GROUP;
+#ifdef __AVX2__
+        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xg + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
+            sum = _mm256_add_ps(sum, v[i]);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float s = hsum(sum);
+        float dg = _mm_cvtss_f32(h) / 127.f;
+#else
+        float amax = 0.f, s = 0.f;
+        for (int j = 0; j < GROUP; j++) {
+            amax = fabsf(xg[j]) > amax ? fabsf(xg[j]) : amax;
+            s += xg[j];
+        }
+        float dg = amax / 127.f;
+#endif
+        if (isnan(s) || isinf(s)) dg = NAN;  /* a NaN element or an infinity (the max drops NaN) */
+        const float id = dg > 0.f ? 1.f / dg : 0.f;
+        d[r] = dg;
+#ifdef __AVX2__
+        __m256i iq[4], isum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {  /* rounded to nearest, ties to even, as lrintf */
+            iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+            isum = _mm256_add_epi32(isum, iq[i]);
+            if (xr) _mm256_storeu_ps(xr + r * GROUP + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(iq[i]), _mm256_set1_ps(dg)));
+        }
+        /* packs work within 128-bit lanes: the permute puts the 32 bytes back in element order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)q, p);
+        xsum[r] = dg * hsum(_mm256_cvtepi32_ps(isum));
+#else
+        int32_t isum = 0;
+        for (int j = 0; j < GROUP; j++) {
+            q[j] = (int8_t)lrintf(xg[j] * id);
+            isum += q[j];
+            if (xr) xr[r * GROUP + j] = (float)q[j] * dg;
+        }
+        xsum[r] = dg * (float)isum;
+#endif
+    }
+}
+
+#ifdef __AVX2__
+/* group g of weight row n as 32 bytes: 4-bit values 0..15 in element order, or the int8 bytes */
+static inline __m256i load_group_i8(const uint8_t *qw, int bits, int64_t n, int64_t g, int64_t K) {
+    if (bits == 4) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(qw + n * (K / 2) + g * 16));
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+    }
+    return _mm256_loadu_si256((const __m256i *)(qw + n * K + g * GROUP));
+}
+
+/* the 32 products of one group summed in eight int32 lanes, as floats */
+static inline __m256 group_dot_i8(int bits, __m256i w, const int8_t *xg) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)xg);
+    const __m256i p = bits == 4 ? _mm256_maddubs_epi16(w, xv)
+                                : _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
+
+#define A8_ROWS 4   /* rows of x sharing each loaded weight group */
+#define A8_COLS 16  /* weight rows a thread takes at a time: they and the 4 rows of x stay in L1 */
+
+/* rows m0 .. m0+mc of y for weight row n; two chains (even and odd groups) per row */
+static inline __attribute__((always_inline)) void a8_rows(
+        int bits, int mc, const int8_t *qx, const float *dx, const float *xsum, const uint8_t *qw,
+        const float *sc, const float *mn, float *y, int64_t m0, int64_t n, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+#ifdef __AVX2__
+    __m256 acc0[A8_ROWS], acc1[A8_ROWS];  /* even and odd groups (indexing by g & 1 would keep them in memory) */
+    for (int i = 0; i < mc; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+        const __m256i w0 = load_group_i8(qw, bits, n, g, K), w1 = load_group_i8(qw, bits, n, g + 1, K);
+        for (int i = 0; i < mc; i++) {
+            const int64_t r = (m0 + i) * G + g;
+            acc0[i] = _mm256_fmadd_ps(group_dot_i8(bits, w0, qx + r * GROUP), _mm256_set1_ps(sc[g] * dx[r]), acc0[i]);
+            acc1[i] = _mm256_fmadd_ps(group_dot_i8(bits, w1, qx + (r + 1) * GROUP),
+                                      _mm256_set1_ps(sc[g + 1] * dx[r + 1]), acc1[i]);
+        }
+    }
+    if (g < G) {
+        const __m256i w0 = load_group_i8(qw, bits, n, g, K);
+        for (int i = 0; i < mc; i++) {
+            const int64_t r = (m0 + i) * G + g;
+            acc0[i] = _mm256_fmadd_ps(group_dot_i8(bits, w0, qx + r * GROUP), _mm256_set1_ps(sc[g] * dx[r]), acc0[i]);
+        }
+    }
+#endif
+    for (int i = 0; i < mc; i++) {
+        const int64_t row = (m0 + i) * G;
+#ifdef __AVX2__
+        float t = hsum(_mm256_add_ps(acc0[i], acc1[i]));
+#else
+        float t = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+            int32_t dot = 0;
+            for (int j = 0; j < GROUP; j++) {
+                const int32_t wq = bits == 4 ? (qw[n * (K / 2) + g * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
+                                             : (int8_t)qw[n * K + g * GROUP + j];
+                dot += wq * qx[(row + g) * GROUP + j];
+            }
+            t += (float)dot * (sc[g] * dx[row + g]);
+        }
+#endif
+        y[(m0 + i) * N + n] = t + dot_f32(mn, xsum + row, G);
+    }
+}
+
+static void quant_matmul_a8(int bits, const float *x, const uint8_t *qw, const float *scales, const float *mins,
+                            float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+    int8_t *qx = malloc(M * K + 32);
+    float *dx = malloc(M * G * sizeof(float) + 4), *xsum = malloc(M * G * sizeof(float) + 4);
+    quantize_rows_q8(x, M, K, qx, dx, xsum, NULL);
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += A8_COLS) {
+        const int64_t n1 = n0 + A8_COLS < N ? n0 + A8_COLS : N;
+        for (int64_t m0 = 0; m0 < M; m0 += A8_ROWS) {
+            const int64_t mc = M - m0 < A8_ROWS ? M - m0 : A8_ROWS;
+            for (int64_t n = n0; n < n1; n++) {
+                const float *sc = scales + n * G, *mn = mins + n * G;
+                switch (mc) {  /* a constant row count each: the loops over rows unroll */
+                    case 4: a8_rows(bits, 4, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
+                    case 3: a8_rows(bits, 3, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
+                    case 2: a8_rows(bits, 2, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
+                    default: a8_rows(bits, 1, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
+                }
+            }
+        }
+    }
+    free(qx);
+    free(dx);
+    free(xsum);
+}
+
+void int4_matmul_a8(const float *x, const uint8_t *qw, const float *scales, const float *mins, float *y,
+                    int64_t M, int64_t N, int64_t K) {
+    quant_matmul_a8(4, x, qw, scales, mins, y, M, N, K);
+}
+
+void int8_matmul_a8(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
+                    int64_t M, int64_t N, int64_t K) {
+    quant_matmul_a8(8, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
+}
+
+/* x rounded as the kernels above round it: qx [M, K] int8 and d [M, K/32] (each may be NULL), and
+ * xr [M, K] = q * d (may be NULL) */
+void quantize_activations_q8(const float *x, int8_t *qx, float *d, float *xr, int64_t M, int64_t K) {
+    const int64_t G = K / GROUP;
+    int8_t *q = qx ? qx : malloc(M * K + 32);
+    float *dd = d ? d : malloc(M * G * sizeof(float) + 4), *xsum = malloc(M * G * sizeof(float) + 4);
+    quantize_rows_q8(x, M, K, q, dd, xsum, xr);
+    if (!qx) free(q);
+    if (!d) free(dd);
+    free(xsum);
 }

@@ -10,7 +10,7 @@ token chose costs nothing; nothing loops over tokens. The results, scaled by the
 routing weights, are summed back into each token's row with one ``index_add_``.
 
 Each expert is a :class:`~pagedllm.models.llama.LlamaMLP` of ``nn.Linear`` layers, so
-the loader's oneDNN packing and ``--quantization int8/int4`` apply to expert weights
+the loader's oneDNN packing and ``--quantization`` (int8 / int4 / w4a8) apply to expert weights
 as to any other linear. The router and the shared expert's gate are kept in float32
 (:class:`RouterLinear`): quantizing them would move tokens between experts.
 """

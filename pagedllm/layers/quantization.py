@@ -1,4 +1,4 @@
-"""Weight-only quantization for CPU inference: ``quantization="int8"`` and ``"int4"``.
+"""Quantization for CPU inference: ``quantization="int8"``, ``"int4"`` (weight-only) and ``"w4a8"``.
 
 Decode on a CPU is bound by the bytes of weight each token reads, so storing
 weights in 8 or 4 bits is what makes single-stream decode fast. Activations stay
@@ -26,7 +26,17 @@ PyTorch's own CPU int8/int4 weight kernels (``_weight_int8pack_mm``,
 AVX2 machine, and fbgemm's dynamically quantized int8 linear rounds activations
 per tensor to 7 bits, which took SmolLM2's perplexity from 38.7 to 120.
 
-The logits head is int8 in both modes (llama.cpp also keeps its output layer at
+* ``w4a8``: ``int4`` weights with int8 activations, llama.cpp's arithmetic. Each
+  row of a linear's input is rounded per group of 32 to int8 (GGUF's Q8_0: a
+  scale of max|x| / 127), and the products of 4-bit weights and 8-bit
+  activations are summed in integers (AVX2's maddubs: 32 in two instructions).
+  Not the float32 function any more, but the same one at every batch size:
+  batches above ``SMALL_BATCH_A8`` rows multiply the same rounded activations
+  by the dequantized weights through the float32 GEMM, which on AVX2 is faster
+  than an integer one (the per-group scales cost a float conversion and an FMA
+  per 32 products either way). ``pagedllm bench accuracy`` states what it costs.
+
+The logits head is int8 in all modes (with int8 activations under ``w4a8``) (llama.cpp also keeps its output layer at
 6-8 bits). Embedding lookups stay in the model dtype: they read one row a token.
 Every quantized input size must be a multiple of 32.
 """
@@ -44,6 +54,7 @@ from pagedllm.layers.linear import onednn_available, onednn_linear
 
 GROUP = 32
 SMALL_BATCH = 8  # rows at most for the direct kernels; above, unpack once and use the BLAS GEMM
+SMALL_BATCH_A8 = 16  # the same for the int8-activation kernels (faster than the BLAS GEMM up to about 16 rows)
 
 
 def check_quantization_supported(method: str, device: torch.device) -> None:
@@ -78,7 +89,8 @@ class _QuantLinear(nn.Module):
 
     bits: int
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
+                 int8_activations: bool = False):
         super().__init__()
         from pagedllm import kernels
 
@@ -90,23 +102,29 @@ class _QuantLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous(), persistent=False)
         self.register_buffer("mins", mins.float().contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
-        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul")
+        self.int8_activations = int8_activations
+        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul{'_a8' if int8_activations else ''}")
         self._dequantize = getattr(self._kernels, f"int{self.bits}_dequantize")
+        self._small_batch = SMALL_BATCH_A8 if int8_activations else SMALL_BATCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32:
             return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
-        if x.shape[0] > SMALL_BATCH:  # unpack into a buffer kept warm across calls, then a float32 GEMM
+        x = x.contiguous()
+        if x.shape[0] > self._small_batch:  # unpack into a buffer kept warm across calls, then a float32 GEMM
+            if self.int8_activations:  # on the activations the integer kernel sees: the same function
+                x = self._kernels.round_activations_q8(x)
             w = self._dequantize(self.qweight, self.scales, self.mins, _scratch(self.out_features * self.in_features))
             return (onednn_linear if onednn_available() else F.linear)(x, w, self.bias)
-        y = self._matmul(x.contiguous(), self.qweight, self.scales, self.mins)
+        y = self._matmul(x, self.qweight, self.scales, self.mins)
         return y if self.bias is None else y.add_(self.bias)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._dequantize(self.qweight, self.scales, self.mins), self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {GROUP}"
+        a8 = ", int8 activations" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {GROUP}{a8}"
 
 
 class Int8Linear(_QuantLinear):
@@ -115,8 +133,9 @@ class Int8Linear(_QuantLinear):
     bits = 8
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
-        return cls(*quantize_int8(weight), bias)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                   int8_activations: bool = False) -> "Int8Linear":
+        return cls(*quantize_int8(weight), bias, int8_activations)
 
 
 class Int4Linear(_QuantLinear):
@@ -129,8 +148,9 @@ class Int4Linear(_QuantLinear):
     bits = 4
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
-        return cls(*quantize_int4(weight), bias)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                   int8_activations: bool = False) -> "Int4Linear":
+        return cls(*quantize_int4(weight), bias, int8_activations)
 
 
 def _round_groups(weight: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,29 +214,32 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
     The head is int8 in both modes.
     """
     blocks = blocks or {}
+    a8 = method == "w4a8"
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name != "lm_head":
                 full = f"{name}.{child_name}" if name else child_name
-                setattr(module, child_name, _quantized(child.weight, child.bias, method, blocks.get(full), full))
+                layer = _quantized(child.weight, child.bias, "int8" if method == "int8" else "int4",
+                                   blocks.get(full), full, a8)
+                setattr(module, child_name, layer)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = _quantized(head, None, "int8", blocks.get("lm_head"), "lm_head")
+    model.lm_head = _quantized(head, None, "int8", blocks.get("lm_head"), "lm_head", a8)
 
 
-def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-               block: tuple[str, tuple] | None, name: str) -> nn.Module:
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block: tuple[str, tuple] | None,
+               name: str, int8_activations: bool) -> nn.Module:
+    """``bits`` "int8" or "int4": the layer's weight format."""
     if weight.shape[1] % GROUP:
         raise InvalidParameterError(
-            f"quantization={method!r} needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}",
-            "quantization")
-    cls = Int8Linear if method == "int8" else Int4Linear
+            f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization")
+    cls = Int8Linear if bits == "int8" else Int4Linear
     if block is not None and block[1][0].shape[0] == weight.shape[0]:  # a padded vocabulary shard: round
         kind, tensors = block
-        if kind == method:
-            return cls(*tensors, bias)
-        if kind == "int4" and method == "int8":
-            return Int8Linear(*widen_int4(*tensors), bias)
-    return cls.from_float(weight, bias)
+        if kind == bits:
+            return cls(*tensors, bias, int8_activations)
+        if kind == "int4" and bits == "int8":
+            return Int8Linear(*widen_int4(*tensors), bias, int8_activations)
+    return cls.from_float(weight, bias, int8_activations)
 
 
 def dequantize_model(model: nn.Module) -> None:
