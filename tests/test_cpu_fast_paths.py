@@ -113,3 +113,41 @@ def test_kernels_propagate_nan_as_torch_does():
     gate_up = torch.ones(1, 32)
     gate_up[0, 3] = float("nan")
     assert k.silu_mul(gate_up).isnan().tolist() == [[i == 3 for i in range(16)]]
+
+
+_FUSED_PROMPTS = [[(31 * i + 7 * j) % 4000 + 50 for j in range(3 + 11 * i)] for i in range(10)]
+
+
+def _greedy_varied(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Ten prompts finishing at different lengths: steps of more decode rows than the C loop takes
+    (Python), then fewer (C), within one run."""
+    sps = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=3) for i in range(10)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _FUSED_PROMPTS], sps, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("name,method", [("llama", "int4"), ("qwen2", "w4a8"), ("mistral", "int8"),
+                                         ("llama", "w4a8")])  # biases (qwen2), a sliding window (mistral)
+def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, name, method):
+    """A decode-only step of a quantized model runs its layers in one C call: the very tokens and logprobs
+    (exactly equal) of the Python loop (enforce_eager), and it falls back when a module is swapped."""
+    from pagedllm.layers.quantization import dequantize_model
+
+    model = str(tiny_model_factory(name))
+    eager = _greedy_varied(LLM(model=model, num_gpu_blocks_override=64, quantization=method, enforce_eager=True))
+    llm = LLM(model=model, num_gpu_blocks_override=64, quantization=method)
+    fused = llm.llm_engine.core.runner.model.fused_decode
+    assert _greedy_varied(llm) == eager
+    assert fused.steps >= 20  # from the 8th of 31 steps, when 8 rows are left (the int4 kernels take 8)
+    steps = fused.steps
+    dequantize_model(llm.llm_engine.core.runner.model)  # float32 linears: the C loop no longer applies
+    _greedy_varied(llm)
+    assert fused.steps == steps
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])  # q/k norms; MoE blocks
+def test_fused_decode_loop_leaves_other_models_to_python(tiny_model_factory, name):
+    llm = LLM(model=str(tiny_model_factory(name)), num_gpu_blocks_override=64, quantization="int4")
+    _greedy_varied(llm)
+    assert llm.llm_engine.core.runner.model.fused_decode.steps == 0

@@ -2,7 +2,8 @@
 
 ``quant_matmul.c`` (int4 / int8 weight-only matmuls), ``paged_attention.c``
 (decode attention read in place from the paged cache) and ``elementwise.c``
-(fused residual add + RMSNorm, SiLU*mul, rotary) are built with the system C compiler (``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of
+(fused residual add + RMSNorm, SiLU*mul, rotary) and ``decode_loop.c`` (a decode step's layer loop over
+them, :mod:`pagedllm.models.fused_decode`) are built with the system C compiler (``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of
 sources, flags, compiler, CPU>.so``; later runs load the cached file. The build
 is for this machine (``-march=native``) and uses OpenMP from the libgomp PyTorch
 has already loaded, so the kernels' threads are PyTorch's.
@@ -30,7 +31,7 @@ import torch
 logger = logging.getLogger("pagedllm")
 
 _DIR = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_DIR, f) for f in ("quant_matmul.c", "paged_attention.c", "elementwise.c")]
+_SOURCES = [os.path.join(_DIR, f) for f in ("quant_matmul.c", "paged_attention.c", "elementwise.c", "decode_loop.c")]
 _HEADERS = [os.path.join(_DIR, "vec_math.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -67,6 +68,10 @@ class Kernels:
         self._dequant8.argtypes = [p, p, p, p, i64, i64]
         self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                                ctypes.c_int, p]
+        self._decode_layers = lib.decode_layers
+        self._decode_layers.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, p, p,
+                                        i64, p, i64, ctypes.c_float]
+        self._decode_layers.restype = ctypes.c_int
         for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn, self._norm,
                    self._silu_mul, self._rotary, self._matmul_a8, self._matmul8_a8, self._quantize_q8):
             fn.restype = None
@@ -85,6 +90,16 @@ class Kernels:
                    block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), starts.data_ptr(),
                    out.data_ptr(), nd, h, kvh, d, bs, scale, code, lut.data_ptr() if lut is not None else None)
         return out
+
+    def decode_layers(self, layers, n_layers: int, x: torch.Tensor, out: torch.Tensor, t: int, hidden: int,
+                      heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, final_norm: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, block_size: int, scale: float) -> int:
+        """A decode step's layers (decode_loop.c; ``layers`` a ctypes array of its DecodeLayer). 0 or -1."""
+        return self._decode_layers(ctypes.byref(layers), n_layers, x.data_ptr(), out.data_ptr(), t, hidden, heads,
+                                   kv_heads, head_dim, inter, eps, final_norm.data_ptr(), cos.data_ptr(),
+                                   sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                                   block_tables.stride(0), seq_lens.data_ptr(), block_size, scale)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:

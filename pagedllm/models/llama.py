@@ -126,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
     # EAGLE-3 reads the inputs of these layers too: forward then returns (hidden, [T, 3H] aux states)
     aux_hidden_state_layers: tuple[int, ...] = ()
     start_layer = 0  # the first layer this pipeline stage holds (its layers are named from 0 here)
+    fused_decode = None  # a FusedDecode the worker sets (pagedllm.models.fused_decode) unless enforce_eager
 
     def __init__(self, cfg: Any, parallel: ParallelState | None = None):
         super().__init__()
@@ -175,6 +176,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
         """The final hidden states; on a pipeline stage before the last, what the next stage takes."""
+        if self.fused_decode is not None and intermediate is None:
+            out = self.fused_decode(input_ids, positions, kv_caches, meta)
+            if out is not None:
+                return out
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
         else:

@@ -1,0 +1,118 @@
+/* A Llama-family decode step's layer loop in C (see pagedllm/models/fused_decode.py).
+ *
+ * Single-stream decode spends about a third of each step in Python and PyTorch dispatch between
+ * kernels that each take tens of microseconds. When every linear of the model is one of our
+ * quantized ones and every row of the step is a decode, the whole loop (norms, projections, rotary,
+ * the KV write, paged attention, SiLU) runs here, calling the very kernels the Python loop calls on
+ * the same inputs in the same order: the result is bit for bit the Python loop's.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the kernels of quant_matmul.c, elementwise.c and paged_attention.c */
+void int4_matmul(const float *x, const uint8_t *qw, const float *scales, const float *mins, float *y, int64_t M,
+                 int64_t N, int64_t K);
+void int8_matmul(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y, int64_t M,
+                 int64_t N, int64_t K);
+void int4_matmul_a8(const float *x, const uint8_t *qw, const float *scales, const float *mins, float *y,
+                    int64_t M, int64_t N, int64_t K);
+void int8_matmul_a8(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
+                    int64_t M, int64_t N, int64_t K);
+void add_rms_norm(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t n,
+                  float eps);
+void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter);
+void rotary(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out, int64_t T,
+            int64_t heads, int64_t D);
+void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
+                            const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+                            const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
+                            int64_t BS, float scale, int kv_dtype, const float *fp8_lut);
+
+/* one quantized linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations */
+typedef struct {
+    const void *qweight;
+    const float *scales, *mins, *bias; /* bias may be NULL */
+    int64_t n, k, kind;
+} QLinear;
+
+typedef struct {
+    QLinear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    float *k_cache, *v_cache; /* the layer's [num_blocks, block_size, kv_heads, head_dim] halves, float32 */
+    int64_t sliding_window;   /* 0: none */
+} DecodeLayer;
+
+static void linear(const QLinear *l, const float *x, float *y, int64_t T) {
+    switch (l->kind) {
+        case 0: int4_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
+        case 1: int8_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
+        case 2: int4_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
+        default: int8_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
+    }
+    if (l->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < l->n; i++) y[t * l->n + i] += l->bias[i];
+}
+
+/* x [T, hidden]: the step's embeddings (read only); out [T, hidden]: the final norm's output.
+ * cos, sin [T, head_dim / 2]; slots [T]: where each token's K/V goes; block_tables [>= T, bt_stride],
+ * seq_lens [T]. Returns 0, or -1 when a buffer could not be allocated (nothing was written then). */
+int decode_layers(const DecodeLayer *layers, int64_t n_layers, const float *x, float *out, int64_t T,
+                  int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
+                  const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
+                  const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, int64_t block_size,
+                  float scale) {
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_n = q_size + 2 * kv_size;
+    float *nrm = malloc(T * hidden * sizeof(float)), *qkv = malloc(T * qkv_n * sizeof(float));
+    float *qk = malloc(T * (q_size + kv_size) * sizeof(float)), *att = malloc(T * q_size * sizeof(float));
+    float *o = malloc(T * hidden * sizeof(float)), *mlp = malloc(T * hidden * sizeof(float));
+    float *gu = malloc(T * 2 * inter * sizeof(float)), *act = malloc(T * inter * sizeof(float));
+    int64_t *starts = malloc(T * sizeof(int64_t));
+    int rc = 0;
+    if (!nrm || !qkv || !qk || !att || !o || !mlp || !gu || !act || !starts) {
+        rc = -1;
+        goto done;
+    }
+    /* the residual stream: the embeddings, then alternately o and mlp (as the Python loop's buffers) */
+    const float *residual = x;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const DecodeLayer *L = layers + l;
+        if (l == 0)
+            add_rms_norm((float *)x, NULL, L->input_norm, nrm, T, hidden, eps); /* reads x only */
+        else {
+            add_rms_norm(mlp, residual, L->input_norm, nrm, T, hidden, eps);
+            residual = mlp;
+        }
+        linear(&L->qkv, nrm, qkv, T);
+        rotary(qkv, qkv_n, cos, sin, qk, T, heads + kv_heads, head_dim); /* q and k heads together */
+        for (int64_t t = 0; t < T; t++) {                                /* every new K/V before any read */
+            memcpy(L->k_cache + slots[t] * kv_size, qk + t * (q_size + kv_size) + q_size, kv_size * sizeof(float));
+            memcpy(L->v_cache + slots[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(float));
+        }
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t s = L->sliding_window > 0 ? seq_lens[t] - L->sliding_window : 0;
+            starts[t] = s > 0 ? s : 0;
+        }
+        paged_decode_attention(qk, q_size + kv_size, L->k_cache, L->v_cache, block_tables, bt_stride, seq_lens,
+                               starts, att, T, heads, kv_heads, head_dim, block_size, scale, 0, NULL);
+        linear(&L->o, att, o, T);
+        add_rms_norm(o, residual, L->post_norm, nrm, T, hidden, eps);
+        residual = o;
+        linear(&L->gate_up, nrm, gu, T);
+        silu_mul(gu, act, T, inter);
+        linear(&L->down, act, mlp, T);
+    }
+    add_rms_norm(mlp, residual, final_norm, out, T, hidden, eps);
+done:
+    free(nrm);
+    free(qkv);
+    free(qk);
+    free(att);
+    free(o);
+    free(mlp);
+    free(gu);
+    free(act);
+    free(starts);
+    return rc;
+}

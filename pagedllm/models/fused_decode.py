@@ -1,0 +1,141 @@
+"""A decode step's layer loop in one C call (``pagedllm/kernels/decode_loop.c``).
+
+Single-stream decode on a CPU runs ~120 kernels a token of tens of microseconds each; the Python
+between them (module calls, views, tensor allocations, ctypes argument conversion) cost about a third
+of the step. When a Llama-family model's every projection is one of our quantized linears
+(``--quantization int8 / int4 / w4a8``) and every row of a step is a decode, the loop runs in C
+instead, calling the same kernels on the same inputs in the same order, so the logits are the
+Python loop's bit for bit. Anything else (prefill, float32 or LoRA linears, q/k norms, MoE blocks,
+tensor or pipeline parallelism, non-float32 KV caches, more rows than the kernels take) runs the
+Python loop, and so does every step under ``enforce_eager=True``.
+
+The plan keeps the pointers of every weight; before each step it checks that the modules it read
+them from are still the model's (a test or an adapter may swap a linear), else it rebuilds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from pagedllm import kernels
+from pagedllm.attention import AttentionMetadata, cpu_paged
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("sliding_window", ctypes.c_int64)]
+
+
+def _modules(model: Any) -> list[Any]:
+    """Every module the C loop reads, in a fixed order: what must stay the same between steps."""
+    mods: list[Any] = [model.norm, model.rotary]
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        mods += [layer, a, m, a.qkv_proj, a.o_proj, getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None),
+                 layer.input_layernorm, layer.post_attention_layernorm, a.attn]  # an MoE block has no projections
+    return mods
+
+
+def _eligible(model: Any) -> bool:
+    """Does the C loop compute exactly this model's forward (given a decode-only step)?"""
+    from pagedllm.layers.norm import RMSNorm
+    from pagedllm.layers.quantization import Int4Linear, Int8Linear
+    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+    if (type(model).forward is not LlamaForCausalLM.forward or model.ps.world_size > 1
+            or model.aux_hidden_state_layers or not len(model.layers) or type(model.norm) is not RMSNorm
+            or model.embed_tokens is None or kernels.try_load() is None):
+        return False
+    eps = model.norm.eps
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if type(m) is not LlamaMLP:  # an MoE block
+            return False
+        linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        if (type(layer).forward is not LlamaDecoderLayer.forward or type(a).forward is not LlamaAttention.forward
+                or a.q_norm is not None or a.attn is not cpu_paged.paged_attention
+                or any(type(lin) not in (Int4Linear, Int8Linear) for lin in linears)
+                or any(type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
+                       for n in (layer.input_layernorm, layer.post_attention_layernorm))):
+            return False
+    return True
+
+
+class FusedDecode:
+    """Runs a decode-only step's layers in C for a model :func:`_eligible` accepts; see the module doc."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.steps = 0  # decode steps the C loop ran (tests read it)
+        self._mods: list[Any] | None = None
+        self._caches: list[torch.Tensor] | None = None
+        self._layers: Any = None
+        self._max_rows = 0
+
+    def _build(self, kv_caches: list[torch.Tensor]) -> bool:
+        model = self.model
+        self._mods, self._caches, self._layers = _modules(model), list(kv_caches), None
+        if not _eligible(model):
+            return False
+        a0 = model.layers[0].self_attn
+        for cache in kv_caches:
+            if (cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[3] != a0.num_kv_heads
+                    or cache.shape[4] != a0.head_dim
+                    or not cpu_paged.kernel_applies(torch.empty(1, a0.num_heads, a0.head_dim), cache)):
+                return False
+        layers = (_Layer * len(model.layers))()
+        rows = []
+        for out, layer, cache in zip(layers, model.layers, kv_caches):
+            a, m = layer.self_attn, layer.mlp
+            for field, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj),
+                               ("down", m.down_proj)):
+                kind = (0 if lin.bits == 4 else 1) + (2 if lin.int8_activations else 0)
+                bias = lin.bias.data_ptr() if lin.bias is not None else None
+                setattr(out, field, _QLinear(lin.qweight.data_ptr(), lin.scales.data_ptr(), lin.mins.data_ptr(),
+                                             bias, lin.out_features, lin.in_features, kind))
+                rows.append(lin._small_batch)
+            out.input_norm = layer.input_layernorm.weight.data_ptr()
+            out.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            out.k_cache, out.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+            out.sliding_window = a.sliding_window or 0
+        self._layers, self._max_rows = layers, min(rows)
+        return True
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final hidden states [T, hidden], or None where this step must run the Python loop."""
+        t = input_ids.shape[0]
+        if meta.num_decodes != t or t == 0:
+            return None
+        if (self._mods is None or len(kv_caches) != len(self._caches)
+                or any(a is not b for a, b in zip(kv_caches, self._caches))
+                or any(a is not b for a, b in zip(_modules(self.model), self._mods))):
+            self._build(kv_caches)
+        if self._layers is None or t > self._max_rows:
+            return None
+        model, a0 = self.model, self.model.layers[0].self_attn
+        x = model.embed_tokens(input_ids)
+        if x.dtype != torch.float32:
+            return None
+        x = x.contiguous()
+        cos, sin = model.rotary.cos_sin(positions)
+        out = torch.empty_like(x)
+        seq_lens = meta.seq_lens[:t].contiguous()
+        rc = kernels.load().decode_layers(
+            self._layers, len(model.layers), x, out, t, x.shape[1], a0.num_heads, a0.num_kv_heads, a0.head_dim,
+            model.layers[0].mlp.intermediate, model.norm.eps, model.norm.weight, cos.contiguous(),
+            sin.contiguous(), meta.slot_mapping.contiguous(), meta.block_tables, seq_lens,
+            kv_caches[0].shape[2], a0.scale)
+        if rc != 0:
+            raise MemoryError("the C decode loop could not allocate its buffers")
+        self.steps += 1
+        return out
