@@ -1,6 +1,7 @@
 """Microbenchmarks of the CPU hot path, each against its PyTorch reference in the same run.
 
     python benchmarks/cpu_kernels.py linear      # SmolLM2's projections + head: F.linear (MKL) vs oneDNN packed
+                                                 # (and PackedLinear's own GEMV for decode's few rows)
     python benchmarks/cpu_kernels.py attention   # 64 decodes of W64-like lengths: gather + SDPA vs paged kernel
     python benchmarks/cpu_kernels.py quant       # SmolLM2's projections (int4) + head (int8): float32 oneDNN vs
                                                  # the float-activation kernels vs int8 activations (w4a8)
@@ -35,16 +36,25 @@ def _best(fn, reps: int, repeats: int = 5) -> float:
 def bench_linear(rows: list[int]) -> None:
     from pagedllm.layers.linear import PackedLinear
 
+    from pagedllm.layers.linear import GEMV_ROWS
+
     weights = [torch.randn(n, k) for n, k in SHAPES]
     packed = [PackedLinear(w, None) for w in weights]
+    gemv = [PackedLinear(w, None, gemv=True) for w in weights]  # its own kernel up to GEMV_ROWS rows
     for m in rows:
         xs = {k: torch.randn(m, k) for _, k in SHAPES}
         flops = sum(2 * m * n * k for n, k in SHAPES) / 1e9
         reps = max(1, int(2000 / (m + 30)))
         mkl = _best(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], reps)
         dnn = _best(lambda: [p(xs[p.in_features]) for p in packed], reps)
-        print(f"rows {m:5d}: F.linear {mkl * 1e3:8.2f} ms ({flops / mkl:6.1f} GFLOP/s)   "
-              f"oneDNN packed {dnn * 1e3:8.2f} ms ({flops / dnn:6.1f} GFLOP/s)   {mkl / dnn:.2f}x")
+        line = (f"rows {m:5d}: F.linear {mkl * 1e3:8.2f} ms ({flops / mkl:6.1f} GFLOP/s)   "
+                f"oneDNN packed {dnn * 1e3:8.2f} ms ({flops / dnn:6.1f} GFLOP/s)   {mkl / dnn:.2f}x")
+        if m <= GEMV_ROWS:
+            for g, p in zip(gemv, packed):  # the same bits as oneDNN, or it stands aside
+                assert torch.equal(g(xs[g.in_features]), p(xs[p.in_features]))
+            own = _best(lambda: [g(xs[g.in_features]) for g in gemv], reps)
+            line += f"   own GEMV {own * 1e3:8.2f} ms ({dnn / own:.2f}x oneDNN)"
+        print(line)
 
 
 def bench_attention(num_decodes: int, block_size: int = 16, heads: int = 9, kv_heads: int = 3,

@@ -40,8 +40,8 @@ class ModelConfig:
         "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
     enforce_eager: bool = _f(
-        False, "Run every step through the Python layer loop. By default a decode-only step of a quantized "
-        "Llama-family model on CPU runs its layers in one C call (the same kernels, the same result).")
+        False, "Run every step through the Python layer loop. By default a decode-only step of a Llama-family "
+        "model on CPU (float32 or quantized) runs its layers in one C call (the same kernels, the same result).")
     quantization: Literal["int8", "int4", "w4a8"] | None = _f(
         None, "Quantization on CPU. Weight-only, float32 activations: 'int8' or 'int4' (groups of 32 with a "
         "scale and a min; a GGUF's Q8_0 / Q4_0 / Q4_1 blocks load without a second rounding). 'w4a8': int4 "

@@ -68,6 +68,9 @@ class Kernels:
         self._dequant8.argtypes = [p, p, p, p, i64, i64]
         self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                                ctypes.c_int, p]
+        self._f32_matmul = lib.f32_matmul
+        self._f32_matmul.argtypes = [p, p, p, i64, i64, i64]
+        self._f32_matmul.restype = None
         self._decode_layers = lib.decode_layers
         self._decode_layers.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, p, p,
                                         i64, p, i64, ctypes.c_float]
@@ -133,6 +136,20 @@ class Kernels:
                     mins: torch.Tensor) -> torch.Tensor:
         """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
         return self._quant_matmul(self._matmul8, x, qweight, scales, mins)
+
+    def f32_matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous @ W^T with W [n, K] as ``f32_panels(W)``, for a decode step's few rows;
+        each element summed in oneDNN's order (see quant_matmul.c)."""
+        y = x.new_empty(x.shape[0], n)
+        self._f32_matmul(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1])
+        return y
+
+    @staticmethod
+    def f32_panels(weight: torch.Tensor) -> torch.Tensor:
+        """W [N, K] float32 as f32_matmul reads it: panels of 16 rows, [ceil(N / 16), K, 16], zero padded."""
+        n, k = weight.shape
+        padded = torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, -n % 16))
+        return padded.view(-1, 16, k).transpose(1, 2).contiguous()
 
     def int4_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        mins: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 /* A Llama-family decode step's layer loop in C (see pagedllm/models/fused_decode.py).
  *
  * Single-stream decode spends about a third of each step in Python and PyTorch dispatch between
- * kernels that each take tens of microseconds. When every linear of the model is one of our
- * quantized ones and every row of the step is a decode, the whole loop (norms, projections, rotary,
+ * kernels that each take tens of microseconds. When every linear of the model runs on our kernels
+ * (quantized, or float32 through f32_matmul) and every row of the step is a decode, the whole loop (norms, projections, rotary,
  * the KV write, paged attention, SiLU) runs here, calling the very kernels the Python loop calls on
  * the same inputs in the same order: the result is bit for bit the Python loop's.
  */
@@ -19,6 +19,7 @@ void int4_matmul_a8(const float *x, const uint8_t *qw, const float *scales, cons
                     int64_t M, int64_t N, int64_t K);
 void int8_matmul_a8(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
                     int64_t M, int64_t N, int64_t K);
+void f32_matmul(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K);
 void add_rms_norm(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t n,
                   float eps);
 void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter);
@@ -29,7 +30,8 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                             const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
                             int64_t BS, float scale, int kv_dtype, const float *fp8_lut);
 
-/* one quantized linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations */
+/* one linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations (quant_matmul.c's
+ * q, scales, mins), 4 float32 (qweight its panels, see f32_matmul) */
 typedef struct {
     const void *qweight;
     const float *scales, *mins, *bias; /* bias may be NULL */
@@ -48,7 +50,8 @@ static void linear(const QLinear *l, const float *x, float *y, int64_t T) {
         case 0: int4_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
         case 1: int8_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
         case 2: int4_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
-        default: int8_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
+        case 3: int8_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
+        default: f32_matmul(x, l->qweight, y, T, l->n, l->k); break;
     }
     if (l->bias)
         for (int64_t t = 0; t < T; t++)

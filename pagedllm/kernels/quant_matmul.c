@@ -385,3 +385,94 @@ void quantize_activations_q8(const float *x, int8_t *qx, float *d, float *xr, in
     if (!d) free(dd);
     free(xsum);
 }
+
+/* ---- float32 weights, few rows (decode) -----------------------------------------------------------
+ * y [M, N] = x [M, K] . W^T for the handful of rows a decode step has. A BLAS GEMM spends more on its
+ * set-up than a single row's bandwidth-bound work takes; this streams the weight once, laid out as
+ * panels of 16 output rows ([ceil(N / 16), K, 16], zero padded: each panel one sequential read).
+ *
+ * Each y[m, n] is summed exactly as oneDNN's AVX2 GEMM sums it: a chain of FMAs over k in order within
+ * blocks of 1024, the blocks' sums added in order (pagedllm.layers.linear checks this at start-up and
+ * keeps oneDNN for every row count where it does not hold). So a row's result does not depend on
+ * whether its batch went through this kernel or the GEMM. Chains run 8 lanes wide across n; a group of
+ * panels (4 for one row, 2 for two, 1 for three or four) keeps 8 to 12 chains in flight.
+ */
+#define PANEL 16
+#define KBLOCK 1024
+
+static inline __attribute__((always_inline)) void f32_panels(int mc, int np, const float *x, const float *panels,
+                                                             float *y, int64_t m0, int64_t p0, int64_t M, int64_t N,
+                                                             int64_t K) {
+#ifdef __AVX2__
+    __m256 tot[4][4][2], acc[4][4][2];
+    for (int64_t kb0 = 0; kb0 < K; kb0 += KBLOCK) {
+        const int64_t kb1 = kb0 + KBLOCK < K ? kb0 + KBLOCK : K;
+        for (int i = 0; i < mc; i++)
+            for (int t = 0; t < np; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+        for (int64_t k = kb0; k < kb1; k++) {
+            __m256 w[4][2];
+            for (int t = 0; t < np; t++) {
+                const float *pw = panels + ((p0 + t) * K + k) * PANEL;
+                w[t][0] = _mm256_loadu_ps(pw);
+                w[t][1] = _mm256_loadu_ps(pw + 8);
+            }
+            for (int i = 0; i < mc; i++) {
+                const __m256 xb = _mm256_broadcast_ss(x + (m0 + i) * K + k);
+                for (int t = 0; t < np; t++) {
+                    acc[i][t][0] = _mm256_fmadd_ps(xb, w[t][0], acc[i][t][0]);
+                    acc[i][t][1] = _mm256_fmadd_ps(xb, w[t][1], acc[i][t][1]);
+                }
+            }
+        }
+        for (int i = 0; i < mc; i++)
+            for (int t = 0; t < np; t++)
+                for (int h = 0; h < 2; h++)
+                    tot[i][t][h] = kb0 == 0 ? acc[i][t][h] : _mm256_add_ps(tot[i][t][h], acc[i][t][h]);
+    }
+    for (int i = 0; i < mc; i++)
+        for (int t = 0; t < np; t++) {
+            float out[PANEL];
+            _mm256_storeu_ps(out, tot[i][t][0]);
+            _mm256_storeu_ps(out + 8, tot[i][t][1]);
+            const int64_t n0 = (p0 + t) * PANEL;
+            for (int j = 0; j < PANEL && n0 + j < N; j++) y[(m0 + i) * N + n0 + j] = out[j];
+        }
+#else
+    for (int i = 0; i < mc; i++)
+        for (int t = 0; t < np; t++)
+            for (int j = 0; j < PANEL; j++) {
+                const int64_t n = (p0 + t) * PANEL + j;
+                if (n >= N) break;
+                float total = 0.f;
+                for (int64_t kb0 = 0; kb0 < K; kb0 += KBLOCK) {
+                    float a = 0.f;
+                    for (int64_t k = kb0; k < K && k < kb0 + KBLOCK; k++)
+                        a = fmaf(x[(m0 + i) * K + k], panels[((p0 + t) * K + k) * PANEL + j], a);
+                    total = kb0 == 0 ? a : total + a;
+                }
+                y[(m0 + i) * N + n] = total;
+            }
+#endif
+}
+
+void f32_matmul(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t NP = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t p0 = 0; p0 < NP; p0 += 4)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mc = M - m0 < 4 ? M - m0 : 4, group = mc == 1 ? 4 : mc == 2 ? 2 : 1;
+            for (int64_t p = p0; p < p0 + 4 && p < NP;) {
+                if (group == 4 && p + 4 <= NP) { f32_panels(1, 4, x, panels, y, m0, p, M, N, K); p += 4; }
+                else if (group == 2 && p + 2 <= NP) { f32_panels(2, 2, x, panels, y, m0, p, M, N, K); p += 2; }
+                else {
+                    switch (mc) {
+                        case 1: f32_panels(1, 1, x, panels, y, m0, p, M, N, K); break;
+                        case 2: f32_panels(2, 1, x, panels, y, m0, p, M, N, K); break;
+                        case 3: f32_panels(3, 1, x, panels, y, m0, p, M, N, K); break;
+                        default: f32_panels(4, 1, x, panels, y, m0, p, M, N, K); break;
+                    }
+                    p += 1;
+                }
+            }
+        }
+}

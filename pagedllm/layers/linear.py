@@ -27,17 +27,54 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W held in oneDNN's blocked layout (float32, CPU)."""
+GEMV_ROWS = 4  # rows at most for pagedllm's own float32 kernel (kernels.f32_matmul); above, oneDNN
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+
+@functools.cache
+def gemv_kernels(n: int, k: int):
+    """pagedllm's kernels where their float32 GEMV sums every element of an [n, k] weight's product in
+    oneDNN's order (checked here, once per shape: oneDNN picks its algorithm by shape), else None: then
+    every row count goes to oneDNN, so that a row's result never depends on its batch's size
+    (speculative decoding's verified rows and plain decode rows must see the same logits)."""
+    from pagedllm import kernels
+
+    kern = kernels.try_load()
+    if kern is None or not onednn_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(3, k, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    ref = onednn_linear(x, packed, None)
+    if not all(torch.equal(kern.f32_matmul(x[:m], kern.f32_panels(w), n), ref[:m]) for m in (1, 3)):
+        import logging
+
+        logging.getLogger("pagedllm").debug("oneDNN sums a [%d, %d] weight's products in another order here: "
+                                            "its decode rows use oneDNN too", n, k)
+        return None
+    return kern
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T + b with W held in oneDNN's blocked layout (float32, CPU) for GEMMs, and for decode
+    (``gemv``, up to GEMV_ROWS rows) also as panels that ``kernels.f32_matmul`` streams: 2.4x oneDNN on
+    one row of SmolLM2's layers, with the very same sums. The second copy doubles the weight's memory;
+    the logits head goes without it (oneDNN is within 1.2x there)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous()),
-                             persistent=False)
+        plain = weight.detach().float().contiguous()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(plain), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self._kernels = gemv_kernels(self.out_features, self.in_features) if gemv else None
+        self.register_buffer("panels", None if self._kernels is None else self._kernels.f32_panels(plain),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.dtype == torch.float32 \
+                and not x.requires_grad:
+            y = self._kernels.f32_matmul(x.contiguous(), self.panels, self.out_features)
+            return y if self.bias is None else y.add_(self.bias)
         return onednn_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
@@ -50,7 +87,7 @@ def pack_linears(model: nn.Module) -> None:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                setattr(module, name, PackedLinear(child.weight, child.bias, gemv=name != "lm_head"))
     if getattr(model, "tie_word_embeddings", False) and model.lm_head is None \
             and model.embed_tokens.weight.dtype == torch.float32:
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)

@@ -2,10 +2,10 @@
 
 Single-stream decode on a CPU runs ~120 kernels a token of tens of microseconds each; the Python
 between them (module calls, views, tensor allocations, ctypes argument conversion) cost about a third
-of the step. When a Llama-family model's every projection is one of our quantized linears
-(``--quantization int8 / int4 / w4a8``) and every row of a step is a decode, the loop runs in C
-instead, calling the same kernels on the same inputs in the same order, so the logits are the
-Python loop's bit for bit. Anything else (prefill, float32 or LoRA linears, q/k norms, MoE blocks,
+of the step. When a Llama-family model's every projection runs on our kernels (the quantized linears
+of ``--quantization int8 / int4 / w4a8``, or float32 ones for up to ``GEMV_ROWS`` rows) and every row
+of a step is a decode, the loop runs in C instead, calling the same kernels on the same inputs in the same order, so the logits are the
+Python loop's bit for bit. Anything else (prefill, LoRA or unpacked linears, q/k norms, MoE blocks,
 tensor or pipeline parallelism, non-float32 KV caches, more rows than the kernels take) runs the
 Python loop, and so does every step under ``enforce_eager=True``.
 
@@ -22,6 +22,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention import AttentionMetadata, cpu_paged
+from pagedllm.layers.linear import GEMV_ROWS
 
 
 class _QLinear(ctypes.Structure):
@@ -33,6 +34,15 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("sliding_window", ctypes.c_int64)]
+
+
+def _linear(lin: Any) -> _QLinear:
+    bias = lin.bias.data_ptr() if lin.bias is not None else None
+    if not hasattr(lin, "qweight"):  # PackedLinear: its float32 panels
+        return _QLinear(lin.panels.data_ptr(), None, None, bias, lin.out_features, lin.in_features, 4)
+    kind = (0 if lin.bits == 4 else 1) + (2 if lin.int8_activations else 0)
+    return _QLinear(lin.qweight.data_ptr(), lin.scales.data_ptr(), lin.mins.data_ptr(), bias, lin.out_features,
+                    lin.in_features, kind)
 
 
 def _modules(model: Any) -> list[Any]:
@@ -47,6 +57,7 @@ def _modules(model: Any) -> list[Any]:
 
 def _eligible(model: Any) -> bool:
     """Does the C loop compute exactly this model's forward (given a decode-only step)?"""
+    from pagedllm.layers.linear import PackedLinear
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.quantization import Int4Linear, Int8Linear
     from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -63,7 +74,8 @@ def _eligible(model: Any) -> bool:
         linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
         if (type(layer).forward is not LlamaDecoderLayer.forward or type(a).forward is not LlamaAttention.forward
                 or a.q_norm is not None or a.attn is not cpu_paged.paged_attention
-                or any(type(lin) not in (Int4Linear, Int8Linear) for lin in linears)
+                or any(type(lin) not in (Int4Linear, Int8Linear, PackedLinear) for lin in linears)
+                or any(type(lin) is PackedLinear and lin.panels is None for lin in linears)
                 or any(type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
                        for n in (layer.input_layernorm, layer.post_attention_layernorm))):
             return False
@@ -98,11 +110,8 @@ class FusedDecode:
             a, m = layer.self_attn, layer.mlp
             for field, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj),
                                ("down", m.down_proj)):
-                kind = (0 if lin.bits == 4 else 1) + (2 if lin.int8_activations else 0)
-                bias = lin.bias.data_ptr() if lin.bias is not None else None
-                setattr(out, field, _QLinear(lin.qweight.data_ptr(), lin.scales.data_ptr(), lin.mins.data_ptr(),
-                                             bias, lin.out_features, lin.in_features, kind))
-                rows.append(lin._small_batch)
+                setattr(out, field, _linear(lin))
+                rows.append(getattr(lin, "_small_batch", GEMV_ROWS))
             out.input_norm = layer.input_layernorm.weight.data_ptr()
             out.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             out.k_cache, out.v_cache = cache[0].data_ptr(), cache[1].data_ptr()

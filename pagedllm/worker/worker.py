@@ -59,7 +59,7 @@ class Worker:
                 kernels.try_load()  # waits for a background build, if one is still compiling
         self.model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
                                 stages=self.stages, parallel=self.ps)
-        if mc.quantization and not mc.enforce_eager and hasattr(self.model, "fused_decode"):
+        if self.device.type == "cpu" and not mc.enforce_eager and hasattr(self.model, "fused_decode"):
             from pagedllm.models.fused_decode import FusedDecode
 
             self.model.fused_decode = FusedDecode(self.model)
