@@ -379,10 +379,13 @@ def test_mixed_abusive_load_then_sigterm_under_load(model_dir):
                                 json={**BASE, "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True})
                    for _ in range(3)]
         opened = [cm.__enter__() for cm in streams]
-        deadline = time.time() + 30
-        while time.time() < deadline and s.metric("pagedllm:num_requests_running") < 8:
+        # the gauges move at step ends: the step that admits the first request's 8 completions may report
+        # before the engine has taken the other two requests, so wait for the saturated state itself
+        deadline, seen = time.time() + 30, (0.0, 0.0)
+        while time.time() < deadline and not (seen[0] == 8 and seen[1] > 0):
             time.sleep(0.05)
-        assert s.metric("pagedllm:num_requests_running") == 8 and s.metric("pagedllm:num_requests_waiting") > 0
+            seen = (s.metric("pagedllm:num_requests_running"), s.metric("pagedllm:num_requests_waiting"))
+        assert seen[0] == 8 and seen[1] > 0, f"(running, waiting) = {seen}"
         t0 = time.time()
         s.proc.send_signal(signal.SIGTERM)
         code = s.proc.wait(60)
