@@ -84,8 +84,26 @@ def test_embed_on_a_generating_model_is_refused(tiny_model_factory):
     llm = LLM(str(tiny_model_factory("llama")), num_gpu_blocks_override=16)
     with pytest.raises(InvalidParameterError, match="pooling model"):
         llm.embed("hello")
-    with pytest.raises(InvalidParameterError, match="encoder models"):
-        LLM(str(tiny_model_factory("llama")), runner="pooling")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])  # q/k norms in the second
+def test_decoder_last_token_pooling_equals_transformers(tiny_model_factory, name):
+    """runner='pooling' on a Llama-family decoder without sentence-transformers files: the last token's
+    final hidden state, normalised, equal to transformers' base model on the same ids, batched with
+    sequences of other lengths (one token among them)."""
+    from transformers import AutoModel
+
+    model_dir = str(tiny_model_factory(name))
+    llm = LLM(model_dir, runner="pooling")
+    texts = SENTENCES[:10] + ["a"]
+    outs = llm.embed(texts)
+    ref_model = AutoModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.stack([ref_model(torch.tensor([o.prompt_token_ids])).last_hidden_state[0, -1] for o in outs])
+    ours = torch.tensor([o.outputs.embedding for o in outs])
+    assert len({len(o.prompt_token_ids) for o in outs}) > 3 and min(len(o.prompt_token_ids) for o in outs) == 1
+    torch.testing.assert_close(ours, torch.nn.functional.normalize(ref, dim=-1), atol=2e-5, rtol=1e-4)
+    assert (ours * torch.nn.functional.normalize(ref, dim=-1)).sum(-1).min() > 0.99999
 
 
 def test_embeddings_score_and_rerank_over_http(minilm_dir, minilm):

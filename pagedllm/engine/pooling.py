@@ -1,4 +1,5 @@
-"""The pooling runner: sentence embeddings and scores from encoder models (``LLM(runner="pooling")``).
+"""The pooling runner: sentence embeddings and scores (``LLM(runner="pooling")``) from encoder models, and from
+Llama-family decoders (last-token pooling: :class:`DecoderPooler`).
 
 A pooling request is one forward pass and keeps no KV cache, so it needs none of the
 generating engine's paging or sampling. What it shares with it is the batch: every
@@ -6,7 +7,8 @@ sequence's tokens back to back in one flattened batch under ``max_num_batched_to
 Sequences are sorted by length before they are cut into batches, so the one padded step
 inside attention wastes little. Pooling follows the model's sentence-transformers files
 (``modules.json``: mean, CLS or last-token pooling from ``1_Pooling/config.json``, and a
-``Normalize`` module), or CLS + normalisation where the directory has none.
+``Normalize`` module), or CLS (encoders) / the last token (decoders) + normalisation where the
+directory has none.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ class PoolingConfig:
     max_seq_length: int | None = None
 
 
-def read_pooling_config(model_dir: str) -> PoolingConfig:
-    """Pooling as the directory's sentence-transformers configuration says."""
+def read_pooling_config(model_dir: str, decoder: bool = False) -> PoolingConfig:
+    """Pooling as the directory's sentence-transformers configuration says; without one, CLS for an
+    encoder and the last token for a decoder (the only one that has seen the whole text), normalised."""
     root = Path(model_dir)
     if root.is_file() or not (root / "modules.json").exists():
-        return PoolingConfig()
+        return PoolingConfig("last") if decoder else PoolingConfig()
     modules = json.loads((root / "modules.json").read_text())
     pooling, normalize = "cls", False
     for m in modules:
@@ -121,10 +124,14 @@ class PoolingEngine:
         self.source = resolve_model(mc.model)
         self.device = resolve_device(mc.device)
         self.hf_config = load_config(self.source)
-        if not getattr(ModelRegistry.resolve_for_config(self.hf_config), "is_pooling_model", False):
+        from pagedllm.models.llama import LlamaForCausalLM
+
+        model_cls = ModelRegistry.resolve_for_config(self.hf_config)
+        decoder = not getattr(model_cls, "is_pooling_model", False)
+        if decoder and not issubclass(model_cls, LlamaForCausalLM):
             raise InvalidParameterError(
-                f"runner='pooling' runs encoder models ({', '.join(pooling_architectures())}) so far; "
-                f"{getattr(self.hf_config, 'architectures', None)} is a generating model", "runner")
+                f"runner='pooling' runs encoder models ({', '.join(pooling_architectures())}) and Llama-family "
+                f"decoders; {getattr(self.hf_config, 'architectures', None)} is neither", "runner")
         if config.parallel_config.world_size > 1:
             raise InvalidParameterError("pooling models run in one process: tensor / pipeline parallelism "
                                         "is not supported for them", "tensor_parallel_size")
@@ -134,7 +141,9 @@ class PoolingEngine:
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
         self.model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization)
-        self.pooling = read_pooling_config(self.source.path)
+        if decoder:
+            self.model = DecoderPooler(self.model)
+        self.pooling = read_pooling_config(self.source.path, decoder)
         limits = [mc.max_model_len, self.pooling.max_seq_length, self.hf_config.max_position_embeddings]
         self.max_model_len = min(x for x in limits if x)
         # the generating engine's token budget (measured on all-MiniLM-L6-v2 here: 1,000 sentences took 7.0 s
@@ -217,6 +226,37 @@ class PoolingEngine:
         if self.pooling.normalize:
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
         return pooled
+
+
+class DecoderPooler(torch.nn.Module):
+    """A Llama-family model as an embedding model: each sequence in one causal pass, nothing kept.
+
+    Every sequence is a whole-prompt prefill, which attends to its own fresh K/V; the attention
+    backend still writes K/V to its cache, so each layer gets a one-block scratch cache that every
+    token writes over and nothing reads. Returns the final norm's hidden states [T, hidden].
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        a = model.layers[0].self_attn
+        w = next(model.parameters())
+        self.scratch = [torch.zeros(2, 1, 16, a.num_kv_heads, a.head_dim, dtype=w.dtype, device=w.device)
+                        for _ in model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        from pagedllm.attention import AttentionMetadata
+
+        dev = input_ids.device
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(len(input_ids), dtype=torch.long, device=dev),
+            block_tables=torch.zeros(len(seq_lens), 1, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, device=dev), num_decodes=0, query_start_loc=starts,
+            seq_lens_cpu=list(seq_lens), block_size=16)
+        return self.model(input_ids, positions, self.scratch, meta)
 
 
 def pooling_architectures() -> list[str]:
