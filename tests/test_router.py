@@ -81,6 +81,16 @@ def test_prefix_key_reads_the_first_blocks_and_rendezvous_moves_only_the_lost_ke
     assert 60 < sum(v == "http://c" for v in before.values()) < 140  # spread about evenly
 
 
+def test_requests_that_ended_since_the_last_poll_do_not_count_as_load() -> None:
+    b = Backend("http://a", running=2, waiting=1)
+    for _ in range(10):  # a burst of short requests, all answered before the next poll
+        b.sent()
+        b.ended()
+    assert b.load == 3
+    b.sent()
+    assert b.load == 4 and b.in_flight == 1
+
+
 def test_prefix_aware_routing_hits_the_prefix_cache_more_than_round_robin(backends) -> None:
     rates = {}
     for routing in ("round-robin", "prefix-aware"):

@@ -111,6 +111,15 @@ def test_prefix_cache_hit_does_not_change_output_and_skips_work():
     assert runner_on.num_computed_tokens_total < runner_off.num_computed_tokens_total
 
 
+def test_prefix_cache_stats_count_each_admitted_prompt_once():
+    # unchunked 30-token prompts under a 40-token budget: each waits a step or more, looked up every time
+    prompts = [[7] * 24 + [i] * 6 for i in range(6)]
+    out, sched, _, reqs = run(prompts, budget=40, chunked=False)
+    stats = sched.make_stats().prefix_cache
+    assert stats.queries == sum(len(p) for p in prompts)
+    assert stats.hits == sum(r.num_cached_tokens for r in reqs) == 5 * 24
+
+
 def test_preemption_under_tiny_cache_finishes_every_request():
     prompts = _prompts(n=12)
     ref, *_ = run(prompts, num_blocks=200)

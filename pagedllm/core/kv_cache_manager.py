@@ -74,9 +74,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix-cache lookup once (a request the scheduler looks up but cannot admit
+        yet is looked up again next step, and counting each try would weigh queued requests more)."""
+        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,

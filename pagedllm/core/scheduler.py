@@ -250,6 +250,8 @@ class Scheduler:
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
                                                         num_hit_tokens, ext)
             self.waiting.pop()
+            if req.num_computed_tokens == 0:
+                self.kv.record_lookup(req, num_hit_tokens)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit_tokens + ext

@@ -50,12 +50,23 @@ class Backend:
     waiting: float = 0.0
     kv_usage: float = 0.0
     sent_since_poll: int = 0  # requests this router sent it since that poll (the poll lags)
+    done_since_poll: int = 0  # requests of this router's that ended since that poll
     in_flight: int = 0  # requests this router is forwarding to it now
     last_error: str | None = None
 
     @property
     def load(self) -> float:
-        return max(self.running + self.waiting + self.sent_since_poll, self.in_flight)
+        # what the poll saw, plus what was sent since, minus what ended since: short requests sent and
+        # finished between two polls must not count, or a burst looks like an overload and spills
+        return max(self.running + self.waiting + self.sent_since_poll - self.done_since_poll, self.in_flight)
+
+    def sent(self) -> None:
+        self.sent_since_poll += 1
+        self.in_flight += 1
+
+    def ended(self) -> None:
+        self.done_since_poll += 1
+        self.in_flight -= 1
 
 
 @dataclass(slots=True)
@@ -153,7 +164,7 @@ class Router:
                 b.running = _metric(metrics, "pagedllm:num_requests_running")
                 b.waiting = _metric(metrics, "pagedllm:num_requests_waiting")
                 b.kv_usage = _metric(metrics, "pagedllm:kv_cache_usage_perc")
-                b.sent_since_poll = 0
+                b.sent_since_poll = b.done_since_poll = 0
             b.last_error = None if ok else f"/health answered {health.status_code}"
         except Exception as e:  # noqa: BLE001 -- unreachable, timed out, malformed: not healthy
             ok, b.last_error = False, f"{type(e).__name__}: {e}"
@@ -215,13 +226,12 @@ class Router:
             tried.add(b.url)
             if attempt:
                 self.m_retries.inc()
-            b.sent_since_poll += 1
-            b.in_flight += 1
+            b.sent()
             try:
                 req = self._client.build_request("POST", f"{b.url}{path}", content=raw, headers=headers)
                 resp = await self._client.send(req, stream=True)
             except httpx.TransportError as e:  # before any answer: generating has no side effects, retry
-                b.in_flight -= 1
+                b.ended()
                 b.healthy = False  # until the next poll says otherwise
                 last = f"{b.url}: {type(e).__name__}: {e}"
                 self.m_requests.labels(b.url, "unreachable").inc()
@@ -241,7 +251,7 @@ class Router:
                 logger.warning("backend %s failed mid-answer, retrying elsewhere: %s", b.url, e)
                 continue
             finally:
-                b.in_flight -= 1
+                b.ended()
                 await resp.aclose()
             return Response(content, status_code=resp.status_code, headers=out_headers,
                             media_type=resp.headers.get("content-type"))
@@ -259,7 +269,7 @@ class Router:
             err = {"error": {"message": f"backend {b.url} failed mid-stream: {e}", "type": "BadGateway", "code": 502}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
-            b.in_flight -= 1
+            b.ended()
             await resp.aclose()
 
 
