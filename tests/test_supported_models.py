@@ -19,7 +19,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 # the tiny model (tests/utils.py) that stands for each decoder architecture
 TINY_FOR = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-            "Qwen3MoeForCausalLM": "qwen3_moe"}
+            "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3"}
 
 
 def _rows() -> dict[str, str]:
@@ -39,7 +39,7 @@ def test_the_table_lists_exactly_the_registered_architectures():
 def test_each_decoder_row_runs(arch, tiny_model_factory):
     assert _rows()[arch] == "generate"
     name = TINY_FOR[arch]
-    assert TINY_MODELS[name][0].removesuffix("Config") in arch
+    assert TINY_MODELS[name][0].removesuffix("Config").removesuffix("Text") in arch
     model = tiny_model_factory(name)
     assert arch in json.loads((model / "config.json").read_text())["architectures"]
     llm = LLM(str(model), max_model_len=128, num_gpu_blocks_override=32)

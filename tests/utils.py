@@ -69,6 +69,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                          tie_word_embeddings=False)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=True)),
+    # Gemma 3: a local (sliding, own RoPE base) and a global layer, query_pre_attn_scalar != head_dim, soft-capped
+    # logits; its norms scale by 1 + weight, and the random weights above are that weight
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=32, query_pre_attn_scalar=20,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        final_logit_softcapping=30.0, tie_word_embeddings=True)),
 }
 TINY_MODEL_NAMES = list(TINY_MODELS)
 

@@ -1,4 +1,4 @@
-"""Config and weights of a GGUF file (llama, qwen2, qwen3 architectures).
+"""Config and weights of a GGUF file (llama, qwen2, qwen3, gemma3 architectures).
 
 Weights are dequantized with ``gguf`` and renamed to Hugging Face names, so the
 models see the same state dict whether they were loaded from GGUF or HF.
@@ -9,6 +9,7 @@ Two GGUF quirks matter:
   architecture (HF's rotate-half RoPE layout -> GGML's interleaved layout). We
   undo it exactly as ``transformers`` does; qwen2/qwen3 are stored unpermuted.
 * There is no ``output.weight`` when the LM head is tied to the embedding.
+* Gemma's converter stores each RMSNorm's ``1 + weight``; we give back ``weight``, as transformers does.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     import torch
     import transformers
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # Architectures whose Q/K rows llama.cpp permuted on conversion.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
 
@@ -56,18 +57,25 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3's sandwich norms: its ffn_norm comes before the MLP, and two more follow attention and MLP.
+_GEMMA3_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_BLOCK_NAMES_BY_ARCH = {"gemma3": _GEMMA3_BLOCK_NAMES}
+# Architectures whose norms llama.cpp stores as 1 + weight.
+_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
 # Tensors llama.cpp stores that HF recomputes from the config (llama3 RoPE factors).
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor, or None if unknown."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor of architecture ``arch``, or None if unknown."""
     if m := _BLOCK_RE.match(gguf_name):
         layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif m := _GLOBAL_RE.match(gguf_name):
         part, kind = m.groups()
         if part in _GLOBAL_NAMES:
@@ -299,6 +307,8 @@ def gguf_config_dict(metadata: dict[str, Any], tensor_names: tuple[str, ...]) ->
 
 
 _FAST_METADATA_LOCK = threading.Lock()
+# gguf_config_dict follows transformers' generic path, which is the whole story for these (gemma3 has its own)
+_FAST_CONFIG_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @contextlib.contextmanager
@@ -308,7 +318,7 @@ def fast_transformers_gguf_metadata(arch: str) -> Iterator[None]:
     from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
 
     with _FAST_METADATA_LOCK:
-        added = arch in SUPPORTED_GGUF_ARCHITECTURES and arch not in GGUF_CONFIG_ARCHS
+        added = arch in _FAST_CONFIG_ARCHITECTURES and arch not in GGUF_CONFIG_ARCHS
         if added:
             GGUF_CONFIG_ARCHS[arch] = gguf_config_dict
         try:
@@ -337,8 +347,8 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
 
     Tensor data is read at the offsets our header scan found; gguf.GGUFReader
     would first spend seconds parsing the vocabulary. ``unpermute`` undoes
-    llama.cpp's Q/K row permutation (identity for other tensors); it applies to
-    anything with one entry per output row.
+    llama.cpp's Q/K row permutation (and takes the one off Gemma's norms; identity
+    for other tensors); it applies to anything with one entry per output row.
     """
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -370,7 +380,7 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
             data = raw.view(plain[qtype]).reshape(tuple(reversed(dims)))
         else:  # rows of quantized blocks, as gguf.quants.dequantize expects them
             data = raw.reshape(*reversed(dims[1:]), dims[0] // block * type_size)
-        name = hf_name(name_in_file)
+        name = hf_name(name_in_file, arch)
         if name is None:
             raise UnsupportedModelError(
                 f"GGUF tensor {name_in_file!r} in {path!r} has no Hugging Face equivalent for "
@@ -379,12 +389,20 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
         heads = 0
         if arch in _PERMUTED_QK_ARCHITECTURES:
             heads = n_head if ".attn_q." in name_in_file else n_head_kv if ".attn_k." in name_in_file else 0
-        yield name_in_file, name, qtype, data, (
-            functools.partial(reverse_llama_qk_permutation, n_head=heads) if heads else _identity)
+        fix = _identity
+        if heads:
+            fix = functools.partial(reverse_llama_qk_permutation, n_head=heads)
+        elif arch in _NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
+            fix = _minus_one
+        yield name_in_file, name, qtype, data, fix
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
     return x
+
+
+def _minus_one(x: np.ndarray) -> np.ndarray:
+    return x - 1
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:

