@@ -44,13 +44,13 @@ def reference(gemma_gguf):
               max_model_len=1024, num_gpu_blocks_override=512)
     ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert len(ids[0]) > 600 and all(ids[i][0] == 2 for i in range(len(ids)))  # past the window; <bos> first
-    return ids, llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
+    return ids, llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False), llm
 
 
 def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file(gemma_gguf, reference):
     from transformers import AutoModelForCausalLM
 
-    ids, ours = reference
+    ids, ours, _ = reference
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma_gguf), gguf_file=os.path.basename(gemma_gguf),
                                                  dtype=torch.float32)
     ref = hf_greedy(model, ids, max_new_tokens=48, topk=TOPK)
@@ -71,7 +71,7 @@ def _clean(llm):
 
 
 def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unchanged(gemma_gguf, reference):
-    ids, ref = reference
+    ids, ref, _ = reference
     prompts = [{"prompt_token_ids": p} for p in ids]
     chunked = LLM(gemma_gguf, enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=96,
                   max_model_len=1024, num_gpu_blocks_override=512)
@@ -94,3 +94,14 @@ def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unch
     assert tight.llm_engine.core.scheduler.num_preemptions > 0
     _same(ref, outs)
     _clean(tight)
+
+
+def test_gemma3_gguf_chats_in_gemma_turns_and_ends_a_turn_at_end_of_turn(reference):
+    llm = reference[2]  # the file carries no chat template: Gemma's turn format stands in
+    ids = llm.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}])
+    tok = llm.get_tokenizer()
+    assert tok.decode(ids) == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+                               "Hello!<end_of_turn>\n<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")
+    assert ids.count(2) == 1  # one <bos>: the template's
+    assert llm.llm_engine.processor.eos_token_ids == {1, tok.convert_tokens_to_ids("<end_of_turn>")}

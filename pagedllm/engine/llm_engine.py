@@ -207,6 +207,12 @@ class LLMEngine:
             except OSError:  # no generation_config.json
                 gen = None
             ids.update([gen] if isinstance(gen, int) else (gen or []))
+        elif self.source.kind == "gguf":  # no generation config: the chat format's end of turn (Gemma's)
+            from pagedllm.model_loader.tokenizer import gguf_end_of_turn_id
+
+            end = gguf_end_of_turn_id(self.source.path, self.tokenizer)
+            if end is not None:
+                ids.add(end)
         return frozenset(ids)
 
     # -- requests ---------------------------------------------------------------

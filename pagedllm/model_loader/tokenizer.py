@@ -38,16 +38,50 @@ def load_tokenizer(
     return AutoTokenizer.from_pretrained(src.path, local_files_only=True)
 
 
+# Gemma's turn format, for GGUF files that carry no chat template (Gemma 3 270M's has none): a system
+# message opens the first user turn, the assistant is "model", each turn ends with <end_of_turn>.
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] | trim + '\n\n' -%}{%- set messages = messages[1:] -%}"
+    "{%- else -%}{%- set system = '' -%}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{- '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n'"
+    " + (system if loop.first else '') + (m['content'] or '') | trim + '<end_of_turn>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+# GGUF architecture -> (chat template used where the file has none, the token that ends an assistant turn)
+GGUF_CHAT_DEFAULTS = {"gemma3": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>")}
+
+
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    return cache.load_or_build(
+    from pagedllm.model_loader.gguf_loader import read_gguf_header
+
+    tok = cache.load_or_build(
         "tokenizers",
         path,
         build=lambda: convert_gguf_tokenizer(path),
         save=lambda tok, d: tok.save_pretrained(d),
         load=lambda d: AutoTokenizer.from_pretrained(d, local_files_only=True),
     )
+    defaults = GGUF_CHAT_DEFAULTS.get(read_gguf_header(path).architecture)
+    if defaults is not None and not getattr(tok, "chat_template", None):
+        tok.chat_template = defaults[0]
+    return tok
+
+
+def gguf_end_of_turn_id(path: str, tok: transformers.PreTrainedTokenizerBase) -> int | None:
+    """The token id that ends an assistant turn in a GGUF model's chat format, where it is not the EOS token."""
+    from pagedllm.model_loader.gguf_loader import read_gguf_header
+
+    defaults = GGUF_CHAT_DEFAULTS.get(read_gguf_header(path).architecture)
+    if defaults is None:
+        return None
+    token_id = tok.convert_tokens_to_ids(defaults[1])
+    return token_id if isinstance(token_id, int) and token_id != tok.unk_token_id else None
 
 
 def convert_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
