@@ -14,9 +14,12 @@ from pagedllm.errors import UnsupportedModelError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """Normalise transformers v4 (`rope_theta` + `rope_scaling`) and v5 (`rope_parameters`) configs."""
+def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """Normalise transformers v4 (`rope_theta` + `rope_scaling`) and v5 (`rope_parameters`) configs; where v5
+    keeps one set per layer type (Gemma 3: `full_attention`, `sliding_attention`), ``layer_type``'s."""
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         params = dict(params)
     else:

@@ -69,9 +69,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
     def __init__(self, cfg: Any, parallel: ParallelState | None = None):
-        for name in ("attn_logit_softcapping",):
-            if getattr(cfg, name, None) is not None:
-                raise UnsupportedModelError(f"Gemma 3 with {name}={getattr(cfg, name)} is not supported")
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedModelError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported")
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
         if act not in _GELU_TANH:
             raise UnsupportedModelError(f"Gemma 3 hidden_activation {act!r} is not supported; only {_GELU_TANH}")
@@ -91,16 +90,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             return cfg.sliding_window if (i + 1) % pattern else None
         return super()._sliding_window(cfg, i)
 
-    def _rope_parameters(self, cfg: Any) -> dict[str, Any]:
-        per_type = getattr(cfg, "rope_parameters", None)
-        if isinstance(per_type, dict) and "full_attention" in per_type:  # transformers v5: one set per layer type
-            return rope_parameters(type("Rope", (), {"rope_parameters": per_type["full_attention"]}))
-        return rope_parameters(cfg)
-
     def _local_rope_parameters(self, cfg: Any) -> dict[str, Any]:
         per_type = getattr(cfg, "rope_parameters", None)
-        if isinstance(per_type, dict) and "sliding_attention" in per_type:
-            return rope_parameters(type("Rope", (), {"rope_parameters": per_type["sliding_attention"]}))
+        if isinstance(per_type, dict) and "sliding_attention" in per_type:  # transformers v5
+            return rope_parameters(cfg, "sliding_attention")
         return {"rope_type": "default", "rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -144,16 +144,13 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self._layer(cfg, i, qkv_bias, ps) for i in range(self.start_layer, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, self._rope_parameters(cfg))
+        self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
         untied_head = ps.is_last_stage and not self.tie_word_embeddings
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, ps)[1], bias=False) \
             if untied_head else None
 
     def _layer(self, cfg: Any, i: int, qkv_bias: bool, ps: ParallelState) -> nn.Module:
         return LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i), ps, self._mlp(cfg, i, ps))
-
-    def _rope_parameters(self, cfg: Any) -> dict[str, Any]:
-        return rope_parameters(cfg)
 
     def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward block (the MoE families return their sparse block)."""
