@@ -84,6 +84,14 @@ def _greedy(llm: LLM) -> list[GreedyResult]:
             for o in outs]
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
 @needs_onednn
 @pytest.mark.parametrize("n,k", [(37, 2080), (16, 33), (1, 1024), (960, 576), (64, 64), (49152, 576)])
 def test_float32_gemv_sums_exactly_as_onednn(n, k):
@@ -93,8 +101,8 @@ def test_float32_gemv_sums_exactly_as_onednn(n, k):
     a tiny test model's, SmolLM2's."""
     torch.manual_seed(n + k)
     lin = PackedLinear(torch.randn(n, k), torch.randn(n), gemv=True)
-    if n == 960:  # SmolLM2's qkv on this project's CPUs: the kernel is taken
-        assert lin.panels is not None
+    if n == 960 and "avx512f" not in _cpu_flags():  # SmolLM2's qkv on AVX2 CPUs: the kernel is taken
+        assert lin.panels is not None  # (oneDNN's AVX-512 kernels sum K=576 in another order: it stands aside)
     x = torch.randn(9, k)
     x[2, k // 2] = float("nan")
     full = linear.onednn_linear(x, lin.packed, lin.bias)

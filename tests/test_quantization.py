@@ -120,12 +120,18 @@ def test_w4a8_engine_matches_rounded_activation_reference(tiny_model_factory, na
     assert net.lm_head.int8_activations and isinstance(net.layers[0].self_attn.qkv_proj, Int4Linear)
     ours = _greedy_with_logprobs(llm, 16)
     dequantize_model(net)
+    unrounded = _greedy_with_logprobs(llm, 16)
     for module in list(net.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(module, child_name, _RoundedInput(child))
-    check_greedy_close(_greedy_with_logprobs(llm, 16), ours, topk=5, logprob_atol=1e-3,
+    # Every linear re-rounds its input, so a float32 difference of one ulp upstream (the integer kernel's sums
+    # against oneDNN's, whose order depends on the CPU: AVX2 or AVX-512) can move a value across a rounding
+    # boundary by one step of its group: measured up to 1.1e-2 in a logprob, with every token the same.
+    check_greedy_close(_greedy_with_logprobs(llm, 16), ours, topk=5, logprob_atol=3e-2, min_exact_fraction=1.0,
                        names=("rounded-activation reference", "w4a8"))
+    # ... while float32 activations go elsewhere (measured: 5 and 6 of 6 sequences diverge): the rounding is real
+    assert sum(a.token_ids != b.token_ids for a, b in zip(unrounded, ours)) >= len(ours) // 2
 
 
 def test_int4_blocks_widen_to_int8_exactly():
