@@ -127,36 +127,45 @@ class _Streamer(threading.Thread):
         self.join(30)
 
 
+def _abuse_once(server: Server, h: httpx.Client) -> None:
+    """Every hostile request and bad body once: each refused with its error, fast, /health answering."""
+    for name, (endpoint, body, param) in HOSTILE.items():
+        payload = json.dumps(body).encode()
+        t0 = time.perf_counter()
+        r = h.post(f"{server.url}{endpoint}", content=payload, headers={"content-type": "application/json"})
+        elapsed = time.perf_counter() - t0
+        err = _assert_openai_error(r, 400)
+        assert err["param"] == param, (name, err)
+        assert "limit" in err["message"], (name, err)
+        assert elapsed < 1.0, f"{name}: answered in {elapsed:.2f}s"
+        assert _health_latency(server.url) < 0.1, name
+    for name, (raw, ctype, status, words) in BAD_BODIES.items():
+        t0 = time.perf_counter()
+        r = h.post(f"{server.url}{COMPLETIONS}", content=raw, headers={"content-type": ctype})
+        assert time.perf_counter() - t0 < 1.0, name
+        assert words in _assert_openai_error(r, status)["message"], name
+        assert _health_latency(server.url) < 0.1, name
+
+
 def test_each_abusive_request_is_refused_fast_while_others_are_served(server):
     for endpoint, body, _ in HOSTILE.values():  # warm up both endpoints and the allocator
         httpx.post(f"{server.url}{endpoint}", json=body, timeout=30)
     rss_before = server.rss_bytes()
     with _Streamer(server.url) as streamer, httpx.Client(timeout=30) as h:
         start = time.perf_counter()
-        for name, (endpoint, body, param) in HOSTILE.items():
-            payload = json.dumps(body).encode()
-            t0 = time.perf_counter()
-            r = h.post(f"{server.url}{endpoint}", content=payload, headers={"content-type": "application/json"})
-            elapsed = time.perf_counter() - t0
-            err = _assert_openai_error(r, 400)
-            assert err["param"] == param, (name, err)
-            assert "limit" in err["message"], (name, err)
-            assert elapsed < 1.0, f"{name}: answered in {elapsed:.2f}s"
-            assert _health_latency(server.url) < 0.1, name
-        for name, (raw, ctype, status, words) in BAD_BODIES.items():
-            t0 = time.perf_counter()
-            r = h.post(f"{server.url}{COMPLETIONS}", content=raw, headers={"content-type": ctype})
-            assert time.perf_counter() - t0 < 1.0, name
-            assert words in _assert_openai_error(r, status)["message"], name
-            assert _health_latency(server.url) < 0.1, name
+        while time.perf_counter() - start < 1.0:  # rounds of abuse for a second: one is ~0.25 s, too short to
+            _abuse_once(server, h)                # tell a stalled stream from a scheduling hiccup of the box
         end = time.perf_counter()
         time.sleep(0.3)
     during = sorted(t for t in streamer.token_times if start <= t <= end)
-    assert len(during) >= 10, f"the normal stream got {len(during)} tokens during the abuse"
+    assert len(during) >= 40 * (end - start), f"the normal stream got {len(during)} tokens in {end - start:.2f}s of abuse"
     gaps = [b - a for a, b in zip([start] + during, during + [end])]
     assert max(gaps) < 1.0, f"the normal stream stalled for {max(gaps):.2f}s"
     assert not streamer.errors, streamer.errors
     assert server.rss_bytes() - rss_before < 100 << 20
+    deadline = time.time() + 10  # the stream the client just dropped is aborted when the server notices
+    while server.metric("pagedllm:num_requests_running") > 0 and time.time() < deadline:
+        time.sleep(0.05)
     assert server.metric("pagedllm:num_requests_running") == 0
 
 
