@@ -105,3 +105,28 @@ def test_gemma3_gguf_chats_in_gemma_turns_and_ends_a_turn_at_end_of_turn(referen
                                "Hello!<end_of_turn>\n<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")
     assert ids.count(2) == 1  # one <bos>: the template's
     assert llm.llm_engine.processor.eos_token_ids == {1, tok.convert_tokens_to_ids("<end_of_turn>")}
+
+
+def test_gemma3_gguf_under_int8_keeps_the_files_blocks(gemma_gguf):
+    """Q5_0 / Q8_0 (int8) and Q4_K (int4, widened exactly) projections run as the file stores them; only
+    Q6_K's groups of 16 are rounded again. Greedy tokens equal those of the same weights in float32."""
+    from pagedllm.layers.quantization import Int8Linear, dequantize_model
+    from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks, iter_gguf_weights
+
+    llm = LLM(gemma_gguf, quantization="int8", max_model_len=256, num_gpu_blocks_override=64)
+    net = llm.llm_engine.core.runner.model
+    blocks = gguf_quantized_blocks(gemma_gguf)
+    kinds = {name.split(".")[-2]: kind for name, (kind, _) in blocks.items() if ".layers.0." in name}
+    assert kinds == {"q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int4", "gate_proj": "int8",
+                     "up_proj": "int8"}  # layer 0's down_proj is Q6_K
+    assert len(blocks) == 18 * 7 - 9 + 1  # all but the nine Q6_K down projections, and the Q8_0 embedding
+    o = net.layers[0].self_attn.o_proj
+    assert isinstance(o, Int8Linear)
+    weights = dict(w for w in iter_gguf_weights(gemma_gguf) if w[0].endswith("layers.0.self_attn.o_proj.weight"))
+    assert torch.equal(o.dequantized()[0], weights["model.layers.0.self_attn.o_proj.weight"])  # the file's values
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=TOPK, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in (llm.get_tokenizer().encode(p) for p in PROMPTS[1:])]
+    ours = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    dequantize_model(net)
+    ref = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    check_greedy_close(ref, ours, TOPK, logprob_atol=1e-3, min_exact_fraction=0.8, names=("float32", "int8"))

@@ -280,6 +280,28 @@ def test_q4_0_blocks_widen_like_gguf() -> None:
                            torch.from_numpy(dequantize(data, qtype).astype(np.float32))), qtype.name
 
 
+@pytest.mark.parametrize("qtype_name,kind", [("Q5_0", "int8"), ("Q5_1", "int8"), ("Q4_K", "int4"), ("Q5_K", "int8")])
+def test_5_bit_and_k_quant_blocks_keep_ggufs_values(qtype_name, kind) -> None:
+    """Arbitrary blocks of each type (every bit pattern of the quants and 6-bit scales; finite float16 d / dmin)
+    become int4 / int8 groups of 32 whose values are gguf's dequantized ones, all of them."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from pagedllm.model_loader.gguf_loader import _identity, _q_blocks, _widen
+
+    qtype = GGMLQuantizationType[qtype_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (6, 1024 // block, size), dtype=np.uint8)
+    halves = [0] if qtype_name == "Q5_0" else [0, 2]  # d (and m / dmin) lead every block
+    for off in halves:
+        raw[..., off:off + 2] = rng.normal(0, 0.05, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(6, -1)
+    got_kind, tensors = _q_blocks(raw, qtype, _identity)
+    assert got_kind == kind and tensors[1].shape == (6, 1024 // 32)
+    assert torch.equal(_widen(got_kind, tensors), torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
+
+
 def _without_name(config) -> dict:
     return {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
 

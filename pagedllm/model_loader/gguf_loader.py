@@ -408,9 +408,9 @@ def _minus_one(x: np.ndarray) -> np.ndarray:
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time.
 
-    Q4_0 / Q4_1 / Q8_0 blocks are widened by torch (multi-threaded, the same
-    float32 values as ``gguf.quants.dequantize``, several times faster); other
-    types go through ``gguf``.
+    Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K blocks are widened by torch
+    (multi-threaded, the same float32 values as ``gguf.quants.dequantize``,
+    several times faster); other types go through ``gguf``.
     """
     import numpy as np
     import torch
@@ -435,7 +435,8 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
-    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file, in pagedllm's int4 / int8 layouts, by HF name.
+    """The tensors of a GGUF file whose blocks fit pagedllm's int4 / int8 layouts, in them, by HF name
+    (Q4_0 / Q4_1 / Q8_0 as below; Q5_0 / Q5_1 / Q4_K / Q5_K: see :func:`_q_blocks`).
 
     GGUF blocks are 32 weights. Q4_1 stores (d, m) as float16 then 16 bytes of
     nibbles (w = q*d + m); Q4_0 stores d then the nibbles (w = (q - 8)*d); Q8_0
@@ -454,26 +455,75 @@ def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor,
 
 def _q_blocks(data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
               ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
-    """One Q4_0 / Q4_1 / Q8_0 tensor's rows of blocks in pagedllm's layout (see above); None for other types."""
+    """One quantized tensor's rows of blocks in pagedllm's int4 / int8 layout (groups of 32 with a float32
+    scale and min each, ``w = q * scale + min``), exactly the values ``gguf`` dequantizes them to; None for
+    types that do not fit (Q6_K's groups of 16, Q2_K / Q3_K, the i-quants): those are dequantized.
+
+    Q4_0 / Q4_1 / Q8_0 are such groups already. Q5_0 / Q5_1 are 5-bit groups of 32 (int8). The K-quants
+    Q4_K / Q5_K are super-blocks of 256: eight groups of 32 whose 6-bit scale and min multiply the
+    super-block's float16 ``d`` and ``dmin`` (``w = d*sc * q - dmin*m``), int4 and int8 respectively."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType as T
 
-    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0):
+    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K):
         return None
 
     def f16(raw: np.ndarray) -> np.ndarray:
         return raw.copy().view(np.float16)[..., 0].astype(np.float32)
 
     n = data.shape[0]
+    rows = unpermute(np.asarray(data))
+    if qtype in (T.Q4_K, T.Q5_K):
+        blocks = rows.reshape(n, -1, 144 if qtype == T.Q4_K else 176)
+        sc, m = _k_scale_min(blocks[..., 4:16])  # [n, super-blocks, 8]
+        scales = (f16(blocks[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(n, -1)
+        mins = -(f16(blocks[..., 2:4])[..., None] * m.astype(np.float32)).reshape(n, -1)
+        qs = blocks[..., -128:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        q = (qs & 0x0F).reshape(n, -1, 32)  # group 2j: chunk j's low nibbles; group 2j + 1: its high ones
+        if qtype == T.Q5_K:  # bit s of byte l is the fifth bit of element l of group s
+            qh = blocks[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            q = q | ((qh & 1).reshape(n, -1, 32) << 4)
+            return "int8", (torch.from_numpy(q.reshape(n, -1).view(np.int8)), torch.from_numpy(scales),
+                            torch.from_numpy(mins))
+        packed = q[..., :16] | (q[..., 16:] << 4)  # our int4 byte j: element j low, element j + 16 high
+        return "int4", (torch.from_numpy(np.ascontiguousarray(packed).reshape(n, -1)), torch.from_numpy(scales),
+                        torch.from_numpy(mins))
+    if qtype in (T.Q5_0, T.Q5_1):
+        head = 2 if qtype == T.Q5_0 else 4
+        blocks = rows.reshape(n, -1, head + 20)
+        d = f16(blocks[..., 0:2])
+        qh = blocks[..., head:head + 4].copy().view("<u4")  # [n, groups, 1]: bit j is element j's fifth bit
+        qs = blocks[..., head + 4:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+        q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        if qtype == T.Q5_0:
+            q -= 16  # w = d * (q - 16)
+            m = np.zeros_like(d)
+        else:
+            m = f16(blocks[..., 2:4])  # w = d * q + m
+        return "int8", (torch.from_numpy(q.astype(np.int8).reshape(n, -1)), torch.from_numpy(d), torch.from_numpy(m))
+
     head = {T.Q4_1: 4, T.Q4_0: 2, T.Q8_0: 2}[qtype]
-    blocks = unpermute(np.asarray(data)).reshape(n, -1, head + (32 if qtype == T.Q8_0 else 16))
+    blocks = rows.reshape(n, -1, head + (32 if qtype == T.Q8_0 else 16))
     d = f16(blocks[..., 0:2])
     q = torch.from_numpy(np.ascontiguousarray(blocks[..., head:]).reshape(n, -1))
     if qtype == T.Q8_0:
         return "int8", (q.view(torch.int8), torch.from_numpy(d), torch.zeros(d.shape))
     m = f16(blocks[..., 2:4]) if qtype == T.Q4_1 else -8 * d
     return "int4", (q, torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of a K-quant super-block, from its 12 bytes (llama.cpp's
+    ``get_scale_min_k4``): groups 0-3 in the low six bits of bytes 0-3 / 4-7; groups 4-7 take their low
+    four bits from bytes 8-11 and their top two from the spare bits of bytes 0-3 / 4-7."""
+    import numpy as np
+
+    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
 
 
 def _widen(kind: str, block: tuple[torch.Tensor, ...]) -> torch.Tensor:
