@@ -110,7 +110,7 @@ def test_gemma3_gguf_chats_in_gemma_turns_and_ends_a_turn_at_end_of_turn(referen
 def test_gemma3_gguf_under_int8_keeps_the_files_blocks(gemma_gguf):
     """Q5_0 / Q8_0 (int8) and Q4_K (int4, widened exactly) projections run as the file stores them; only
     Q6_K's groups of 16 are rounded again. Greedy tokens equal those of the same weights in float32."""
-    from pagedllm.layers.quantization import Int8Linear, dequantize_model
+    from pagedllm.layers.quantization import Int8Linear, QuantizedEmbedding, dequantize_model
     from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks, iter_gguf_weights
 
     llm = LLM(gemma_gguf, quantization="int8", max_model_len=256, num_gpu_blocks_override=64)
@@ -122,11 +122,29 @@ def test_gemma3_gguf_under_int8_keeps_the_files_blocks(gemma_gguf):
     assert len(blocks) == 18 * 7 - 9 + 1  # all but the nine Q6_K down projections, and the Q8_0 embedding
     o = net.layers[0].self_attn.o_proj
     assert isinstance(o, Int8Linear)
-    weights = dict(w for w in iter_gguf_weights(gemma_gguf) if w[0].endswith("layers.0.self_attn.o_proj.weight"))
-    assert torch.equal(o.dequantized()[0], weights["model.layers.0.self_attn.o_proj.weight"])  # the file's values
+    wanted = ("model.layers.0.self_attn.o_proj.weight", "model.embed_tokens.weight")
+    weights = dict(w for w in iter_gguf_weights(gemma_gguf) if w[0] in wanted)
+    assert torch.equal(o.dequantized()[0], weights[wanted[0]])  # the file's values
+    # the tied head's int8 rows are the embedding too: no float32 table is kept beside them
+    assert isinstance(net.embed_tokens, QuantizedEmbedding)
+    ids = torch.tensor([[2, 105, 262143], [0, 9259, 1]])
+    assert torch.equal(net.embed_tokens(ids), weights[wanted[1]][ids])
+    assert _resident_bytes(net) < 1.35 * os.path.getsize(gemma_gguf)  # 1.32x (Q5_0's 5.5 bits held in 8 + scales)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=TOPK, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in (llm.get_tokenizer().encode(p) for p in PROMPTS[1:])]
     ours = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     dequantize_model(net)
     ref = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     check_greedy_close(ref, ours, TOPK, logprob_atol=1e-3, min_exact_fraction=0.8, names=("float32", "int8"))
+
+
+def _resident_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def test_gemma3_gguf_under_int4_holds_at_most_1_3_times_the_file(gemma_gguf):
+    llm = LLM(gemma_gguf, quantization="int4", max_model_len=256, num_gpu_blocks_override=64)
+    net = llm.llm_engine.core.runner.model
+    assert _resident_bytes(net) < 1.3 * os.path.getsize(gemma_gguf)  # 1.13x: int4 layers, the int8 head once
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -222,8 +222,38 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
                 layer = _quantized(child.weight, child.bias, "int8" if method == "int8" else "int4",
                                    blocks.get(full), full, a8)
                 setattr(module, child_name, layer)
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    tied = model.lm_head is None
+    head = model.embed_tokens.weight if tied else model.lm_head.weight
     model.lm_head = _quantized(head, None, "int8", blocks.get("lm_head"), "lm_head", a8)
+    ps = getattr(model, "ps", None)
+    if tied and _takes_block(head, blocks.get("lm_head")) and (ps is None or ps.world_size == 1):
+        # the head holds the embedding's own values: look rows up there, and drop the float32 table
+        model.embed_tokens = QuantizedEmbedding(model.lm_head)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Embedding rows read from a tied int8 head's groups (``q * scale + min``, as the float table had them):
+    a quantized model then keeps its vocabulary once, in 8 bits, instead of also as a float32 table."""
+
+    def __init__(self, head: Int8Linear):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        # plain attributes: the head owns these tensors (no second copy, nothing for .to() to move twice)
+        self.q, self.scales, self.mins = head.qweight, head.scales, head.mins
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        rows = self.q.index_select(0, ids).float().view(ids.shape[0], -1, GROUP)
+        rows.mul_(self.scales.index_select(0, ids)[..., None]).add_(self.mins.index_select(0, ids)[..., None])
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the tied head"
+
+
+def _takes_block(weight: torch.Tensor, block: tuple[str, tuple] | None) -> bool:
+    """Is ``block`` (a checkpoint's own groups) used as it is for ``weight``? Not on a padded vocabulary shard."""
+    return block is not None and block[1][0].shape[0] == weight.shape[0]
 
 
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block: tuple[str, tuple] | None,
@@ -233,7 +263,7 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block
         raise InvalidParameterError(
             f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization")
     cls = Int8Linear if bits == "int8" else Int4Linear
-    if block is not None and block[1][0].shape[0] == weight.shape[0]:  # a padded vocabulary shard: round
+    if _takes_block(weight, block):
         kind, tensors = block
         if kind == bits:
             return cls(*tensors, bias, int8_activations)

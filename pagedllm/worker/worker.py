@@ -168,7 +168,8 @@ class Worker:
                 "layers": [m.start_layer, m.start_layer + len(m.layers)], "num_heads": a.num_heads,
                 "num_kv_heads": a.num_kv_heads, "kv_head_start": a.kv_head_start,
                 "mlp_size": m.layers[0].mlp.intermediate,
-                "vocab_rows": None if emb is None else emb.weight.shape[0], "has_head": m.ps.is_last_stage,
+                "vocab_rows": None if emb is None else getattr(emb, "num_embeddings", None) or emb.weight.shape[0],
+                "has_head": m.ps.is_last_stage,
                 "pid": os.getpid()}
 
     def _load_draft_model(self, spec: Any, target: torch.nn.Module) -> torch.nn.Module:
