@@ -68,18 +68,38 @@ def _gptq(bits: int, group: int, v1: bool):
     return write
 
 
+def _fp8(per_row: bool):
+    """e4m3 weights with a float32 scale per tensor ([1], compressed-tensors) or per row ([out, 1], fbgemm)."""
+    def write(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax().reshape(1)
+        scale = (amax / 448.0).float()
+        q = (w / (scale if per_row else scale[0])).to(torch.float8_e4m3fn)
+        parts = {"weight": q, "weight_scale": scale, "input_scale": torch.ones(1)}
+        return parts, q.float() * (scale if per_row else scale[0])
+    return write
+
+
+_CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+           "ignore": ["lm_head"], "config_groups": {"group_0": {
+               "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                  "symmetric": True, "dynamic": False},
+               "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}
+
 SCHEMES = {  # name -> (writer, quantization_config)
     "awq": (_awq, {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}),
     "gptq4": (_gptq(4, GROUP, True), {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
                                       "sym": False, "checkpoint_format": "gptq"}),
     "gptq8_v2_per_row": (_gptq(8, -1, False), {"quant_method": "gptq", "bits": 8, "group_size": -1,
                                                "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"}),
+    "fp8_tensor": (_fp8(False), _CT_FP8),
+    "fp8_row": (_fp8(True), {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                             "modules_to_not_convert": ["lm_head"]}),
 }
 
 
 def _write(src: Path, dst: Path, ref: Path, scheme: str) -> None:
     """``dst``: the model in the scheme's layout; ``ref``: the same model holding the dequantized weights (and
-    the logits head as pagedllm's quantized modes hold it: int8 groups of 32)."""
+    the logits head as pagedllm's int modes hold it: int8 groups of 32; FP8 leaves it float)."""
     from pagedllm.layers.quantization import Int8Linear
 
     writer, qc = SCHEMES[scheme]
@@ -92,6 +112,8 @@ def _write(src: Path, dst: Path, ref: Path, scheme: str) -> None:
             parts, deq[name] = writer(t.float())
             module = name.removesuffix(".weight")
             quant.update({f"{module}.{p}": v for p, v in parts.items()})
+        elif name == "lm_head.weight" and scheme.startswith("fp8"):  # FP8 checkpoints keep their head
+            quant[name] = deq[name] = t
         elif name == "lm_head.weight":
             quant[name] = t
             deq[name] = Int8Linear.from_float(t.float(), None).dequantized()[0].contiguous()
@@ -127,8 +149,11 @@ def test_pack_and_unpack_follow_the_nibble_order():
     assert packed[0, 0].item() == 0x75316420
 
 
-@pytest.mark.parametrize("scheme, kernel", [("awq", "Int4Linear"), ("gptq4", "Int4Linear"),
-                                            ("gptq8_v2_per_row", "Int8Linear")])
+KERNELS = [("awq", "Int4Linear"), ("gptq4", "Int4Linear"), ("gptq8_v2_per_row", "Int8Linear"),
+           ("fp8_tensor", "Fp8Linear"), ("fp8_row", "Fp8Linear")]
+
+
+@pytest.mark.parametrize("scheme, kernel", KERNELS)
 def test_blocks_hold_exactly_the_dequantized_weights(checkpoints, scheme, kernel):
     from pagedllm.layers import quantization
 
@@ -139,10 +164,11 @@ def test_blocks_hold_exactly_the_dequantized_weights(checkpoints, scheme, kernel
     _, blocks = reader.block(parts)
     w, _ = getattr(quantization, kernel)(*blocks, None).dequantized()
     assert torch.allclose(w, reader.dequantize(parts), rtol=0, atol=1e-6)
+    if kernel == "Fp8Linear":  # one byte a weight, held as the file has it
+        assert blocks[0].dtype == torch.float8_e4m3fn and torch.equal(blocks[0].view(torch.uint8), parts["weight"].view(torch.uint8))
 
 
-@pytest.mark.parametrize("scheme, kernel", [("awq", "Int4Linear"), ("gptq4", "Int4Linear"),
-                                            ("gptq8_v2_per_row", "Int8Linear")])
+@pytest.mark.parametrize("scheme, kernel", KERNELS)
 def test_a_quantized_checkpoint_runs_on_our_kernels_and_matches_its_dequantized_weights(checkpoints, scheme,
                                                                                           kernel):
     quant_dir, ref_dir = checkpoints[scheme]
@@ -176,3 +202,36 @@ def test_unsupported_awq_layouts_are_refused(awq_dirs, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="desc_act=True"):
         LLM(str(bad))
+
+
+def test_fp8_checkpoints_keep_one_byte_a_weight_and_bad_layouts_are_refused(checkpoints, tmp_path):
+    quant_dir, ref_dir = checkpoints["fp8_row"]
+    sizes = {}
+    for name, d in (("fp8", quant_dir), ("float", ref_dir)):
+        llm = LLM(str(d), max_model_len=128, num_gpu_blocks_override=16)
+        layers = llm.llm_engine.executor.worker.model.layers
+        sizes[name] = sum(t.numel() * t.element_size() for t in [*layers.parameters(), *layers.buffers()])
+    assert sizes["fp8"] < 0.3 * sizes["float"]  # 1 byte a weight (+ a scale a row) against 4
+    bad = tmp_path / "fp8"
+    shutil.copytree(quant_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    for qc, words in (({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+                      ({**_CT_FP8, "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
+                                                                      "strategy": "block"}}}}, "'block'"),
+                      ({**_CT_FP8, "format": "pack-quantized"}, "pack-quantized")):
+        config["quantization_config"] = qc
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedModelError, match=words):
+            LLM(str(bad))
+
+
+def test_fp8_quantization_of_a_float_model_rounds_each_row_to_e4m3(checkpoints):
+    from pagedllm.layers.quantization import Fp8Linear
+
+    _, ref_dir = checkpoints["fp8_row"]  # a float checkpoint: quantization="fp8" rounds it here
+    llm = LLM(str(ref_dir), quantization="fp8", max_model_len=128, num_gpu_blocks_override=16)
+    model = llm.llm_engine.executor.worker.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert not isinstance(model.lm_head, Fp8Linear)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -1,4 +1,4 @@
-"""Quantization for CPU inference: ``quantization="int8"``, ``"int4"`` (weight-only) and ``"w4a8"``.
+"""Quantization for CPU inference: ``quantization="int8"``, ``"int4"``, ``"fp8"`` (weight-only) and ``"w4a8"``.
 
 Decode on a CPU is bound by the bytes of weight each token reads, so storing
 weights in 8 or 4 bits is what makes single-stream decode fast. Activations stay
@@ -36,9 +36,15 @@ per tensor to 7 bits, which took SmolLM2's perplexity from 38.7 to 120.
   than an integer one (the per-group scales cost a float conversion and an FMA
   per 32 products either way). ``pagedllm bench accuracy`` states what it costs.
 
-The logits head is int8 in all modes (with int8 activations under ``w4a8``) (llama.cpp also keeps its output layer at
-6-8 bits). Embedding lookups stay in the model dtype: they read one row a token.
-Every quantized input size must be a multiple of 32.
+* ``fp8``: e4m3 weights with a float32 scale per output row (an FP8 checkpoint's own, or rounded here
+  from float weights: ``max|w| / 448`` a row), activations float32; each call widens the weight into
+  the shared buffer and runs the float32 GEMM. One byte a weight, and the float32 function of
+  those weights. The head stays as the checkpoint has it.
+
+The logits head is int8 in the int modes (with int8 activations under ``w4a8``) (llama.cpp also keeps its output layer at
+6-8 bits). Embedding lookups stay in the model dtype: they read one row a token, except that a tied
+head holding the embedding's own values (a GGUF's blocks) serves the lookups too.
+Every int-quantized input size must be a multiple of 32.
 """
 
 from __future__ import annotations
@@ -204,6 +210,54 @@ def widen_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) 
     return q.reshape(n, half * 2).contiguous(), scales, mins
 
 
+class Fp8Linear(nn.Module):
+    """y = x @ W.T + b with ``W[n, k] = weight[n, k] * scale[n]``, ``weight`` float8_e4m3fn."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.contiguous(), persistent=False)
+        self.register_buffer("scale", scale.float().reshape(-1, 1).contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Fp8Linear":
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return cls((w / scale).to(torch.float8_e4m3fn), scale, bias)
+
+    def _widened(self, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.weight).mul_(self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != torch.float32:
+            return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
+        w = self._widened(_scratch(self.out_features * self.in_features)[:self.out_features * self.in_features]
+                          .view(self.out_features, self.in_features))
+        return (onednn_linear if onednn_available() else F.linear)(x.contiguous(), w, self.bias)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._widened(torch.empty(self.out_features, self.in_features)), self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, a scale per row"
+
+
+def quantize_fp8(model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, checkpoint: bool) -> None:
+    """``fp8``: each projection with an FP8 block takes it as it is; without a checkpoint's blocks (a float
+    model quantized here), each is rounded per row. The logits head stays as it is."""
+    blocks = blocks or {}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name != "lm_head":
+                block = blocks.get(f"{name}.{child_name}" if name else child_name)
+                if block is not None and block[0] == "fp8" and block[1][0].shape[0] == child.weight.shape[0]:
+                    setattr(module, child_name, Fp8Linear(*block[1], child.bias))
+                elif not checkpoint:
+                    setattr(module, child_name, Fp8Linear.from_float(child.weight, child.bias))
+
+
 def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None) -> None:
     """Replace the model's projections (and its logits head) by quantized linears, in place.
 
@@ -280,7 +334,7 @@ def dequantize_model(model: nn.Module) -> None:
     """
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, (Int8Linear, Int4Linear)):
+            if isinstance(child, (Int8Linear, Int4Linear, Fp8Linear)):
                 w, b = child.dequantized()
                 lin = nn.Linear(child.in_features, child.out_features, bias=b is not None)
                 lin.weight.data.copy_(w)

@@ -374,6 +374,8 @@ def _slice_block(tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] |
     dim, start, length = part
     if dim == 0:
         return tuple(t.narrow(0, start, length) for t in tensors)
+    if tensors[1].dim() == 1:  # FP8: a scale per row, whatever the columns
+        return tensors[0].narrow(1, start, length), tensors[1]
     if start % 32 or length % 32:
         return None
     q, *per_group = tensors

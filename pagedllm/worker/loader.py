@@ -128,7 +128,7 @@ def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
 
 
 def _quantize(model: torch.nn.Module, source: Any, method: str, scheme: Any = None) -> None:
-    from pagedllm.layers.quantization import quantize_model
+    from pagedllm.layers.quantization import quantize_fp8, quantize_model
 
     blocks = None
     if source.kind == "gguf":  # take Q4 / Q8 blocks as they are: no second rounding
@@ -137,4 +137,7 @@ def _quantize(model: torch.nn.Module, source: Any, method: str, scheme: Any = No
         blocks = model.quantized_modules(gguf_quantized_blocks(source.path))
     elif scheme is not None:  # likewise an AWQ / GPTQ checkpoint's groups, kept when its weights were read
         blocks = model.quantized_modules(scheme.blocks)
-    quantize_model(model, method, blocks)
+    if method == "fp8":
+        quantize_fp8(model, blocks, checkpoint=scheme is not None and scheme.method == "fp8")
+    else:
+        quantize_model(model, method, blocks)
