@@ -19,7 +19,6 @@ refused with the reason.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,22 +53,11 @@ class FP8(ZeroPointCheckpoint):
                 "runs FP8 weights with per-tensor or per-row scales (compressed-tensors, fbgemm_fp8)")
         return cls()
 
-    def _modules(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
-        """Plain tensors as they come (float32), then each FP8 linear's weight and scales together."""
-        quantized: dict[str, dict[str, torch.Tensor]] = {}
-        for name, t in weights:
-            module, _, part = name.rpartition(".")
-            if t.dtype == torch.float8_e5m2:
-                raise UnsupportedModelError(f"FP8 checkpoint: {name} is e5m2; pagedllm runs e4m3 weights")
-            if (part == "weight" and t.dtype == torch.float8_e4m3fn) or part in ("weight_scale", "input_scale"):
-                quantized.setdefault(module, {})[part] = t
-            elif not name.endswith("rotary_emb.inv_freq"):
-                yield name, t.to(torch.float32)
-        for module, got in quantized.items():
-            if set(self.parts) - set(got):
-                raise UnsupportedModelError(f"FP8 checkpoint: {module} has {sorted(got)}, needs weight and "
-                                            "weight_scale")
-            yield module, got
+    def _is_quantized_part(self, name: str, part: str, t: torch.Tensor) -> bool:
+        if t.dtype == torch.float8_e5m2:
+            raise UnsupportedModelError(f"FP8 checkpoint: {name} is e5m2; pagedllm runs e4m3 weights")
+        # a float8 weight is quantized; a float one (the head, norms, embedding) is a plain tensor
+        return (part == "weight" and t.dtype == torch.float8_e4m3fn) or part in ("weight_scale", "input_scale")
 
     def _scale(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """One float32 scale per output row."""

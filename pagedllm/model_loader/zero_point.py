@@ -54,13 +54,17 @@ class ZeroPointCheckpoint:
             else:
                 yield name, value
 
+    def _is_quantized_part(self, name: str, part: str, t: torch.Tensor) -> bool:
+        """Is checkpoint tensor ``name`` (``module.part``) one of a quantized linear's tensors?"""
+        return part in self.parts or part in self.optional
+
     def _modules(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
         """Plain tensors as they come (float32), then each quantized linear's tensors together (packed weights
         are small: holding them all costs what the file does)."""
         quantized: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in weights:
             module, _, part = name.rpartition(".")
-            if part in self.parts or part in self.optional:
+            if self._is_quantized_part(name, part, t):
                 quantized.setdefault(module, {})[part] = t
             elif not name.endswith("rotary_emb.inv_freq"):
                 yield name, t.to(torch.float32)
