@@ -55,16 +55,25 @@ def _pack_gptq(v: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()
 
 
-def _gptq(bits: int, group: int, v1: bool):
+def _gptq(bits: int, group: int, v1: bool, act_order: bool = False):
     def write(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         k = w.shape[1]
         g = k if group == -1 else group
-        q, zeros, scales = _round(w, g, bits)
+        # act-order: the inputs are quantized in an order of their own (GPTQ: by the Hessian's diagonal), one
+        # order per input size here, as the linears sharing an input (q|k|v, gate|up) have it
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act_order else torch.arange(k)
+        q_sorted, zeros, scales = _round(w[:, order], g, bits)  # groups are runs of that order
         if v1:  # the original format keeps each zero point minus one: 0 must not occur
             zeros = zeros.clamp(min=1)
+        q = torch.empty_like(q_sorted)
+        q[order] = q_sorted  # q is [in, out]: back to the inputs' own order
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = (torch.arange(k) // g).to(torch.int32)
         stored = zeros - 1 if v1 else zeros
+        deq = torch.empty(w.shape)
+        deq[:, order] = _dequantized(q_sorted, zeros, scales)
         return ({"qweight": _pack_gptq(q, bits, 0), "qzeros": _pack_gptq(stored, bits, 1), "scales": scales,
-                 "g_idx": (torch.arange(k) // g).to(torch.int32)}, _dequantized(q, zeros, scales))
+                 "g_idx": g_idx}, deq)
     return write
 
 
@@ -91,6 +100,12 @@ SCHEMES = {  # name -> (writer, quantization_config)
                                       "sym": False, "checkpoint_format": "gptq"}),
     "gptq8_v2_per_row": (_gptq(8, -1, False), {"quant_method": "gptq", "bits": 8, "group_size": -1,
                                                "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"}),
+    "gptq4_act_order": (_gptq(4, 32, True, act_order=True), {  # groups smaller than every input size
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
+        "checkpoint_format": "gptq"}),
+    "gptq8_act_order": (_gptq(8, 64, False, act_order=True), {
+        "quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": True, "sym": False,
+        "checkpoint_format": "gptq_v2"}),
     "fp8_tensor": (_fp8(False), _CT_FP8),
     "fp8_row": (_fp8(True), {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
                              "modules_to_not_convert": ["lm_head"]}),
@@ -150,6 +165,7 @@ def test_pack_and_unpack_follow_the_nibble_order():
 
 
 KERNELS = [("awq", "Int4Linear"), ("gptq4", "Int4Linear"), ("gptq8_v2_per_row", "Int8Linear"),
+           ("gptq4_act_order", "InputPermuted"), ("gptq8_act_order", "InputPermuted"),
            ("fp8_tensor", "Fp8Linear"), ("fp8_row", "Fp8Linear")]
 
 
@@ -161,8 +177,18 @@ def test_blocks_hold_exactly_the_dequantized_weights(checkpoints, scheme, kernel
     prefix = "model.layers.1.mlp.down_proj."
     parts = {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}
     reader = checkpoint_scheme(type("Config", (), {"quantization_config": SCHEMES[scheme][1]})())
-    _, blocks = reader.block(parts)
-    w, _ = getattr(quantization, kernel)(*blocks, None).dequantized()
+    kind, blocks = reader.block(parts)
+    if kernel == "InputPermuted":  # groups in the order the inputs were quantized in; the layer gathers into it
+        *blocks, order = blocks
+        inner = getattr(quantization, f"Int{kind[3:]}Linear")(*blocks, None)
+        w_sorted, _ = inner.dequantized()
+        w = torch.empty_like(w_sorted)
+        w[:, order[0]] = w_sorted
+        x = torch.randn(3, w.shape[1])
+        layer = quantization.InputPermuted(inner, order[0])
+        assert torch.allclose(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    else:
+        w, _ = getattr(quantization, kernel)(*blocks, None).dequantized()
     assert torch.allclose(w, reader.dequantize(parts), rtol=0, atol=1e-6)
     if kernel == "Fp8Linear":  # one byte a weight, held as the file has it
         assert blocks[0].dtype == torch.float8_e4m3fn and torch.equal(blocks[0].view(torch.uint8), parts["weight"].view(torch.uint8))
@@ -198,9 +224,9 @@ def test_unsupported_awq_layouts_are_refused(awq_dirs, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="'bitsandbytes' is not supported"):
         LLM(str(bad))
-    config["quantization_config"] = {**SCHEMES["gptq4"][1], "desc_act": True}
+    config["quantization_config"] = {**SCHEMES["gptq4"][1], "group_size": 48}
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="desc_act=True"):
+    with pytest.raises(UnsupportedModelError, match="group_size=48"):
         LLM(str(bad))
 
 

@@ -318,12 +318,35 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block
             f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization")
     cls = Int8Linear if bits == "int8" else Int4Linear
     if _takes_block(weight, block):
-        kind, tensors = block
+        kind, (*tensors,) = block
+        order = tensors.pop() if len(tensors) == 4 else None  # an act-order linear's input order, a row a shard
+        layer = None
         if kind == bits:
-            return cls(*tensors, bias, int8_activations)
-        if kind == "int4" and bits == "int8":
-            return Int8Linear(*widen_int4(*tensors), bias, int8_activations)
+            layer = cls(*tensors, bias, int8_activations)
+        elif kind == "int4" and bits == "int8":
+            layer = Int8Linear(*widen_int4(*tensors), bias, int8_activations)
+        if layer is not None and order is not None:
+            if not (order == order[0]).all():
+                raise InvalidParameterError(f"{name}: its act-order shards take their inputs in different orders, "
+                                            "so they cannot run as one fused linear", "quantization")
+            layer = InputPermuted(layer, order[0])
+        if layer is not None:
+            return layer
     return cls.from_float(weight, bias, int8_activations)
+
+
+class InputPermuted(nn.Module):
+    """An act-order linear (GPTQ ``desc_act``): its groups run over the inputs in ``order``, so each input
+    row is gathered into that order first (exllama's shuffle); ``inner`` holds the columns in that order."""
+
+    def __init__(self, inner: nn.Module, order: torch.Tensor):
+        super().__init__()
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.register_buffer("order", order.long().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.index_select(-1, self.order))
 
 
 def dequantize_model(model: nn.Module) -> None:

@@ -32,16 +32,30 @@ class ZeroPointCheckpoint:
         """(q [N, K], zeros [N, G], scales [N, G], group) of one linear."""
         raise NotImplementedError
 
+    def input_order(self, t: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Where a linear's groups run over its inputs in another order (GPTQ's act-order): the inputs in
+        group order (``unpack`` gives q's columns in that order); None where they run in order."""
+        return None
+
     def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """float32 [out, in]."""
         q, z, s, group = self.unpack(t)
-        return ((q.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
-                ).contiguous()
+        w = (q.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
+        order = self.input_order(t)
+        if order is None:
+            return w.contiguous()
+        out = torch.empty_like(w)
+        out[:, order] = w
+        return out
 
     def block(self, t: dict[str, torch.Tensor]) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """int4 / int8 groups (:func:`~pagedllm.layers.quantization.zero_point_blocks`); an act-order linear's
+        input order rides along as a fourth tensor, [1, in], so fused shards keep one row each."""
         from pagedllm.layers.quantization import zero_point_blocks
 
-        return zero_point_blocks(*self.unpack(t), self.bits)
+        kind, tensors = zero_point_blocks(*self.unpack(t), self.bits)
+        order = self.input_order(t)
+        return kind, tensors if order is None else (*tensors, order[None, :])
 
     def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint as float32 weights by transformers' names, quantized linears dequantized; their

@@ -372,6 +372,8 @@ def _slice_block(tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] |
     if part == "rank0":
         return None
     dim, start, length = part
+    if len(tensors) == 4:  # act-order: its input order spans every rank's columns
+        return None
     if dim == 0:
         return tuple(t.narrow(0, start, length) for t in tensors)
     if tensors[1].dim() == 1:  # FP8: a scale per row, whatever the columns

@@ -61,6 +61,11 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     # load_weights overwrites every parameter (or raises): skip random initialisation where it says so
     skip_init = getattr(model_cls, "checkpoint_sets_every_parameter", False)
     sharded = parallel is not None and parallel.world_size > 1
+    if sharded and getattr(scheme, "act_order", False):
+        from pagedllm.errors import InvalidParameterError
+
+        raise InvalidParameterError("GPTQ act-order (desc_act) checkpoints do not run under tensor or pipeline "
+                                    "parallelism yet", "tensor_parallel_size")
     if sharded and not getattr(model_cls, "supports_parallel", False):
         from pagedllm.errors import InvalidParameterError
 
