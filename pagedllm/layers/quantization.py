@@ -278,9 +278,11 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
                 setattr(module, child_name, layer)
     tied = model.lm_head is None
     head = model.embed_tokens.weight if tied else model.lm_head.weight
-    model.lm_head = _quantized(head, None, "int8", blocks.get("lm_head"), "lm_head", a8)
+    block = blocks.get("lm_head")
+    model.lm_head = _quantized(head, None, "int8", block, "lm_head", a8)
     ps = getattr(model, "ps", None)
-    if tied and _takes_block(head, blocks.get("lm_head")) and (ps is None or ps.world_size == 1):
+    if (tied and _takes_block(head, block) and block[0] in ("int4", "int8") and type(model.lm_head) is Int8Linear
+            and (ps is None or ps.world_size == 1)):
         # the head holds the embedding's own values: look rows up there, and drop the float32 table
         model.embed_tokens = QuantizedEmbedding(model.lm_head)
 
