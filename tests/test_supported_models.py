@@ -60,3 +60,22 @@ def test_the_pooling_row_runs_the_real_embedding_model():
     llm = LLM(str(Path(spec.submodule_search_locations[0]) / "model"))
     vec = torch.tensor(llm.embed(["A supported model."])[0].outputs.embedding)
     assert vec.shape == (384,) and abs(vec.norm().item() - 1) < 1e-5
+
+
+def test_each_family_checks_its_mlp_activation():
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from pagedllm.errors import UnsupportedModelError
+    from pagedllm.models.gemma3 import Gemma3ForCausalLM
+    from pagedllm.models.llama import LlamaForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu' is not supported; only silu"):
+        LlamaForCausalLM(LlamaConfig(**small, hidden_act="gelu"))
+    gemma = Gemma3TextConfig(**small)
+    gemma.hidden_act = "gelu_pytorch_tanh"  # some configs name it twice
+    Gemma3ForCausalLM(gemma)
+    gemma.hidden_act = "silu"
+    with pytest.raises(UnsupportedModelError, match="only gelu_pytorch_tanh, gelu_tanh"):
+        Gemma3ForCausalLM(gemma)

@@ -29,11 +29,11 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.models.llama import IntermediateTensors, LlamaAttention, LlamaForCausalLM, LlamaMLP, _materialize
 
-_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
-
 
 class Gemma3MLP(LlamaMLP):
     """gate|up column-parallel, down row-parallel, as Llama's; ``gelu(gate, tanh) * up``."""
+
+    activations = ("gelu_pytorch_tanh", "gelu_tanh")
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -71,9 +71,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Any, parallel: ParallelState | None = None):
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModelError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported")
-        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
-        if act not in _GELU_TANH:
-            raise UnsupportedModelError(f"Gemma 3 hidden_activation {act!r} is not supported; only {_GELU_TANH}")
         super().__init__(cfg, parallel)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary_local = RotaryEmbedding(head_dim, cfg.max_position_embeddings, self._local_rope_parameters(cfg))

@@ -70,11 +70,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism."""
 
+    activations = ("silu",)  # the config's hidden_act values this block computes
+
     def __init__(self, cfg: Any, ps: ParallelState | None = None, intermediate_size: int | None = None):
         super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu'")
+        act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None) or self.activations[0]
+        if act not in self.activations:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only {', '.join(self.activations)}")
         bias = getattr(cfg, "mlp_bias", False)
         self.ps = ps or ParallelState()
         self.intermediate = (intermediate_size or cfg.intermediate_size) // self.ps.tp_size
