@@ -248,14 +248,19 @@ def quantize_fp8(model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, 
     """``fp8``: each projection with an FP8 block takes it as it is; without a checkpoint's blocks (a float
     model quantized here), each is rounded per row. The logits head stays as it is."""
     blocks = blocks or {}
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child_name != "lm_head":
-                block = blocks.get(f"{name}.{child_name}" if name else child_name)
-                if block is not None and block[0] == "fp8" and block[1][0].shape[0] == child.weight.shape[0]:
-                    setattr(module, child_name, Fp8Linear(*block[1], child.bias))
-                elif not checkpoint:
-                    setattr(module, child_name, Fp8Linear.from_float(child.weight, child.bias))
+    for module, child_name, child, full in _projections(model):
+        block = blocks.get(full)
+        if _takes_block(child.weight, block) and block[0] == "fp8":
+            setattr(module, child_name, Fp8Linear(*block[1], child.bias))
+        elif not checkpoint:
+            setattr(module, child_name, Fp8Linear.from_float(child.weight, child.bias))
+
+
+def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
+    """Every float ``nn.Linear`` but the logits head, as ``(parent, its name there, the linear, full name)``."""
+    return [(module, child_name, child, f"{name}.{child_name}" if name else child_name)
+            for name, module in model.named_modules() for child_name, child in module.named_children()
+            if isinstance(child, nn.Linear) and child_name != "lm_head"]
 
 
 def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None) -> None:
@@ -269,13 +274,9 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
     """
     blocks = blocks or {}
     a8 = method == "w4a8"
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child_name != "lm_head":
-                full = f"{name}.{child_name}" if name else child_name
-                layer = _quantized(child.weight, child.bias, "int8" if method == "int8" else "int4",
-                                   blocks.get(full), full, a8)
-                setattr(module, child_name, layer)
+    for module, child_name, child, full in _projections(model):
+        layer = _quantized(child.weight, child.bias, "int8" if method == "int8" else "int4", blocks.get(full), full, a8)
+        setattr(module, child_name, layer)
     tied = model.lm_head is None
     head = model.embed_tokens.weight if tied else model.lm_head.weight
     block = blocks.get("lm_head")
@@ -322,18 +323,15 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block
     if _takes_block(weight, block):
         kind, (*tensors,) = block
         order = tensors.pop() if len(tensors) == 4 else None  # an act-order linear's input order, a row a shard
-        layer = None
-        if kind == bits:
-            layer = cls(*tensors, bias, int8_activations)
-        elif kind == "int4" and bits == "int8":
-            layer = Int8Linear(*widen_int4(*tensors), bias, int8_activations)
-        if layer is not None and order is not None:
+        if kind == bits or (kind == "int4" and bits == "int8"):
+            layer = cls(*tensors, bias, int8_activations) if kind == bits else \
+                Int8Linear(*widen_int4(*tensors), bias, int8_activations)
+            if order is None:
+                return layer
             if not (order == order[0]).all():
                 raise InvalidParameterError(f"{name}: its act-order shards take their inputs in different orders, "
                                             "so they cannot run as one fused linear", "quantization")
-            layer = InputPermuted(layer, order[0])
-        if layer is not None:
-            return layer
+            return InputPermuted(layer, order[0])
     return cls.from_float(weight, bias, int8_activations)
 
 
