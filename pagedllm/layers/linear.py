@@ -12,9 +12,26 @@ linear``). It computes the same products in another summation order.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
+
+# Primitives each of oneDNN's and ideep's caches may hold. oneDNN makes a primitive per (weight shape,
+# row count), and an engine's flattened batches take hundreds of row counts, so torch's default of 1024
+# entries per cache, at 0.3-0.6 MiB an entry for SmolLM2's shapes, lets a server's RSS grow for hours:
+# the 30-minute soak grew ~14 MiB a minute through them and the heap fragmented around them. 128 holds
+# the row counts of steady decode (a miss costs ~0.3 ms, which the 25+ ms step hardly sees).
+ONEDNN_CACHE_CAPACITY = 128
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and the LRU cache of ideep,
+    torch's oneDNN layer (``LRU_CACHE_CAPACITY``), at ``capacity`` entries each. Both are read once, at
+    the process's first oneDNN primitive, so this runs before the model is built; an operator's own
+    value of either variable is kept."""
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(capacity))
 
 
 @functools.cache

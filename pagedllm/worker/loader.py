@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -55,6 +56,10 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
 
         check_quantization_supported(quantization, device)
 
+    if device.type == "cpu":
+        from pagedllm.layers.linear import bound_onednn_caches
+
+        bound_onednn_caches()
     t0 = time.perf_counter()
     model_cls = ModelRegistry.resolve_for_config(hf_config)
     logger.info("loading weights (%s, %s)", model_cls.__name__, device)
@@ -95,7 +100,19 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
         stages["weights"], stages["pack"] = t1 - t0, t2 - t1
     logger.info("loaded %s (%.1fM params, %s%s, %s) in %.1fs", model_cls.__name__, n_params / 1e6, dtype,
                 f", weights {quantization}" if quantization else "", device, t2 - t0)
+    trim_heap()
     return model
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). Loading
+    frees its temporaries (dequantized GGUF tensors, float32 weights before packing or quantizing) in
+    pieces that glibc keeps for reuse: 0.27 GiB of a SmolLM2 server's 2.3 GiB RSS after start-up."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 @contextlib.contextmanager
