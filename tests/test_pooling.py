@@ -141,3 +141,15 @@ def test_embeddings_score_and_rerank_over_http(minilm_dir, minilm):
         assert rerank["results"][0]["relevance_score"] > rerank["results"][1]["relevance_score"]
     finally:
         assert s.stop() == 0
+
+
+def test_bench_embed_times_both_sides_in_turns(minilm_dir):
+    from pagedllm.benchmarks.embed import run
+
+    r = run(minilm_dir, 12, seed=0, repeats=2)
+    assert len(r["pagedllm_runs_s"]) == len(r["sentence_transformers_runs_s"]) == 2
+    assert r["pagedllm_s"] == pytest.approx(sum(r["pagedllm_runs_s"]) / 2)  # the median of two
+    assert r["ratio"] == pytest.approx(r["sentence_transformers_s"] / r["pagedllm_s"])
+    assert r["min_cosine"] > 0.99999
+    with pytest.raises(SystemExit, match="--repeats must be at least 1"):
+        run(minilm_dir, 12, seed=0, repeats=0)
