@@ -21,6 +21,7 @@ from pagedllm.layers.linear import ONEDNN_CACHE_CAPACITY, onednn_available
 _CHILD = r"""
 import ctypes, json, os, sys
 import torch
+from pagedllm.benchmarks.soak import proc_stats
 from pagedllm.layers.linear import PackedLinear, bound_onednn_caches
 
 class MallInfo(ctypes.Structure):
@@ -31,8 +32,7 @@ libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo
 
 def rss_mib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    return proc_stats(os.getpid())["rss_mib"]
 
 def heap_mib():  # bytes malloc holds for live allocations, free ones excluded
     return libc.mallinfo2().uordblks / 2**20
