@@ -183,6 +183,31 @@ def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, na
     assert fused.steps == steps
 
 
+def _six_bit_per_16(lin: torch.nn.Module) -> torch.nn.Module:
+    """An int8 linear in GGUF's Q6_K layout (-32..31, a scale per 16 weights) holding ``lin``'s weights."""
+    from pagedllm.layers.quantization import Int8Linear
+
+    w, bias = lin.dequantized()
+    n, k = w.shape
+    g = w.view(n, k // 16, 16)
+    s = g.abs().amax(-1) / 31
+    q = torch.round(g / torch.where(s > 0, s, 1)[..., None]).clamp(-32, 31).to(torch.int8).view(n, k)
+    return Int8Linear(q, s, torch.zeros(n, k // 32), bias)
+
+
+def test_fused_decode_loop_runs_a_scale_per_16_bit_for_bit(tiny_model_factory):
+    """Down projections with a scale per 16 (a Q6_K tensor kept as it is) run in the C loop too, with the
+    Python loop's very tokens and logprobs."""
+    model = str(tiny_model_factory("llama"))
+    llms = [LLM(model=model, num_gpu_blocks_override=64, quantization="int8", enforce_eager=eager)
+            for eager in (True, False)]
+    for llm in llms:
+        for layer in llm.llm_engine.core.runner.model.layers:
+            layer.mlp.down_proj = _six_bit_per_16(layer.mlp.down_proj)
+    assert _greedy_varied(llms[1]) == _greedy_varied(llms[0])
+    assert llms[1].llm_engine.core.runner.model.fused_decode.steps >= 20
+
+
 @pytest.mark.parametrize("name", ["qwen3", "mixtral"])  # q/k norms; MoE blocks
 def test_fused_decode_loop_leaves_other_models_to_python(tiny_model_factory, name):
     llm = LLM(model=str(tiny_model_factory(name)), num_gpu_blocks_override=64, quantization="int4")

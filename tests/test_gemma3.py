@@ -108,8 +108,8 @@ def test_gemma3_gguf_chats_in_gemma_turns_and_ends_a_turn_at_end_of_turn(referen
 
 
 def test_gemma3_gguf_under_int8_keeps_the_files_blocks(gemma_gguf):
-    """Q5_0 / Q8_0 (int8) and Q4_K (int4, widened exactly) projections run as the file stores them; only
-    Q6_K's groups of 16 are rounded again. Greedy tokens equal those of the same weights in float32."""
+    """Q5_0 / Q8_0 (int8), Q4_K (int4, widened exactly) and Q6_K (int8 with a scale per 16) projections run
+    as the file stores them. Greedy tokens equal those of the same weights in float32."""
     from pagedllm.layers.quantization import Int8Linear, QuantizedEmbedding, dequantize_model
     from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks, iter_gguf_weights
 
@@ -118,13 +118,19 @@ def test_gemma3_gguf_under_int8_keeps_the_files_blocks(gemma_gguf):
     blocks = gguf_quantized_blocks(gemma_gguf)
     kinds = {name.split(".")[-2]: kind for name, (kind, _) in blocks.items() if ".layers.0." in name}
     assert kinds == {"q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int4", "gate_proj": "int8",
-                     "up_proj": "int8"}  # layer 0's down_proj is Q6_K
-    assert len(blocks) == 18 * 7 - 9 + 1  # all but the nine Q6_K down projections, and the Q8_0 embedding
-    o = net.layers[0].self_attn.o_proj
-    assert isinstance(o, Int8Linear)
+                     "up_proj": "int8", "down_proj": "int8"}  # layer 0's down_proj is Q6_K
+    assert len(blocks) == 18 * 7 + 1  # every projection, and the Q8_0 embedding
+    o, down = net.layers[0].self_attn.o_proj, net.layers[0].mlp.down_proj
+    assert isinstance(o, Int8Linear) and isinstance(down, Int8Linear) and down.scales_per_group == 2
     wanted = ("model.layers.0.self_attn.o_proj.weight", "model.embed_tokens.weight")
     weights = dict(w for w in iter_gguf_weights(gemma_gguf) if w[0] in wanted)
     assert torch.equal(o.dequantized()[0], weights[wanted[0]])  # the file's values
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    q6k = next(t for t in GGUFReader(gemma_gguf).tensors if t.name == "blk.0.ffn_down.weight")
+    assert q6k.tensor_type.name == "Q6_K"
+    assert torch.equal(down.dequantized()[0], torch.from_numpy(dequantize(q6k.data, q6k.tensor_type)))  # gguf's own
     # the tied head's int8 rows are the embedding too: no float32 table is kept beside them
     assert isinstance(net.embed_tokens, QuantizedEmbedding)
     ids = torch.tensor([[2, 105, 262143], [0, 9259, 1]])

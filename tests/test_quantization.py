@@ -50,6 +50,35 @@ def test_quantized_linear_matches_its_dequantized_reference(shape, cls, levels):
     assert lin(x3).shape == (2, 3, shape[0])
 
 
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, SMALL_BATCH + 1, 65])
+@pytest.mark.parametrize("k", [32, 96, 640])  # one group; an odd number of groups; Gemma 3's width
+def test_int8_with_a_scale_per_16_matches_its_reference(rows, k):
+    """GGUF's Q6_K layout: int8 (-32..31) with its own scale per 16 weights (each half of a group of 32),
+    mins per 32. The kernel (few rows), the unpack + BLAS path (more) and the dequantized weights all compute
+    ``q * scale`` per 16; a NaN input row gives NaN, the others stay finite."""
+    g = torch.Generator().manual_seed(k + rows)
+    n = 37
+    q = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+    scales, mins = torch.randn(n, k // 16, generator=g) / 16, torch.randn(n, k // 32, generator=g)  # ~unit weights
+    w = (q.float().view(n, k // 16, 16) * scales[..., None]).view(n, k // 32, 32).add(mins[..., None]).view(n, k)
+    lin = Int8Linear(q, scales, mins, None)
+    assert lin.scales_per_group == 2 and "group 16" in repr(lin)
+    torch.testing.assert_close(lin.dequantized()[0], w, rtol=1e-6, atol=1e-6)  # q * scale + min may be one FMA
+    exact = Int8Linear(q, scales, torch.zeros_like(mins), None)  # Q6_K has no mins: its very values
+    assert torch.equal(exact.dequantized()[0], (q.float().view(n, k // 16, 16) * scales[..., None]).view(n, k))
+    x = torch.randn(rows, k, generator=g)
+    if rows:
+        x[rows // 2, k - 1] = float("nan")  # in the last group of a row
+    y = lin(x)
+    assert y.shape == (rows, n)
+    nan_rows = torch.isnan(y).any(-1)
+    assert nan_rows.tolist() == [i == rows // 2 for i in range(rows)] and torch.isnan(y[nan_rows]).all()
+    finite = ~nan_rows
+    torch.testing.assert_close(y[finite], x[finite] @ w.t(), rtol=1e-5, atol=5e-4)  # sums of ~K unit terms
+    with pytest.raises(ValueError, match="scale per 16"):
+        Int8Linear(q, scales, mins, None, int8_activations=True)
+
+
 def _round_q8(x: torch.Tensor) -> torch.Tensor:
     """GGUF's Q8_0 rounding of activations in torch: per group of 32, scale max|x| / 127, round to nearest."""
     g = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
@@ -169,6 +198,25 @@ def test_gguf_blocks_load_exactly():
         kind, tensors = blocks[name]
         w = k.int4_dequantize(*tensors) if kind == "int4" else k.int8_dequantize(*tensors)
         assert torch.equal(w, ref[name]), name
+
+
+def test_gguf_blocks_are_taken_without_a_float32_copy(monkeypatch):
+    """Under int4 / int8 / w4a8 every layer of SmolLM2's file that takes its Q4_1 / Q8_0 blocks gets them
+    before any weight is read: none of them (nor the tied embedding) is widened to float32 on the way."""
+    from pagedllm.layers.quantization import Int4Linear, Int8Linear, QuantizedEmbedding
+    from pagedllm.model_loader import gguf_loader, load_config, resolve_model
+    from pagedllm.worker.loader import load_model
+
+    widened = []
+    real = gguf_loader._widen
+    monkeypatch.setattr(gguf_loader, "_widen", lambda *a: widened.append(1) or real(*a))
+    src = resolve_model(None)
+    for method, cls in (("int4", Int4Linear), ("int8", Int8Linear)):
+        model = load_model(src, load_config(src), torch.float32, torch.device("cpu"), quantization=method)
+        assert type(model.layers[3].mlp.gate_up_proj) is cls and isinstance(model.embed_tokens, QuantizedEmbedding)
+        assert widened == [], method
+    load_model(src, load_config(src), torch.float32, torch.device("cpu"))  # float32: every tensor widened
+    assert len(widened) == 30 * 7 + 1
 
 
 def _random_decode_batch(seed: int, nd: int, heads: int, kv_heads: int, head_dim: int, block_size: int):

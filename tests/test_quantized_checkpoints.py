@@ -212,6 +212,30 @@ def test_a_quantized_checkpoint_runs_on_our_kernels_and_matches_its_dequantized_
                        names=("transformers on the dequantized weights", f"pagedllm on {scheme}"))
 
 
+@pytest.mark.parametrize("scheme, kernel", [("awq", "Int4Linear"), ("gptq8_act_order", "InputPermuted"),
+                                            ("fp8_tensor", "Fp8Linear")])
+def test_quantized_layers_are_built_from_their_blocks_without_a_float32_copy(checkpoints, monkeypatch, scheme,
+                                                                             kernel):
+    """The layers that take their checkpoint blocks get them before any weight is read, so their float32
+    weights are never made: no linear is dequantized while loading (that float32 copy of every projection
+    set the load's peak memory)."""
+    from pagedllm.model_loader import fp8, load_config, resolve_model, zero_point
+    from pagedllm.worker.loader import load_model
+
+    dequantized = []
+    for cls in (zero_point.ZeroPointCheckpoint, fp8.FP8):
+        real = cls.dequantize
+        monkeypatch.setattr(cls, "dequantize", lambda self, t, real=real: dequantized.append(1) or real(self, t))
+    src = resolve_model(str(checkpoints[scheme][0]))
+    model = load_model(src, load_config(src), torch.float32, torch.device("cpu"))
+    assert {type(model.layers[i].mlp.down_proj).__name__ for i in range(len(model.layers))} == {kernel}
+    assert dequantized == []
+    # a layer that cannot take its block (int8 groups under int4) is still read as float32 and rounded
+    if scheme == "gptq8_act_order":
+        load_model(src, load_config(src), torch.float32, torch.device("cpu"), quantization="int4")
+        assert len(dequantized) == 7 * len(model.layers)
+
+
 def test_unsupported_awq_layouts_are_refused(awq_dirs, tmp_path):
     bad = tmp_path / "gemv"
     shutil.copytree(awq_dirs[0], bad)

@@ -53,6 +53,7 @@ class Kernels:
         self._dequant = lib.int4_dequantize
         self._matmul8 = lib.int8_matmul
         self._dequant8 = lib.int8_dequantize
+        self._matmul8_g16, self._dequant8_g16 = lib.int8_matmul_g16, lib.int8_dequantize_g16
         self._matmul_a8, self._matmul8_a8 = lib.int4_matmul_a8, lib.int8_matmul_a8
         self._quantize_q8 = lib.quantize_activations_q8
         self._quantize_q8.argtypes = [p, p, p, p, i64, i64]
@@ -65,7 +66,8 @@ class Kernels:
         self._dequant.argtypes = [p, p, p, p, i64, i64]
         self._matmul8.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._matmul_a8.argtypes = self._matmul8_a8.argtypes = [p, p, p, p, p, i64, i64, i64]
-        self._dequant8.argtypes = [p, p, p, p, i64, i64]
+        self._dequant8.argtypes = self._dequant8_g16.argtypes = [p, p, p, p, i64, i64]
+        self._matmul8_g16.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                                ctypes.c_int, p]
         self._f32_matmul = lib.f32_matmul
@@ -76,7 +78,8 @@ class Kernels:
                                         i64, p, i64, ctypes.c_float]
         self._decode_layers.restype = ctypes.c_int
         for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn, self._norm,
-                   self._silu_mul, self._rotary, self._matmul_a8, self._matmul8_a8, self._quantize_q8):
+                   self._silu_mul, self._rotary, self._matmul_a8, self._matmul8_a8, self._quantize_q8,
+                   self._matmul8_g16, self._dequant8_g16):
             fn.restype = None
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -137,6 +140,11 @@ class Kernels:
         """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
         return self._quant_matmul(self._matmul8, x, qweight, scales, mins)
 
+    def int8_matmul_g16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        mins: torch.Tensor) -> torch.Tensor:
+        """As int8_matmul with a scale per 16 weights (GGUF's Q6_K): scales [N, K/16], mins [N, K/32]."""
+        return self._quant_matmul(self._matmul8_g16, x, qweight, scales, mins)
+
     def f32_matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 contiguous @ W^T with W [n, K] as ``f32_panels(W)``, for a decode step's few rows;
         each element summed in oneDNN's order (see quant_matmul.c)."""
@@ -191,6 +199,10 @@ class Kernels:
     def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         return self._quant_dequantize(self._dequant8, qweight, scales, mins, qweight.shape[1], out)
+
+    def int8_dequantize_g16(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._quant_dequantize(self._dequant8_g16, qweight, scales, mins, qweight.shape[1], out)
 
     @staticmethod
     def _quant_dequantize(fn, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int,

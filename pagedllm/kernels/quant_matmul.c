@@ -11,6 +11,7 @@
  * packed as 16 bytes: byte j holds element j (low nibble) and j + 16 (high).
  * int8 layout: W[n, k] = q[n, k] * scale[n, g] + min[n, g] with g = k / 32, q in
  * -128..127: GGUF's Q8_0 is min = 0, and Q4_0 / Q4_1 widen into it exactly.
+ * int8 with a scale per 16 (the *_g16 entry points, GGUF's Q6_K): scale[n, k / 16], min[n, k / 32].
  *
  * Rows n are split across OpenMP threads; the library is linked against the
  * libgomp PyTorch already loaded, so both share one thread pool.
@@ -101,19 +102,41 @@ static inline __m256 group_dot(const __m256 w[4], const float *xg) {
 }
 #endif
 
-/* y[m, n] = sum_g scale[n, g] * (q_g . x_g) + min[n, g] * sum(x_g), for 4- or 8-bit q */
-static inline void quant_matmul(int bits, const float *x, const uint8_t *qw, const float *scales,
+#ifdef __AVX2__
+/* q_h . x_h for half h (elements 16h .. 16h + 15) of one unpacked group: a weight with a scale per 16 */
+static inline __m256 half_dot(const __m256 w[4], const float *xg, int h) {
+    return _mm256_fmadd_ps(w[2 * h + 1], _mm256_loadu_ps(xg + 16 * h + 8), _mm256_mul_ps(w[2 * h], _mm256_loadu_ps(xg + 16 * h)));
+}
+#endif
+
+/* y[m, n] = sum_g scale[n, g] * (q_g . x_g) + min[n, g] * sum(x_g), for 4- or 8-bit q; with sg = 2
+ * scales per group (int8 only), each half of a group takes its own */
+static inline void quant_matmul(int bits, int sg, const float *x, const uint8_t *qw, const float *scales,
                                 const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
     float *xsum = group_sums(x, M, K);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const float *sc = scales + n * G, *mn = mins + n * G;
+        const float *sc = scales + n * G * sg, *mn = mins + n * G;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {  /* up to 4 rows of x share each unpacked group */
             const int64_t mc = M - m0 < 4 ? M - m0 : 4;
             float dot[4] = {0.f, 0.f, 0.f, 0.f};
 #ifdef __AVX2__
-            if (mc == 1) {  /* one row (single-stream decode): two sums in registers, even and odd groups */
+            if (sg == 2) {  /* two sums a row of x, one per half of a group */
+                __m256 acc[4][2];
+                for (int64_t i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+                for (int64_t g = 0; g < G; g++) {
+                    __m256 w[4];
+                    unpack_group(qw, bits, n, g, K, w);
+                    const __m256 s0 = _mm256_set1_ps(sc[2 * g]), s1 = _mm256_set1_ps(sc[2 * g + 1]);
+                    for (int64_t i = 0; i < mc; i++) {
+                        const float *xg = x + (m0 + i) * K + g * GROUP;
+                        acc[i][0] = _mm256_fmadd_ps(half_dot(w, xg, 0), s0, acc[i][0]);
+                        acc[i][1] = _mm256_fmadd_ps(half_dot(w, xg, 1), s1, acc[i][1]);
+                    }
+                }
+                for (int64_t i = 0; i < mc; i++) dot[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+            } else if (mc == 1) {  /* one row (single-stream decode): two sums in registers, even and odd groups */
                 const float *xr = x + m0 * K;
                 __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), w[4];
                 int64_t g = 0;
@@ -145,9 +168,9 @@ static inline void quant_matmul(int bits, const float *x, const uint8_t *qw, con
                 unpack_group(qw, bits, n, g, K, w);
                 for (int64_t i = 0; i < mc; i++) {
                     const float *xg = x + (m0 + i) * K + g * GROUP;
-                    float d = 0.f;
-                    for (int j = 0; j < GROUP; j++) d += w[j] * xg[j];
-                    dot[i] += d * sc[g];
+                    float d[2] = {0.f, 0.f};
+                    for (int j = 0; j < GROUP; j++) d[sg == 2 && j >= 16] += w[j] * xg[j];
+                    dot[i] += sg == 2 ? d[0] * sc[2 * g] + d[1] * sc[2 * g + 1] : d[0] * sc[g];
                 }
             }
 #endif
@@ -161,42 +184,53 @@ static inline void quant_matmul(int bits, const float *x, const uint8_t *qw, con
 
 void int4_matmul(const float *x, const uint8_t *qw, const float *scales, const float *mins,
                  float *y, int64_t M, int64_t N, int64_t K) {
-    quant_matmul(4, x, qw, scales, mins, y, M, N, K);
+    quant_matmul(4, 1, x, qw, scales, mins, y, M, N, K);
 }
 
 void int8_matmul(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
                  int64_t M, int64_t N, int64_t K) {
-    quant_matmul(8, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
+    quant_matmul(8, 1, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
 }
 
-/* W as float32 [N, K]: q * scale + min, multiplied then added (not fused), as GGUF's reference does */
-static inline void quant_dequantize(int bits, const uint8_t *qw, const float *scales, const float *mins, float *w,
-                                    int64_t N, int64_t K) {
+void int8_matmul_g16(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
+                     int64_t M, int64_t N, int64_t K) {
+    quant_matmul(8, 2, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
+}
+
+/* W as float32 [N, K]: q * scale + min, multiplied then added (not fused), as GGUF's reference does
+ * (sg scales per group: 2, each half of a group its own) */
+static inline void quant_dequantize(int bits, int sg, const uint8_t *qw, const float *scales, const float *mins,
+                                    float *w, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t g = 0; g < G; g++) {
-            const float s = scales[n * G + g], mn = mins[n * G + g];
+            const float *s = scales + (n * G + g) * sg, mn = mins[n * G + g];
             float *o = w + n * K + g * GROUP;
 #ifdef __AVX2__
             __m256 q[4];
             unpack_group(qw, bits, n, g, K, q);
             for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(q[i], _mm256_set1_ps(s)), _mm256_set1_ps(mn)));
+                _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(q[i], _mm256_set1_ps(s[sg == 2 ? i / 2 : 0])),
+                                                          _mm256_set1_ps(mn)));
 #else
             float q[GROUP];
             unpack_group(qw, bits, n, g, K, q);
-            for (int j = 0; j < GROUP; j++) o[j] = q[j] * s + mn;
+            for (int j = 0; j < GROUP; j++) o[j] = q[j] * s[sg == 2 ? j / 16 : 0] + mn;
 #endif
         }
 }
 
 void int4_dequantize(const uint8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
-    quant_dequantize(4, qw, scales, mins, w, N, K);
+    quant_dequantize(4, 1, qw, scales, mins, w, N, K);
 }
 
 void int8_dequantize(const int8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
-    quant_dequantize(8, (const uint8_t *)qw, scales, mins, w, N, K);
+    quant_dequantize(8, 1, (const uint8_t *)qw, scales, mins, w, N, K);
+}
+
+void int8_dequantize_g16(const int8_t *qw, const float *scales, const float *mins, float *w, int64_t N, int64_t K) {
+    quant_dequantize(8, 2, (const uint8_t *)qw, scales, mins, w, N, K);
 }
 
 /* ---- int8 activations (quantization "w4a8") ----------------------------------------------------

@@ -91,7 +91,8 @@ def _scratch(numel: int) -> torch.Tensor:
 
 
 class _QuantLinear(nn.Module):
-    """Shared by the int8 and int4 linears: q [N, K * bits / 8], scales and mins [N, K/32], optional bias."""
+    """Shared by the int8 and int4 linears: q [N, K * bits / 8], scales and mins [N, K/32], optional bias.
+    int8 weights may carry a scale per 16 instead (scales [N, K/16], GGUF's Q6_K), with float32 activations."""
 
     bits: int
 
@@ -109,8 +110,13 @@ class _QuantLinear(nn.Module):
         self.register_buffer("mins", mins.float().contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.int8_activations = int8_activations
-        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul{'_a8' if int8_activations else ''}")
-        self._dequantize = getattr(self._kernels, f"int{self.bits}_dequantize")
+        self.scales_per_group = scales.shape[1] * GROUP // self.in_features
+        g16 = self.scales_per_group == 2
+        if g16 and (self.bits != 8 or int8_activations):
+            raise ValueError("a scale per 16 weights is an int8 layout with float32 activations")
+        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul{'_a8' if int8_activations else ''}"
+                                              f"{'_g16' if g16 else ''}")
+        self._dequantize = getattr(self._kernels, f"int{self.bits}_dequantize{'_g16' if g16 else ''}")
         self._small_batch = SMALL_BATCH_A8 if int8_activations else SMALL_BATCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +136,8 @@ class _QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.int8_activations else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {GROUP}{a8}"
+        group = GROUP // self.scales_per_group
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {group}{a8}"
 
 
 class Int8Linear(_QuantLinear):
@@ -244,15 +251,18 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, a scale per row"
 
 
-def quantize_fp8(model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, checkpoint: bool) -> None:
+def quantize_fp8(model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, checkpoint: bool,
+                 from_float: bool = True) -> None:
     """``fp8``: each projection with an FP8 block takes it as it is; without a checkpoint's blocks (a float
-    model quantized here), each is rounded per row. The logits head stays as it is."""
+    model quantized here), each is rounded per row. The logits head stays as it is. ``from_float`` False:
+    only the blocks of projections without a bias are taken (before the float weights load, which then
+    skip those projections)."""
     blocks = blocks or {}
     for module, child_name, child, full in _projections(model):
         block = blocks.get(full)
-        if _takes_block(child.weight, block) and block[0] == "fp8":
+        if _takes_block(child.weight, block) and block[0] == "fp8" and (from_float or child.bias is None):
             setattr(module, child_name, Fp8Linear(*block[1], child.bias))
-        elif not checkpoint:
+        elif from_float and not checkpoint:
             setattr(module, child_name, Fp8Linear.from_float(child.weight, child.bias))
 
 
@@ -263,26 +273,34 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]
             if isinstance(child, nn.Linear) and child_name != "lm_head"]
 
 
-def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None) -> None:
+def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None,
+                   from_float: bool = True) -> None:
     """Replace the model's projections (and its logits head) by quantized linears, in place.
 
     ``blocks`` maps a module name (``layers.0.self_attn.qkv_proj``, ``lm_head``) to
     ``(kind, (q, scales, mins))`` taken as they are from a GGUF file, kind "int4"
     or "int8". They are used instead of rounding the float weights again: as they
     are, or int4 widened to int8; only int8 blocks under ``int4`` are rounded.
-    The head is int8 in both modes.
+    The head is int8 in both modes. ``from_float`` False: only the layers that take
+    their block (and have no bias to load) are replaced, before the float weights
+    load, which then skip them; a second call with True does the rest.
     """
     blocks = blocks or {}
     a8 = method == "w4a8"
+    bits = "int8" if method == "int8" else "int4"
     for module, child_name, child, full in _projections(model):
-        layer = _quantized(child.weight, child.bias, "int8" if method == "int8" else "int4", blocks.get(full), full, a8)
-        setattr(module, child_name, layer)
+        if from_float or (child.bias is None and _uses_block(child.weight, bits, blocks.get(full), a8)):
+            setattr(module, child_name, _quantized(child.weight, child.bias, bits, blocks.get(full), full, a8))
+    if model.lm_head is not None and not isinstance(model.lm_head, nn.Linear):
+        return  # taken from its block already
     tied = model.lm_head is None
     head = model.embed_tokens.weight if tied else model.lm_head.weight
     block = blocks.get("lm_head")
+    if not (from_float or _uses_block(head, "int8", block, a8)):
+        return
     model.lm_head = _quantized(head, None, "int8", block, "lm_head", a8)
     ps = getattr(model, "ps", None)
-    if (tied and _takes_block(head, block) and block[0] in ("int4", "int8") and type(model.lm_head) is Int8Linear
+    if (tied and _uses_block(head, "int8", block, a8) and type(model.lm_head) is Int8Linear
             and (ps is None or ps.world_size == 1)):
         # the head holds the embedding's own values: look rows up there, and drop the float32 table
         model.embed_tokens = QuantizedEmbedding(model.lm_head)
@@ -300,8 +318,9 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        rows = self.q.index_select(0, ids).float().view(ids.shape[0], -1, GROUP)
-        rows.mul_(self.scales.index_select(0, ids)[..., None]).add_(self.mins.index_select(0, ids)[..., None])
+        scales = self.scales.index_select(0, ids)
+        rows = self.q.index_select(0, ids).float().view(ids.shape[0], scales.shape[1], -1).mul_(scales[..., None])
+        rows = rows.view(ids.shape[0], -1, GROUP).add_(self.mins.index_select(0, ids)[..., None])
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -313,6 +332,14 @@ def _takes_block(weight: torch.Tensor, block: tuple[str, tuple] | None) -> bool:
     return block is not None and block[1][0].shape[0] == weight.shape[0]
 
 
+def _uses_block(weight: torch.Tensor, bits: str, block: tuple[str, tuple] | None, int8_activations: bool) -> bool:
+    """Does :func:`_quantized` build the layer from ``block`` (no float weights needed)? int8 blocks with a scale
+    per 16 run with float32 activations only."""
+    if not _takes_block(weight, block) or not (block[0] == bits or (block[0], bits) == ("int4", "int8")):
+        return False
+    return not (int8_activations and block[1][1].shape[1] * GROUP > weight.shape[1])
+
+
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block: tuple[str, tuple] | None,
                name: str, int8_activations: bool) -> nn.Module:
     """``bits`` "int8" or "int4": the layer's weight format."""
@@ -320,18 +347,17 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block
         raise InvalidParameterError(
             f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization")
     cls = Int8Linear if bits == "int8" else Int4Linear
-    if _takes_block(weight, block):
+    if _uses_block(weight, bits, block, int8_activations):
         kind, (*tensors,) = block
         order = tensors.pop() if len(tensors) == 4 else None  # an act-order linear's input order, a row a shard
-        if kind == bits or (kind == "int4" and bits == "int8"):
-            layer = cls(*tensors, bias, int8_activations) if kind == bits else \
-                Int8Linear(*widen_int4(*tensors), bias, int8_activations)
-            if order is None:
-                return layer
-            if not (order == order[0]).all():
-                raise InvalidParameterError(f"{name}: its act-order shards take their inputs in different orders, "
-                                            "so they cannot run as one fused linear", "quantization")
-            return InputPermuted(layer, order[0])
+        layer = cls(*tensors, bias, int8_activations) if kind == bits else \
+            Int8Linear(*widen_int4(*tensors), bias, int8_activations)
+        if order is None:
+            return layer
+        if not (order == order[0]).all():
+            raise InvalidParameterError(f"{name}: its act-order shards take their inputs in different orders, "
+                                        "so they cannot run as one fused linear", "quantization")
+        return InputPermuted(layer, order[0])
     return cls.from_float(weight, bias, int8_activations)
 
 

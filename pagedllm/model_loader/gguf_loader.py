@@ -23,7 +23,7 @@ import types
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -405,10 +405,11 @@ def _minus_one(x: np.ndarray) -> np.ndarray:
     return x - 1
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time.
+def iter_gguf_weights(path: str, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor [out, in])``, dequantizing one tensor at a time; the names in
+    ``skip`` are passed over, never dequantized (their layers took the file's blocks as they are).
 
-    Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K blocks are widened by torch
+    Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks are widened by torch
     (multi-threaded, the same float32 values as ``gguf.quants.dequantize``,
     several times faster); other types go through ``gguf``.
     """
@@ -417,6 +418,8 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     for name_in_file, name, qtype, data, unpermute in _iter_raw_tensors(path):
+        if name in skip:
+            continue
         block = _q_blocks(data, qtype, unpermute)
         if block is not None:
             yield name, _widen(*block)
@@ -436,7 +439,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
     """The tensors of a GGUF file whose blocks fit pagedllm's int4 / int8 layouts, in them, by HF name
-    (Q4_0 / Q4_1 / Q8_0 as below; Q5_0 / Q5_1 / Q4_K / Q5_K: see :func:`_q_blocks`).
+    (Q4_0 / Q4_1 / Q8_0 as below; Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: see :func:`_q_blocks`).
 
     GGUF blocks are 32 weights. Q4_1 stores (d, m) as float16 then 16 bytes of
     nibbles (w = q*d + m); Q4_0 stores d then the nibbles (w = (q - 8)*d); Q8_0
@@ -457,16 +460,18 @@ def _q_blocks(data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np
               ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
     """One quantized tensor's rows of blocks in pagedllm's int4 / int8 layout (groups of 32 with a float32
     scale and min each, ``w = q * scale + min``), exactly the values ``gguf`` dequantizes them to; None for
-    types that do not fit (Q6_K's groups of 16, Q2_K / Q3_K, the i-quants): those are dequantized.
+    types that do not fit (Q2_K / Q3_K, the i-quants): those are dequantized.
 
     Q4_0 / Q4_1 / Q8_0 are such groups already. Q5_0 / Q5_1 are 5-bit groups of 32 (int8). The K-quants
     Q4_K / Q5_K are super-blocks of 256: eight groups of 32 whose 6-bit scale and min multiply the
-    super-block's float16 ``d`` and ``dmin`` (``w = d*sc * q - dmin*m``), int4 and int8 respectively."""
+    super-block's float16 ``d`` and ``dmin`` (``w = d*sc * q - dmin*m``), int4 and int8 respectively.
+    Q6_K's super-blocks hold sixteen groups of 16 with an int8 scale each (``w = d*sc * (q - 32)``):
+    int8 with a scale per 16 (scales [N, K/16]; the mins, all 0, per 32)."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType as T
 
-    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K):
+    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K):
         return None
 
     def f16(raw: np.ndarray) -> np.ndarray:
@@ -474,6 +479,16 @@ def _q_blocks(data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np
 
     n = data.shape[0]
     rows = unpermute(np.asarray(data))
+    if qtype == T.Q6_K:  # ql [128], qh [64], scales [16] int8, d: two halves of 128 elements each
+        blocks = rows.reshape(n, -1, 210)
+        ql = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half, ql[l] | ql[l + 32], l]
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # elements l, l + 32, l + 64, l + 96 of a half
+        high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, -1)
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+        scales = (f16(blocks[..., 208:210])[..., None] * sc).reshape(n, -1)
+        return "int8", (torch.from_numpy(q), torch.from_numpy(scales), torch.zeros(n, q.shape[1] // 32))
     if qtype in (T.Q4_K, T.Q5_K):
         blocks = rows.reshape(n, -1, 144 if qtype == T.Q4_K else 176)
         sc, m = _k_scale_min(blocks[..., 4:16])  # [n, super-blocks, 8]
@@ -527,10 +542,11 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _widen(kind: str, block: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """float32 [N, K] of blocks from :func:`_q_blocks`: ``q * scale + min`` per group of 32."""
+    """float32 [N, K] of blocks from :func:`_q_blocks`: ``q * scale + min`` (a scale per 32 or per 16, a min
+    per 32)."""
     from pagedllm.layers.quantization import widen_int4
 
     q, scales, mins = widen_int4(*block) if kind == "int4" else block  # one byte per weight
-    n, groups = scales.shape
-    w = q.view(n, groups, 32).float().mul_(scales[..., None]).add_(mins[..., None])
+    n, groups = mins.shape
+    w = q.view(n, scales.shape[1], -1).float().mul_(scales[..., None]).view(n, groups, 32).add_(mins[..., None])
     return w.view(n, groups * 32)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.model_loader.resolve import ModelSource
@@ -24,18 +24,21 @@ def load_config(src: ModelSource) -> Any:
     return load_hf_config(src.path)
 
 
-def iter_weights(src: ModelSource, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: ModelSource, lazy: bool = False, skip: Collection[str] = ()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_parameter_name, float32 tensor)`` one tensor at a time.
 
     Names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``),
     linear weights are ``[out_features, in_features]``, and ``lm_head.weight``
     appears only when the checkpoint stores it (untied head). ``lazy``: safetensors values are read only
     in the part a tensor-parallel rank narrows them to (GGUF tensors are dequantized one at a time).
+    Names in ``skip`` are left out, unread where the format allows.
     """
     if src.kind == "gguf":
         from pagedllm.model_loader.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(src.path)
+        return iter_gguf_weights(src.path, skip)
     from pagedllm.model_loader.hf_loader import iter_hf_weight_slices, iter_hf_weights
 
-    return iter_hf_weight_slices(src.path) if lazy else iter_hf_weights(src.path)
+    weights = iter_hf_weight_slices(src.path) if lazy else iter_hf_weights(src.path)
+    return ((name, t) for name, t in weights if name not in skip) if skip else weights

@@ -2,14 +2,15 @@
 
 Each format unpacks one linear's tensors into ``q [out, in]``, ``zeros [out, groups]``,
 ``scales [out, groups]`` and its group size, with ``W = (q - zeros) * scales`` per group; from
-there the weights are the same thing: dequantized for the float32 model that is built first, and
-the int4 / int8 blocks (:func:`pagedllm.layers.quantization.zero_point_blocks`) that then replace
-its linears with the checkpoint's own values. Both come from one read of the checkpoint.
+there the weights are the same thing: the int4 / int8 blocks
+(:func:`pagedllm.layers.quantization.zero_point_blocks`) that the model's linears take as they are,
+read first (:meth:`ZeroPointCheckpoint.read_blocks`), and dequantized float32 weights
+(:meth:`ZeroPointCheckpoint.iter_float`) only for a linear that cannot take its block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -57,30 +58,33 @@ class ZeroPointCheckpoint:
         order = self.input_order(t)
         return kind, tensors if order is None else (*tensors, order[None, :])
 
-    def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint as float32 weights by transformers' names, quantized linears dequantized; their
-        blocks are kept in ``self.blocks`` (by weight name) as they go by."""
-        self.blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = {}
+    def read_blocks(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+        """Each quantized linear's blocks, by weight name (transformers'), never dequantized."""
+        return {f"{name}.weight": self.block(value) for name, value in self._modules(weights, plain=False)}
+
+    def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]], skip: Collection[str] = ()
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint as float32 weights by transformers' names, quantized linears dequantized, but
+        for those named in ``skip`` (their layers took their blocks already)."""
         for name, value in self._modules(weights):
-            if isinstance(value, dict):
-                self.blocks[f"{name}.weight"] = self.block(value)
-                yield f"{name}.weight", self.dequantize(value)
-            else:
+            if not isinstance(value, dict):
                 yield name, value
+            elif f"{name}.weight" not in skip:
+                yield f"{name}.weight", self.dequantize(value)
 
     def _is_quantized_part(self, name: str, part: str, t: torch.Tensor) -> bool:
         """Is checkpoint tensor ``name`` (``module.part``) one of a quantized linear's tensors?"""
         return part in self.parts or part in self.optional
 
-    def _modules(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
-        """Plain tensors as they come (float32), then each quantized linear's tensors together (packed weights
-        are small: holding them all costs what the file does)."""
+    def _modules(self, weights: Iterator[tuple[str, torch.Tensor]], plain: bool = True) -> Iterator[tuple[str, Any]]:
+        """Plain tensors as they come (float32; not with ``plain`` False), then each quantized linear's tensors
+        together (packed weights are small: holding them all costs what the file does)."""
         quantized: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in weights:
             module, _, part = name.rpartition(".")
             if self._is_quantized_part(name, part, t):
                 quantized.setdefault(module, {})[part] = t
-            elif not name.endswith("rotary_emb.inv_freq"):
+            elif plain and not name.endswith("rotary_emb.inv_freq"):
                 yield name, t.to(torch.float32)
         for module, got in quantized.items():
             missing = [p for p in self.parts if p not in got]

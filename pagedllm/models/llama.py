@@ -265,18 +265,33 @@ class LlamaForCausalLM(nn.Module):
             return _materialize(tensor)
         return tensor.narrow(*part)
 
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint weight's name as this stage holds it (before fusing), None where it holds no such weight."""
+        name = self._checkpoint_name(name.removeprefix("model."))
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and getattr(self, "lm_head", None) is None:
+            return None  # tied (the embedding is the head), or not this pipeline stage's
+        return self._local_name(name)
+
+    def weight_target(self, name: str) -> str | None:
+        """The parameter checkpoint weight ``name`` loads into (a fused projection's, for its shards), None
+        where this stage holds no such weight."""
+        name = self._stage_name(name)
+        if name is None:
+            return None
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self._FUSED:
+            return ".".join(parts[:-2] + [self._FUSED[parts[-2]][0], parts[-1]])
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load ``(hf name, tensor)`` pairs: under tensor parallelism a lazy slice (``narrow``) reads only
         this rank's part; a pipeline stage skips the layers it does not hold."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = self._checkpoint_name(name.removeprefix("model."))
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and getattr(self, "lm_head", None) is None:
-                continue  # tied (the embedding is the head), or not this pipeline stage's
-            name = self._local_name(name)
+            name = self._stage_name(name)
             if name is None:
                 continue
             parts = name.split(".")
@@ -310,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
                           ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
         """Map a checkpoint's quantized blocks, keyed by transformers' weight names as ``(kind, row-aligned
         tensors)``, to our module names: fused projections concatenate their shards' rows (kept only when
-        every shard is there, of one kind); a tied embedding also serves as ``lm_head``. Under tensor
+        every shard is there, of one layout); a tied embedding also serves as ``lm_head``. Under tensor
         parallelism each block is cut to this rank's part first (columns in whole groups of 32)."""
         shards: dict[str, dict[int, tuple[str, tuple[torch.Tensor, ...]]]] = {}
         for name, (kind, tensors) in blocks.items():
@@ -330,10 +345,11 @@ class LlamaForCausalLM(nn.Module):
         out = {}
         for module, got in shards.items():
             n = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
-            kinds = {kind for kind, _ in got.values()}
-            if len(got) == n and len(kinds) == 1 and all(b[1] is not None for b in got.values()):
+            # one kind, with as many scales a row (Q6_K's scale per 16 does not fuse with a scale per 32)
+            if (len(got) == n and all(t is not None for _, t in got.values())
+                    and len({(kind, t[1].shape[1:]) for kind, t in got.values()}) == 1):
                 parts = [got[i][1] for i in range(n)]
-                out[module] = (kinds.pop(), tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
+                out[module] = (got[0][0], tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
         return out
 
     def _checkpoint_name(self, name: str) -> str:
@@ -368,7 +384,8 @@ def _materialize(tensor: Any) -> torch.Tensor:
 def _slice_block(tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | str | None
                  ) -> tuple[torch.Tensor, ...] | None:
     """A quantized block's rows / groups for this rank: rows are whole; columns (row-parallel) are cut in
-    groups of 32 (q's bytes and the per-group scales and mins alike). None where the cut splits a group."""
+    groups of 32 (q's bytes, the scales (a 32 or a 16 each) and the mins alike). None where the cut splits a
+    group."""
     if part is None:
         return tensors
     if part == "rank0":
@@ -382,10 +399,8 @@ def _slice_block(tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] |
         return tensors[0].narrow(1, start, length), tensors[1]
     if start % 32 or length % 32:
         return None
-    q, *per_group = tensors
-    bytes_per_weight = q.shape[1] / (per_group[0].shape[1] * 32)
-    return (q.narrow(1, int(start * bytes_per_weight), int(length * bytes_per_weight)),
-            *(t.narrow(1, start // 32, length // 32) for t in per_group))
+    k = tensors[-1].shape[1] * 32  # the weights a row: the mins are one per 32 (q holds 1 or 1/2 a byte each)
+    return tuple(t.narrow(1, start * t.shape[1] // k, length * t.shape[1] // k) for t in tensors)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -78,18 +78,22 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
                                     "tensor_parallel_size")
     with torch.device(device), _no_init() if skip_init else contextlib.nullcontext():
         model = model_cls(hf_config, parallel=parallel) if sharded else model_cls(hf_config)
+    model.to(dtype=dtype)  # before loading: the checkpoint's float32 values are copied in as dtype
+    n_params = sum(p.numel() for p in model.parameters())
+    blocks, skip = None, set()
+    if quantization is not None:  # layers that take the checkpoint's own blocks get them before any weight
+        blocks, skip = _take_blocks(model, source, quantization, scheme)
     if scheme is not None:
         from pagedllm.model_loader.hf_loader import iter_raw
 
-        model.load_weights(scheme.iter_float(iter_raw(source.path)))
+        model.load_weights(scheme.iter_float(iter_raw(source.path), skip))
     else:
-        model.load_weights(iter_weights(source, lazy=sharded))
-    model.to(dtype=dtype)
+        model.load_weights(iter_weights(source, lazy=sharded, skip=skip))
     model.eval()
-    n_params = sum(p.numel() for p in model.parameters())
     t1 = time.perf_counter()
     if quantization is not None:
-        _quantize(model, source, quantization, scheme)
+        _quantize(model, quantization, blocks, scheme)
+        del blocks  # the blocks a layer did not keep as they are (widened, or cut) go before the heap is trimmed
     if device.type == "cpu" and dtype == torch.float32:
         from pagedllm.layers.linear import onednn_available, pack_linears
 
@@ -149,17 +153,33 @@ def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return tensor
 
 
-def _quantize(model: torch.nn.Module, source: Any, method: str, scheme: Any = None) -> None:
-    from pagedllm.layers.quantization import quantize_fp8, quantize_model
-
-    blocks = None
-    if source.kind == "gguf":  # take Q4 / Q8 blocks as they are: no second rounding
+def _take_blocks(model: torch.nn.Module, source: Any, method: str, scheme: Any
+                 ) -> tuple[dict[str, Any] | None, set[str]]:
+    """Give the layers that can take them the checkpoint's own quantized blocks (a GGUF's Q4 / Q8 groups,
+    an AWQ / GPTQ / FP8 checkpoint's), read as they are: no float32 copy of those weights is ever made.
+    Returns the blocks by module, and the checkpoint weights the loading then skips."""
+    if source.kind == "gguf":
         from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks
 
-        blocks = model.quantized_modules(gguf_quantized_blocks(source.path))
-    elif scheme is not None:  # likewise an AWQ / GPTQ checkpoint's groups, kept when its weights were read
-        blocks = model.quantized_modules(scheme.blocks)
-    if method == "fp8":
-        quantize_fp8(model, blocks, checkpoint=scheme is not None and scheme.method == "fp8")
+        raw = gguf_quantized_blocks(source.path)
+    elif scheme is not None:
+        from pagedllm.model_loader.hf_loader import iter_raw
+
+        raw = scheme.read_blocks(iter_raw(source.path))
     else:
-        quantize_model(model, method, blocks)
+        return None, set()
+    blocks = model.quantized_modules(raw)
+    _quantize(model, method, blocks, scheme, from_float=False)
+    params = dict(model.named_parameters())
+    # a weight whose parameter went with its float layer is held already (or not by this stage at all)
+    return blocks, {name for name in raw if model.weight_target(name) not in params}
+
+
+def _quantize(model: torch.nn.Module, method: str, blocks: dict[str, Any] | None, scheme: Any = None,
+              from_float: bool = True) -> None:
+    from pagedllm.layers.quantization import quantize_fp8, quantize_model
+
+    if method == "fp8":
+        quantize_fp8(model, blocks, checkpoint=scheme is not None and scheme.method == "fp8", from_float=from_float)
+    else:
+        quantize_model(model, method, blocks, from_float=from_float)
