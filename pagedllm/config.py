@@ -83,6 +83,11 @@ class SchedulerConfig:
         "partial last block in the offload tier, so it resumes without recomputing anything. Needs "
         "kv_offloading_size.")
     scheduling_policy: Literal["fcfs", "priority"] = _f("fcfs", "Order of admission: arrival (the prompts and completions of one request take turns with other requests), or (priority, arrival) with lower values first.")
+    disable_hybrid_kv_cache_manager: bool = _f(
+        False, "Keep every KV block of sliding-window (local) layers, as full-attention layers keep theirs. By "
+        "default a model with both kinds (Gemma 3) gives its local layers block tables of their own and frees the "
+        "blocks that fall behind their window (vLLM's hybrid KV cache manager); that is also off under pipeline "
+        "parallelism, a KV offload or disk tier, a KV connector and a draft model's speculative decoding.")
 
 
 @dataclass(slots=True, frozen=True)

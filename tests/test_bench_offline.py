@@ -27,6 +27,18 @@ def test_bench_throughput_compares_with_transformers(tiny_model_factory, tmp_pat
     assert res["vs_transformers"] == {"greedy_agreement": 1.0, "identical_sequences": "5/5"}
 
 
+def test_bench_throughput_hybrid_vs_off_frees_local_blocks_in_the_same_memory(tiny_model_factory, tmp_path):
+    """Tiny Gemma 3 (a 32-token window): the same requests in the same KV memory, local layers freeing their
+    blocks behind the window and keeping them; the same tokens, and fewer preemptions with the blocks freed."""
+    model = str(tiny_model_factory("gemma3"))
+    res = _bench(["throughput", "--model", model, "--backend", "hybrid-vs-off", "--num-prompts", "8",
+                  "--input-len", "40", "--output-len", "200", "--kv-cache-memory", "0.001"], tmp_path)
+    hybrid, off = res["pagedllm_hybrid"], res["pagedllm_all_blocks"]
+    assert hybrid["total_tok_s"] > 0 and off["total_tok_s"] > 0
+    assert res["hybrid_vs_all_blocks"] == {"greedy_agreement": 1.0, "identical_sequences": "8/8"}
+    assert off["preemptions"] > hybrid["preemptions"]
+
+
 def test_bench_startup_times_cold_and_warm_beside_transformers(tiny_model_factory, tmp_path):
     model = str(tiny_model_factory("llama"))
     res = _bench(["startup", "--model", model], tmp_path, progress="start-up runs")

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from pagedllm.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_groups import KVGroups
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ def test_freed_cached_block_is_reused_by_prefix_hit_then_evicted_last():
     kv.free(a)
     b = _req("b", list(range(8)) + [99, 98])
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and [h.block_id for h in hits] == a_blocks[:2]
+    assert n == 8 and [h.block_id for h in hits[0]] == a_blocks[:2]
     kv.allocate_slots(b, b.num_tokens - n, hits, n)
     kv.record_lookup(b, n)  # the scheduler records the lookup of a request it admits
     b.num_computed_tokens = b.num_tokens
@@ -73,9 +74,11 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, num_blocks=st.integers(1, 24), caching=st.booleans())
-def test_random_operation_sequences_keep_invariants_and_return_every_block(ops, num_blocks, caching):
-    kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK, enable_caching=caching)
+@given(ops=ops, num_blocks=st.integers(1, 24), caching=st.booleans(),
+       windows=st.sampled_from([None, (None, 6, 6), (None, None, 9, 5, 9)]))  # one table; local groups
+def test_random_operation_sequences_keep_invariants_and_return_every_block(ops, num_blocks, caching, windows):
+    groups = KVGroups.plan(list(windows)) if windows else None
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK, enable_caching=caching, groups=groups)
     live: dict[str, Request] = {}
     counter = 0
     for op, slot, length, prefix in ops:
@@ -100,14 +103,65 @@ def test_random_operation_sequences_keep_invariants_and_return_every_block(ops, 
             req = live.pop(list(live)[slot % len(live)])
             kv.free(req)
         kv.check_invariants()
-        held = sum(len(b) for b in kv.req_blocks.values())
-        assert kv.pool.num_free_blocks + len({b.block_id for bl in kv.req_blocks.values() for b in bl}) == num_blocks
-        assert held >= 0
+        held = {b.block_id for g in kv.groups for bl in g.req_blocks.values() for b in bl if b is not None}
+        assert kv.pool.num_free_blocks + len(held) == num_blocks
+        for g in kv.groups[1:]:  # a local group holds its window and a step's tokens (at most 1 + 7 * 3), no more
+            for bl in g.req_blocks.values():
+                assert sum(b is not None for b in bl) <= -(-(g.window + 22) // BLOCK) + 1
     for req in list(live.values()):
         kv.free(req)
     kv.check_invariants()
     assert kv.pool.num_free_blocks == num_blocks
-    assert kv.req_blocks == {}
+    assert all(g.req_blocks == {} for g in kv.groups)
+
+
+def test_local_groups_free_the_blocks_behind_their_window_and_still_hit_the_prefix_cache():
+    """Group 0 (full attention) keeps every block; a local group (window 6, blocks of 4) frees each block once
+    no later token attends to it. The freed blocks stay prefix-cached: a second request with the same prompt
+    finds, in the local group, just the blocks its window needs."""
+    groups = KVGroups.plan([None, 6])
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK, groups=groups)
+    a = _req("a", list(range(20)))
+    assert [len(g) for g in kv.allocate_slots(a, 20)] == [5, 5]  # a prompt step writes every block of each
+    a.num_computed_tokens = 20
+    for _ in range(8):  # decodes: token 20 attends to 15..20, token 27 to 22..27
+        a.append_output_token(1)
+        assert kv.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+        kv.check_invariants()
+    full, local = kv.groups[0].req_blocks["a"], kv.groups[1].req_blocks["a"]
+    assert len(full) == len(local) == 7 and None not in full
+    # the last allocation (for token 27) freed what token 27's window (22..27) does not reach: blocks 0..4
+    assert local[:5] == [None] * 5 and None not in local[5:]
+    assert kv.pool.num_free_blocks == 32 - 7 - 2
+    assert kv.get_group_block_ids("a")[0][:5] == [0] * 5
+    b = _req("b", list(range(20)) + [5, 5])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 20 and [len(h) for h in hits] == [5, 5]
+    # token 20 attends to 15..20: block 3 (12..15) and block 4 of the local group, the rest not needed
+    assert hits[1][:3] == [None] * 3 and hits[1][3].block_hash == b.block_hashes[3] + kv.groups[1].tag
+    assert kv.allocate_slots(b, 2, hits, n) is not None
+    kv.check_invariants()
+    kv.free(a)
+    kv.free(b)
+    kv.check_invariants()
+    assert kv.pool.num_free_blocks == 32
+
+
+def test_a_local_group_hit_needs_the_whole_window():
+    """Where a local group's window blocks were evicted, the hit shortens to a prefix whose window is there."""
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK, groups=KVGroups.plan([None, 6]))
+    a = _req("a", list(range(17)))
+    kv.allocate_slots(a, 17)
+    a.num_computed_tokens = 17
+    kv.free(a)
+    b = _req("b", list(range(17)))
+    kv.update_block_hashes(b)
+    kv.pool.uncache(kv.pool.get_cached_block(b.block_hashes[3] + kv.groups[1].tag))
+    hits, n = kv.get_computed_blocks(b)
+    # 4 blocks cached in group 0; token 16's window (11..16) needs local blocks 2 and 3: 3 is gone. A prefix of
+    # 3 blocks: token 12's window (7..12) needs local blocks 1 and 2, both there
+    assert n == 12 and [len(h) for h in hits] == [3, 3] and hits[1][0] is None
 
 
 def test_block_pool_refuses_to_hand_out_more_than_it_has():

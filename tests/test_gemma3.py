@@ -87,13 +87,43 @@ def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unch
     _clean(cached)
     del cached
 
-    # 60 blocks of 16 tokens: the long prompt and its decode need 50 and the others more, so requests are preempted
-    tight = LLM(gemma_gguf, enable_prefix_caching=False, max_num_batched_tokens=128, max_model_len=900,
-                num_gpu_blocks_override=60)
-    outs = tight.generate(prompts, GREEDY, use_tqdm=False)
-    assert tight.llm_engine.core.scheduler.num_preemptions > 0
-    _same(ref, outs)
-    _clean(tight)
+    # too few blocks for all at once, so requests are preempted: with the local layers' own block tables (a
+    # block: 3 of the 18 layers; 300 of them hold what 50 whole-model blocks do) and without (60 blocks of all 18
+    # layers: the long prompt and its decode need 50, and the others more)
+    for hybrid, num_blocks in ((True, 300), (False, 60)):
+        tight = LLM(gemma_gguf, enable_prefix_caching=False, max_num_batched_tokens=128, max_model_len=900,
+                    num_gpu_blocks_override=num_blocks, disable_hybrid_kv_cache_manager=not hybrid)
+        assert (tight.llm_engine.kv_groups is not None) == hybrid
+        outs = tight.generate(prompts, GREEDY, use_tqdm=False)
+        assert tight.llm_engine.core.scheduler.num_preemptions > 0
+        _same(ref, outs)
+        _clean(tight)
+        del tight
+
+
+def test_gemma3_local_layers_hold_only_their_window(gemma_gguf, reference):
+    """Gemma 3 270M: 3 global layers (group 0) and 15 local ones with a 512-token window (5 groups of 3). While
+    the 746-token prompt is computed in chunks of 128 and then decoded, group 0 holds every block and each
+    local group at most its window and a chunk; once decoding, just the window."""
+    ids = reference[0][0]
+    llm = LLM(gemma_gguf, enable_prefix_caching=False, max_num_batched_tokens=128, max_model_len=1024,
+              num_gpu_blocks_override=400)
+    engine = llm.llm_engine
+    groups = engine.kv_groups
+    assert groups.windows == (None, 512, 512, 512, 512, 512) and groups.num_slots == 3
+    assert engine.core.runner.model.layers[5].self_attn.kv_group == 0  # every 6th layer is global
+    engine.add_request("long", {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        kv = engine.core.scheduler.kv
+        if "long" in kv.req_blocks:
+            held.append([sum(b is not None for b in g.req_blocks["long"]) for g in kv.groups])
+            kv.check_invariants()
+    assert len(ids) == 746 and held[-1][0] >= -(-746 // 16)  # every block of the full-attention layers
+    assert all(max(h[g] for h in held) <= -(-(512 + 128) // 16) + 1 for g in range(1, 6))
+    assert all(n <= 512 // 16 + 1 for n in held[-1][1:])  # decoding: the window's blocks
+    assert engine.core.scheduler.kv.pool.num_free_blocks == 400  # all back
 
 
 def test_gemma3_gguf_chats_in_gemma_turns_and_ends_a_turn_at_end_of_turn(reference):
@@ -113,7 +143,7 @@ def test_gemma3_gguf_under_int8_keeps_the_files_blocks(gemma_gguf):
     from pagedllm.layers.quantization import Int8Linear, QuantizedEmbedding, dequantize_model
     from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks, iter_gguf_weights
 
-    llm = LLM(gemma_gguf, quantization="int8", max_model_len=256, num_gpu_blocks_override=64)
+    llm = LLM(gemma_gguf, quantization="int8", max_model_len=256, num_gpu_blocks_override=128)
     net = llm.llm_engine.core.runner.model
     blocks = gguf_quantized_blocks(gemma_gguf)
     kinds = {name.split(".")[-2]: kind for name, (kind, _) in blocks.items() if ".layers.0." in name}
@@ -149,7 +179,7 @@ def _resident_bytes(model: torch.nn.Module) -> int:
 
 
 def test_gemma3_gguf_under_int4_holds_at_most_1_3_times_the_file(gemma_gguf):
-    llm = LLM(gemma_gguf, quantization="int4", max_model_len=256, num_gpu_blocks_override=64)
+    llm = LLM(gemma_gguf, quantization="int4", max_model_len=256, num_gpu_blocks_override=128)
     net = llm.llm_engine.core.runner.model
     assert _resident_bytes(net) < 1.3 * os.path.getsize(gemma_gguf)  # 1.13x: int4 layers, the int8 head once
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)

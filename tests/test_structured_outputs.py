@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -244,8 +245,17 @@ def test_auto_falls_back_to_guidance_for_what_xgrammar_cannot_enforce():
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
 
 
-def test_a_compile_over_the_timeout_aborts_that_request_only():
+def test_a_compile_over_the_timeout_aborts_that_request_only(monkeypatch):
     """compile_timeout bounds how long a request may wait for its grammar; nobody else waits for it."""
+    from pagedllm.structured_output import StructuredOutputManager
+
+    real = StructuredOutputManager._compile
+
+    def slow(self, so):  # certainly longer than the timeout: a fast compile done before the first poll is ready
+        time.sleep(0.5)
+        return real(self, so)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow)
     llm = LLM(max_model_len=256, structured_outputs_config={"compile_timeout": 0.001})
     schema = {"type": "object", "properties": {f"field_{i}": {"type": "array", "items": {"type": "string",
                                                 "pattern": f"^[a-z]{{1,{i + 2}}}$"}} for i in range(40)}}

@@ -28,6 +28,9 @@ class AttentionMetadata:
     block_size: int
     # per-step values a backend derives once and reuses in every layer (keyed by the backend)
     scratch: dict = field(default_factory=dict)
+    # sliding-window layers with block tables of their own (pagedllm.core.kv_groups): group g's slot mapping
+    # and tables are groups[g - 1]'s, the rest as here; None without such groups
+    groups: list["AttentionMetadata"] | None = None
 
 
 class AttentionBackend(Protocol):

@@ -147,11 +147,13 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict
     spec = spec_report(llm)
     grammar = grammar_report(llm) if structured else None
     comm = comm_report(llm)
+    core = llm.llm_engine.core
+    preemptions = core.scheduler.num_preemptions
     llm.llm_engine.shutdown()
     del llm
     gc.collect()
     return {"elapsed_s": elapsed, "outputs": tokens, "spec_decode": spec, "structured_outputs": grammar,
-            "communication": comm}
+            "communication": comm, "preemptions": preemptions}
 
 
 def comm_report(llm) -> dict | None:
@@ -348,13 +350,17 @@ def add_parsers(sub) -> None:
     tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
     tp.add_argument("--model", default=None, help=model_help)
     tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off", "structured-vs-off",
-                                          "parallel-vs-single", "lora-vs-base"],
+                                          "parallel-vs-single", "lora-vs-base", "hybrid-vs-off"],
                     default="both",
                     help="both: pagedllm and transformers side by side in this process, with their ratio; "
                          "spec-vs-off: pagedllm with --speculative-config and without it; structured-vs-off: "
                          "every request under --structured-outputs, and none; parallel-vs-single: pagedllm with "
                          "--tensor/--pipeline-parallel-size and in one process; lora-vs-base: the prompts spread "
-                         "over --num-loras random adapters of --lora-rank, and the base model alone")
+                         "over --num-loras random adapters of --lora-rank, and the base model alone; "
+                         "hybrid-vs-off: a model with sliding-window layers (Gemma 3) freeing their blocks behind "
+                         "the window, and keeping them (disable_hybrid_kv_cache_manager), in the same KV memory")
+    tp.add_argument("--kv-cache-memory", type=float, default=None,
+                    help="pagedllm's KV cache in GiB (CPU; default: the engine's 4)")
     tp.add_argument("--num-loras", type=int, default=8, help="lora-vs-base: adapters (all active at once)")
     tp.add_argument("--lora-rank", type=int, default=16, help="lora-vs-base: their rank")
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's TP ranks")
@@ -446,6 +452,9 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
             raise SystemExit("--backend parallel-vs-single needs --tensor-parallel-size or --pipeline-parallel-size")
         return {"pagedllm_parallel": ("pagedllm", {**kwargs, **parallel}), "pagedllm_single": ("pagedllm", kwargs)}
     kwargs.update(parallel)
+    if args.backend == "hybrid-vs-off":
+        return {"pagedllm_hybrid": ("pagedllm", kwargs),
+                "pagedllm_all_blocks": ("pagedllm", {**kwargs, "disable_hybrid_kv_cache_manager": True})}
     if args.backend == "spec-vs-off":
         if not args.speculative_config:
             raise SystemExit("--backend spec-vs-off needs --speculative-config")
@@ -479,6 +488,8 @@ def _cmd_throughput(args) -> int:
             kwargs = {"model": args.model, **kwargs}
             if args.max_num_batched_tokens:
                 kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+            if args.kv_cache_memory:
+                kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
             structured = None
             if name == "pagedllm_structured":
                 structured = json.loads(args.structured_outputs) if args.structured_outputs else {"json": BENCH_SCHEMA}
@@ -499,11 +510,14 @@ def _cmd_throughput(args) -> int:
             results[name]["structured_outputs"] = run["structured_outputs"]
         if run.get("communication"):
             results[name]["communication"] = run["communication"]
+        if "preemptions" in run:
+            results[name]["preemptions"] = run["preemptions"]
     if len(outputs) == 2:
         a, b = outputs
         results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
         if args.backend not in ("structured-vs-off", "lora-vs-base"):  # outputs differ by design
-            key = {"transformers": "vs_transformers", "pagedllm_single": "parallel_vs_single"}.get(b, "spec_vs_no_spec")
+            key = {"transformers": "vs_transformers", "pagedllm_single": "parallel_vs_single",
+                   "pagedllm_all_blocks": "hybrid_vs_all_blocks"}.get(b, "spec_vs_no_spec")
             results[key] = greedy_agreement(outputs[b], outputs[a])
     results["peak_rss_mb_process"] = peak_rss_mb()
     emit(results, args.output_json)

@@ -23,6 +23,7 @@ from pagedllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagedllm.kv_transfer import KVConnectorMetadata, KVConnectorStats
     from pagedllm.kv_transfer.offload import OffloadScheduler
+    from pagedllm.core.kv_groups import KVGroups
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: Any = None  # LoRARequest | None
+    group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' (kv_groups), if any
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' (kv_groups), if any
 
 
 @dataclass(slots=True)
@@ -116,7 +119,7 @@ class SpecDecodeStats:
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
                  num_lookahead_tokens: int = 0, speculative: bool = False, max_loras: int = 1,
-                 kv_connector: "OffloadScheduler | None" = None):
+                 kv_connector: "OffloadScheduler | None" = None, kv_groups: "KVGroups | None" = None):
         self.config = sched
         self.connector = kv_connector
         self.max_loras = max_loras  # distinct adapters among the running requests, at most
@@ -124,7 +127,7 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodeStats() if speculative else None
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, kv_groups)
         if kv_connector is not None:
             self.kv.pool.on_evict = kv_connector.on_primary_evict
         self.requests: dict[str, Request] = {}
@@ -220,8 +223,9 @@ class Scheduler:
                 self._unsent.discard(req.request_id)
                 new_reqs.append(self._new_request_data(req))
             else:
-                cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks],
-                                                     req.num_computed_tokens))
+                cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks[0]],
+                                                     req.num_computed_tokens,
+                                                     [[b.block_id for b in g] for g in new_blocks[1:]]))
             budget -= n
             i += 1
 
@@ -234,7 +238,7 @@ class Scheduler:
             if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.pop())
                 continue
-            hits, num_hit_tokens, ext = [], 0, 0
+            hits, num_hit_tokens, ext = None, 0, 0
             if req.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
                 if self.connector is not None:  # the next tier: tokens it can load instead of computing
@@ -290,7 +294,8 @@ class Scheduler:
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                              self.kv.get_block_ids(req.request_id), req.num_computed_tokens, req.lora_request)
+                              self.kv.get_block_ids(req.request_id), req.num_computed_tokens, req.lora_request,
+                              self.kv.get_group_block_ids(req.request_id))
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[tuple[Request, int]]:
@@ -358,14 +363,13 @@ class Scheduler:
         for child in children:
             if child.status.finished:
                 continue
-            new_block = None
+            copies = None
             if len(self.running) < self.config.max_num_seqs:
-                new_block = self.kv.fork(leader, child)
-            if new_block is None:
+                copies = self.kv.fork(leader, child)
+            if copies is None:
                 self.waiting.push(child)
                 continue
-            k = (leader.num_prompt_tokens - 1) // self.kv.block_size
-            self._pending_copies.append((self.kv.req_blocks[leader.request_id][k].block_id, new_block.block_id))
+            self._pending_copies.extend(copies)
             child.num_computed_tokens = child.num_prompt_tokens - 1
             child.num_cached_tokens = max(leader.num_cached_tokens, 0)
             child.status = RequestStatus.RUNNING

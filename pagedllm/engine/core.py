@@ -44,7 +44,8 @@ class _Step:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: "Executor", num_blocks: int, max_model_len: int,
-                 structured: "StructuredOutputManager | None" = None, kv_connector: "OffloadScheduler | None" = None):
+                 structured: "StructuredOutputManager | None" = None, kv_connector: "OffloadScheduler | None" = None,
+                 kv_groups: "KVGroups | None" = None):
         self.config = config
         self.structured = structured
         self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
@@ -56,7 +57,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
                                    speculative=spec is not None, max_loras=config.lora_config.max_loras,
-                                   kv_connector=kv_connector)
+                                   kv_connector=kv_connector, kv_groups=kv_groups)
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
         self.max_in_flight = config.parallel_config.pipeline_parallel_size

@@ -22,6 +22,7 @@ from pagedllm.worker.loader import resolve_device, resolve_dtype, timed_stage
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.core.kv_groups import KVGroups
     from pagedllm.kv_transfer.disk import DiskIndex
     from pagedllm.lora import LoRARequest
     from pagedllm.lora.adapter import AdapterCache
@@ -69,6 +70,10 @@ class LLMEngine:
             num_blocks, stages = self.executor.load_model()
             for name, seconds in stages.items():  # a remote rank 0's loading stages
                 self.startup_stages.setdefault(name, seconds)
+            self.kv_groups = self._kv_groups()
+            if self.kv_groups is not None and config.cache_config.num_gpu_blocks_override is None:
+                # a block holds only a group's layers: the same memory holds that many times more of them
+                num_blocks = num_blocks * len(self.kv_groups.layer_group) // self.kv_groups.num_slots
             self.max_model_len = self._resolve_max_model_len(num_blocks)
             offload_slots, block_bytes, disk = 0, 0, None
             if config.cache_config.kv_offloading_size is not None or config.kv_transfer_config is not None:
@@ -77,7 +82,8 @@ class LLMEngine:
                 offload_slots = self._offload_slots(block_bytes)
                 disk = self._disk_tier(layouts, block_bytes)
             self.executor.init_cache(num_blocks, self.max_model_len, offload_slots,
-                                     None if disk is None else (str(disk.root.parent), disk.fingerprint))
+                                     None if disk is None else (str(disk.root.parent), disk.fingerprint),
+                                     self.kv_groups)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -94,7 +100,8 @@ class LLMEngine:
 
             connector = OffloadScheduler(offload_slots, config.cache_config.block_size, block_bytes,
                                          swap=config.scheduler_config.preemption_mode == "swap", disk=disk)
-        self.core = EngineCore(config, self.executor, num_blocks, self.max_model_len, self.structured, connector)
+        self.core = EngineCore(config, self.executor, num_blocks, self.max_model_len, self.structured, connector,
+                               self.kv_groups)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                    mc.max_logprobs, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -172,6 +179,29 @@ class LLMEngine:
         logger.info("KV disk tier: %s, up to %d blocks", disk.root, disk.max_blocks)
         return disk
 
+    def _kv_groups(self) -> "KVGroups | None":
+        """Block tables of their own for sliding-window layers (:mod:`pagedllm.core.kv_groups`), where the model
+        has both kinds and nothing that knows only one table is on."""
+        from pagedllm.core.kv_groups import KVGroups
+
+        windows = self.executor.collective_rpc("layer_windows")[0]
+        groups = KVGroups.plan(windows)
+        if groups is None:
+            return None
+        cfg, spec = self.config, self.config.speculative_config
+        off = [why for why, on in (
+            ("disable_hybrid_kv_cache_manager", cfg.scheduler_config.disable_hybrid_kv_cache_manager),
+            ("pipeline parallelism", cfg.parallel_config.pipeline_parallel_size > 1),
+            ("a KV offload tier", cfg.cache_config.kv_offloading_size is not None),
+            ("a KV connector", cfg.kv_transfer_config is not None),
+            ("a draft model's speculative decoding", spec is not None and spec.needs_draft_kv)) if on]
+        if off:
+            logger.info("sliding-window layers keep all their KV blocks (%s)", off[0])
+            return None
+        logger.info("sliding-window layers free the KV blocks behind their window (%d groups of %d layers)",
+                    len(groups.windows), groups.num_slots)
+        return groups
+
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         asked = self.config.model_config.max_model_len
@@ -179,6 +209,10 @@ class LLMEngine:
             raise InvalidParameterError(
                 f"max_model_len={asked} exceeds the model's max_position_embeddings ({model_max})", "max_model_len")
         capacity = num_blocks * self.config.cache_config.block_size
+        if self.kv_groups is not None:  # the longest request whose blocks in every group fit at once
+            sc = self.config.scheduler_config
+            capacity = self.kv_groups.max_tokens(num_blocks, self.config.cache_config.block_size,
+                                                 sc.max_num_batched_tokens if sc.enable_chunked_prefill else None)
         if capacity < 2:
             raise InvalidParameterError(
                 f"the KV cache has room for {capacity} tokens: raise kv_cache_memory or num_gpu_blocks_override",
@@ -187,11 +221,19 @@ class LLMEngine:
             # a single request must always fit on its own, or preemption could never make progress
             raise InvalidParameterError(
                 f"max_model_len={asked} is larger than the KV cache can hold ({capacity} tokens in "
-                f"{num_blocks} blocks); lower max_model_len or give the cache more memory", "max_model_len")
+                f"{num_blocks} blocks{self._groups_note()}); lower max_model_len or give the cache more memory",
+                "max_model_len")
         resolved = asked or min(model_max, capacity)
         if asked is None and capacity < model_max:
             logger.warning("max_model_len lowered to %d to fit the KV cache", resolved)
         return resolved
+
+    def _groups_note(self) -> str:
+        g = self.kv_groups
+        if g is None:
+            return ""
+        return (f", each of {g.num_slots} of the {len(g.layer_group)} layers, a request holding blocks in each of "
+                f"{len(g.windows)} groups: see disable_hybrid_kv_cache_manager")
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()

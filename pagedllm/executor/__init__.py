@@ -33,8 +33,8 @@ class Executor:
         return min(n for n, _ in results), results[0][1]
 
     def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
-                   disk: tuple[str, str] | None = None) -> None:
-        self.collective_rpc("init_cache", num_blocks, max_model_len, num_offload_slots, disk)
+                   disk: tuple[str, str] | None = None, kv_groups: Any = None) -> None:
+        self.collective_rpc("init_cache", num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``Worker.method(*args)`` on every rank; their results in rank order."""
@@ -102,8 +102,8 @@ class DistributedExecutor(Executor):
         return self._call_all(method, args)
 
     def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
-                   disk: tuple[str, str] | None = None) -> None:
-        super().init_cache(num_blocks, max_model_len, num_offload_slots, disk)
+                   disk: tuple[str, str] | None = None, kv_groups: Any = None) -> None:
+        super().init_cache(num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
         self._started = True
 
     def submit(self, so: SchedulerOutput) -> None:

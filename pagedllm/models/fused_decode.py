@@ -74,6 +74,7 @@ def _eligible(model: Any) -> bool:
         linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
         if (type(layer).forward is not LlamaDecoderLayer.forward or type(a).forward is not LlamaAttention.forward
                 or a.q_norm is not None or a.attn is not cpu_paged.paged_attention
+                or a.kv_group  # a local layer with a block table of its own (kv_groups)
                 or any(type(lin) not in (Int4Linear, Int8Linear, PackedLinear) for lin in linears)
                 or any(type(lin) is PackedLinear and lin.panels is None for lin in linears)
                 or any(type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32

@@ -46,6 +46,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        self.kv_group = 0  # its block tables: meta's own, or meta.groups[kv_group - 1] (set with the cache)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -63,6 +64,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        if self.kv_group:
+            meta = meta.groups[self.kv_group - 1]
         o = self.attn(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.ps.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 

@@ -26,6 +26,7 @@ class Segment:
     start: int  # position of tokens[0]
     block_ids: Sequence[int]
     split: bool
+    group_block_ids: Sequence[Sequence[int]] = ()  # the local groups' block ids (kv_groups), if any
 
 
 @dataclass(slots=True)
@@ -41,7 +42,6 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
     n_tok = sum(len(s.tokens) for s in segments)
     input_ids = np.empty(n_tok, dtype=np.int64)
     positions = np.empty(n_tok, dtype=np.int64)
-    slots = np.empty(n_tok, dtype=np.int64)
     offsets = [0]
     qsl = [0]
     seq_lens: list[int] = []
@@ -51,10 +51,7 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
         n = len(seg.tokens)
         a, b = offsets[-1], offsets[-1] + n
         input_ids[a:b] = seg.tokens
-        pos = np.arange(seg.start, seg.start + n)
-        positions[a:b] = pos
-        bids = np.asarray(seg.block_ids, dtype=np.int64)
-        slots[a:b] = bids[pos // block_size] * block_size + pos % block_size
+        positions[a:b] = np.arange(seg.start, seg.start + n)
         offsets.append(b)
         if seg.split or n == 1:
             assert num_decodes == len(seq_lens), "split segments must come first"
@@ -66,14 +63,25 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             qsl.append(b)
             seq_lens.append(seg.start + n)
             row_seg.append(i)
-    max_blocks = max(len(s.block_ids) for s in segments)
-    tables = np.zeros((len(segments), max_blocks), dtype=np.int64)
-    for i, seg in enumerate(segments):
-        tables[i, :len(seg.block_ids)] = seg.block_ids
-    if len(row_seg) != len(segments):
-        tables = tables[row_seg]
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device), block_tables=torch.from_numpy(tables).to(device),
-        seq_lens=torch.tensor(seq_lens, device=device), num_decodes=num_decodes, query_start_loc=qsl,
-        seq_lens_cpu=seq_lens, block_size=block_size)
+    seq_lens_t = torch.tensor(seq_lens, device=device)
+
+    def metadata(block_ids: list[Sequence[int]]) -> AttentionMetadata:
+        slots = np.empty(n_tok, dtype=np.int64)
+        tables = np.zeros((len(segments), max(len(ids) for ids in block_ids)), dtype=np.int64)
+        for i, ids in enumerate(block_ids):
+            a, b = offsets[i], offsets[i + 1]
+            bids = np.asarray(ids, dtype=np.int64)
+            slots[a:b] = bids[positions[a:b] // block_size] * block_size + positions[a:b] % block_size
+            tables[i, :len(ids)] = ids
+        if len(row_seg) != len(segments):
+            tables = tables[row_seg]
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(device), block_tables=torch.from_numpy(tables).to(device),
+            seq_lens=seq_lens_t, num_decodes=num_decodes, query_start_loc=qsl, seq_lens_cpu=seq_lens,
+            block_size=block_size)
+
+    meta = metadata([s.block_ids for s in segments])
+    if segments and segments[0].group_block_ids:
+        meta.groups = [metadata([s.group_block_ids[g] for s in segments])
+                       for g in range(len(segments[0].group_block_ids))]
     return Batch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta, offsets)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +49,7 @@ class _ReqState:
     spec_pause: int = 0  # length of the current back-off, in steps
     spec_skip: int = 0  # steps left without drafting
     lora: Any = None  # the request's LoRARequest, or None
+    group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' tables (kv_groups)
 
     @property
     def lora_int_id(self) -> int:
@@ -94,12 +95,14 @@ class ModelRunner:
             self.states[new.req_id] = _ReqState(
                 new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
                 new.sampling_params, self._seed_for(new.req_id, new.sampling_params), new.num_computed_tokens,
-                lora=new.lora_request)
+                lora=new.lora_request, group_block_ids=[list(ids) for ids in new.group_block_ids])
             if self.proposer is not None:
                 self.proposer.add(new.req_id, new.num_computed_tokens)
         for c in so.cached_reqs:
             st = self.states[c.req_id]
             st.block_ids.extend(c.new_block_ids)
+            for ids, new_ids in zip(st.group_block_ids, c.new_group_block_ids):
+                ids.extend(new_ids)
             st.num_computed_tokens = c.num_computed_tokens
 
     def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
@@ -135,7 +138,8 @@ class ModelRunner:
         if so.blocks_to_copy:  # copy-on-write for n>1 siblings, before anything writes this step
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=self.device)
-            for cache in self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else []):
+            caches = self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else [])
+            for cache in {c.data_ptr(): c for c in caches}.values():  # layers of different groups share a tensor
                 copy_blocks(cache, src, dst)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
@@ -155,7 +159,7 @@ class ModelRunner:
             row_starts.append(start)
             tokens = st.token_ids[start:start + num[rid] - len(drafts)]
             segments.append(Segment(tokens + drafts if drafts else tokens, start, st.block_ids,
-                                    split=bool(drafts)))
+                                    split=bool(drafts), group_block_ids=st.group_block_ids))
         batch = build_batch(segments, self.block_size, self.device)
         step_lora = contextlib.nullcontext()
         if with_lora:

@@ -86,23 +86,35 @@ class Worker:
         return torch.Size([len(m.layers), 2, self.config.cache_config.block_size, *m.kv_cache_shape_per_layer]), \
             self.kv_cache_dtype
 
+    def layer_windows(self) -> list[int | None]:
+        """Each of this rank's layers' sliding window (None: full attention)."""
+        return [layer.self_attn.sliding_window for layer in self.model.layers]
+
     def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
-                   disk: tuple[str, str] | None = None) -> None:
+                   disk: tuple[str, str] | None = None, kv_groups: Any = None) -> None:
         """Allocate the KV cache (``num_blocks``, the smallest any rank allows) and, with an offload tier, its
         RAM pool of ``num_offload_slots`` blocks, and with a disk tier its (path, model fingerprint); build the
-        runner."""
+        runner. With ``kv_groups`` (:class:`~pagedllm.core.kv_groups.KVGroups`) a block holds one group's layers:
+        a cache tensor per slot, shared by the layers of every group in that slot."""
         with timed_stage(self.stages, "kv_cache"):
-            self._init_cache(num_blocks, max_model_len, num_offload_slots, disk)
+            self._init_cache(num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
 
     def _init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int,
-                    disk: tuple[str, str] | None) -> None:
+                    disk: tuple[str, str] | None, kv_groups: Any) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
-        caches = [kv_cache.allocate_kv_caches(len(m.layers), num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
+        caches = [kv_cache.allocate_kv_caches(len(m.layers) if kv_groups is None else kv_groups.num_slots,
+                                              num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
                                               self.kv_cache_dtype, self.device, prefault=cc.kv_cache_prefault)
                   for m in self._kv_models()]
+        per_block = self.per_block
+        if kv_groups is not None:
+            slots, caches[0] = caches[0], [caches[0][s] for s in kv_groups.layer_slot]
+            for layer, group in zip(self.model.layers, kv_groups.layer_group):
+                layer.self_attn.kv_group = group
+            per_block = per_block * len(slots) // len(caches[0])
         if self.ps.rank == 0:
             logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s%s%s); max_model_len %d; max concurrency %.1fx",
-                        num_blocks, cc.block_size, num_blocks * self.per_block / 2**30, self.kv_cache_dtype,
+                        num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.kv_cache_dtype,
                         ", prefaulted" if cc.kv_cache_prefault and self.device.type == "cpu" else "",
                         f", per rank of {self.ps.world_size}" if self.ps.world_size > 1 else "", max_model_len,
                         num_blocks * cc.block_size / max_model_len)
