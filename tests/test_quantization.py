@@ -65,7 +65,9 @@ def test_int8_with_a_scale_per_16_matches_its_reference(rows, k):
     assert lin.scales_per_group == 2 and "group 16" in repr(lin)
     torch.testing.assert_close(lin.dequantized()[0], w, rtol=1e-6, atol=1e-6)  # q * scale + min may be one FMA
     exact = Int8Linear(q, scales, torch.zeros_like(mins), None)  # Q6_K has no mins: its very values
-    assert torch.equal(exact.dequantized()[0], (q.float().view(n, k // 16, 16) * scales[..., None]).view(n, k))
+    assert exact.mins is None  # all 0: not kept
+    w0 = (q.float().view(n, k // 16, 16) * scales[..., None]).view(n, k)
+    assert torch.equal(exact.dequantized()[0], w0)
     x = torch.randn(rows, k, generator=g)
     if rows:
         x[rows // 2, k - 1] = float("nan")  # in the last group of a row
@@ -75,6 +77,7 @@ def test_int8_with_a_scale_per_16_matches_its_reference(rows, k):
     assert nan_rows.tolist() == [i == rows // 2 for i in range(rows)] and torch.isnan(y[nan_rows]).all()
     finite = ~nan_rows
     torch.testing.assert_close(y[finite], x[finite] @ w.t(), rtol=1e-5, atol=5e-4)  # sums of ~K unit terms
+    torch.testing.assert_close(exact(x[finite]), x[finite] @ w0.t(), rtol=1e-5, atol=5e-4)
     with pytest.raises(ValueError, match="scale per 16"):
         Int8Linear(q, scales, mins, None, int8_activations=True)
 
@@ -107,6 +110,15 @@ def test_int8_activation_kernels_match_rounded_reference(rows, k, bits):
     y = (kern.int4_matmul_a8 if bits == 4 else kern.int8_matmul_a8)(x, *blocks)
     assert y.shape == (rows, 37)
     torch.testing.assert_close(y, xr @ wd.T, rtol=1e-5, atol=5e-4)
+    # no mins (NULL: all 0, as GGUF's Q8_0 has them): the scaled dots alone, in every kernel
+    q_w, scales, _ = blocks
+    wd0 = (kern.int4_dequantize if bits == 4 else kern.int8_dequantize)(q_w, scales, None)
+    assert torch.equal(wd0, (kern.int4_dequantize if bits == 4 else kern.int8_dequantize)(q_w, scales,
+                                                                                     torch.zeros_like(scales)))
+    torch.testing.assert_close((kern.int4_matmul_a8 if bits == 4 else kern.int8_matmul_a8)(x, q_w, scales, None),
+                               xr @ wd0.T, rtol=1e-5, atol=5e-4)
+    torch.testing.assert_close((kern.int4_matmul if bits == 4 else kern.int8_matmul)(x, q_w, scales, None),
+                               x @ wd0.T, rtol=1e-5, atol=5e-4)
 
 
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])

@@ -188,7 +188,7 @@ class Kernels:
     def _quant_matmul(fn, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       mins: torch.Tensor) -> torch.Tensor:
         y = x.new_empty(x.shape[0], qweight.shape[0])
-        fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(), x.shape[0],
+        fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), y.data_ptr(), x.shape[0],
            qweight.shape[0], x.shape[1])
         return y
 
@@ -210,8 +210,13 @@ class Kernels:
         """Into ``out`` (float32, at least N * K elements, contiguous) when given, else a new tensor."""
         n = qweight.shape[0]
         w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[:n * k].view(n, k)
-        fn(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), w.data_ptr(), n, k)
+        fn(qweight.data_ptr(), scales.data_ptr(), _ptr(mins), w.data_ptr(), n, k)
         return w
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address; None (NULL) for none: the quantized kernels' all-zero mins."""
+    return None if t is None else t.data_ptr()
 
 
 _BUILD_LOCK = threading.Lock()

@@ -12,6 +12,7 @@
  * int8 layout: W[n, k] = q[n, k] * scale[n, g] + min[n, g] with g = k / 32, q in
  * -128..127: GGUF's Q8_0 is min = 0, and Q4_0 / Q4_1 widen into it exactly.
  * int8 with a scale per 16 (the *_g16 entry points, GGUF's Q6_K): scale[n, k / 16], min[n, k / 32].
+ * mins may be NULL: every min 0 (GGUF's Q8_0 / Q5_0 / Q6_K), neither stored nor added.
  *
  * Rows n are split across OpenMP threads; the library is linked against the
  * libgomp PyTorch already loaded, so both share one thread pool.
@@ -114,10 +115,10 @@ static inline __m256 half_dot(const __m256 w[4], const float *xg, int h) {
 static inline void quant_matmul(int bits, int sg, const float *x, const uint8_t *qw, const float *scales,
                                 const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
-    float *xsum = group_sums(x, M, K);
+    float *xsum = mins ? group_sums(x, M, K) : NULL;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const float *sc = scales + n * G * sg, *mn = mins + n * G;
+        const float *sc = scales + n * G * sg, *mn = mins ? mins + n * G : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {  /* up to 4 rows of x share each unpacked group */
             const int64_t mc = M - m0 < 4 ? M - m0 : 4;
             float dot[4] = {0.f, 0.f, 0.f, 0.f};
@@ -175,7 +176,7 @@ static inline void quant_matmul(int bits, int sg, const float *x, const uint8_t 
             }
 #endif
             for (int64_t i = 0; i < mc; i++) {
-                y[(m0 + i) * N + n] = dot[i] + dot_f32(mn, xsum + (m0 + i) * G, G);
+                y[(m0 + i) * N + n] = mn ? dot[i] + dot_f32(mn, xsum + (m0 + i) * G, G) : dot[i];
             }
         }
     }
@@ -205,7 +206,7 @@ static inline void quant_dequantize(int bits, int sg, const uint8_t *qw, const f
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t g = 0; g < G; g++) {
-            const float *s = scales + (n * G + g) * sg, mn = mins[n * G + g];
+            const float *s = scales + (n * G + g) * sg, mn = mins ? mins[n * G + g] : 0.f;
             float *o = w + n * K + g * GROUP;
 #ifdef __AVX2__
             __m256 q[4];
@@ -367,7 +368,7 @@ static inline __attribute__((always_inline)) void a8_rows(
             t += (float)dot * (sc[g] * dx[row + g]);
         }
 #endif
-        y[(m0 + i) * N + n] = t + dot_f32(mn, xsum + row, G);
+        y[(m0 + i) * N + n] = mn ? t + dot_f32(mn, xsum + row, G) : t;
     }
 }
 
@@ -383,7 +384,7 @@ static void quant_matmul_a8(int bits, const float *x, const uint8_t *qw, const f
         for (int64_t m0 = 0; m0 < M; m0 += A8_ROWS) {
             const int64_t mc = M - m0 < A8_ROWS ? M - m0 : A8_ROWS;
             for (int64_t n = n0; n < n1; n++) {
-                const float *sc = scales + n * G, *mn = mins + n * G;
+                const float *sc = scales + n * G, *mn = mins ? mins + n * G : NULL;
                 switch (mc) {  /* a constant row count each: the loops over rows unroll */
                     case 4: a8_rows(bits, 4, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
                     case 3: a8_rows(bits, 3, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;

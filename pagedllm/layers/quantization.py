@@ -92,7 +92,8 @@ def _scratch(numel: int) -> torch.Tensor:
 
 class _QuantLinear(nn.Module):
     """Shared by the int8 and int4 linears: q [N, K * bits / 8], scales and mins [N, K/32], optional bias.
-    int8 weights may carry a scale per 16 instead (scales [N, K/16], GGUF's Q6_K), with float32 activations."""
+    int8 weights may carry a scale per 16 instead (scales [N, K/16], GGUF's Q6_K), with float32 activations.
+    Mins that are all 0 (GGUF's Q8_0 / Q5_0 / Q6_K) are not kept (``mins`` None): a bit less a weight."""
 
     bits: int
 
@@ -107,7 +108,7 @@ class _QuantLinear(nn.Module):
             raise ValueError(f"quantized linears need in_features divisible by {GROUP}, got {self.in_features}")
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)
         self.register_buffer("scales", scales.float().contiguous(), persistent=False)
-        self.register_buffer("mins", mins.float().contiguous(), persistent=False)
+        self.register_buffer("mins", mins.float().contiguous() if mins.any() else None, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.int8_activations = int8_activations
         self.scales_per_group = scales.shape[1] * GROUP // self.in_features
@@ -320,7 +321,8 @@ class QuantizedEmbedding(nn.Module):
         ids = input_ids.reshape(-1)
         scales = self.scales.index_select(0, ids)
         rows = self.q.index_select(0, ids).float().view(ids.shape[0], scales.shape[1], -1).mul_(scales[..., None])
-        rows = rows.view(ids.shape[0], -1, GROUP).add_(self.mins.index_select(0, ids)[..., None])
+        if self.mins is not None:
+            rows = rows.view(ids.shape[0], -1, GROUP).add_(self.mins.index_select(0, ids)[..., None])
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
