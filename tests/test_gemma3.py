@@ -180,7 +180,7 @@ def _resident_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def test_gemma3_gguf_under_int4_holds_at_most_1_3_times_the_file(gemma_gguf):
+def test_gemma3_gguf_under_int4_holds_barely_more_than_the_file(gemma_gguf):
     llm = LLM(gemma_gguf, quantization="int4", max_model_len=256, num_gpu_blocks_override=128)
     net = llm.llm_engine.core.runner.model
     assert _resident_bytes(net) < 1.1 * os.path.getsize(gemma_gguf)  # 1.04x: int4 layers, the int8 head once

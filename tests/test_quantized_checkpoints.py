@@ -236,6 +236,35 @@ def test_quantized_layers_are_built_from_their_blocks_without_a_float32_copy(che
         assert len(dequantized) == 7 * len(model.layers)
 
 
+@pytest.mark.parametrize("scheme", ["awq", "gptq4_act_order"])
+def test_projections_with_a_bias_take_their_blocks_and_load_the_bias(tiny_model_factory, tmp_path, monkeypatch,
+                                                                      scheme):
+    """Qwen2's q/k/v have biases: the fused projection takes its blocks before any weight is read (nothing is
+    dequantized) and the checkpoint's biases then load into it; tokens and logprobs as the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model_loader import zero_point
+
+    src = tiny_model_factory("qwen2", hidden_size=128, intermediate_size=256)
+    _write(src, tmp_path / "q", tmp_path / "ref", scheme)
+    real = zero_point.ZeroPointCheckpoint.dequantize
+    dequantized = []
+    monkeypatch.setattr(zero_point.ZeroPointCheckpoint, "dequantize",
+                        lambda self, t: dequantized.append(1) or real(self, t))
+    llm = LLM(str(tmp_path / "q"), max_model_len=256, num_gpu_blocks_override=64)
+    qkv = llm.llm_engine.executor.worker.model.layers[0].self_attn.qkv_proj
+    assert dequantized == [] and qkv.bias is not None and not isinstance(qkv, torch.nn.Linear)
+    ref_bias = load_file(str(tmp_path / "ref" / "model.safetensors"))["model.layers.0.self_attn.k_proj.bias"]
+    a = llm.llm_engine.executor.worker.model.layers[0].self_attn
+    assert torch.equal(qkv.bias[a.q_size:a.q_size + a.kv_size], ref_bias.float())
+    prompts = [[5, 17, 300, 4000, 12, 9, 77], [1000 + i for i in range(40)]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref = hf_greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32), prompts, 16, 5)
+    check_greedy_close(ref, [o.outputs[0] for o in ours], topk=5, logprob_atol=1e-4, min_exact_fraction=0.9,
+                       names=("transformers on the dequantized weights", f"pagedllm on {scheme}"))
+
+
 def test_unsupported_awq_layouts_are_refused(awq_dirs, tmp_path):
     bad = tmp_path / "gemv"
     shutil.copytree(awq_dirs[0], bad)

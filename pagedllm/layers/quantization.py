@@ -90,6 +90,12 @@ def _scratch(numel: int) -> torch.Tensor:
     return buf
 
 
+def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
+    """A quantized layer's float32 bias, a parameter by the float layer's name: a checkpoint's bias loads into it
+    after the layer took its block."""
+    return None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+
 class _QuantLinear(nn.Module):
     """Shared by the int8 and int4 linears: q [N, K * bits / 8], scales and mins [N, K/32], optional bias.
     int8 weights may carry a scale per 16 instead (scales [N, K/16], GGUF's Q6_K), with float32 activations.
@@ -109,7 +115,7 @@ class _QuantLinear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)
         self.register_buffer("scales", scales.float().contiguous(), persistent=False)
         self.register_buffer("mins", mins.float().contiguous() if mins.any() else None, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.bias = _bias(bias)
         self.int8_activations = int8_activations
         self.scales_per_group = scales.shape[1] * GROUP // self.in_features
         g16 = self.scales_per_group == 2
@@ -226,7 +232,7 @@ class Fp8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().reshape(-1, 1).contiguous(), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.bias = _bias(bias)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Fp8Linear":
@@ -256,12 +262,11 @@ def quantize_fp8(model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, 
                  from_float: bool = True) -> None:
     """``fp8``: each projection with an FP8 block takes it as it is; without a checkpoint's blocks (a float
     model quantized here), each is rounded per row. The logits head stays as it is. ``from_float`` False:
-    only the blocks of projections without a bias are taken (before the float weights load, which then
-    skip those projections)."""
+    only the blocks are taken (before the float weights load, which then skip those projections' weights)."""
     blocks = blocks or {}
     for module, child_name, child, full in _projections(model):
         block = blocks.get(full)
-        if _takes_block(child.weight, block) and block[0] == "fp8" and (from_float or child.bias is None):
+        if _takes_block(child.weight, block) and block[0] == "fp8":
             setattr(module, child_name, Fp8Linear(*block[1], child.bias))
         elif from_float and not checkpoint:
             setattr(module, child_name, Fp8Linear.from_float(child.weight, child.bias))
@@ -283,14 +288,15 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
     or "int8". They are used instead of rounding the float weights again: as they
     are, or int4 widened to int8; only int8 blocks under ``int4`` are rounded.
     The head is int8 in both modes. ``from_float`` False: only the layers that take
-    their block (and have no bias to load) are replaced, before the float weights
-    load, which then skip them; a second call with True does the rest.
+    their block are replaced, before the float weights load, which then skip their
+    weights (a bias still loads, into the new layer); a second call with True does
+    the rest.
     """
     blocks = blocks or {}
     a8 = method == "w4a8"
     bits = "int8" if method == "int8" else "int4"
     for module, child_name, child, full in _projections(model):
-        if from_float or (child.bias is None and _uses_block(child.weight, bits, blocks.get(full), a8)):
+        if from_float or _uses_block(child.weight, bits, blocks.get(full), a8):
             setattr(module, child_name, _quantized(child.weight, child.bias, bits, blocks.get(full), full, a8))
     if model.lm_head is not None and not isinstance(model.lm_head, nn.Linear):
         return  # taken from its block already
@@ -369,6 +375,7 @@ class InputPermuted(nn.Module):
 
     def __init__(self, inner: nn.Module, order: torch.Tensor):
         super().__init__()
+        self.bias = inner.bias  # the inner layer's own parameter, under the float layer's name, for loading
         self.inner = inner
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.register_buffer("order", order.long().contiguous(), persistent=False)
