@@ -386,3 +386,23 @@ assert all(float(c.abs().max()) == 0 for c in caches), "the KV cache holds garba
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_sliding_window_groups_leave_seeded_n_gt_1_sampling_and_preemption_unchanged(tiny_model_factory):
+    """Tiny Gemma 3 (a local layer with a 32-token window beside a global one): n=3 siblings forked off each
+    prompt (a copy of the last block in each group), seeded sampling, prompts past the window and preemptions,
+    with the local layer's own block tables and without them: the same tokens, and every block back."""
+    model = str(tiny_model_factory("gemma3"))
+    prompts = [{"prompt_token_ids": [(i * 37 + j) % 4000 + 10 for j in range(n)]} for i, n in enumerate([5, 90, 140, 33])]
+    params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, n=3, seed=7)
+    outs = {}
+    for hybrid, num_blocks in ((True, 64), (False, 40)):  # a hybrid block holds one of the two layers: less memory
+        llm = LLM(model, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=64,
+                  disable_hybrid_kv_cache_manager=not hybrid)
+        assert (llm.llm_engine.kv_groups is not None) == hybrid
+        outs[hybrid] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        sched = llm.llm_engine.core.scheduler
+        assert sched.num_preemptions > 0
+        sched.check_invariants()
+        assert sched.kv.pool.num_free_blocks == num_blocks
+    assert outs[True] == outs[False]
