@@ -106,18 +106,21 @@ class Worker:
                                               num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
                                               self.kv_cache_dtype, self.device, prefault=cc.kv_cache_prefault)
                   for m in self._kv_models()]
-        per_block = self.per_block
+        per_block, full_requests = self.per_block, num_blocks * cc.block_size / max_model_len
         if kv_groups is not None:
             slots, caches[0] = caches[0], [caches[0][s] for s in kv_groups.layer_slot]
             for layer, group in zip(self.model.layers, kv_groups.layer_group):
                 layer.self_attn.kv_group = group
             per_block = per_block * len(slots) // len(caches[0])
+            sc = self.config.scheduler_config  # requests of max_model_len tokens, each holding blocks in every group
+            full_requests = num_blocks / kv_groups.blocks_for(
+                max_model_len, cc.block_size, sc.max_num_batched_tokens if sc.enable_chunked_prefill else None)
         if self.ps.rank == 0:
             logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s%s%s); max_model_len %d; max concurrency %.1fx",
                         num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.kv_cache_dtype,
                         ", prefaulted" if cc.kv_cache_prefault and self.device.type == "cpu" else "",
                         f", per rank of {self.ps.world_size}" if self.ps.world_size > 1 else "", max_model_len,
-                        num_blocks * cc.block_size / max_model_len)
+                        full_requests)
         spec = self.config.speculative_config
         proposer = None
         if spec is not None and self.ps.is_driver:
