@@ -252,6 +252,37 @@ def _random_decode_batch(seed: int, nd: int, heads: int, kv_heads: int, head_dim
     return q, cache, meta
 
 
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_prefill_after_a_cached_context_reads_only_its_window(window):
+    """A prefill chunk of 10 queries after 50 cached tokens (blocks of 8, in a shuffled table): dense causal
+    attention within the window. The blocks wholly behind the first query's window hold NaN, as a freed block
+    of a sliding-window layer may hold anything: reading them at all would show."""
+    from pagedllm.attention import torch_ref
+
+    g = torch.Generator().manual_seed(0)
+    bs, ctx, n, h, kvh, d = 8, 50, 10, 4, 2, 16
+    k_all, v_all = torch.randn(ctx + n, kvh, d, generator=g), torch.randn(ctx + n, kvh, d, generator=g)
+    q = torch.randn(n, h, d, generator=g)
+    nb = -(-(ctx + n) // bs)
+    table = torch.randperm(nb + 3, generator=g)[:nb]
+    cache = torch.zeros(2, nb + 3, bs, kvh, d)
+    for p in range(ctx):  # the cached context; the chunk's own K/V are written by the call
+        cache[0, table[p // bs], p % bs], cache[1, table[p // bs], p % bs] = k_all[p], v_all[p]
+    if window is not None:
+        for j in range(max(0, ctx - window + 1) // bs):
+            cache[:, table[j]] = float("nan")
+    pos = torch.arange(ctx, ctx + n)
+    slots = table[pos // bs] * bs + pos % bs
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=table[None], seq_lens=torch.tensor([ctx + n]),
+                             num_decodes=0, query_start_loc=[0, n], seq_lens_cpu=[ctx + n], block_size=bs)
+    out = torch_ref.paged_attention(q, k_all[ctx:], v_all[ctx:], cache, meta, 0.25, window)
+    qp, kp = pos[:, None], torch.arange(ctx + n)[None, :]
+    mask = (kp <= qp) & ((kp > qp - window) if window else True)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all.transpose(0, 1)[None],
+                                         v_all.transpose(0, 1)[None], attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("nd", [2, 11])  # few requests: a task per kv head; many: a task per request
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)])
