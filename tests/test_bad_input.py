@@ -103,6 +103,12 @@ def test_max_model_len_larger_than_kv_cache_is_refused(tiny_llama_dir):
         LLM(model=tiny_llama_dir, max_model_len=512, num_gpu_blocks_override=4)
 
 
+def test_a_kv_cache_larger_than_the_machine_maps_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(InvalidParameterError, match="could not be allocated.*lower kv_cache_memory") as e:
+        LLM(model=tiny_llama_dir, kv_cache_memory=10**30)
+    assert e.value.param == "kv_cache_memory"
+
+
 def test_unsupported_architecture_lists_supported_ones(tiny_llama_dir, tmp_path):
     import json
     import shutil

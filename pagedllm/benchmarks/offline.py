@@ -147,8 +147,7 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict
     spec = spec_report(llm)
     grammar = grammar_report(llm) if structured else None
     comm = comm_report(llm)
-    core = llm.llm_engine.core
-    preemptions = core.scheduler.num_preemptions
+    preemptions = llm.llm_engine.core.scheduler.num_preemptions
     llm.llm_engine.shutdown()
     del llm
     gc.collect()
@@ -488,7 +487,7 @@ def _cmd_throughput(args) -> int:
             kwargs = {"model": args.model, **kwargs}
             if args.max_num_batched_tokens:
                 kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-            if args.kv_cache_memory:
+            if args.kv_cache_memory is not None:  # 0 or less: refused by the engine's config, not ignored
                 kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
             structured = None
             if name == "pagedllm_structured":

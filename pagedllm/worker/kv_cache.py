@@ -7,6 +7,7 @@ import logging
 import torch
 
 from pagedllm.config import GiB, CacheConfig
+from pagedllm.errors import InvalidParameterError
 from pagedllm.worker.loader import DTYPES
 
 logger = logging.getLogger("pagedllm")
@@ -56,13 +57,18 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and numel * itemsize >= _FRESH_MMAP_BYTES and not prefault:
-        import mmap
+    try:
+        if device.type == "cpu" and numel * itemsize >= _FRESH_MMAP_BYTES and not prefault:
+            import mmap
 
-        # the tensor keeps the mapping alive; it is unmapped when the last view goes
-        buf = torch.frombuffer(mmap.mmap(-1, numel * itemsize), dtype=torch.uint8).view(dtype).view(shape)
-    else:
-        buf = torch.zeros(shape, dtype=dtype, device=device)
+            # the tensor keeps the mapping alive; it is unmapped when the last view goes
+            buf = torch.frombuffer(mmap.mmap(-1, numel * itemsize), dtype=torch.uint8).view(dtype).view(shape)
+        else:
+            buf = torch.zeros(shape, dtype=dtype, device=device)
+    except (OSError, OverflowError, RuntimeError) as e:  # more than the machine maps or holds
+        raise InvalidParameterError(
+            f"the KV cache ({numel * itemsize / GiB:,.1f} GiB in {num_blocks} blocks) could not be allocated on "
+            f"{device} ({e}); lower kv_cache_memory (or gpu_memory_utilization)", "kv_cache_memory") from e
     return list(buf.unbind(0))
 
 
