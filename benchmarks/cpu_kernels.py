@@ -4,7 +4,8 @@
                                                  # (and PackedLinear's own GEMV for decode's few rows)
     python benchmarks/cpu_kernels.py attention   # 64 decodes of W64-like lengths: gather + SDPA vs paged kernel
     python benchmarks/cpu_kernels.py quant       # SmolLM2's projections (int4) + head (int8): float32 oneDNN vs
-                                                 # the float-activation kernels vs int8 activations (w4a8)
+                                                 # the float-activation kernels vs int8 activations (w4a8) vs
+                                                 # int16 activations (w4a16); above 16 rows the integer GEMM
 
 Times are the best of several repeats (this machine is noisy); ratios are what to read.
 """
@@ -88,7 +89,7 @@ def bench_attention(num_decodes: int, block_size: int = 16, heads: int = 9, kv_h
 
 def bench_quant(rows: list[int]) -> None:
     """Each kernel checked against its reference first: the float-activation kernels against F.linear on
-    the dequantized weights, the int8-activation ones against F.linear on the Q8_0-rounded input."""
+    the dequantized weights, the integer-activation ones against F.linear on the rounded input."""
     from pagedllm import kernels
     from pagedllm.layers.linear import PackedLinear
     from pagedllm.layers.quantization import quantize_int4, quantize_int8
@@ -98,21 +99,25 @@ def bench_quant(rows: list[int]) -> None:
     blocks = [(quantize_int8 if n == 49152 else quantize_int4)(w) for w, (n, _) in zip(weights, SHAPES)]
     float_act = [k.int8_matmul if n == 49152 else k.int4_matmul for n, _ in SHAPES]
     int8_act = [k.int8_matmul_a8 if n == 49152 else k.int4_matmul_a8 for n, _ in SHAPES]
+    int16_act = [k.int8_matmul_a16 if n == 49152 else k.int4_matmul_a16 for n, _ in SHAPES]
     dequant = [(k.int8_dequantize if n == 49152 else k.int4_dequantize)(*b) for b, (n, _) in zip(blocks, SHAPES)]
     packed = [PackedLinear(w, None) for w in weights]
     for m in rows:
         xs = [torch.randn(m, kk) for _, kk in SHAPES]
-        for x, b, wd, f, a in zip(xs, blocks, dequant, float_act, int8_act):
+        for x, b, wd, f, a, a16 in zip(xs, blocks, dequant, float_act, int8_act, int16_act):
             torch.testing.assert_close(f(x, *b), F.linear(x, wd), rtol=1e-4, atol=1e-3)
-            torch.testing.assert_close(a(x, *b), F.linear(k.round_activations_q8(x), wd), rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(a(x, *b), F.linear(k.round_activations(x, 8), wd), rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(a16(x, *b), F.linear(k.round_activations(x, 16), wd), rtol=1e-4, atol=1e-3)
         reps = max(1, int(300 / (m + 10)))
         gb = sum(b[0].numel() + 2 * b[1].numel() * 4 for b in blocks) / 1e9
         f32 = _best(lambda: [p(x) for p, x in zip(packed, xs)], reps)
         fa = _best(lambda: [f(x, *b) for f, x, b in zip(float_act, xs, blocks)], reps)
         a8 = _best(lambda: [a(x, *b) for a, x, b in zip(int8_act, xs, blocks)], reps)
+        a16 = _best(lambda: [a(x, *b) for a, x, b in zip(int16_act, xs, blocks)], reps)
         print(f"rows {m:4d}: float32 oneDNN {f32 * 1e3:7.2f} ms   int4/int8 float activations {fa * 1e3:7.2f} ms "
               f"({f32 / fa:.2f}x)   int8 activations {a8 * 1e3:7.2f} ms ({f32 / a8:.2f}x, {fa / a8:.2f}x the "
-              f"float-activation kernels; {gb / a8:.1f} GB/s of weights)")
+              f"float-activation kernels; {gb / a8:.1f} GB/s of weights)   int16 activations {a16 * 1e3:7.2f} ms "
+              f"({f32 / a16:.2f}x)")
 
 
 def main() -> None:

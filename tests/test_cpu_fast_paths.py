@@ -159,7 +159,8 @@ def _greedy_varied(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
 
 
 @pytest.mark.parametrize("name,method", [("llama", "int4"), ("qwen2", "w4a8"), ("mistral", "int8"),
-                                         ("llama", "w4a8"), ("qwen2", None), ("mistral", None)])
+                                         ("llama", "w4a8"), ("mistral", "w4a16"), ("qwen2", None),
+                                         ("mistral", None)])
 # biases (qwen2), a sliding window (mistral), float32 (None: PackedLinear's own GEMV for up to 4 rows)
 def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, name, method):
     """A decode-only step of a quantized model runs its layers in one C call: the very tokens and logprobs

@@ -56,7 +56,11 @@ class Kernels:
         self._matmul8_g16, self._dequant8_g16 = lib.int8_matmul_g16, lib.int8_dequantize_g16
         self._matmul_a8, self._matmul8_a8 = lib.int4_matmul_a8, lib.int8_matmul_a8
         self._quantize_q8 = lib.quantize_activations_q8
-        self._quantize_q8.argtypes = [p, p, p, p, i64, i64]
+        self._quantize_q8.argtypes = [p, p, p, p, i64, i64, ctypes.c_int]
+        lib.a8_gemm_available.argtypes, lib.a8_gemm_available.restype = [ctypes.c_int], ctypes.c_int
+        self.a8_gemm_bits = frozenset(b for b in (4, 8) if lib.a8_gemm_available(b))
+        """Weight widths whose *_matmul_a8 / _a16 take quant_matmul.c's integer GEMM above A8_GEMM_ROWS rows
+        (any number of rows); the others must leave batches to the float32 GEMM (see _QuantLinear)."""
         self._attn = lib.paged_decode_attention
         self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
         self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -65,7 +69,7 @@ class Kernels:
         self._matmul.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._dequant.argtypes = [p, p, p, p, i64, i64]
         self._matmul8.argtypes = [p, p, p, p, p, i64, i64, i64]
-        self._matmul_a8.argtypes = self._matmul8_a8.argtypes = [p, p, p, p, p, i64, i64, i64]
+        self._matmul_a8.argtypes = self._matmul8_a8.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
         self._dequant8.argtypes = self._dequant8_g16.argtypes = [p, p, p, p, i64, i64]
         self._matmul8_g16.argtypes = [p, p, p, p, p, i64, i64, i64]
         self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
@@ -163,33 +167,47 @@ class Kernels:
                        mins: torch.Tensor) -> torch.Tensor:
         """As int4_matmul, with each row of x first rounded to int8 per group of 32 (GGUF's Q8_0: scale
         max|x| / 127); the mins multiply the groups' exact float sums. Any number of rows."""
-        return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins)
+        return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins, 1)
 
     def int8_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        mins: torch.Tensor) -> torch.Tensor:
         """As int8_matmul, with x rounded to int8 as in int4_matmul_a8."""
-        return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins)
+        return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins, 1)
 
-    def quantize_activations_q8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, K] float32 contiguous rounded as the *_a8 matmuls round it: (int8 [M, K], scales [M, K/32])."""
-        q = torch.empty(x.shape, dtype=torch.int8)
+    def int4_matmul_a16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        mins: torch.Tensor) -> torch.Tensor:
+        """As int4_matmul_a8 with x rounded to int16 per group of 32 (scale max|x| / 32512), multiplied as
+        two int8 digits."""
+        return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins, 2)
+
+    def int8_matmul_a16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        mins: torch.Tensor) -> torch.Tensor:
+        """As int8_matmul, with x rounded to int16 as in int4_matmul_a16."""
+        return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins, 2)
+
+    def quantize_activations(self, x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 contiguous rounded as the *_a8 (bits 8) or *_a16 (bits 16) matmuls round it:
+        (int8 [M, K * bits / 8]: per group of 32 its int8 values, or its high then its low base-255 digits;
+        scales [M, K/32])."""
+        digits = _digits(bits)
+        q = torch.empty(x.shape[0], x.shape[1] * digits, dtype=torch.int8)
         d = x.new_empty(x.shape[0], x.shape[1] // 32)
-        self._quantize_q8(x.data_ptr(), q.data_ptr(), d.data_ptr(), None, x.shape[0], x.shape[1])
+        self._quantize_q8(x.data_ptr(), q.data_ptr(), d.data_ptr(), None, x.shape[0], x.shape[1], digits)
         return q, d
 
-    def round_activations_q8(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous as the *_a8 matmuls see it: each group of 32 rounded to int8 and
-        scaled back (float32 [M, K])."""
+    def round_activations(self, x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+        """x [M, K] float32 contiguous as the *_a8 / *_a16 matmuls see it: each group of 32 rounded to
+        ``bits``-bit integers and scaled back (float32 [M, K])."""
         out = torch.empty_like(x)
-        self._quantize_q8(x.data_ptr(), None, None, out.data_ptr(), x.shape[0], x.shape[1])
+        self._quantize_q8(x.data_ptr(), None, None, out.data_ptr(), x.shape[0], x.shape[1], _digits(bits))
         return out
 
     @staticmethod
     def _quant_matmul(fn, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      mins: torch.Tensor) -> torch.Tensor:
+                      mins: torch.Tensor, *digits: int) -> torch.Tensor:
         y = x.new_empty(x.shape[0], qweight.shape[0])
         fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), y.data_ptr(), x.shape[0],
-           qweight.shape[0], x.shape[1])
+           qweight.shape[0], x.shape[1], *digits)
         return y
 
     def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -212,6 +230,13 @@ class Kernels:
         w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[:n * k].view(n, k)
         fn(qweight.data_ptr(), scales.data_ptr(), _ptr(mins), w.data_ptr(), n, k)
         return w
+
+
+def _digits(bits: int) -> int:
+    """Integer activations of ``bits`` bits: how many int8 digits the kernels keep of each."""
+    if bits not in (8, 16):
+        raise ValueError(f"integer activations are 8 or 16 bits, not {bits}")
+    return bits // 8
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

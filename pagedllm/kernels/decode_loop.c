@@ -16,9 +16,9 @@ void int4_matmul(const float *x, const uint8_t *qw, const float *scales, const f
 void int8_matmul(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y, int64_t M,
                  int64_t N, int64_t K);
 void int4_matmul_a8(const float *x, const uint8_t *qw, const float *scales, const float *mins, float *y,
-                    int64_t M, int64_t N, int64_t K);
+                    int64_t M, int64_t N, int64_t K, int digits);
 void int8_matmul_a8(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
-                    int64_t M, int64_t N, int64_t K);
+                    int64_t M, int64_t N, int64_t K, int digits);
 void int8_matmul_g16(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
                      int64_t M, int64_t N, int64_t K);
 void f32_matmul(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K);
@@ -32,8 +32,9 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                             const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
                             int64_t BS, float scale, int kv_dtype, const float *fp8_lut);
 
-/* one linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations, 5 int8 with a
- * scale per 16 (quant_matmul.c's q, scales, mins), 4 float32 (qweight its panels, see f32_matmul) */
+/* one linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations, 6 and 7 the
+ * same with int16 activations, 5 int8 with a scale per 16 (quant_matmul.c's q, scales, mins), 4 float32
+ * (qweight its panels, see f32_matmul) */
 typedef struct {
     const void *qweight;
     const float *scales, *mins, *bias; /* bias may be NULL */
@@ -51,8 +52,10 @@ static void linear(const QLinear *l, const float *x, float *y, int64_t T) {
     switch (l->kind) {
         case 0: int4_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
         case 1: int8_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
-        case 2: int4_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
-        case 3: int8_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
+        case 2: int4_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k, 1); break;
+        case 3: int8_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k, 1); break;
+        case 6: int4_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k, 2); break;
+        case 7: int8_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k, 2); break;
         case 5: int8_matmul_g16(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
         default: f32_matmul(x, l->qweight, y, T, l->n, l->k); break;
     }

@@ -20,6 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -248,15 +249,24 @@ void int8_dequantize_g16(const int8_t *qw, const float *scales, const float *min
  * Integer dots are exact, and a row is summed in the same order whatever the number of rows, so its
  * result does not depend on its batch. A group holding NaN or infinity gets d = NaN: its row's
  * results are NaN, as float32's would be (or infinite) and never silently finite.
+ *
+ * int16 activations (quantization "w4a16", digits = 2): a group is rounded to q in -32512..32512 with
+ * d = max|x_g| / 32512 and kept as two int8 digits, q = 255 * hi + lo (both -127..127: base 255, not 256,
+ * keeps -128 out, which the sign trick of int8 weights cannot negate), 32 bytes of hi then 32 of lo. Each
+ * digit runs through the same integer dot, and q_w . q = 255 * (q_w . hi) + q_w . lo is still exact in
+ * int32: two dot products for 16 bits, the float32 function to about 1e-5.
  */
 
-/* x [M, K] -> qx [M, K] int8, d and d * sum(q) [M, K/32]; xr (if not NULL) [M, K] = q * d */
-static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *d, float *xsum, float *xr) {
+/* x [M, K] -> qx [M, K * digits] int8 (per group: hi, then lo), d and d * sum(q) [M, K/32]; xr (if not
+ * NULL) [M, K] = q * d */
+static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int digits, int8_t *qx, float *d, float *xsum,
+                             float *xr) {
     const int64_t R = M * (K / GROUP);
+    const float qmax = digits == 2 ? 32512.f : 127.f;
 #pragma omp parallel for schedule(static) if (R > 512)
     for (int64_t r = 0; r < R; r++) {
         const float *xg = x + r * GROUP;
-        int8_t *q = qx + r * GROUP;
+        int8_t *q = qx + r * GROUP * digits;
 #ifdef __AVX2__
         __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
@@ -268,14 +278,14 @@ static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *qx, f
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         const float s = hsum(sum);
-        float dg = _mm_cvtss_f32(h) / 127.f;
+        float dg = _mm_cvtss_f32(h) / qmax;
 #else
         float amax = 0.f, s = 0.f;
         for (int j = 0; j < GROUP; j++) {
             amax = fabsf(xg[j]) > amax ? fabsf(xg[j]) : amax;
             s += xg[j];
         }
-        float dg = amax / 127.f;
+        float dg = amax / qmax;
 #endif
         if (isnan(s) || isinf(s)) dg = NAN;  /* a NaN element or an infinity (the max drops NaN) */
         const float id = dg > 0.f ? 1.f / dg : 0.f;
@@ -288,16 +298,35 @@ static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *qx, f
             if (xr) _mm256_storeu_ps(xr + r * GROUP + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(iq[i]), _mm256_set1_ps(dg)));
         }
         /* packs work within 128-bit lanes: the permute puts the 32 bytes back in element order */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)q, p);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        if (digits == 2) {
+            __m256i hi[4], lo[4];
+            for (int i = 0; i < 4; i++) {  /* hi = round(q / 255): no ties, q being an integer */
+                hi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(iq[i]), _mm256_set1_ps(1.f / 255)));
+                lo[i] = _mm256_sub_epi32(iq[i], _mm256_mullo_epi32(hi[i], _mm256_set1_epi32(255)));
+            }
+            const __m256i ph = _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3]));
+            const __m256i pl = _mm256_packs_epi16(_mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3]));
+            _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(ph, order));
+            _mm256_storeu_si256((__m256i *)(q + GROUP), _mm256_permutevar8x32_epi32(pl, order));
+        } else {
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
+            _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, order));
+        }
         xsum[r] = dg * hsum(_mm256_cvtepi32_ps(isum));
 #else
         int32_t isum = 0;
         for (int j = 0; j < GROUP; j++) {
-            q[j] = (int8_t)lrintf(xg[j] * id);
-            isum += q[j];
-            if (xr) xr[r * GROUP + j] = (float)q[j] * dg;
+            const int32_t v = (int32_t)lrintf(xg[j] * id);
+            if (digits == 2) {
+                const int32_t hi = (int32_t)lrintf((float)v * (1.f / 255));
+                q[j] = (int8_t)hi;
+                q[GROUP + j] = (int8_t)(v - 255 * hi);
+            } else {
+                q[j] = (int8_t)v;
+            }
+            isum += v;
+            if (xr) xr[r * GROUP + j] = (float)v * dg;
         }
         xsum[r] = dg * (float)isum;
 #endif
@@ -314,12 +343,25 @@ static inline __m256i load_group_i8(const uint8_t *qw, int bits, int64_t n, int6
     return _mm256_loadu_si256((const __m256i *)(qw + n * K + g * GROUP));
 }
 
-/* the 32 products of one group summed in eight int32 lanes, as floats */
-static inline __m256 group_dot_i8(int bits, __m256i w, const int8_t *xg) {
+/* the 32 products of one group with one digit of x summed in eight int32 lanes */
+static inline __m256i digit_dot(int bits, __m256i w, const int8_t *xg) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)xg);
-    const __m256i p = bits == 4 ? _mm256_maddubs_epi16(w, xv)
-                                : _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    const __m256i u = bits == 4 ? w : _mm256_abs_epi8(w), v = bits == 4 ? xv : _mm256_sign_epi8(xv, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
+
+/* the group's dot with x's digits (one, or hi and lo: 255 * hi + lo), as eight float lanes */
+static inline __m256 group_dot_i8(int bits, int digits, __m256i w, const int8_t *xg) {
+    __m256i t = digit_dot(bits, w, xg);
+    if (digits == 2)
+        t = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(t, 8), t), digit_dot(bits, w, xg + GROUP));
+    return _mm256_cvtepi32_ps(t);
 }
 #endif
 
@@ -328,7 +370,7 @@ static inline __m256 group_dot_i8(int bits, __m256i w, const int8_t *xg) {
 
 /* rows m0 .. m0+mc of y for weight row n; two chains (even and odd groups) per row */
 static inline __attribute__((always_inline)) void a8_rows(
-        int bits, int mc, const int8_t *qx, const float *dx, const float *xsum, const uint8_t *qw,
+        int bits, int digits, int mc, const int8_t *qx, const float *dx, const float *xsum, const uint8_t *qw,
         const float *sc, const float *mn, float *y, int64_t m0, int64_t n, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
 #ifdef __AVX2__
@@ -339,8 +381,9 @@ static inline __attribute__((always_inline)) void a8_rows(
         const __m256i w0 = load_group_i8(qw, bits, n, g, K), w1 = load_group_i8(qw, bits, n, g + 1, K);
         for (int i = 0; i < mc; i++) {
             const int64_t r = (m0 + i) * G + g;
-            acc0[i] = _mm256_fmadd_ps(group_dot_i8(bits, w0, qx + r * GROUP), _mm256_set1_ps(sc[g] * dx[r]), acc0[i]);
-            acc1[i] = _mm256_fmadd_ps(group_dot_i8(bits, w1, qx + (r + 1) * GROUP),
+            acc0[i] = _mm256_fmadd_ps(group_dot_i8(bits, digits, w0, qx + r * GROUP * digits),
+                                      _mm256_set1_ps(sc[g] * dx[r]), acc0[i]);
+            acc1[i] = _mm256_fmadd_ps(group_dot_i8(bits, digits, w1, qx + (r + 1) * GROUP * digits),
                                       _mm256_set1_ps(sc[g + 1] * dx[r + 1]), acc1[i]);
         }
     }
@@ -348,7 +391,8 @@ static inline __attribute__((always_inline)) void a8_rows(
         const __m256i w0 = load_group_i8(qw, bits, n, g, K);
         for (int i = 0; i < mc; i++) {
             const int64_t r = (m0 + i) * G + g;
-            acc0[i] = _mm256_fmadd_ps(group_dot_i8(bits, w0, qx + r * GROUP), _mm256_set1_ps(sc[g] * dx[r]), acc0[i]);
+            acc0[i] = _mm256_fmadd_ps(group_dot_i8(bits, digits, w0, qx + r * GROUP * digits),
+                                      _mm256_set1_ps(sc[g] * dx[r]), acc0[i]);
         }
     }
 #endif
@@ -360,10 +404,11 @@ static inline __attribute__((always_inline)) void a8_rows(
         float t = 0.f;
         for (int64_t g = 0; g < G; g++) {
             int32_t dot = 0;
+            const int8_t *xg = qx + (row + g) * GROUP * digits;
             for (int j = 0; j < GROUP; j++) {
                 const int32_t wq = bits == 4 ? (qw[n * (K / 2) + g * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
                                              : (int8_t)qw[n * K + g * GROUP + j];
-                dot += wq * qx[(row + g) * GROUP + j];
+                dot += wq * (digits == 2 ? 255 * xg[j] + xg[GROUP + j] : xg[j]);
             }
             t += (float)dot * (sc[g] * dx[row + g]);
         }
@@ -372,12 +417,243 @@ static inline __attribute__((always_inline)) void a8_rows(
     }
 }
 
-static void quant_matmul_a8(int bits, const float *x, const uint8_t *qw, const float *scales, const float *mins,
-                            float *y, int64_t M, int64_t N, int64_t K) {
+/* ---- int8 activations, many rows: a register-blocked integer GEMM -----------------------------------
+ * Above A8_GEMM_ROWS rows (prefill, batched decode) the rows of x are rounded as above and multiplied
+ * through a GEMM that keeps the products in integers, as llama.cpp's repacked Q4_0 GEMMs do. A thread
+ * takes PANELS panels of PW weight rows (PW = 16 with AVX-512, else 8) and repacks them once per call into
+ * its own buffer: for each group, 8 vectors, vector c holding elements 4c..4c+3 of each of the panel's
+ * rows (one row a 32-bit lane; 4-bit values widened to bytes 0..15). One multiply-add of 4-byte dots
+ * (VNNI's vpdpbusd, or AVX2's maddubs + madd) then takes each lane's 4 weights times 4 bytes of x
+ * broadcast to every lane: PW outputs at once, no horizontal sum. A group's int32 dots are scaled once:
+ *   y[m, n] += scale[n, g] * d[m, g] * dot + min[n, g] * d[m, g] * sum(q_x)
+ * in group order, one chain per output, so a row's result does not depend on the other rows of its
+ * batch (it may differ from the few-row kernel's above in the last bits: another summation order).
+ * vpdpbusd multiplies unsigned by signed bytes: the weights are the unsigned side, int8 ones packed as
+ * q_w + 128 (0..255), and 128 * sum(q_x) of each group then comes off the dot. Without VNNI, maddubs sums
+ * those products in pairs into int16, which 2 * 255 * 127 would overflow: int8 weights keep the float
+ * GEMM there (a8_gemm_available). */
+#define A8_GEMM_ROWS 3  /* more rows than this take the GEMM (measured faster from 4 rows on) */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define A8_VNNI 1
+#define PW 16
+#define GM 4
+#define NPB 2  /* panels in a register block: GM x NPB int32 and float accumulators of 32 registers */
+typedef __m512i vi_t;
+typedef __m512 vf_t;
+#define vi_zero() _mm512_setzero_si512()
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_set1(b) _mm512_set1_epi32(b)
+#define vi_sub(a, b) _mm512_sub_epi32(a, b)
+#define vi_slli(a, n) _mm512_slli_epi32(a, n)
+#define vdp(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define vf_zero() _mm512_setzero_ps()
+#define vf_load(p) _mm512_loadu_ps(p)
+#define vf_store(p, v) _mm512_storeu_ps(p, v)
+#define vf_set1(x) _mm512_set1_ps(x)
+#define vf_mul(a, b) _mm512_mul_ps(a, b)
+#define vf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_cvt(a) _mm512_cvtepi32_ps(a)
+#elif defined(__AVX2__)
+#if defined(__AVXVNNI__)
+#define A8_VNNI 1
+#define vdp(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define vdp(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#endif
+#define PW 8
+#define GM 4
+#define NPB 1  /* 16 registers */
+typedef __m256i vi_t;
+typedef __m256 vf_t;
+#define vi_zero() _mm256_setzero_si256()
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_set1(b) _mm256_set1_epi32(b)
+#define vi_sub(a, b) _mm256_sub_epi32(a, b)
+#define vi_slli(a, n) _mm256_slli_epi32(a, n)
+#define vf_zero() _mm256_setzero_ps()
+#define vf_load(p) _mm256_loadu_ps(p)
+#define vf_store(p, v) _mm256_storeu_ps(p, v)
+#define vf_set1(x) _mm256_set1_ps(x)
+#define vf_mul(a, b) _mm256_mul_ps(a, b)
+#define vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vf_cvt(a) _mm256_cvtepi32_ps(a)
+#endif
+#define PANELS 4  /* panels a thread packs and then sweeps over every row block (a multiple of NPB) */
+
+int a8_gemm_available(int bits) {
+#if defined(A8_VNNI)
+    return 1;
+#elif defined(__AVX2__)
+    return bits == 4;
+#else
+    (void)bits;
+    return 0;
+#endif
+}
+
+#ifdef __AVX2__
+/* Rows n0 .. n0+7 (past N: zero weights, scales and mins) into a panel's lanes h*8 .. h*8+7: w [G][8][PW]
+ * 32-bit lanes of unsigned bytes (int8 weights plus 128), sc / mn [G][PW] floats. */
+static void pack_rows8(int bits, const uint8_t *qw, const float *scales, const float *mins, int64_t n0, int h,
+                       int64_t N, int64_t K, uint8_t *w, float *sc, float *mn) {
     const int64_t G = K / GROUP;
-    int8_t *qx = malloc(M * K + 32);
+    for (int64_t g = 0; g < G; g++) {
+        __m256i r[8];
+        for (int j = 0; j < 8; j++) {
+            const int64_t n = n0 + j, at = g * PW + h * 8 + j;
+            r[j] = n < N ? load_group_i8(qw, bits, n, g, K) : _mm256_setzero_si256();
+            if (bits == 8) r[j] = _mm256_xor_si256(r[j], _mm256_set1_epi8((char)0x80));  /* q + 128 */
+            sc[at] = n < N ? scales[n * G + g] : 0.f;
+            mn[at] = n < N && mins ? mins[n * G + g] : 0.f;
+        }
+        /* 8 x 8 transpose of 32-bit elements: vector c, lane j = row j's bytes 4c..4c+3 */
+        __m256i t[8], u[8];
+        for (int j = 0; j < 8; j += 2) {
+            t[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+            t[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 8; j += 4) {
+            u[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
+            u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
+            u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
+            u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
+        }
+        /* u[0..3] hold rows 0-3, u[4..7] rows 4-7, as elements (c, c + 4) in their 128-bit lanes */
+        uint8_t *out = w + (g * 8 * PW + h * 8) * 4;
+        for (int c = 0; c < 4; c++) {
+            _mm256_storeu_si256((__m256i *)(out + c * PW * 4), _mm256_permute2x128_si256(u[c], u[c + 4], 0x20));
+            _mm256_storeu_si256((__m256i *)(out + (c + 4) * PW * 4), _mm256_permute2x128_si256(u[c], u[c + 4], 0x31));
+        }
+    }
+}
+
+/* a[i][p] += one group's dots of np packed panels (their group at wg, P lanes apart) with one digit of rows
+ * m0 .. m0+mc of x (xg: the digit's 32 bytes in row 0, rows ldx bytes apart) */
+static inline __attribute__((always_inline)) void digit_pass(int mc, int np, vi_t a[GM][NPB], const uint8_t *wg,
+                                                             int64_t P, const int8_t *xg, int64_t ldx, int64_t m0) {
+    for (int c = 0; c < 8; c++) {
+        vi_t wc[NPB];
+        for (int p = 0; p < np; p++) wc[p] = vi_load(wg + p * P * 32 + c * PW * 4);
+        for (int i = 0; i < mc; i++) {
+            int32_t b;
+            memcpy(&b, xg + (m0 + i) * ldx + 4 * c, 4);
+            const vi_t xb = vi_set1(b);
+            for (int p = 0; p < np; p++) a[i][p] = vdp(a[i][p], wc[p], xb);
+        }
+    }
+}
+
+/* y[m0 .. m0+mc, n0 .. n0+nc] from np (<= NPB) packed panels, P lanes apart; comp[m, g] = 128 * sum(q_x) for
+ * int8 weights (stored + 128). */
+static inline __attribute__((always_inline)) void gemm_block(
+        int bits, int digits, int mc, int np, const uint8_t *w, const float *sc, const float *mn, const int32_t *comp,
+        int64_t P, int has_mins, const int8_t *qx, const float *dx, const float *xsum, float *y, int64_t m0,
+        int64_t n0, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+    vf_t f[GM][NPB];
+    for (int i = 0; i < mc; i++)
+        for (int p = 0; p < np; p++) f[i][p] = vf_zero();
+    for (int64_t g = 0; g < G; g++) {
+        vi_t a[GM][NPB];
+        for (int i = 0; i < mc; i++)
+            for (int p = 0; p < np; p++) a[i][p] = vi_zero();
+        const uint8_t *wg = w + g * 8 * PW * 4;
+        digit_pass(mc, np, a, wg, P, qx + g * GROUP * digits, K * digits, m0);
+        if (digits == 2) {  /* then lo: a = 255 * (w . hi) + w . lo */
+            for (int i = 0; i < mc; i++)
+                for (int p = 0; p < np; p++) a[i][p] = vi_sub(vi_slli(a[i][p], 8), a[i][p]);
+            digit_pass(mc, np, a, wg, P, qx + g * GROUP * 2 + GROUP, K * 2, m0);
+        }
+        for (int p = 0; p < np; p++) {
+            const vf_t s = vf_load(sc + p * P + g * PW);
+            for (int i = 0; i < mc; i++) {
+                const int64_t r = (m0 + i) * G + g;
+                if (bits == 8) a[i][p] = vi_sub(a[i][p], vi_set1(comp[r]));
+                f[i][p] = vf_fma(vf_cvt(a[i][p]), vf_mul(s, vf_set1(dx[r])), f[i][p]);
+                if (has_mins) f[i][p] = vf_fma(vf_load(mn + p * P + g * PW), vf_set1(xsum[r]), f[i][p]);
+            }
+        }
+    }
+    for (int i = 0; i < mc; i++)
+        for (int p = 0; p < np; p++) {
+            const int64_t c0 = n0 + p * PW;
+            float *yr = y + (m0 + i) * N + c0;
+            if (c0 + PW <= N) {
+                vf_store(yr, f[i][p]);
+            } else {
+                float lanes[PW];
+                vf_store(lanes, f[i][p]);
+                for (int64_t j = 0; c0 + j < N; j++) yr[j] = lanes[j];
+            }
+        }
+}
+
+static void gemm_a8(int bits, int digits, const int8_t *qx, const float *dx, const float *xsum, const uint8_t *qw,
+                    const float *scales, const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP, P = G * PW, chunks = (N + PW * PANELS - 1) / (PW * PANELS);
+    int32_t *comp = NULL;
+    if (bits == 8) {  /* what the weights' + 128 adds to each group's dot */
+        comp = malloc(M * G * sizeof(int32_t) + 4);
+        for (int64_t r = 0; r < M * G; r++) {
+            int32_t t = 0;
+            for (int j = 0; j < GROUP; j++)
+                t += digits == 2 ? 255 * qx[r * 2 * GROUP + j] + qx[r * 2 * GROUP + GROUP + j] : qx[r * GROUP + j];
+            comp[r] = 128 * t;
+        }
+    }
+    const int has_mins = mins != NULL;
+#pragma omp parallel
+    {
+        /* per panel: P * 32 bytes of weights, P floats of scales and of mins */
+        uint8_t *w = malloc(PANELS * P * 32 + 64);
+        float *sc = malloc(PANELS * P * sizeof(float)), *mn = malloc(PANELS * P * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int64_t nbase = ch * PW * PANELS;
+            int np = 0;
+            for (; np < PANELS && nbase + PW * np < N; np++)
+                for (int h = 0; h < PW / 8; h++)
+                    pack_rows8(bits, qw, scales, mins, nbase + PW * np + 8 * h, h, N, K, w + np * P * 32,
+                               sc + np * P, mn + np * P);
+            for (int64_t m0 = 0; m0 < M; m0 += GM) {
+                const int mc = M - m0 < GM ? (int)(M - m0) : GM;
+                for (int p = 0; p < np; p += NPB) {
+                    const int nb = np - p < NPB ? np - p : NPB;
+#define GEMM_ARGS w + p * P * 32, sc + p * P, mn + p * P, comp, P, has_mins, qx, dx, xsum, y, m0, \
+                  nbase + PW * p, N, K
+                    const int full = mc == GM && nb == NPB;  /* the full block: its loops unrolled */
+                    if (bits == 4 && digits == 1) full ? gemm_block(4, 1, GM, NPB, GEMM_ARGS) : gemm_block(4, 1, mc, nb, GEMM_ARGS);
+                    else if (bits == 4) full ? gemm_block(4, 2, GM, NPB, GEMM_ARGS) : gemm_block(4, 2, mc, nb, GEMM_ARGS);
+                    else if (digits == 1) full ? gemm_block(8, 1, GM, NPB, GEMM_ARGS) : gemm_block(8, 1, mc, nb, GEMM_ARGS);
+                    else full ? gemm_block(8, 2, GM, NPB, GEMM_ARGS) : gemm_block(8, 2, mc, nb, GEMM_ARGS);
+#undef GEMM_ARGS
+                }
+            }
+        }
+        free(w);
+        free(sc);
+        free(mn);
+    }
+    free(comp);
+}
+#endif
+
+static void quant_matmul_a8(int bits, int digits, const float *x, const uint8_t *qw, const float *scales,
+                            const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t G = K / GROUP;
+    int8_t *qx = malloc(M * K * digits + 32);
     float *dx = malloc(M * G * sizeof(float) + 4), *xsum = malloc(M * G * sizeof(float) + 4);
-    quantize_rows_q8(x, M, K, qx, dx, xsum, NULL);
+    quantize_rows_q8(x, M, K, digits, qx, dx, xsum, NULL);
+#ifdef __AVX2__
+    if (M > A8_GEMM_ROWS && a8_gemm_available(bits)) {
+        gemm_a8(bits, digits, qx, dx, xsum, qw, scales, mins, y, M, N, K);
+        free(qx);
+        free(dx);
+        free(xsum);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += A8_COLS) {
         const int64_t n1 = n0 + A8_COLS < N ? n0 + A8_COLS : N;
@@ -385,12 +661,19 @@ static void quant_matmul_a8(int bits, const float *x, const uint8_t *qw, const f
             const int64_t mc = M - m0 < A8_ROWS ? M - m0 : A8_ROWS;
             for (int64_t n = n0; n < n1; n++) {
                 const float *sc = scales + n * G, *mn = mins ? mins + n * G : NULL;
-                switch (mc) {  /* a constant row count each: the loops over rows unroll */
-                    case 4: a8_rows(bits, 4, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
-                    case 3: a8_rows(bits, 3, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
-                    case 2: a8_rows(bits, 2, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
-                    default: a8_rows(bits, 1, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;
+#define A8_ROWS_CASES(D)                                                                         \
+                switch (mc) { /* a constant row count each: the loops over rows unroll */             \
+                    case 4: a8_rows(bits, D, 4, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;     \
+                    case 3: a8_rows(bits, D, 3, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;     \
+                    case 2: a8_rows(bits, D, 2, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;     \
+                    default: a8_rows(bits, D, 1, qx, dx, xsum, qw, sc, mn, y, m0, n, N, K); break;    \
                 }
+                if (digits == 2) {
+                    A8_ROWS_CASES(2)
+                } else {
+                    A8_ROWS_CASES(1)
+                }
+#undef A8_ROWS_CASES
             }
         }
     }
@@ -400,22 +683,22 @@ static void quant_matmul_a8(int bits, const float *x, const uint8_t *qw, const f
 }
 
 void int4_matmul_a8(const float *x, const uint8_t *qw, const float *scales, const float *mins, float *y,
-                    int64_t M, int64_t N, int64_t K) {
-    quant_matmul_a8(4, x, qw, scales, mins, y, M, N, K);
+                    int64_t M, int64_t N, int64_t K, int digits) {
+    quant_matmul_a8(4, digits, x, qw, scales, mins, y, M, N, K);
 }
 
 void int8_matmul_a8(const float *x, const int8_t *qw, const float *scales, const float *mins, float *y,
-                    int64_t M, int64_t N, int64_t K) {
-    quant_matmul_a8(8, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
+                    int64_t M, int64_t N, int64_t K, int digits) {
+    quant_matmul_a8(8, digits, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
 }
 
 /* x rounded as the kernels above round it: qx [M, K] int8 and d [M, K/32] (each may be NULL), and
  * xr [M, K] = q * d (may be NULL) */
-void quantize_activations_q8(const float *x, int8_t *qx, float *d, float *xr, int64_t M, int64_t K) {
+void quantize_activations_q8(const float *x, int8_t *qx, float *d, float *xr, int64_t M, int64_t K, int digits) {
     const int64_t G = K / GROUP;
-    int8_t *q = qx ? qx : malloc(M * K + 32);
+    int8_t *q = qx ? qx : malloc(M * K * digits + 32);
     float *dd = d ? d : malloc(M * G * sizeof(float) + 4), *xsum = malloc(M * G * sizeof(float) + 4);
-    quantize_rows_q8(x, M, K, q, dd, xsum, xr);
+    quantize_rows_q8(x, M, K, digits, q, dd, xsum, xr);
     if (!qx) free(q);
     if (!d) free(dd);
     free(xsum);

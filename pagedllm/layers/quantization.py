@@ -1,4 +1,5 @@
-"""Quantization for CPU inference: ``quantization="int8"``, ``"int4"``, ``"fp8"`` (weight-only) and ``"w4a8"``.
+"""Quantization for CPU inference: ``quantization="int8"``, ``"int4"``, ``"fp8"`` (weight-only), ``"w4a8"``
+and ``"w4a16"``.
 
 Decode on a CPU is bound by the bytes of weight each token reads, so storing
 weights in 8 or 4 bits is what makes single-stream decode fast. Activations stay
@@ -29,19 +30,26 @@ per tensor to 7 bits, which took SmolLM2's perplexity from 38.7 to 120.
 * ``w4a8``: ``int4`` weights with int8 activations, llama.cpp's arithmetic. Each
   row of a linear's input is rounded per group of 32 to int8 (GGUF's Q8_0: a
   scale of max|x| / 127), and the products of 4-bit weights and 8-bit
-  activations are summed in integers (AVX2's maddubs: 32 in two instructions).
-  Not the float32 function any more, but the same one at every batch size:
-  batches above ``SMALL_BATCH_A8`` rows multiply the same rounded activations
-  by the dequantized weights through the float32 GEMM, which on AVX2 is faster
-  than an integer one (the per-group scales cost a float conversion and an FMA
-  per 32 products either way). ``pagedllm bench accuracy`` states what it costs.
+  activations are summed in integers (AVX2's maddubs or VNNI's vpdpbusd: 32 in
+  one or two instructions). Up to 3 rows a kernel streams the weights; more rows
+  (prefill, batched decode) go through an integer GEMM on repacked weight panels
+  (``quant_matmul.c``), about twice oneDNN's float32 GEMM on the same shapes.
+  Not the float32 function any more (greedy tokens drift from float32's: see
+  ``pagedllm bench accuracy``), but the same one at every batch size.
+* ``w4a16``: the same with each group rounded to int16 (scale max|x| / 32512),
+  multiplied as two int8 digits: twice the integer products of ``w4a8``, and the
+  float32 function to about 1e-5, so float32's greedy tokens.
+
+Where the CPU has no VNNI, int8 weights (the head) leave batches of more than
+``SMALL_BATCH_A8`` rows to the float32 GEMM on the rounded activations (maddubs
+would overflow its int16 pair sums there): the same function.
 
 * ``fp8``: e4m3 weights with a float32 scale per output row (an FP8 checkpoint's own, or rounded here
   from float weights: ``max|w| / 448`` a row), activations float32; each call widens the weight into
   the shared buffer and runs the float32 GEMM. One byte a weight, and the float32 function of
   those weights. The head stays as the checkpoint has it.
 
-The logits head is int8 in the int modes (with int8 activations under ``w4a8``) (llama.cpp also keeps its output layer at
+The logits head is int8 in the int modes (with the mode's integer activations under ``w4a8`` / ``w4a16``) (llama.cpp also keeps its output layer at
 6-8 bits). Embedding lookups stay in the model dtype: they read one row a token, except that a tied
 head holding the embedding's own values (a GGUF's blocks) serves the lookups too.
 Every int-quantized input size must be a multiple of 32.
@@ -60,7 +68,8 @@ from pagedllm.layers.linear import onednn_available, onednn_linear
 
 GROUP = 32
 SMALL_BATCH = 8  # rows at most for the direct kernels; above, unpack once and use the BLAS GEMM
-SMALL_BATCH_A8 = 16  # the same for the int8-activation kernels (faster than the BLAS GEMM up to about 16 rows)
+SMALL_BATCH_A8 = 16  # the same for the integer-activation kernels where they have no GEMM for the weights
+ACTIVATION_BITS = {"w4a8": 8, "w4a16": 16}  # the modes with integer activations
 
 
 def check_quantization_supported(method: str, device: torch.device) -> None:
@@ -104,7 +113,7 @@ class _QuantLinear(nn.Module):
     bits: int
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
-                 int8_activations: bool = False):
+                 activation_bits: int | None = None):
         super().__init__()
         from pagedllm import kernels
 
@@ -116,23 +125,27 @@ class _QuantLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous(), persistent=False)
         self.register_buffer("mins", mins.float().contiguous() if mins.any() else None, persistent=False)
         self.bias = _bias(bias)
-        self.int8_activations = int8_activations
+        if activation_bits not in (None, 8, 16):
+            raise ValueError(f"integer activations are 8 or 16 bits, not {activation_bits}")
+        self.activation_bits = activation_bits  # None: float32 activations
         self.scales_per_group = scales.shape[1] * GROUP // self.in_features
         g16 = self.scales_per_group == 2
-        if g16 and (self.bits != 8 or int8_activations):
+        if g16 and (self.bits != 8 or activation_bits):
             raise ValueError("a scale per 16 weights is an int8 layout with float32 activations")
-        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul{'_a8' if int8_activations else ''}"
+        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul{f'_a{activation_bits}' if activation_bits else ''}"
                                               f"{'_g16' if g16 else ''}")
         self._dequantize = getattr(self._kernels, f"int{self.bits}_dequantize{'_g16' if g16 else ''}")
-        self._small_batch = SMALL_BATCH_A8 if int8_activations else SMALL_BATCH
+        self._small_batch = SMALL_BATCH
+        if activation_bits:  # the integer kernels take every batch where they have a GEMM for these weights
+            self._small_batch = float("inf") if self.bits in self._kernels.a8_gemm_bits else SMALL_BATCH_A8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32:
             return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
         x = x.contiguous()
         if x.shape[0] > self._small_batch:  # unpack into a buffer kept warm across calls, then a float32 GEMM
-            if self.int8_activations:  # on the activations the integer kernel sees: the same function
-                x = self._kernels.round_activations_q8(x)
+            if self.activation_bits:  # on the activations the integer kernel sees: the same function
+                x = self._kernels.round_activations(x, self.activation_bits)
             w = self._dequantize(self.qweight, self.scales, self.mins, _scratch(self.out_features * self.in_features))
             return (onednn_linear if onednn_available() else F.linear)(x, w, self.bias)
         y = self._matmul(x, self.qweight, self.scales, self.mins)
@@ -142,7 +155,7 @@ class _QuantLinear(nn.Module):
         return self._dequantize(self.qweight, self.scales, self.mins), self.bias
 
     def extra_repr(self) -> str:
-        a8 = ", int8 activations" if self.int8_activations else ""
+        a8 = f", int{self.activation_bits} activations" if self.activation_bits else ""
         group = GROUP // self.scales_per_group
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {group}{a8}"
 
@@ -154,8 +167,8 @@ class Int8Linear(_QuantLinear):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                   int8_activations: bool = False) -> "Int8Linear":
-        return cls(*quantize_int8(weight), bias, int8_activations)
+                   activation_bits: int | None = None) -> "Int8Linear":
+        return cls(*quantize_int8(weight), bias, activation_bits)
 
 
 class Int4Linear(_QuantLinear):
@@ -169,8 +182,8 @@ class Int4Linear(_QuantLinear):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                   int8_activations: bool = False) -> "Int4Linear":
-        return cls(*quantize_int4(weight), bias, int8_activations)
+                   activation_bits: int | None = None) -> "Int4Linear":
+        return cls(*quantize_int4(weight), bias, activation_bits)
 
 
 def _round_groups(weight: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,7 +306,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
     the rest.
     """
     blocks = blocks or {}
-    a8 = method == "w4a8"
+    a8 = ACTIVATION_BITS.get(method)
     bits = "int8" if method == "int8" else "int4"
     for module, child_name, child, full in _projections(model):
         if from_float or _uses_block(child.weight, bits, blocks.get(full), a8):
@@ -340,33 +353,33 @@ def _takes_block(weight: torch.Tensor, block: tuple[str, tuple] | None) -> bool:
     return block is not None and block[1][0].shape[0] == weight.shape[0]
 
 
-def _uses_block(weight: torch.Tensor, bits: str, block: tuple[str, tuple] | None, int8_activations: bool) -> bool:
+def _uses_block(weight: torch.Tensor, bits: str, block: tuple[str, tuple] | None, activation_bits: int | None) -> bool:
     """Does :func:`_quantized` build the layer from ``block`` (no float weights needed)? int8 blocks with a scale
     per 16 run with float32 activations only."""
     if not _takes_block(weight, block) or not (block[0] == bits or (block[0], bits) == ("int4", "int8")):
         return False
-    return not (int8_activations and block[1][1].shape[1] * GROUP > weight.shape[1])
+    return not (activation_bits and block[1][1].shape[1] * GROUP > weight.shape[1])
 
 
 def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block: tuple[str, tuple] | None,
-               name: str, int8_activations: bool) -> nn.Module:
+               name: str, activation_bits: int | None) -> nn.Module:
     """``bits`` "int8" or "int4": the layer's weight format."""
     if weight.shape[1] % GROUP:
         raise InvalidParameterError(
             f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization")
     cls = Int8Linear if bits == "int8" else Int4Linear
-    if _uses_block(weight, bits, block, int8_activations):
+    if _uses_block(weight, bits, block, activation_bits):
         kind, (*tensors,) = block
         order = tensors.pop() if len(tensors) == 4 else None  # an act-order linear's input order, a row a shard
-        layer = cls(*tensors, bias, int8_activations) if kind == bits else \
-            Int8Linear(*widen_int4(*tensors), bias, int8_activations)
+        layer = cls(*tensors, bias, activation_bits) if kind == bits else \
+            Int8Linear(*widen_int4(*tensors), bias, activation_bits)
         if order is None:
             return layer
         if not (order == order[0]).all():
             raise InvalidParameterError(f"{name}: its act-order shards take their inputs in different orders, "
                                         "so they cannot run as one fused linear", "quantization")
         return InputPermuted(layer, order[0])
-    return cls.from_float(weight, bias, int8_activations)
+    return cls.from_float(weight, bias, activation_bits)
 
 
 class InputPermuted(nn.Module):

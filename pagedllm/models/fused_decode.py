@@ -40,7 +40,7 @@ def _linear(lin: Any) -> _QLinear:
     bias = lin.bias.data_ptr() if lin.bias is not None else None
     if not hasattr(lin, "qweight"):  # PackedLinear: its float32 panels
         return _QLinear(lin.panels.data_ptr(), None, None, bias, lin.out_features, lin.in_features, 4)
-    kind = 5 if lin.scales_per_group == 2 else (0 if lin.bits == 4 else 1) + (2 if lin.int8_activations else 0)
+    kind = 5 if lin.scales_per_group == 2 else (0 if lin.bits == 4 else 1) + {None: 0, 8: 2, 16: 6}[lin.activation_bits]
     mins = lin.mins.data_ptr() if lin.mins is not None else None  # None: all 0, not kept
     return _QLinear(lin.qweight.data_ptr(), lin.scales.data_ptr(), mins, bias, lin.out_features,
                     lin.in_features, kind)

@@ -72,8 +72,8 @@ class SpeculativeConfig:
             raise bad(f"must be an integer >= 0, got {cfg.backoff_after_rejections!r}", "backoff_after_rejections")
         if cfg.method == "ngram" and (cfg.model or cfg.quantization):
             raise bad("does not apply to method 'ngram'", "model" if cfg.model else "quantization")
-        if cfg.quantization not in (None, "int8", "int4", "w4a8"):
-            raise bad(f"must be one of ['int8', 'int4', 'w4a8'], got {cfg.quantization!r}", "quantization")
+        if cfg.quantization not in (None, "int8", "int4", "w4a8", "w4a16"):
+            raise bad(f"must be one of ['int8', 'int4', 'w4a8', 'w4a16'], got {cfg.quantization!r}", "quantization")
         if cfg.quantization and cfg.method != "draft_model":
             raise bad(f"only applies to method 'draft_model', not {cfg.method!r}", "quantization")
         if cfg.method in HEADS and not (isinstance(cfg.model, str) and cfg.model):
