@@ -3,6 +3,8 @@
     python benchmarks/cpu_kernels.py linear      # SmolLM2's projections + head: F.linear (MKL) vs oneDNN packed
                                                  # (and PackedLinear's own GEMV for decode's few rows)
     python benchmarks/cpu_kernels.py attention   # 64 decodes of W64-like lengths: gather + SDPA vs paged kernel
+    python benchmarks/cpu_kernels.py prefill     # one request's prefill (chunk) after a cached context:
+                                                 # gather + SDPA (torch_ref) vs the flash-style paged kernel
     python benchmarks/cpu_kernels.py quant       # SmolLM2's projections (int4) + head (int8): float32 oneDNN vs
                                                  # the float-activation kernels vs int8 activations (w4a8) vs
                                                  # int16 activations (w4a16); above 16 rows the integer GEMM
@@ -87,6 +89,33 @@ def bench_attention(num_decodes: int, block_size: int = 16, heads: int = 9, kv_h
           f"{ref / ker:.2f}x")
 
 
+def bench_prefill(block_size: int = 16, heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> None:
+    """SmolLM2's attention shape; (queries, cached tokens) as W64's prefill chunks have them."""
+    from pagedllm.attention import cpu_paged, torch_ref
+
+    for q_len, ctx in [(128, 0), (512, 0), (512, 512), (256, 1024), (2048, 0)]:
+        n = ctx + q_len
+        nb = -(-n // block_size)
+        table = torch.randperm(nb + 1)[:nb]
+        cache = torch.randn(2, nb + 1, block_size, kv_heads, head_dim)
+        q = torch.randn(q_len, heads + kv_heads, head_dim)[:, :heads]
+        out = torch.empty(q_len, heads, head_dim)
+
+        def ref():
+            k, v = torch_ref._gather(cache, table, n, block_size)
+            return torch_ref._prefill(q, k, v, ctx, head_dim ** -0.5, None)
+
+        def ker():
+            cpu_paged._prefill(q, cache, table, ctx, head_dim ** -0.5, None, out)
+            return out
+
+        torch.testing.assert_close(ker(), ref(), rtol=1e-4, atol=1e-5)
+        flops = 4 * heads * head_dim * (q_len * ctx + q_len * (q_len + 1) / 2)
+        tr, tk = _best(ref, 5), _best(ker, 5)
+        print(f"{q_len:5d} queries after {ctx:5d} cached: gather + SDPA {tr * 1e3:7.2f} ms ({flops / tr / 1e9:5.1f} "
+              f"GFLOP/s)   paged kernel {tk * 1e3:7.2f} ms ({flops / tk / 1e9:5.1f} GFLOP/s)   {tr / tk:.2f}x")
+
+
 def bench_quant(rows: list[int]) -> None:
     """Each kernel checked against its reference first: the float-activation kernels against F.linear on
     the dequantized weights, the integer-activation ones against F.linear on the rounded input."""
@@ -122,7 +151,7 @@ def bench_quant(rows: list[int]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["linear", "attention", "quant"])
+    p.add_argument("what", choices=["linear", "attention", "prefill", "quant"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512], help="batch rows (linear)")
     p.add_argument("--num-decodes", type=int, default=64, help="requests in the decode batch (attention)")
     args = p.parse_args()
@@ -130,6 +159,8 @@ def main() -> None:
         bench_linear(args.rows)
     elif args.what == "quant":
         bench_quant(args.rows)
+    elif args.what == "prefill":
+        bench_prefill()
     else:
         bench_attention(args.num_decodes)
 

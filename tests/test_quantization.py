@@ -312,13 +312,15 @@ def _random_decode_batch(seed: int, nd: int, heads: int, kv_heads: int, head_dim
     return q, cache, meta
 
 
+@pytest.mark.parametrize("backend", ["torch_ref", "cpu_paged"])
 @pytest.mark.parametrize("window", [None, 7, 40])
-def test_prefill_after_a_cached_context_reads_only_its_window(window):
+def test_prefill_after_a_cached_context_reads_only_its_window(window, backend):
     """A prefill chunk of 10 queries after 50 cached tokens (blocks of 8, in a shuffled table): dense causal
     attention within the window. The blocks wholly behind the first query's window hold NaN, as a freed block
     of a sliding-window layer may hold anything: reading them at all would show."""
     from pagedllm.attention import torch_ref
 
+    attention = {"torch_ref": torch_ref, "cpu_paged": cpu_paged}[backend].paged_attention
     g = torch.Generator().manual_seed(0)
     bs, ctx, n, h, kvh, d = 8, 50, 10, 4, 2, 16
     k_all, v_all = torch.randn(ctx + n, kvh, d, generator=g), torch.randn(ctx + n, kvh, d, generator=g)
@@ -335,11 +337,57 @@ def test_prefill_after_a_cached_context_reads_only_its_window(window):
     slots = table[pos // bs] * bs + pos % bs
     meta = AttentionMetadata(slot_mapping=slots, block_tables=table[None], seq_lens=torch.tensor([ctx + n]),
                              num_decodes=0, query_start_loc=[0, n], seq_lens_cpu=[ctx + n], block_size=bs)
-    out = torch_ref.paged_attention(q, k_all[ctx:], v_all[ctx:], cache, meta, 0.25, window)
+    out = attention(q, k_all[ctx:], v_all[ctx:], cache, meta, 0.25, window)
     qp, kp = pos[:, None], torch.arange(ctx + n)[None, :]
     mask = (kp <= qp) & ((kp > qp - window) if window else True)
     ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all.transpose(0, 1)[None],
                                          v_all.transpose(0, 1)[None], attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_len,ctx", [(1, 0), (1, 37), (65, 0), (65, 100), (31, 5), (200, 0)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
+    (9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)])
+def test_paged_prefill_kernel_matches_sdpa(q_len, ctx, heads, kv_heads, head_dim, block_size, window):
+    """A request's queries after ctx cached tokens, read in place from a shuffled block table: SDPA with the
+    causal (and window) mask over the same K/V; a NaN query gives NaN in its own row only."""
+    g = torch.Generator().manual_seed(q_len + ctx + heads)
+    n = ctx + q_len
+    nb = -(-n // block_size)
+    table = torch.randperm(nb + 2, generator=g)[:nb]
+    cache = torch.randn(2, nb + 2, block_size, kv_heads, head_dim, generator=g)
+    pos = torch.arange(n)
+    kv = cache[:, table[pos // block_size], pos % block_size]  # [2, n, kvh, d]
+    q = torch.randn(q_len, heads + kv_heads, head_dim, generator=g)[:, :heads]  # rows strided, as the model's
+    q[q_len // 2, heads - 1, 0] = float("nan")
+    out = torch.full((q_len, heads, head_dim), 7.0)
+    assert cpu_paged._prefill(q, cache, table, ctx, 0.3, window, out)
+    qp, kp = torch.arange(ctx, n)[:, None], pos[None, :]
+    mask = (kp <= qp) & ((kp > qp - window) if window else True)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
+                                         kv[1].transpose(0, 1)[None], attn_mask=mask, scale=0.3, enable_gqa=True)
+    ref = ref[0].transpose(0, 1)
+    nan = torch.zeros(q_len, heads, dtype=torch.bool)
+    nan[q_len // 2, heads - 1] = True
+    assert out[nan].isnan().all() and not out[~nan].isnan().any()
+    torch.testing.assert_close(out[~nan], ref[~nan], rtol=1e-5, atol=1e-5)
+    kernels_ = cpu_paged.kernels.load()
+    kernels_.paged_prefill_attention(q[:0], cache, table, ctx, 0.3, window, out[:0])  # no queries: nothing to do
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_paged_prefill_kernel_reads_low_precision_caches(dtype):
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 12, 16, 2, 64, generator=g).to(dtype)
+    table = torch.randperm(12, generator=g)[:9]
+    q = torch.randn(40, 6, 64, generator=g)
+    out = torch.empty(40, 6, 64)
+    assert cpu_paged._prefill(q, cache, table, 100, 0.125, None, out)
+    pos = torch.arange(140)
+    kv = cache[:, table[pos // 16], pos % 16].float()
+    mask = pos[None, :] <= torch.arange(100, 140)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
+                                         kv[1].transpose(0, 1)[None], attn_mask=mask, scale=0.125, enable_gqa=True)
     torch.testing.assert_close(out, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 

@@ -1,11 +1,13 @@
-"""CPU paged attention: decodes read K/V in place through a C kernel; prefill as the torch reference.
+"""CPU paged attention: decodes and prefills read K/V in place through C kernels.
 
 The reference backend gathers each decode request's blocks into a padded
 tensor per layer and step (a copy of the whole batch's context) before SDPA.
-On CPU that copy cost as much as the attention itself; the kernel in
-``pagedllm/kernels/paged_attention.c`` walks the block tables instead. It reads
-float32, bfloat16 and fp8 caches (widening rows as it goes); float16 caches,
-and shapes past its buffers, use the reference path.
+On CPU that copy cost as much as the attention itself; the kernels in
+``pagedllm/kernels/paged_attention.c`` walk the block tables instead: one query
+per request for decodes, and flash-style tiles of a request's queries for a
+prefill or a chunk of one (causal and window skips, online softmax, no mask
+tensor). They read float32, bfloat16 and fp8 caches (widening rows as they go);
+float16 caches, and shapes past their buffers, use the reference path.
 """
 
 from __future__ import annotations
@@ -42,4 +44,12 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
                                                  starts, scale)
 
 
-paged_attention = functools.partial(torch_ref.paged_attention, decode=_decode)
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, ctx_len: int, scale: float,
+             sliding_window: int | None, out: torch.Tensor) -> bool:
+    if not kernel_applies(q, kv_cache) or out.stride(-1) != 1 or out.stride(-2) != q.shape[-1]:
+        return False
+    kernels.load().paged_prefill_attention(q, kv_cache, block_row, ctx_len, scale, sliding_window, out)
+    return True
+
+
+paged_attention = functools.partial(torch_ref.paged_attention, decode=_decode, prefill=_prefill)

@@ -34,8 +34,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                    decode=None) -> torch.Tensor:
-    """``decode`` replaces the batched one-token-query path (see :mod:`pagedllm.attention.cpu_paged`)."""
+                    decode=None, prefill=None) -> torch.Tensor:
+    """``decode`` replaces the batched one-token-query path, ``prefill`` (where it returns True, having written
+    the request's rows of ``out``) one request's many-query path (see :mod:`pagedllm.attention.cpu_paged`)."""
     # every new K/V is written before any is read: requests in this step may share blocks
     write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
@@ -46,6 +47,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
         q_len, seq_len = end - start, seq_lens[i]
+        if prefill is not None and prefill(q[start:end], kv_cache, meta.block_tables[i], seq_len - q_len, scale,
+                                           sliding_window, out[start:end]):
+            continue
         k_start = 0
         if q_len == seq_len:  # nothing cached before this chunk: use the fresh K/V directly
             ki, vi = k[start:end], v[start:end]

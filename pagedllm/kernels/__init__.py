@@ -1,7 +1,7 @@
 """Small C kernels PyTorch lacks on CPU, compiled on first use and loaded with ctypes.
 
 ``quant_matmul.c`` (int4 / int8 weight-only matmuls), ``paged_attention.c``
-(decode attention read in place from the paged cache) and ``elementwise.c``
+(decode and prefill attention read in place from the paged cache) and ``elementwise.c``
 (fused residual add + RMSNorm, SiLU*mul, rotary) and ``decode_loop.c`` (a decode step's layer loop over
 them, :mod:`pagedllm.models.fused_decode`) are built with the system C compiler (``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of
 sources, flags, compiler, CPU>.so``; later runs load the cached file. The build
@@ -62,6 +62,10 @@ class Kernels:
         """Weight widths whose *_matmul_a8 / _a16 take quant_matmul.c's integer GEMM above A8_GEMM_ROWS rows
         (any number of rows); the others must leave batches to the float32 GEMM (see _QuantLinear)."""
         self._attn = lib.paged_decode_attention
+        self._prefill_attn = lib.paged_prefill_attention
+        self._prefill_attn.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                                       ctypes.c_int, p]
+        self._prefill_attn.restype = None
         self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
         self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
         self._silu_mul.argtypes = [p, p, i64, i64]
@@ -100,6 +104,20 @@ class Kernels:
                    block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), starts.data_ptr(),
                    out.data_ptr(), nd, h, kvh, d, bs, scale, code, lut.data_ptr() if lut is not None else None)
         return out
+
+    def paged_prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, ctx: int,
+                                scale: float, window: int | None, out: torch.Tensor) -> None:
+        """One request's queries q [Q, H, D] float32 (rows may be strided, heads and dims contiguous) at positions
+        ctx .. ctx + Q - 1, attending their own and earlier positions (within ``window``) of one layer's
+        kv_cache [2, num_blocks, bs, KVH, D] through block_row [>= blocks] int64, into out [Q, H, D] (rows may
+        be strided), in place."""
+        n, h, d = q.shape
+        _, _, bs, kvh, _ = kv_cache.shape
+        code = KV_DTYPES[kv_cache.dtype]
+        lut = _fp8_table(kv_cache.dtype) if code == 2 else None
+        self._prefill_attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                           block_row.data_ptr(), ctx, n, out.data_ptr(), out.stride(0), h, kvh, d, bs, scale,
+                           window or 0, code, lut.data_ptr() if lut is not None else None)
 
     def decode_layers(self, layers, n_layers: int, x: torch.Tensor, out: torch.Tensor, t: int, hidden: int,
                       heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, final_norm: torch.Tensor,

@@ -18,6 +18,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "vec_math.h"
 
@@ -111,6 +112,17 @@ static inline void scores(const float *qg, const float *const *krows, int64_t lo
 static inline void accumulate(float *acc, const float *p, const float *const *vrows, int64_t lo, int64_t hi,
                               int64_t D) {
     int64_t d0 = 0;
+#if defined(__AVX512F__)  /* the same sums, element by element, 16 lanes wide */
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m512 a[4];
+        for (int i = 0; i < 4; i++) a[i] = _mm512_loadu_ps(acc + d0 + 16 * i);
+        for (int64_t t = lo; t < hi; t++) {
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            for (int i = 0; i < 4; i++) a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vrows[t] + d0 + 16 * i), a[i]);
+        }
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + d0 + 16 * i, a[i]);
+    }
+#endif
 #ifdef PAGEDLLM_AVX2
     for (; d0 + 64 <= D; d0 += 64) {  /* 64 sums held in registers over the block's rows */
         __m256 a[8];
@@ -190,5 +202,138 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
             const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
             for (int64_t d = 0; d < D; d++) o[d] = acc[h][d] * inv;
         }
+    }
+}
+
+/* ---- prefill: many queries of one request, flash-style ------------------------------------------------
+ * The queries of one request (a prompt, or a chunk of it after ctx cached tokens) at positions ctx ..
+ * ctx + Q - 1 attend the keys at or before their own position (and within the sliding window, if any),
+ * read in place from the paged cache: no gathered copy of the context, no mask tensor. A task is one kv
+ * head and a tile of PF_TOKENS queries, i.e. PF_TOKENS * group rows that share every K / V row it
+ * reads. It walks the blocks its tile can see (causal and window skips: blocks past its last query or
+ * before its first query's window are never read), 16 keys at a time: the keys are transposed once, a
+ * register-blocked product scores 4 rows x 16 keys, scores past a row's own position or window become
+ * -inf, and each row folds them into its running max, sum and weighted V (online softmax). */
+#define PF_TOKENS 32
+#define PF_KEYS 16
+#define PF_ROWS (PF_TOKENS * MAX_TASK_HEADS)
+
+/* s[i][0..16) = q_i . kt[., 0..16) for rows i < mr (q rows D apart, kt [D][16]) */
+static inline void tile_scores(int mr, const float *q, const float *kt, int64_t D, float s[4][PF_KEYS]) {
+#if defined(__AVX512F__)
+    __m512 a[4];  /* a row's 16 scores in one register */
+    for (int i = 0; i < mr; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 kv = _mm512_loadu_ps(kt + d * PF_KEYS);
+        for (int i = 0; i < mr; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + d]), kv, a[i]);
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(s[i], a[i]);
+#elif defined(PAGEDLLM_AVX2)
+    __m256 a[4][2];
+    for (int i = 0; i < mr; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * PF_KEYS), k1 = _mm256_loadu_ps(kt + d * PF_KEYS + 8);
+        for (int i = 0; i < mr; i++) {
+            const __m256 qb = _mm256_set1_ps(q[i * D + d]);
+            a[i][0] = _mm256_fmadd_ps(qb, k0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(qb, k1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(s[i], a[i][0]);
+        _mm256_storeu_ps(s[i] + 8, a[i][1]);
+    }
+#else
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < PF_KEYS; j++) {
+            float t = 0.f;
+            for (int64_t d = 0; d < D; d++) t += q[i * D + d] * kt[d * PF_KEYS + j];
+            s[i][j] = t;
+        }
+#endif
+}
+
+void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, const int64_t *table,
+                             int64_t ctx, int64_t Q, float *out, int64_t out_stride, int64_t H, int64_t KVH,
+                             int64_t D, int64_t bs, float scale, int64_t window, int kv_dtype, const float *lut) {
+    const int64_t group = H / KVH, tiles = (Q + PF_TOKENS - 1) / PF_TOKENS;
+#pragma omp parallel
+    {
+        float *qt = malloc(PF_TOKENS * group * D * sizeof(float)), *acc = malloc(PF_TOKENS * group * D * sizeof(float));
+        float *kt = malloc(D * PF_KEYS * sizeof(float)), *vt = malloc(PF_KEYS * D * sizeof(float));
+        float m[PF_ROWS], l[PF_ROWS];
+        float kbuf[MAX_D];
+        const float *vrows[PF_KEYS];
+        for (int64_t j = 0; j < PF_KEYS; j++) vrows[j] = vt + j * D;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < KVH * tiles; task++) {
+            /* the last tiles see the most keys: hand them out first */
+            const int64_t tile = tiles - 1 - task / KVH, kh = task % KVH;
+            const int64_t t0 = tile * PF_TOKENS, nt = Q - t0 < PF_TOKENS ? Q - t0 : PF_TOKENS, rows = nt * group;
+            for (int64_t t = 0; t < nt; t++)  /* row t * group + h: query token t0 + t, head kh * group + h */
+                for (int64_t h = 0; h < group; h++) {
+                    const float *src = q + (t0 + t) * q_stride + (kh * group + h) * D;
+                    float *dst = qt + (t * group + h) * D;
+                    for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
+                }
+            for (int64_t r = 0; r < rows; r++) {
+                m[r] = -INFINITY;
+                l[r] = 0.f;
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.f;
+            }
+            const int64_t first = ctx + t0, last = ctx + t0 + nt - 1;  /* the tile's query positions */
+            int64_t lo = window > 0 ? first - window + 1 : 0;
+            if (lo < 0) lo = 0;
+            for (int64_t k0 = lo - lo % PF_KEYS; k0 <= last; k0 += PF_KEYS) {
+                const int64_t nk = last + 1 - k0 < PF_KEYS ? last + 1 - k0 : PF_KEYS;
+                for (int64_t j = 0; j < PF_KEYS; j++) {  /* K transposed, V as rows; zeros past nk */
+                    if (j < nk) {
+                        const int64_t pos = k0 + j, off = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * D;
+                        const float *kr = row(k, off, kv_dtype, lut, kbuf, D);
+                        for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = kr[d];
+                        const float *vr = row(v, off, kv_dtype, lut, vt + j * D, D);
+                        if (vr != vt + j * D) memcpy(vt + j * D, vr, D * sizeof(float));
+                    } else {
+                        for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = 0.f;
+                        memset(vt + j * D, 0, D * sizeof(float));
+                    }
+                }
+                for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                    const int mr = rows - r0 < 4 ? (int)(rows - r0) : 4;
+                    float s[4][PF_KEYS];
+                    tile_scores(mr, qt + r0 * D, kt, D, s);
+                    for (int i = 0; i < mr; i++) {
+                        const int64_t r = r0 + i, pos = first + r / group;  /* this row's query position */
+                        const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
+                        int64_t jlo = window > 0 ? pos - window + 1 - k0 : 0;
+                        if (jlo < 0) jlo = 0;
+                        if (jlo >= hi) continue;
+                        float bmax = m[r];
+                        for (int64_t j = jlo; j < hi; j++) bmax = s[i][j] > bmax ? s[i][j] : bmax;
+                        float *a = acc + r * D;
+                        if (bmax > m[r]) {
+                            const float corr = expf(m[r] - bmax);  /* 0 on the first keys (m = -inf) */
+                            l[r] *= corr;
+                            for (int64_t d = 0; d < D; d++) a[d] *= corr;
+                            m[r] = bmax;
+                        }
+                        float p[PF_KEYS];
+                        l[r] += exp_shifted(s[i], m[r], p, jlo, hi);
+                        accumulate(a, p, vrows, jlo, hi, D);
+                    }
+                }
+            }
+            for (int64_t t = 0; t < nt; t++)
+                for (int64_t h = 0; h < group; h++) {
+                    const int64_t r = t * group + h;
+                    float *o = out + (t0 + t) * out_stride + (kh * group + h) * D;
+                    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                    for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
+                }
+        }
+        free(qt);
+        free(acc);
+        free(kt);
+        free(vt);
     }
 }
