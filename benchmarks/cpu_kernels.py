@@ -98,15 +98,18 @@ def bench_prefill(block_size: int = 16, heads: int = 9, kv_heads: int = 3, head_
         nb = -(-n // block_size)
         table = torch.randperm(nb + 1)[:nb]
         cache = torch.randn(2, nb + 1, block_size, kv_heads, head_dim)
-        q = torch.randn(q_len, heads + kv_heads, head_dim)[:, :heads]
+        q, k, v = torch.randn(q_len, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+        pos = torch.arange(ctx, n)
+        cache[0, table[pos // block_size], pos % block_size] = k
+        cache[1, table[pos // block_size], pos % block_size] = v
         out = torch.empty(q_len, heads, head_dim)
 
-        def ref():
-            k, v = torch_ref._gather(cache, table, n, block_size)
-            return torch_ref._prefill(q, k, v, ctx, head_dim ** -0.5, None)
+        def ref():  # as torch_ref.paged_attention runs one request: its own K/V, or the context gathered
+            kc, vc = (k, v) if ctx == 0 else torch_ref._gather(cache, table, n, block_size)
+            return torch_ref._prefill(q, kc, vc, ctx, head_dim ** -0.5, None)
 
         def ker():
-            cpu_paged._prefill(q, cache, table, ctx, head_dim ** -0.5, None, out)
+            cpu_paged._prefill(q, k, v, cache, table, ctx, head_dim ** -0.5, None, out)
             return out
 
         torch.testing.assert_close(ker(), ref(), rtol=1e-4, atol=1e-5)

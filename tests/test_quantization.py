@@ -349,19 +349,21 @@ def test_prefill_after_a_cached_context_reads_only_its_window(window, backend):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)])
 def test_paged_prefill_kernel_matches_sdpa(q_len, ctx, heads, kv_heads, head_dim, block_size, window):
-    """A request's queries after ctx cached tokens, read in place from a shuffled block table: SDPA with the
-    causal (and window) mask over the same K/V; a NaN query gives NaN in its own row only."""
+    """A request's queries after ctx cached tokens, read in place from a shuffled block table (or, with nothing
+    cached, from the chunk's own K/V, strided as the model's q/k/v split leaves them): SDPA with the causal (and
+    window) mask over the same K/V; a NaN query gives NaN in its own row only."""
     g = torch.Generator().manual_seed(q_len + ctx + heads)
     n = ctx + q_len
     nb = -(-n // block_size)
     table = torch.randperm(nb + 2, generator=g)[:nb]
     cache = torch.randn(2, nb + 2, block_size, kv_heads, head_dim, generator=g)
+    qkv = torch.randn(q_len, heads + 2 * kv_heads, head_dim, generator=g)  # the chunk's own q, k, v
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     pos = torch.arange(n)
+    cache[0, table[pos[ctx:] // block_size], pos[ctx:] % block_size] = k
+    cache[1, table[pos[ctx:] // block_size], pos[ctx:] % block_size] = v
     kv = cache[:, table[pos // block_size], pos % block_size]  # [2, n, kvh, d]
-    q = torch.randn(q_len, heads + kv_heads, head_dim, generator=g)[:, :heads]  # rows strided, as the model's
     q[q_len // 2, heads - 1, 0] = float("nan")
-    out = torch.full((q_len, heads, head_dim), 7.0)
-    assert cpu_paged._prefill(q, cache, table, ctx, 0.3, window, out)
     qp, kp = torch.arange(ctx, n)[:, None], pos[None, :]
     mask = (kp <= qp) & ((kp > qp - window) if window else True)
     ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
@@ -369,10 +371,17 @@ def test_paged_prefill_kernel_matches_sdpa(q_len, ctx, heads, kv_heads, head_dim
     ref = ref[0].transpose(0, 1)
     nan = torch.zeros(q_len, heads, dtype=torch.bool)
     nan[q_len // 2, heads - 1] = True
-    assert out[nan].isnan().all() and not out[~nan].isnan().any()
-    torch.testing.assert_close(out[~nan], ref[~nan], rtol=1e-5, atol=1e-5)
-    kernels_ = cpu_paged.kernels.load()
-    kernels_.paged_prefill_attention(q[:0], cache, table, ctx, 0.3, window, out[:0])  # no queries: nothing to do
+    outs = []
+    out = torch.full((q_len, heads, head_dim), 7.0)
+    assert cpu_paged._prefill(q, k, v, cache, table, ctx, 0.3, window, out)  # ctx 0: the fresh K/V
+    outs.append(out)
+    out = torch.full((q_len, heads, head_dim), 7.0)
+    cpu_paged.kernels.load().paged_prefill_attention(q, cache, table, ctx, 0.3, window, out)  # the cache
+    outs.append(out)
+    for out in outs:
+        assert out[nan].isnan().all() and not out[~nan].isnan().any()
+        torch.testing.assert_close(out[~nan], ref[~nan], rtol=1e-5, atol=1e-5)
+    cpu_paged.kernels.load().paged_prefill_attention(q[:0], cache, table, ctx, 0.3, window, out[:0])  # no queries
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -382,9 +391,9 @@ def test_paged_prefill_kernel_reads_low_precision_caches(dtype):
     table = torch.randperm(12, generator=g)[:9]
     q = torch.randn(40, 6, 64, generator=g)
     out = torch.empty(40, 6, 64)
-    assert cpu_paged._prefill(q, cache, table, 100, 0.125, None, out)
     pos = torch.arange(140)
     kv = cache[:, table[pos // 16], pos % 16].float()
+    assert cpu_paged._prefill(q, kv[0, 100:], kv[1, 100:], cache, table, 100, 0.125, None, out)
     mask = pos[None, :] <= torch.arange(100, 140)[:, None]
     ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
                                          kv[1].transpose(0, 1)[None], attn_mask=mask, scale=0.125, enable_gqa=True)

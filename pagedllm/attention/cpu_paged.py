@@ -44,11 +44,18 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
                                                  starts, scale)
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, ctx_len: int, scale: float,
-             sliding_window: int | None, out: torch.Tensor) -> bool:
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor,
+             ctx_len: int, scale: float, sliding_window: int | None, out: torch.Tensor) -> bool:
+    """One request's prefill (chunk) through the kernel; False where the reference path must run it."""
     if not kernel_applies(q, kv_cache) or out.stride(-1) != 1 or out.stride(-2) != q.shape[-1]:
         return False
-    kernels.load().paged_prefill_attention(q, kv_cache, block_row, ctx_len, scale, sliding_window, out)
+    if ctx_len == 0:  # nothing cached before this chunk: its own K/V, as the reference reads them
+        if (k.dtype != torch.float32 or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1]
+                or v.stride() != k.stride()):
+            return False
+        kernels.load().prefill_attention(q, k, v, scale, sliding_window, out)
+    else:
+        kernels.load().paged_prefill_attention(q, kv_cache, block_row, ctx_len, scale, sliding_window, out)
     return True
 
 

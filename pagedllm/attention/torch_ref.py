@@ -47,8 +47,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
         q_len, seq_len = end - start, seq_lens[i]
-        if prefill is not None and prefill(q[start:end], kv_cache, meta.block_tables[i], seq_len - q_len, scale,
-                                           sliding_window, out[start:end]):
+        if prefill is not None and prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta.block_tables[i],
+                                           seq_len - q_len, scale, sliding_window, out[start:end]):
             continue
         k_start = 0
         if q_len == seq_len:  # nothing cached before this chunk: use the fresh K/V directly

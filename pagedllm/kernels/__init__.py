@@ -63,8 +63,8 @@ class Kernels:
         (any number of rows); the others must leave batches to the float32 GEMM (see _QuantLinear)."""
         self._attn = lib.paged_decode_attention
         self._prefill_attn = lib.paged_prefill_attention
-        self._prefill_attn.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                                       ctypes.c_int, p]
+        self._prefill_attn.argtypes = [p, i64, p, p, i64, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float,
+                                       i64, ctypes.c_int, p]
         self._prefill_attn.restype = None
         self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
         self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -111,13 +111,23 @@ class Kernels:
         ctx .. ctx + Q - 1, attending their own and earlier positions (within ``window``) of one layer's
         kv_cache [2, num_blocks, bs, KVH, D] through block_row [>= blocks] int64, into out [Q, H, D] (rows may
         be strided), in place."""
-        n, h, d = q.shape
-        _, _, bs, kvh, _ = kv_cache.shape
+        _, _, bs, kvh, d = kv_cache.shape
         code = KV_DTYPES[kv_cache.dtype]
         lut = _fp8_table(kv_cache.dtype) if code == 2 else None
-        self._prefill_attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                           block_row.data_ptr(), ctx, n, out.data_ptr(), out.stride(0), h, kvh, d, bs, scale,
-                           window or 0, code, lut.data_ptr() if lut is not None else None)
+        self._prefill(q, kv_cache[0], kv_cache[1], kvh * d, block_row, ctx, bs, scale, window, out, code, lut)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          window: int | None, out: torch.Tensor) -> None:
+        """As paged_prefill_attention with nothing cached before the queries: their own K / V [Q, KVH, D]
+        float32 (rows may be strided, k's and v's alike; heads and dims contiguous)."""
+        self._prefill(q, k, v, k.stride(0), _ZERO_ROW, 0, max(q.shape[0], 1), scale, window, out, 0, None)
+
+    def _prefill(self, q, k, v, kv_stride: int, table: torch.Tensor, ctx: int, bs: int, scale: float,
+                 window: int | None, out: torch.Tensor, code: int, lut: torch.Tensor | None) -> None:
+        n, h, d = q.shape
+        self._prefill_attn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), kv_stride, table.data_ptr(), ctx,
+                           n, out.data_ptr(), out.stride(0), h, k.shape[-2], d, bs, scale, window or 0, code,
+                           lut.data_ptr() if lut is not None else None)
 
     def decode_layers(self, layers, n_layers: int, x: torch.Tensor, out: torch.Tensor, t: int, hidden: int,
                       heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, final_norm: torch.Tensor,
@@ -248,6 +258,9 @@ class Kernels:
         w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[:n * k].view(n, k)
         fn(qweight.data_ptr(), scales.data_ptr(), _ptr(mins), w.data_ptr(), n, k)
         return w
+
+
+_ZERO_ROW = torch.zeros(1, dtype=torch.int64)  # the block table of K / V handed over as one block
 
 
 def _digits(bits: int) -> int:
