@@ -133,6 +133,33 @@ def test_packed_engine_matches_unpacked(tiny_model_factory, monkeypatch, name):
     check_greedy_close(_greedy(plain), got, topk=5, logprob_atol=1e-4, names=("F.linear", "oneDNN"))
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # mistral: a sliding window of 32 tokens
+def test_prefills_take_the_attention_kernel(tiny_model_factory, monkeypatch, name):
+    """Whole prompts (their own K/V) and prefill chunks after cached tokens (K/V from the paged cache) go
+    through the C prefill kernel, never SDPA, with the greedy tokens and logprobs of the torch reference."""
+    from pagedllm.attention import cpu_paged, torch_ref
+
+    model = str(tiny_model_factory(name))
+    prompts = [[(31 * i + 5 * j) % 4000 + 50 for j in range(9 + 23 * i)] for i in range(5)]  # 9 .. 101 tokens
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+
+    def greedy() -> list[GreedyResult]:
+        llm = LLM(model=model, num_gpu_blocks_override=64, max_num_batched_tokens=40, enable_prefix_caching=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [GreedyResult(o.outputs[0].token_ids,
+                             [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs]
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("a prefill took the SDPA reference path")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch_ref, "_prefill", no_sdpa)
+        ours = greedy()
+    monkeypatch.setattr(cpu_paged, "kernel_applies", lambda *args: False)  # every attention through torch
+    check_greedy_close(greedy(), ours, topk=5, logprob_atol=1e-4, min_exact_fraction=1.0,
+                       names=("torch reference", "C kernels"))
+
+
 def test_kernels_propagate_nan_as_torch_does():
     """The vector exp keeps NaN (clamping must not turn it into a finite weight)."""
     k = kernels.load()

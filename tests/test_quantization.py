@@ -357,8 +357,11 @@ def test_paged_prefill_kernel_matches_sdpa(q_len, ctx, heads, kv_heads, head_dim
     nb = -(-n // block_size)
     table = torch.randperm(nb + 2, generator=g)[:nb]
     cache = torch.randn(2, nb + 2, block_size, kv_heads, head_dim, generator=g)
-    qkv = torch.randn(q_len, heads + 2 * kv_heads, head_dim, generator=g)  # the chunk's own q, k, v
-    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    # the chunk's own q, k, v, laid out as LlamaAttention hands them over: q and k rows of the rotary output,
+    # v rows of the projection's (three row strides, two of them alike)
+    qk = torch.randn(q_len, heads + kv_heads, head_dim, generator=g)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = torch.randn(q_len, heads + 2 * kv_heads, head_dim, generator=g)[:, heads + kv_heads:]
     pos = torch.arange(n)
     cache[0, table[pos[ctx:] // block_size], pos[ctx:] % block_size] = k
     cache[1, table[pos[ctx:] // block_size], pos[ctx:] % block_size] = v

@@ -50,8 +50,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     if not kernel_applies(q, kv_cache) or out.stride(-1) != 1 or out.stride(-2) != q.shape[-1]:
         return False
     if ctx_len == 0:  # nothing cached before this chunk: its own K/V, as the reference reads them
-        if (k.dtype != torch.float32 or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1]
-                or v.stride() != k.stride()):
+        if any(t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (k, v)):
             return False
         kernels.load().prefill_attention(q, k, v, scale, sliding_window, out)
     else:

@@ -63,8 +63,8 @@ class Kernels:
         (any number of rows); the others must leave batches to the float32 GEMM (see _QuantLinear)."""
         self._attn = lib.paged_decode_attention
         self._prefill_attn = lib.paged_prefill_attention
-        self._prefill_attn.argtypes = [p, i64, p, p, i64, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float,
-                                       i64, ctypes.c_int, p]
+        self._prefill_attn.argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64,
+                                       ctypes.c_float, i64, ctypes.c_int, p]
         self._prefill_attn.restype = None
         self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
         self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -114,20 +114,22 @@ class Kernels:
         _, _, bs, kvh, d = kv_cache.shape
         code = KV_DTYPES[kv_cache.dtype]
         lut = _fp8_table(kv_cache.dtype) if code == 2 else None
-        self._prefill(q, kv_cache[0], kv_cache[1], kvh * d, block_row, ctx, bs, scale, window, out, code, lut)
+        self._prefill(q, kv_cache[0], kv_cache[1], kvh * d, kvh * d, block_row, ctx, bs, scale, window, out, code,
+                      lut)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                           window: int | None, out: torch.Tensor) -> None:
         """As paged_prefill_attention with nothing cached before the queries: their own K / V [Q, KVH, D]
-        float32 (rows may be strided, k's and v's alike; heads and dims contiguous)."""
-        self._prefill(q, k, v, k.stride(0), _ZERO_ROW, 0, max(q.shape[0], 1), scale, window, out, 0, None)
+        float32 (rows may be strided; heads and dims contiguous)."""
+        self._prefill(q, k, v, k.stride(0), v.stride(0), _ZERO_ROW, 0, max(q.shape[0], 1), scale, window, out, 0,
+                      None)
 
-    def _prefill(self, q, k, v, kv_stride: int, table: torch.Tensor, ctx: int, bs: int, scale: float,
+    def _prefill(self, q, k, v, k_stride: int, v_stride: int, table: torch.Tensor, ctx: int, bs: int, scale: float,
                  window: int | None, out: torch.Tensor, code: int, lut: torch.Tensor | None) -> None:
         n, h, d = q.shape
-        self._prefill_attn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), kv_stride, table.data_ptr(), ctx,
-                           n, out.data_ptr(), out.stride(0), h, k.shape[-2], d, bs, scale, window or 0, code,
-                           lut.data_ptr() if lut is not None else None)
+        self._prefill_attn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k_stride, v_stride,
+                           table.data_ptr(), ctx, n, out.data_ptr(), out.stride(0), h, k.shape[-2], d, bs, scale,
+                           window or 0, code, lut.data_ptr() if lut is not None else None)
 
     def decode_layers(self, layers, n_layers: int, x: torch.Tensor, out: torch.Tensor, t: int, hidden: int,
                       heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, final_norm: torch.Tensor,

@@ -253,10 +253,10 @@ static inline void tile_scores(int mr, const float *q, const float *kt, int64_t 
 #endif
 }
 
-/* k, v: the cache's halves, token rows kv_stride elements apart (KVH * D); or a chunk's own fresh K/V when
- * nothing was cached before it (ctx 0), as one block of bs >= Q rows (table {0}). */
-void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, int64_t kv_stride,
-                             const int64_t *table, int64_t ctx, int64_t Q, float *out, int64_t out_stride, int64_t H,
+/* k, v: the cache's halves, token rows k_stride / v_stride elements apart (KVH * D); or a chunk's own fresh
+ * K/V when nothing was cached before it (ctx 0), as one block of bs >= Q rows (table {0}). */
+void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, int64_t k_stride,
+                             int64_t v_stride, const int64_t *table, int64_t ctx, int64_t Q, float *out, int64_t out_stride, int64_t H,
                              int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window, int kv_dtype,
                              const float *lut) {
     const int64_t group = H / KVH, tiles = (Q + PF_TOKENS - 1) / PF_TOKENS;
@@ -291,10 +291,10 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                 const int64_t nk = last + 1 - k0 < PF_KEYS ? last + 1 - k0 : PF_KEYS;
                 for (int64_t j = 0; j < PF_KEYS; j++) {  /* K transposed, V as rows; zeros past nk */
                     if (j < nk) {
-                        const int64_t pos = k0 + j, off = (table[pos / bs] * bs + pos % bs) * kv_stride + kh * D;
-                        const float *kr = row(k, off, kv_dtype, lut, kbuf, D);
+                        const int64_t pos = k0 + j, slot = table[pos / bs] * bs + pos % bs;
+                        const float *kr = row(k, slot * k_stride + kh * D, kv_dtype, lut, kbuf, D);
                         for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = kr[d];
-                        const float *vr = row(v, off, kv_dtype, lut, vt + j * D, D);
+                        const float *vr = row(v, slot * v_stride + kh * D, kv_dtype, lut, vt + j * D, D);
                         if (vr != vt + j * D) memcpy(vt + j * D, vr, D * sizeof(float));
                     } else {
                         for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = 0.f;
