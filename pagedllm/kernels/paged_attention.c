@@ -142,6 +142,22 @@ static inline void accumulate(float *acc, const float *p, const float *const *vr
     }
 }
 
+/* One query row's online softmax over scores s[lo, hi) of keys whose V rows are vrows[lo, hi): the running
+ * max m, sum l and weighted V acc [D] take them in; the scores become the weights in place. */
+static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, int64_t hi, int64_t D, float *m,
+                               float *l, float *acc) {
+    float bmax = *m;
+    for (int64_t t = lo; t < hi; t++) bmax = s[t] > bmax ? s[t] : bmax;
+    if (bmax > *m) {
+        const float corr = expf(*m - bmax);  /* 0 on the first keys (m = -inf) */
+        *l *= corr;
+        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
+        *m = bmax;
+    }
+    *l += exp_shifted(s, *m, s, lo, hi);
+    accumulate(acc, s, vrows, lo, hi, D);
+}
+
 void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                             const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
@@ -184,16 +200,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                 }
                 for (int64_t h = (kh - kh0) * group; h < (kh - kh0 + 1) * group; h++) {
                     scores(qr + h * D, krows, lo, hi, D, scale, s[h]);
-                    float bmax = m[h];
-                    for (int64_t t = lo; t < hi; t++) bmax = s[h][t] > bmax ? s[h][t] : bmax;
-                    if (bmax > m[h]) {
-                        const float corr = expf(m[h] - bmax);  /* 0 on the first block (m = -inf) */
-                        l[h] *= corr;
-                        for (int64_t d = 0; d < D; d++) acc[h][d] *= corr;
-                        m[h] = bmax;
-                    }
-                    l[h] += exp_shifted(s[h], m[h], s[h], lo, hi);  /* scores become weights in place */
-                    accumulate(acc[h], s[h], vrows, lo, hi, D);
+                    fold_scores(s[h], vrows, lo, hi, D, &m[h], &l[h], acc[h]);
                 }
             }
         }
@@ -310,19 +317,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                         const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
                         int64_t jlo = window > 0 ? pos - window + 1 - k0 : 0;
                         if (jlo < 0) jlo = 0;
-                        if (jlo >= hi) continue;
-                        float bmax = m[r];
-                        for (int64_t j = jlo; j < hi; j++) bmax = s[i][j] > bmax ? s[i][j] : bmax;
-                        float *a = acc + r * D;
-                        if (bmax > m[r]) {
-                            const float corr = expf(m[r] - bmax);  /* 0 on the first keys (m = -inf) */
-                            l[r] *= corr;
-                            for (int64_t d = 0; d < D; d++) a[d] *= corr;
-                            m[r] = bmax;
-                        }
-                        float p[PF_KEYS];
-                        l[r] += exp_shifted(s[i], m[r], p, jlo, hi);
-                        accumulate(a, p, vrows, jlo, hi, D);
+                        if (jlo < hi) fold_scores(s[i], vrows, jlo, hi, D, &m[r], &l[r], acc + r * D);
                     }
                 }
             }

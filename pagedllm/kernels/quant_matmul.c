@@ -257,10 +257,10 @@ void int8_dequantize_g16(const int8_t *qw, const float *scales, const float *min
  * int32: two dot products for 16 bits, the float32 function to about 1e-5.
  */
 
-/* x [M, K] -> qx [M, K * digits] int8 (per group: hi, then lo), d and d * sum(q) [M, K/32]; xr (if not
- * NULL) [M, K] = q * d */
+/* x [M, K] -> qx [M, K * digits] int8 (per group: hi, then lo), d and d * sum(q) [M, K/32]; qsum (if not
+ * NULL) [M, K/32] = sum(q); xr (if not NULL) [M, K] = q * d */
 static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int digits, int8_t *qx, float *d, float *xsum,
-                             float *xr) {
+                             int32_t *qsum, float *xr) {
     const int64_t R = M * (K / GROUP);
     const float qmax = digits == 2 ? 32512.f : 127.f;
 #pragma omp parallel for schedule(static) if (R > 512)
@@ -313,7 +313,9 @@ static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int digits, i
             const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
             _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, order));
         }
-        xsum[r] = dg * hsum(_mm256_cvtepi32_ps(isum));
+        const float qs = hsum(_mm256_cvtepi32_ps(isum));  /* exact: |sum(q)| <= 32 * 32512 < 2^24 */
+        xsum[r] = dg * qs;
+        if (qsum) qsum[r] = (int32_t)qs;
 #else
         int32_t isum = 0;
         for (int j = 0; j < GROUP; j++) {
@@ -329,6 +331,7 @@ static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int digits, i
             if (xr) xr[r * GROUP + j] = (float)v * dg;
         }
         xsum[r] = dg * (float)isum;
+        if (qsum) qsum[r] = isum;
 #endif
     }
 }
@@ -544,10 +547,10 @@ static inline __attribute__((always_inline)) void digit_pass(int mc, int np, vi_
     }
 }
 
-/* y[m0 .. m0+mc, n0 .. n0+nc] from np (<= NPB) packed panels, P lanes apart; comp[m, g] = 128 * sum(q_x) for
- * int8 weights (stored + 128). */
+/* y[m0 .. m0+mc, n0 .. n0+nc] from np (<= NPB) packed panels, P lanes apart; qsum[m, g] = sum(q_x), for int8
+ * weights (stored + 128: 128 * sum(q_x) comes off each dot). */
 static inline __attribute__((always_inline)) void gemm_block(
-        int bits, int digits, int mc, int np, const uint8_t *w, const float *sc, const float *mn, const int32_t *comp,
+        int bits, int digits, int mc, int np, const uint8_t *w, const float *sc, const float *mn, const int32_t *qsum,
         int64_t P, int has_mins, const int8_t *qx, const float *dx, const float *xsum, float *y, int64_t m0,
         int64_t n0, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
@@ -569,7 +572,7 @@ static inline __attribute__((always_inline)) void gemm_block(
             const vf_t s = vf_load(sc + p * P + g * PW);
             for (int i = 0; i < mc; i++) {
                 const int64_t r = (m0 + i) * G + g;
-                if (bits == 8) a[i][p] = vi_sub(a[i][p], vi_set1(comp[r]));
+                if (bits == 8) a[i][p] = vi_sub(a[i][p], vi_set1(128 * qsum[r]));
                 f[i][p] = vf_fma(vf_cvt(a[i][p]), vf_mul(s, vf_set1(dx[r])), f[i][p]);
                 if (has_mins) f[i][p] = vf_fma(vf_load(mn + p * P + g * PW), vf_set1(xsum[r]), f[i][p]);
             }
@@ -589,19 +592,10 @@ static inline __attribute__((always_inline)) void gemm_block(
         }
 }
 
-static void gemm_a8(int bits, int digits, const int8_t *qx, const float *dx, const float *xsum, const uint8_t *qw,
-                    const float *scales, const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
+static void gemm_a8(int bits, int digits, const int8_t *qx, const float *dx, const float *xsum, const int32_t *qsum,
+                    const uint8_t *qw, const float *scales, const float *mins, float *y, int64_t M, int64_t N,
+                    int64_t K) {
     const int64_t G = K / GROUP, P = G * PW, chunks = (N + PW * PANELS - 1) / (PW * PANELS);
-    int32_t *comp = NULL;
-    if (bits == 8) {  /* what the weights' + 128 adds to each group's dot */
-        comp = malloc(M * G * sizeof(int32_t) + 4);
-        for (int64_t r = 0; r < M * G; r++) {
-            int32_t t = 0;
-            for (int j = 0; j < GROUP; j++)
-                t += digits == 2 ? 255 * qx[r * 2 * GROUP + j] + qx[r * 2 * GROUP + GROUP + j] : qx[r * GROUP + j];
-            comp[r] = 128 * t;
-        }
-    }
     const int has_mins = mins != NULL;
 #pragma omp parallel
     {
@@ -620,7 +614,7 @@ static void gemm_a8(int bits, int digits, const int8_t *qx, const float *dx, con
                 const int mc = M - m0 < GM ? (int)(M - m0) : GM;
                 for (int p = 0; p < np; p += NPB) {
                     const int nb = np - p < NPB ? np - p : NPB;
-#define GEMM_ARGS w + p * P * 32, sc + p * P, mn + p * P, comp, P, has_mins, qx, dx, xsum, y, m0, \
+#define GEMM_ARGS w + p * P * 32, sc + p * P, mn + p * P, qsum, P, has_mins, qx, dx, xsum, y, m0, \
                   nbase + PW * p, N, K
                     const int full = mc == GM && nb == NPB;  /* the full block: its loops unrolled */
                     if (bits == 4 && digits == 1) full ? gemm_block(4, 1, GM, NPB, GEMM_ARGS) : gemm_block(4, 1, mc, nb, GEMM_ARGS);
@@ -635,7 +629,6 @@ static void gemm_a8(int bits, int digits, const int8_t *qx, const float *dx, con
         free(sc);
         free(mn);
     }
-    free(comp);
 }
 #endif
 
@@ -644,13 +637,16 @@ static void quant_matmul_a8(int bits, int digits, const float *x, const uint8_t 
     const int64_t G = K / GROUP;
     int8_t *qx = malloc(M * K * digits + 32);
     float *dx = malloc(M * G * sizeof(float) + 4), *xsum = malloc(M * G * sizeof(float) + 4);
-    quantize_rows_q8(x, M, K, digits, qx, dx, xsum, NULL);
+    const int gemm = M > A8_GEMM_ROWS && a8_gemm_available(bits);
+    int32_t *qsum = gemm && bits == 8 ? malloc(M * G * sizeof(int32_t)) : NULL;  /* the int8 GEMM's correction */
+    quantize_rows_q8(x, M, K, digits, qx, dx, xsum, qsum, NULL);
 #ifdef __AVX2__
-    if (M > A8_GEMM_ROWS && a8_gemm_available(bits)) {
-        gemm_a8(bits, digits, qx, dx, xsum, qw, scales, mins, y, M, N, K);
+    if (gemm) {
+        gemm_a8(bits, digits, qx, dx, xsum, qsum, qw, scales, mins, y, M, N, K);
         free(qx);
         free(dx);
         free(xsum);
+        free(qsum);
         return;
     }
 #endif
@@ -692,13 +688,13 @@ void int8_matmul_a8(const float *x, const int8_t *qw, const float *scales, const
     quant_matmul_a8(8, digits, x, (const uint8_t *)qw, scales, mins, y, M, N, K);
 }
 
-/* x rounded as the kernels above round it: qx [M, K] int8 and d [M, K/32] (each may be NULL), and
+/* x rounded as the kernels above round it: qx [M, K * digits] int8 and d [M, K/32] (each may be NULL), and
  * xr [M, K] = q * d (may be NULL) */
 void quantize_activations_q8(const float *x, int8_t *qx, float *d, float *xr, int64_t M, int64_t K, int digits) {
     const int64_t G = K / GROUP;
     int8_t *q = qx ? qx : malloc(M * K * digits + 32);
     float *dd = d ? d : malloc(M * G * sizeof(float) + 4), *xsum = malloc(M * G * sizeof(float) + 4);
-    quantize_rows_q8(x, M, K, digits, q, dd, xsum, xr);
+    quantize_rows_q8(x, M, K, digits, q, dd, xsum, NULL, xr);
     if (!qx) free(q);
     if (!d) free(dd);
     free(xsum);

@@ -155,9 +155,9 @@ class _QuantLinear(nn.Module):
         return self._dequantize(self.qweight, self.scales, self.mins), self.bias
 
     def extra_repr(self) -> str:
-        a8 = f", int{self.activation_bits} activations" if self.activation_bits else ""
+        act = f", int{self.activation_bits} activations" if self.activation_bits else ""
         group = GROUP // self.scales_per_group
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {group}{a8}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} group {group}{act}"
 
 
 class Int8Linear(_QuantLinear):
@@ -306,21 +306,21 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
     the rest.
     """
     blocks = blocks or {}
-    a8 = ACTIVATION_BITS.get(method)
+    abits = ACTIVATION_BITS.get(method)  # None: float32 activations
     bits = "int8" if method == "int8" else "int4"
     for module, child_name, child, full in _projections(model):
-        if from_float or _uses_block(child.weight, bits, blocks.get(full), a8):
-            setattr(module, child_name, _quantized(child.weight, child.bias, bits, blocks.get(full), full, a8))
+        if from_float or _uses_block(child.weight, bits, blocks.get(full), abits):
+            setattr(module, child_name, _quantized(child.weight, child.bias, bits, blocks.get(full), full, abits))
     if model.lm_head is not None and not isinstance(model.lm_head, nn.Linear):
         return  # taken from its block already
     tied = model.lm_head is None
     head = model.embed_tokens.weight if tied else model.lm_head.weight
     block = blocks.get("lm_head")
-    if not (from_float or _uses_block(head, "int8", block, a8)):
+    if not (from_float or _uses_block(head, "int8", block, abits)):
         return
-    model.lm_head = _quantized(head, None, "int8", block, "lm_head", a8)
+    model.lm_head = _quantized(head, None, "int8", block, "lm_head", abits)
     ps = getattr(model, "ps", None)
-    if (tied and _uses_block(head, "int8", block, a8) and type(model.lm_head) is Int8Linear
+    if (tied and _uses_block(head, "int8", block, abits) and type(model.lm_head) is Int8Linear
             and (ps is None or ps.world_size == 1)):
         # the head holds the embedding's own values: look rows up there, and drop the float32 table
         model.embed_tokens = QuantizedEmbedding(model.lm_head)
