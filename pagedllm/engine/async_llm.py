@@ -237,11 +237,17 @@ class AsyncLLM:
                 if not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()
-                for out in outputs:
-                    with self._lock:
+                # one wake-up of each event loop per step, not one per output: each call_soon_threadsafe
+                # is a write to the loop's self-pipe and a GIL hand-over (2.4 % of the engine thread's
+                # samples at 16 streams, one call per output)
+                batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+                with self._lock:
+                    for out in outputs:
                         target = self._streams.get(out.request_id)
-                    if target is not None:
-                        _deliver(target, out)
+                        if target is not None:
+                            batches.setdefault(target[0], []).append((target[1], out))
+                for loop, items in batches.items():
+                    _deliver_all(loop, items)
                 if self.on_step is not None:
                     self.on_step(self.engine, outputs)
         except BaseException as e:  # make every waiting stream fail instead of hanging
@@ -254,8 +260,16 @@ class AsyncLLM:
 
 
 def _deliver(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
-    loop, q = target
+    _deliver_all(target[0], [(target[1], item)])
+
+
+def _deliver_all(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
     try:
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        loop.call_soon_threadsafe(_put_all, items)
     except RuntimeError:  # that event loop has closed (shutdown): nobody is listening
         pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
