@@ -11,6 +11,10 @@ The workload is vLLM's `bench serve` random dataset as issue 18 states it: 256 Â
 * serving: `pagedllm serve --max-num-seqs C` in its own process and `pagedllm bench serve
   --max-concurrency C` (streaming, token-id prompts) from this one.
 
+Both sides are warmed up alike before they are timed, with the same two requests of other prompts
+(`bench serve --num-warmups 2` sends them): until 2026-11-25 offline warmed up on two of the timed
+prompts, so their prefills were prefix-cache hits in its timed run, and the server was not warmed at all.
+
 Reports both total token throughputs and their ratio, and the serving median ITL against offline's
 median decode step time. Prints JSON.
 """
@@ -27,7 +31,8 @@ import time
 from _servers import PAGEDLLM, start, stop
 
 
-def offline(data: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
+def offline(data: list[tuple[list[int], int]], warm: list[tuple[list[int], int]],
+            args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, max_num_seqs=args.max_concurrency, quantization=args.quantization)
@@ -43,7 +48,8 @@ def offline(data: list[tuple[list[int], int]], args: argparse.Namespace) -> dict
 
     prompts = [{"prompt_token_ids": p} for p, _ in data]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in data]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    warm_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in warm]
+    llm.generate([{"prompt_token_ids": p} for p, _ in warm], warm_params, use_tqdm=False)
     engine.step = timed_step
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -70,7 +76,8 @@ def serving(args: argparse.Namespace) -> dict:
         bargs = parser.parse_args(["serve", "--base-url", url, "--num-prompts", str(args.num_prompts),
                                    "--random-input-len", "256", "--random-output-len", "128",
                                    "--random-range-ratio", "0.5", "--random-output-range-ratio", "0.5",
-                                   "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed)])
+                                   "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
+                                   "--num-warmups", "2"])
         return asyncio.run(bench_serve.run(bargs))
     finally:
         stop([proc])
@@ -88,7 +95,8 @@ def main() -> None:
     from pagedllm.benchmarks.serve import random_dataset
 
     data = random_dataset(args.num_prompts, 256, 128, 0.5, 0.5, 49152, args.seed)
-    off = None if args.skip_offline else offline(data, args)
+    warm = random_dataset(2, 256, 128, 0.5, 0.5, 49152, args.seed + 1)  # what `bench serve --num-warmups 2` sends
+    off = None if args.skip_offline else offline(data, warm, args)
     srv = serving(args)
     keys = ("duration_s", "total_token_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms",
             "median_itl_ms", "p99_itl_ms", "completed", "failed")

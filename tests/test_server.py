@@ -267,16 +267,28 @@ def test_schemathesis_finds_no_server_errors(server):
     assert re.search(r"[1-9]\d* generated, [1-9]\d* passed", r.stdout), r.stdout[-2000:]
 
 
+def _generated_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(v) for v in re.findall(r"^pagedllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+
+
 def test_bench_serve_reports_vllm_metrics(server, tmp_path):
     out = tmp_path / "bench.json"
+    before = _generated_tokens(server.url)
     r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
                         "--api-key", API_KEY, "--num-prompts", "6", "--random-input-len", "40",
                         "--random-output-len", "5", "--max-concurrency", "3", "--request-rate", "50",
-                        "--goodput", "ttft:100000", "--result-file", str(out)],
+                        "--num-warmups", "2", "--goodput", "ttft:100000", "--result-file", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
-    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["completed"] == 6 and report["failed"] == 0 and report["num_warmups"] == 2
+    # the two warm-up requests reached the server, and only the six timed ones are in the report (the metrics
+    # are counted after a step's outputs are sent, so the last step may land a moment after the client is done)
+    deadline = time.monotonic() + 10
+    while _generated_tokens(server.url) - before < 8 * 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _generated_tokens(server.url) - before == 8 * 5
     assert report["total_output_tokens"] == 30
     for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput",
                 "output_throughput", "request_goodput"):

@@ -127,6 +127,15 @@ async def run(args: argparse.Namespace) -> dict:
             finally:
                 bar.update(1)
 
+        if args.num_warmups:  # not timed, not reported: first-use costs (page faults, kernel set-up) come first
+            warm = random_dataset(args.num_warmups, args.random_input_len, args.random_output_len,
+                                  args.random_range_ratio, args.random_output_range_ratio, args.vocab_size,
+                                  args.seed + 1)  # other prompts than the timed ones: no prefix-cache hits
+            failed = [r.error for r in await asyncio.gather(
+                *(_one(client, url, args.model, p, n, args.ignore_eos, headers, None) for p, n in warm))
+                if not r.ok]
+            if failed:
+                raise RuntimeError(f"warm-up request failed: {failed[0]}")
         start = time.perf_counter()
         tasks = []
         for p, n in data:
@@ -144,7 +153,7 @@ async def run(args: argparse.Namespace) -> dict:
     pct = [float(x) for x in args.metric_percentiles.split(",")]
     report = {
         "base_url": args.base_url, "model": args.model, "num_prompts": args.num_prompts,
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
@@ -190,6 +199,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s); inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight; default: no limit")
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent at once before the timed run (other random prompts of the same lengths); "
+                        "not counted in the report")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask the server to generate every requested token")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs as ttft:MS tpot:MS e2el:MS")
