@@ -185,18 +185,22 @@ def _greedy_varied(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
             for o in outs]
 
 
-@pytest.mark.parametrize("name,method", [("llama", "int4"), ("qwen2", "w4a8"), ("mistral", "int8"),
-                                         ("llama", "w4a8"), ("mistral", "w4a16"), ("qwen2", None),
-                                         ("mistral", None)])
-# biases (qwen2), a sliding window (mistral), float32 (None: PackedLinear's own GEMV for up to 4 rows)
-def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, name, method):
+@pytest.mark.parametrize("name,method,kv", [("llama", "int4", "auto"), ("qwen2", "w4a8", "auto"),
+                                            ("mistral", "int8", "auto"), ("llama", "w4a8", "auto"),
+                                            ("mistral", "w4a16", "auto"), ("qwen2", None, "auto"),
+                                            ("mistral", None, "auto"), ("mistral", "w4a16", "bfloat16"),
+                                            ("qwen2", None, "bfloat16")])
+# biases (qwen2), a sliding window (mistral), float32 (None: PackedLinear's own GEMV for up to 4 rows), a
+# bfloat16 KV cache (the C loop rounds the new K/V as torch's .to(bfloat16) does)
+def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, name, method, kv):
     """A decode-only step of a quantized model runs its layers in one C call: the very tokens and logprobs
     (exactly equal) of the Python loop (enforce_eager), and it falls back when a module is swapped."""
     from pagedllm.layers.quantization import dequantize_model
 
     model = str(tiny_model_factory(name))
-    eager = _greedy_varied(LLM(model=model, num_gpu_blocks_override=64, quantization=method, enforce_eager=True))
-    llm = LLM(model=model, num_gpu_blocks_override=64, quantization=method)
+    kw = dict(model=model, num_gpu_blocks_override=64, quantization=method, kv_cache_dtype=kv)
+    eager = _greedy_varied(LLM(enforce_eager=True, **kw))
+    llm = LLM(**kw)
     fused = llm.llm_engine.core.runner.model.fused_decode
     assert _greedy_varied(llm) == eager
     assert fused.steps >= (20 if method else 10)  # when 8 rows are left (the quantized kernels take 8, float32 4)

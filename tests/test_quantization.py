@@ -415,11 +415,12 @@ def test_paged_decode_kernel_matches_the_torch_reference(nd, heads, kv_heads, he
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: bf16 rows widened 16 (or 8) at a time, then a tail
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16])
-def test_paged_decode_kernel_reads_low_precision_caches(dtype):
+def test_paged_decode_kernel_reads_low_precision_caches(dtype, head_dim):
     """bf16 / fp8 rows are widened in the kernel (fp16 takes the reference path): either way the result
     is attention over the cache's values exactly as stored."""
-    q, cache, meta = _random_decode_batch(1, 6, 8, 2, 64, 16)
+    q, cache, meta = _random_decode_batch(1, 6, 8, 2, head_dim, 16)
     low = cache.to(dtype)
     assert cpu_paged.kernel_applies(q, low) == (dtype != torch.float16)
     out = cpu_paged._decode(q, low, meta, 0.2, 30)

@@ -44,9 +44,28 @@ typedef struct {
 typedef struct {
     QLinear qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
-    float *k_cache, *v_cache; /* the layer's [num_blocks, block_size, kv_heads, head_dim] halves, float32 */
-    int64_t sliding_window;   /* 0: none */
+    void *k_cache, *v_cache; /* the layer's [num_blocks, block_size, kv_heads, head_dim] halves */
+    int64_t sliding_window;  /* 0: none */
+    int64_t kv_dtype;        /* 0 float32, 1 bfloat16 (paged_decode_attention's codes) */
 } DecodeLayer;
+
+/* float32 to bfloat16, rounding to nearest even (PyTorch's conversion; a NaN stays a NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* one token's K or V row into its cache slot, in the cache's dtype */
+static void store_kv(void *cache, int64_t kv_dtype, int64_t slot, const float *row, int64_t n) {
+    if (kv_dtype == 0) {
+        memcpy((float *)cache + slot * n, row, n * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + slot * n;
+    for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(row[i]);
+}
 
 static void linear(const QLinear *l, const float *x, float *y, int64_t T) {
     switch (l->kind) {
@@ -96,15 +115,15 @@ int decode_layers(const DecodeLayer *layers, int64_t n_layers, const float *x, f
         linear(&L->qkv, nrm, qkv, T);
         rotary(qkv, qkv_n, cos, sin, qk, T, heads + kv_heads, head_dim); /* q and k heads together */
         for (int64_t t = 0; t < T; t++) {                                /* every new K/V before any read */
-            memcpy(L->k_cache + slots[t] * kv_size, qk + t * (q_size + kv_size) + q_size, kv_size * sizeof(float));
-            memcpy(L->v_cache + slots[t] * kv_size, qkv + t * qkv_n + q_size + kv_size, kv_size * sizeof(float));
+            store_kv(L->k_cache, L->kv_dtype, slots[t], qk + t * (q_size + kv_size) + q_size, kv_size);
+            store_kv(L->v_cache, L->kv_dtype, slots[t], qkv + t * qkv_n + q_size + kv_size, kv_size);
         }
         for (int64_t t = 0; t < T; t++) {
             const int64_t s = L->sliding_window > 0 ? seq_lens[t] - L->sliding_window : 0;
             starts[t] = s > 0 ? s : 0;
         }
         paged_decode_attention(qk, q_size + kv_size, L->k_cache, L->v_cache, block_tables, bt_stride, seq_lens,
-                               starts, att, T, heads, kv_heads, head_dim, block_size, scale, 0, NULL);
+                               starts, att, T, heads, kv_heads, head_dim, block_size, scale, (int)L->kv_dtype, NULL);
         linear(&L->o, att, o, T);
         add_rms_norm(o, residual, L->post_norm, nrm, T, hidden, eps);
         residual = o;

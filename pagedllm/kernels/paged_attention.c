@@ -29,9 +29,19 @@
 static inline const float *row(const void *base, int64_t off, int kv_dtype, const float *lut, float *buf,
                                int64_t D) {
     if (kv_dtype == 0) return (const float *)base + off;
-    if (kv_dtype == 1) {
+    if (kv_dtype == 1) {  /* a bfloat16 is a float32's upper half */
         const uint16_t *p = (const uint16_t *)base + off;
-        for (int64_t d = 0; d < D; d++) {
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= D; d += 16)
+            _mm512_storeu_si512(buf + d, _mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + d))), 16));
+#elif defined(PAGEDLLM_AVX2)
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_si256((__m256i *)(buf + d), _mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + d))), 16));
+#endif
+        for (; d < D; d++) {
             uint32_t u = (uint32_t)p[d] << 16;
             memcpy(buf + d, &u, 4);
         }

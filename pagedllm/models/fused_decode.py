@@ -3,11 +3,12 @@
 Single-stream decode on a CPU runs ~120 kernels a token of tens of microseconds each; the Python
 between them (module calls, views, tensor allocations, ctypes argument conversion) cost about a third
 of the step. When a Llama-family model's every projection runs on our kernels (the quantized linears
-of ``--quantization int8 / int4 / w4a8``, or float32 ones for up to ``GEMV_ROWS`` rows) and every row
-of a step is a decode, the loop runs in C instead, calling the same kernels on the same inputs in the same order, so the logits are the
-Python loop's bit for bit. Anything else (prefill, LoRA or unpacked linears, q/k norms, MoE blocks,
-tensor or pipeline parallelism, non-float32 KV caches, more rows than the kernels take) runs the
-Python loop, and so does every step under ``enforce_eager=True``.
+of ``--quantization int8 / int4 / w4a8 / w4a16``, or float32 ones for up to ``GEMV_ROWS`` rows) and
+every row of a step is a decode, the loop runs in C instead, calling the same kernels on the same inputs
+in the same order, so the logits are the Python loop's bit for bit. Anything else (prefill, LoRA or
+unpacked linears, q/k norms, MoE blocks, tensor or pipeline parallelism, KV caches other than float32
+and bfloat16, more rows than the kernels take) runs the Python loop, and so does every step under
+``enforce_eager=True``.
 
 The plan keeps the pointers of every weight; before each step it checks that the modules it read
 them from are still the model's (a test or an adapter may swap a linear), else it rebuilds.
@@ -33,7 +34,11 @@ class _QLinear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("sliding_window", ctypes.c_int64)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("sliding_window", ctypes.c_int64),
+                ("kv_dtype", ctypes.c_int64)]
+
+# the KV cache dtypes the C loop writes (decode_loop.c's store_kv) and reads: paged_decode_attention's codes
+_KV_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _linear(lin: Any) -> _QLinear:
@@ -102,7 +107,7 @@ class FusedDecode:
             return False
         a0 = model.layers[0].self_attn
         for cache in kv_caches:
-            if (cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[3] != a0.num_kv_heads
+            if (cache.dtype not in _KV_CODES or not cache.is_contiguous() or cache.shape[3] != a0.num_kv_heads
                     or cache.shape[4] != a0.head_dim
                     or not cpu_paged.kernel_applies(torch.empty(1, a0.num_heads, a0.head_dim), cache)):
                 return False
@@ -118,6 +123,7 @@ class FusedDecode:
             out.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             out.k_cache, out.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
             out.sliding_window = a.sliding_window or 0
+            out.kv_dtype = _KV_CODES[cache.dtype]
         self._layers, self._max_rows = layers, min(rows)
         return True
 
