@@ -18,6 +18,7 @@
  * libgomp PyTorch already loaded, so both share one thread pool.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -597,21 +598,33 @@ static void gemm_a8(int bits, int digits, const int8_t *qx, const float *dx, con
                     int64_t K) {
     const int64_t G = K / GROUP, P = G * PW, chunks = (N + PW * PANELS - 1) / (PW * PANELS);
     const int has_mins = mins != NULL;
+    /* A unit of work is a chunk of columns and a share of the rows. Chunks alone would leave threads idle
+     * where they do not divide evenly (576 columns: 9 chunks, 5 against 4 on two threads), so then, with
+     * rows enough, each chunk's rows are split between the threads (each packs the panels it uses). A
+     * row's result does not depend on the split: its sums run the same way in any block of rows. */
+    const int64_t nt = omp_get_max_threads();
+    const int64_t splits = chunks % nt != 0 && M >= 2 * GM * nt ? nt : 1;
+    const int64_t rows_per = ((M + splits - 1) / splits + GM - 1) / GM * GM;
 #pragma omp parallel
     {
         /* per panel: P * 32 bytes of weights, P floats of scales and of mins */
         uint8_t *w = malloc(PANELS * P * 32 + 64);
         float *sc = malloc(PANELS * P * sizeof(float)), *mn = malloc(PANELS * P * sizeof(float));
+        int64_t packed = -1;  /* the chunk whose panels w holds */
+        int np = 0;
 #pragma omp for schedule(static)
-        for (int64_t ch = 0; ch < chunks; ch++) {
-            const int64_t nbase = ch * PW * PANELS;
-            int np = 0;
-            for (; np < PANELS && nbase + PW * np < N; np++)
-                for (int h = 0; h < PW / 8; h++)
-                    pack_rows8(bits, qw, scales, mins, nbase + PW * np + 8 * h, h, N, K, w + np * P * 32,
-                               sc + np * P, mn + np * P);
-            for (int64_t m0 = 0; m0 < M; m0 += GM) {
-                const int mc = M - m0 < GM ? (int)(M - m0) : GM;
+        for (int64_t unit = 0; unit < chunks * splits; unit++) {
+            const int64_t ch = unit / splits, nbase = ch * PW * PANELS;
+            const int64_t m_begin = unit % splits * rows_per, m_end = m_begin + rows_per < M ? m_begin + rows_per : M;
+            if (ch != packed) {
+                for (np = 0; np < PANELS && nbase + PW * np < N; np++)
+                    for (int h = 0; h < PW / 8; h++)
+                        pack_rows8(bits, qw, scales, mins, nbase + PW * np + 8 * h, h, N, K, w + np * P * 32,
+                                   sc + np * P, mn + np * P);
+                packed = ch;
+            }
+            for (int64_t m0 = m_begin; m0 < m_end; m0 += GM) {
+                const int mc = m_end - m0 < GM ? (int)(m_end - m0) : GM;
                 for (int p = 0; p < np; p += NPB) {
                     const int nb = np - p < NPB ? np - p : NPB;
 #define GEMM_ARGS w + p * P * 32, sc + p * P, mn + p * P, qsum, P, has_mins, qx, dx, xsum, y, m0, \
