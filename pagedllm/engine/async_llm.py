@@ -6,8 +6,9 @@ thread (`prepare`), never on the event loop, so a large request cannot stall
 health probes or other clients. The prepared request is then admitted (every
 child counts against ``max_queue_len``) and handed to the engine thread through
 a command queue; outputs come back, once a step, through a courier thread and
-``loop.call_soon_threadsafe`` into a per-request ``asyncio.Queue``. Closing a stream (a client disconnect) aborts the
-request in the core, which frees its KV blocks on the next step.
+``loop.call_soon_threadsafe`` into a per-request ``asyncio.Queue``. Closing a stream
+(a client disconnect) aborts the request in the core, which frees its KV blocks on
+the next step.
 """
 
 from __future__ import annotations

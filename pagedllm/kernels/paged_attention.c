@@ -273,9 +273,9 @@ static inline void tile_scores(int mr, const float *q, const float *kt, int64_t 
 /* k, v: the cache's halves, token rows k_stride / v_stride elements apart (KVH * D); or a chunk's own fresh
  * K/V when nothing was cached before it (ctx 0), as one block of bs >= Q rows (table {0}). */
 void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, int64_t k_stride,
-                             int64_t v_stride, const int64_t *table, int64_t ctx, int64_t Q, float *out, int64_t out_stride, int64_t H,
-                             int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window, int kv_dtype,
-                             const float *lut) {
+                             int64_t v_stride, const int64_t *table, int64_t ctx, int64_t Q, float *out,
+                             int64_t out_stride, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
+                             int64_t window, int kv_dtype, const float *lut) {
     const int64_t group = H / KVH, tiles = (Q + PF_TOKENS - 1) / PF_TOKENS;
 #pragma omp parallel
     {

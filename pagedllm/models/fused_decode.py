@@ -37,8 +37,8 @@ class _Layer(ctypes.Structure):
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("sliding_window", ctypes.c_int64),
                 ("kv_dtype", ctypes.c_int64)]
 
-# the KV cache dtypes the C loop writes (decode_loop.c's store_kv) and reads: paged_decode_attention's codes
-_KV_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# the KV cache dtypes the C loop writes (decode_loop.c's store_kv); it reads them by kernels.KV_DTYPES' codes
+_KV_WRITTEN = (torch.float32, torch.bfloat16)
 
 
 def _linear(lin: Any) -> _QLinear:
@@ -107,7 +107,7 @@ class FusedDecode:
             return False
         a0 = model.layers[0].self_attn
         for cache in kv_caches:
-            if (cache.dtype not in _KV_CODES or not cache.is_contiguous() or cache.shape[3] != a0.num_kv_heads
+            if (cache.dtype not in _KV_WRITTEN or not cache.is_contiguous() or cache.shape[3] != a0.num_kv_heads
                     or cache.shape[4] != a0.head_dim
                     or not cpu_paged.kernel_applies(torch.empty(1, a0.num_heads, a0.head_dim), cache)):
                 return False
@@ -123,7 +123,7 @@ class FusedDecode:
             out.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             out.k_cache, out.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
             out.sliding_window = a.sliding_window or 0
-            out.kv_dtype = _KV_CODES[cache.dtype]
+            out.kv_dtype = kernels.KV_DTYPES[cache.dtype]
         self._layers, self._max_rows = layers, min(rows)
         return True
 
