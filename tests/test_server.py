@@ -289,6 +289,9 @@ def test_bench_serve_reports_vllm_metrics(server, tmp_path):
     while _generated_tokens(server.url) - before < 8 * 5 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _generated_tokens(server.url) - before == 8 * 5
+    bad = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+                          "--num-warmups", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--num-warmups must be 0 or more" in bad.stderr
     assert report["total_output_tokens"] == 30
     for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput",
                 "output_throughput", "request_goodput"):

@@ -216,6 +216,8 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.num_warmups < 0:
+        raise SystemExit(f"--num-warmups must be 0 or more, got {args.num_warmups}")
     if args.model is None:
         import httpx
 
