@@ -61,7 +61,7 @@ class Load:
         with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
             k = 0
             while not self.stop_flag.is_set():
-                body = {"model": MODEL, "prompt": shared + f"client {i} request {k}", "max_tokens": 200,
+                body = {"model": MODEL, "prompt": shared + f"client {i} request {k}", "max_tokens": 180,
                         "temperature": 0.8, "seed": k, "ignore_eos": True, "n": 2 if i % 2 else 1}
                 with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
                     assert r.status_code == 200, r.read()

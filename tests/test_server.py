@@ -197,6 +197,21 @@ def test_prompt_over_context_says_both_numbers(server):
     assert re.search(r"300.*256", _err(r, 400)["message"])
 
 
+def test_max_tokens_beyond_the_context_is_400_not_cut(server, client):
+    """OpenAI's and vLLM's rule: prompt + max_tokens must fit max_model_len (256 here); offline cuts instead."""
+    for path, extra in (("completions", {"prompt": [5] * 250}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 150}]})):
+        r = httpx.post(f"{server.url}/v1/{path}", headers=_headers(),
+                       json={"model": MODEL, "max_tokens": 1000, "stream": True, **extra})
+        err = _err(r, 400, "max_tokens")
+        assert re.search(r"1000.*256", err["message"]), err
+    fits = client.completions.create(model=MODEL, prompt=[5] * 250, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert fits.usage.completion_tokens == 6 and fits.choices[0].finish_reason == "length"
+    assert _err(httpx.post(f"{server.url}/v1/completions", headers=_headers(),
+                           json={"model": MODEL, "prompt": [5] * 250, "max_tokens": 7}), 400, "max_tokens")
+
+
 def test_malformed_json_is_400(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", headers={**_headers(), "Content-Type": "application/json"},
                    content=b"{not json")
@@ -474,7 +489,7 @@ def test_engine_state_snapshot(server, client):
     idle = httpx.get(f"{server.url}/v1/engine/state", headers=_headers()).json()
     assert idle["num_blocks"] == len(idle["block_map"]) == sum(idle["blocks"].values())
     assert idle["blocks"]["used"] == idle["blocks"]["shared"] == 0 and idle["running"] == []
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 20, max_tokens=200, temperature=0,
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 20, max_tokens=150, temperature=0,
                                        stream=True, n=2, extra_body={"ignore_eos": True})
     next(iter(stream))  # running now
     busy = httpx.get(f"{server.url}/v1/engine/state", headers=_headers()).json()

@@ -128,8 +128,12 @@ class AsyncLLM:
 
     async def add_requests(self, prompts: Sequence[PromptType], params: SamplingParams, request_id: str | None = None,
                            priority: int = 0, lora_request: Any = None,
-                           trace_headers: dict[str, str] | None = None) -> list[RequestStream]:
+                           trace_headers: dict[str, str] | None = None,
+                           max_tokens_must_fit: bool = False) -> list[RequestStream]:
         """Admit one user request of one or more prompts, all or nothing; a stream per prompt.
+
+        ``max_tokens_must_fit``: refuse a max_tokens beyond a prompt's room in the context
+        (the OpenAI server's rule) instead of cutting it.
 
         Raises at once on invalid input (InvalidParameterError) or a full queue
         (QueueFullError), before anything reaches the engine.
@@ -141,7 +145,7 @@ class AsyncLLM:
         self._check_room(size)  # a full queue answers before any tokenization
         prepared: list[PreparedRequest] = await self.prepare(
             lambda: [self.engine.make_request(rid, p, params, priority, group=request_id, lora_request=lora_request,
-                                              trace_headers=trace_headers)
+                                              trace_headers=trace_headers, max_tokens_must_fit=max_tokens_must_fit)
                      for rid, p in zip(ids, prompts)])
         loop = asyncio.get_running_loop()
         streams = []

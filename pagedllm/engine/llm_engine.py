@@ -270,8 +270,12 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                      priority: int = 0, group: str | None = None,
                      lora_request: "LoRARequest | None" = None,
-                     trace_headers: dict[str, str] | None = None) -> "PreparedRequest":
+                     trace_headers: dict[str, str] | None = None,
+                     max_tokens_must_fit: bool = False) -> "PreparedRequest":
         """Tokenize and validate, touching no engine state (safe from another thread).
+
+        ``max_tokens_must_fit`` refuses a max_tokens the context has no room for instead of
+        cutting it (see ``Processor.check``).
 
         ``n`` > 1 becomes n child requests ``"{i}_{request_id}"``; child i samples with
         seed + i when a seed is given (vLLM's convention), so it reproduces the
@@ -293,7 +297,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = _copy_params(params) if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
-            max_tokens = self.processor.check(ids, child_params)
+            max_tokens = self.processor.check(ids, child_params, max_tokens_must_fit)
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, ids, child_params, max_tokens, priority=priority,
                                     parent_id=request_id, index=i, group=group, lora_request=lora_request,

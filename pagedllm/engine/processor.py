@@ -50,8 +50,12 @@ class Processor:
         k = params.truncate_prompt_tokens
         return prompt_ids[-k:] if k is not None else prompt_ids
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Validate against the model's limits; bind EOS; return the effective max_tokens."""
+    def check(self, prompt_ids: list[int], params: SamplingParams, max_tokens_must_fit: bool = False) -> int:
+        """Validate against the model's limits; bind EOS; return the effective max_tokens.
+
+        A max_tokens beyond the context's room is cut to the room (offline, as vLLM's LLM does),
+        or refused with ``max_tokens_must_fit`` (the OpenAI server, as OpenAI's API and vLLM's do).
+        """
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
@@ -75,6 +79,11 @@ class Processor:
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         room = self.max_model_len - n
+        if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidParameterError(
+                f"max_tokens={params.max_tokens} is too large: the model's context length (max_model_len) is "
+                f"{self.max_model_len} tokens and the prompt has {n}, which leaves room for {room} output tokens. "
+                "Ask for fewer tokens or send a shorter prompt", "max_tokens")
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:

@@ -497,7 +497,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         params = req.to_sampling_params()
         rid = P.random_id("cmpl")
         streams = await llm.add_requests(prompts, params, rid, req.priority, lora_request=lora,
-                                         trace_headers=trace_headers(raw))
+                                         trace_headers=trace_headers(raw), max_tokens_must_fit=True)
         if lora is not None:
             state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc(len(prompts))
         tok = llm.tokenizer
@@ -536,7 +536,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
                                 req.add_generation_prompt, req.chat_template_kwargs, tools)
         rid = P.random_id("chatcmpl")
         streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority, lora_request=lora,
-                                         trace_headers=trace_headers(raw))
+                                         trace_headers=trace_headers(raw), max_tokens_must_fit=True)
         if lora is not None:
             state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc()
         if req.stream:
