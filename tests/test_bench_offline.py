@@ -65,9 +65,26 @@ def test_bench_accuracy_reports_agreement_and_perplexity(tiny_model_factory, tmp
     res = _bench(["accuracy", "--model", model, "--num-prompts", "3", "--output-len", "8",
                   "--kv-cache-dtype", "bfloat16"], tmp_path)
     assert res["config"] == {"quantization": None, "kv_cache_dtype": "bfloat16"}
-    assert 0.0 <= res["greedy_agreement"] <= 1.0
+    assert 0.0 <= res["greedy_agreement"] <= res["same_top_token"] <= 1.0
     assert 1 < res["perplexity_float32"] < float("inf")  # random weights: far worse than uniform, but finite
     assert abs(res["perplexity"] - res["perplexity_float32"]) / res["perplexity_float32"] < 0.05
+
+
+def test_teacher_forced_tops_are_the_greedy_choices_along_a_continuation(tiny_model_factory):
+    """Read back along its own greedy continuation, an engine ranks each next token first; along a
+    continuation of other tokens, the firsts are what it would have chosen there, not that text."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.offline import teacher_forced_tops
+
+    llm = LLM(model=str(tiny_model_factory("llama")), enable_prefix_caching=False, max_num_batched_tokens=32)
+    prompts = [[5, 6, 7, 8, 9] * 3, list(range(100, 140))]
+    outs = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False)]
+    assert teacher_forced_tops(llm, prompts, outs) == outs
+    other = [[(t + 1) % 1000 for t in o] for o in outs]
+    tops = teacher_forced_tops(llm, prompts, other)
+    assert [t[0] for t in tops] == [o[0] for o in outs] and tops != other
 
 
 def test_greedy_agreement_counts_tokens_before_the_first_divergence():

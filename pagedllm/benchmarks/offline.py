@@ -267,7 +267,10 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
 
     greedy_agreement: of all output tokens, the fraction produced before each sequence's first
     divergence from the float32 run (a divergence ends the comparison: later tokens see other
-    contexts). perplexity: exp of the mean negative log-likelihood of TEXT's tokens (raw logprobs),
+    contexts). same_top_token: each engine reads every prompt followed by float32's greedy
+    continuation, and this is the fraction of those continuation positions where both put the same
+    token first (llama.cpp's "same top" statistic): how often a choice flips, with no divergence
+    compounding it. perplexity: exp of the mean negative log-likelihood of TEXT's tokens (raw logprobs),
     scored in prefill chunks of 32 tokens so that each chunk reads the earlier ones' K/V back from
     the cache, as decoding does (a single-pass prefill would never see the cache's precision).
     """
@@ -282,21 +285,33 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
     greedy = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     scoring = SamplingParams(max_tokens=1, prompt_logprobs=0)
 
-    def evaluate(kwargs: dict) -> tuple[list[list[int]], float]:
+    def evaluate(kwargs: dict, continuations: list[list[int]] | None) -> tuple[list[list[int]], float, list]:
         llm = LLM(model=model, enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=32, **kwargs)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=True)]
         lps = llm.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs[1:]
         ids = text["prompt_token_ids"][1:]
         nll = -sum(lp[t].logprob for lp, t in zip(lps, ids)) / len(ids)
+        tops = teacher_forced_tops(llm, [p["prompt_token_ids"] for p in prompts], continuations or outs)
         del llm
         gc.collect()
-        return outs, math.exp(nll)
+        return outs, math.exp(nll), tops
 
-    ref_outs, ref_ppl = evaluate({})
-    outs, ppl = evaluate(engine_kwargs)
+    ref_outs, ref_ppl, ref_tops = evaluate({}, None)
+    outs, ppl, tops = evaluate(engine_kwargs, ref_outs)
+    same = sum(a == b for x, y in zip(ref_tops, tops) for a, b in zip(x, y))
     return {"config": engine_kwargs, "num_prompts": num_prompts, "output_len": output_len,
-            **greedy_agreement(ref_outs, outs), "perplexity": ppl, "perplexity_float32": ref_ppl,
-            "perplexity_text_tokens": len(text["prompt_token_ids"])}
+            **greedy_agreement(ref_outs, outs), "same_top_token": same / max(sum(map(len, ref_tops)), 1),
+            "perplexity": ppl, "perplexity_float32": ref_ppl, "perplexity_text_tokens": len(text["prompt_token_ids"])}
+
+
+def teacher_forced_tops(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """The token LLM ranks first at each position of each continuation, reading prompt + continuation."""
+    from pagedllm import SamplingParams
+
+    forced = [{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)]
+    outs = llm.generate(forced, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    return [[next(t for t, lp in entry.items() if lp.rank == 1) for entry in o.prompt_logprobs[len(p):]]
+            for o, p in zip(outs, prompts)]
 
 
 def greedy_agreement(ref: list[list[int]], ours: list[list[int]]) -> dict:
