@@ -9,7 +9,7 @@ left-padded static batch.
     pagedllm bench throughput --num-prompts 8 --output-len 32 --backend pagedllm
     pagedllm bench latency                                     # one 128-token prompt, 128 new tokens
     pagedllm bench latency --quantization int4                 # pagedllm int4 vs transformers float32
-    pagedllm bench accuracy --quantization int8                # greedy agreement + perplexity vs float32
+    pagedllm bench accuracy --quantization int8                # greedy agreement, same top, perplexity vs fp32
     pagedllm bench latency --dataset copy --backend spec-vs-off \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'   # speculation on vs off
     pagedllm bench throughput --num-prompts 16 --backend structured-vs-off  # every request under a JSON
@@ -417,8 +417,8 @@ def add_parsers(sub) -> None:
     _add_quant_args(lat, "transformers always runs float32")
     lat.set_defaults(func=_cmd_latency)
 
-    acc = add_command(sub, "accuracy", help="greedy agreement and perplexity of --quantization / --kv-cache-dtype "
-                                            "against float32 pagedllm on the same weights")
+    acc = add_command(sub, "accuracy", help="greedy agreement, same top token and perplexity of --quantization / "
+                                            "--kv-cache-dtype against float32 pagedllm on the same weights")
     acc.add_argument("--model", default=None, help=model_help)
     acc.add_argument("--num-prompts", type=int, default=8, help="prompts whose greedy outputs are compared")
     acc.add_argument("--output-len", type=int, default=128, help="greedy tokens per prompt")
