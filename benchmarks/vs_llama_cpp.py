@@ -15,8 +15,9 @@ rounded to Q8_1 per group of 32) and for pagedllm `w4a8` (the same arithmetic) a
   exactly, which greedy-matches transformers): greedy agreement (tokens before each sequence's first
   divergence) and same top token (the fraction of positions along float32's greedy continuations
   where both rank the same token first);
-* one stream: a 128-token prompt, then 128 greedy tokens: time to first token and decode tok/s,
-  best of --num-iters, both with --threads threads.
+* one stream, as `bench latency` measures it: a 128-token prompt, then --output-len greedy tokens:
+  time to first token and decode tok/s, medians of --num-iters after one warm-up run, with
+  --threads threads for llama.cpp.
 
 Prints JSON.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 
 
@@ -61,11 +63,6 @@ def _llama_tops(lc, prompt: list[int], continuation: list[int]) -> list[int]:
     return scores.argmax(axis=1).tolist()
 
 
-def _same(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for p, q in zip(a, b) for x, y in zip(p, q)]
-    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
@@ -80,7 +77,7 @@ def main() -> None:
         raise SystemExit("this benchmark needs llama-cpp-python (see the top of benchmarks/vs_llama_cpp.py)") from None
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.benchmarks.offline import greedy_agreement, make_w64, teacher_forced_tops
+    from pagedllm.benchmarks.offline import greedy_agreement, make_w64, run_latency, same_top_token, teacher_forced_tops
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
     src = resolve_model(args.model)
@@ -88,15 +85,11 @@ def main() -> None:
         raise SystemExit(f"--model must be a GGUF file for llama.cpp, got {src.path}")
     tok = load_tokenizer(src)
     prompts = make_w64(tok, args.num_prompts, 32, 512, 1)  # bench accuracy's prompts
-    timed = make_w64(tok, 1, 128, 128, 7)[0]
+    timed = make_w64(tok, 1, 128, 128, 0)[0]  # bench latency's prompt
     n = args.output_len
     outs: dict[str, list[list[int]]] = {}
     tops: dict[str, list[list[int]]] = {}
     speed: dict[str, dict] = {}
-
-    def best(runs: list[tuple[float, float]]) -> dict:
-        return {"ttft_ms": min(r[0] for r in runs) * 1000,
-                "decode_tok_s": max((n - 1) / (r[1] - r[0]) for r in runs)}
 
     for name, kwargs in (("float32", {}), ("w4a8", {"quantization": "w4a8"}), ("w4a16", {"quantization": "w4a16"})):
         llm = LLM(model=src.path, enable_prefix_caching=False, max_num_batched_tokens=512, **kwargs)
@@ -104,25 +97,18 @@ def main() -> None:
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": q} for q in prompts], greedy, use_tqdm=False)]
         tops[name] = teacher_forced_tops(llm, prompts, outs["float32"])
-        if name != "float32":
-            one = [{"prompt_token_ids": timed}]
-            llm.generate(one, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-            runs = []
-            for _ in range(args.num_iters):
-                t0 = time.perf_counter()
-                llm.generate(one, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-                ttft = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                llm.generate(one, greedy, use_tqdm=False)
-                runs.append((ttft, time.perf_counter() - t0))
-            speed[name] = best(runs)
         del llm
         gc.collect()
+        if name != "float32":  # bench latency's measurement: the request's own timestamps
+            lat = run_latency(src.path, len(timed), n, args.num_iters, 1, "pagedllm", kwargs)
+            speed[name] = {"ttft_ms": lat["median_ttft_ms"], "decode_tok_s": lat["median_decode_tok_s"]}
 
     lc = _llama(src.path, args.threads)
     outs["llama.cpp"] = [_llama_greedy(lc, q, n)[0] for q in prompts]
-    _llama_greedy(lc, timed, 8)
-    speed["llama.cpp"] = best([_llama_greedy(lc, timed, n)[1:] for _ in range(args.num_iters)])
+    _llama_greedy(lc, timed, n)
+    runs = [_llama_greedy(lc, timed, n)[1:] for _ in range(args.num_iters)]
+    speed["llama.cpp"] = {"ttft_ms": statistics.median(first for first, _ in runs) * 1000,
+                          "decode_tok_s": statistics.median((n - 1) / (total - first) for first, total in runs)}
     del lc
     gc.collect()
     lc = _llama(src.path, args.threads, logits_all=True)
@@ -131,7 +117,7 @@ def main() -> None:
 
     report = {"model": src.path, "num_prompts": args.num_prompts, "output_len": n, "threads": args.threads,
               "vs_float32": {k: {**greedy_agreement(outs["float32"], outs[k]),
-                                 "same_top_token": _same(tops["float32"], tops[k])}
+                                 "same_top_token": same_top_token(tops["float32"], tops[k])}
                              for k in ("llama.cpp", "w4a8", "w4a16")},
               "llama.cpp_vs_w4a8": greedy_agreement(outs["w4a8"], outs["llama.cpp"]),
               "one_stream": speed,

@@ -298,9 +298,8 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
 
     ref_outs, ref_ppl, ref_tops = evaluate({}, None)
     outs, ppl, tops = evaluate(engine_kwargs, ref_outs)
-    same = sum(a == b for x, y in zip(ref_tops, tops) for a, b in zip(x, y))
     return {"config": engine_kwargs, "num_prompts": num_prompts, "output_len": output_len,
-            **greedy_agreement(ref_outs, outs), "same_top_token": same / max(sum(map(len, ref_tops)), 1),
+            **greedy_agreement(ref_outs, outs), "same_top_token": same_top_token(ref_tops, tops),
             "perplexity": ppl, "perplexity_float32": ref_ppl, "perplexity_text_tokens": len(text["prompt_token_ids"])}
 
 
@@ -312,6 +311,12 @@ def teacher_forced_tops(llm, prompts: list[list[int]], continuations: list[list[
     outs = llm.generate(forced, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     return [[next(t for t, lp in entry.items() if lp.rank == 1) for entry in o.prompt_logprobs[len(p):]]
             for o, p in zip(outs, prompts)]
+
+
+def same_top_token(ref_tops: list[list[int]], tops: list[list[int]]) -> float:
+    """Fraction of positions where two engines' teacher_forced_tops agree."""
+    pairs = [(a, b) for x, y in zip(ref_tops, tops) for a, b in zip(x, y)]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
 def greedy_agreement(ref: list[list[int]], ours: list[list[int]]) -> dict:
