@@ -161,8 +161,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     """Constrain the output to a JSON schema, regex, choice list or grammar (see StructuredOutputsParams)."""
 
-    # Filled in by the engine: the stop set including the model's EOS, and bad_words as token ids.
+    # Filled in by the engine (bind_eos), as vLLM has them: the ids min_tokens masks (stop_token_ids and the
+    # model's EOS, whatever ignore_eos says), the ids that end generation (EOS only without ignore_eos), and
+    # bad_words as token ids.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+    _finish_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
     _processor_arities: list[int] = field(default_factory=list, repr=False, compare=False)
 
@@ -183,7 +186,7 @@ class SamplingParams:
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParameterError("structured_outputs must be a StructuredOutputsParams or a dict",
                                         "structured_outputs")
-        self._all_stop_token_ids = frozenset(self.stop_token_ids)
+        self._all_stop_token_ids = self._finish_token_ids = frozenset(self.stop_token_ids)
 
     def _validate(self) -> None:
         _int_at_least("n", self.n, 1)
@@ -275,9 +278,12 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def bind_eos(self, eos_token_ids: frozenset[int]) -> None:
-        """Called by the engine once the model's EOS ids are known."""
-        extra = frozenset() if self.ignore_eos else eos_token_ids
-        self._all_stop_token_ids = frozenset(self.stop_token_ids) | extra
+        """Called by the engine once the model's EOS ids are known. ``ignore_eos`` lets EOS be generated
+        without ending the output, but min_tokens still forbids it (vLLM's rule: ``min_tokens=max_tokens=N,
+        ignore_eos=True`` gives N tokens none of which is EOS)."""
+        stop = frozenset(self.stop_token_ids)
+        self._all_stop_token_ids = stop | eos_token_ids
+        self._finish_token_ids = stop if self.ignore_eos else stop | eos_token_ids
 
 
 def _depth(obj: Any) -> int:

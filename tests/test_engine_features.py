@@ -163,6 +163,45 @@ def test_eos_stop_token_ids_min_tokens_and_ignore_eos(llm):
     assert eos in sp._all_stop_token_ids
 
 
+def test_min_tokens_forbids_eos_even_with_ignore_eos(llm):
+    """vLLM's rule: ignore_eos lets EOS be generated without stopping, but min_tokens still forbids it, so
+    ``min_tokens=max_tokens=N, ignore_eos=True`` (vLLM's benchmark workloads) never gives an EOS."""
+    eos = llm.llm_engine.tokenizer.eos_token_id
+    p = [{"prompt_token_ids": [100, 200, 300]}]
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=8, ignore_eos=True, logit_bias={eos: 100})
+    out = llm.generate(p, sp, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    assert eos not in out.token_ids[:8] and out.token_ids[8:] == [eos] * 4  # past min_tokens EOS wins, and goes on
+    # without ignore_eos the same bias ends the output at the first token min_tokens allows
+    stopped = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, min_tokens=8, logit_bias={eos: 100}),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids[:8] == out.token_ids[:8] and stopped.token_ids[8:] == [eos]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+
+
+def test_stop_token_text_is_left_out_unless_include_stop_str_in_output(llm):
+    """vLLM's rule: an output ended by EOS or a stop_token_id keeps the token in token_ids but not its text,
+    unless include_stop_str_in_output (with skip_special_tokens=False an EOS would otherwise show)."""
+    tok = llm.llm_engine.tokenizer
+    p = [{"prompt_token_ids": [100, 200, 300]}]
+    ids = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    stop_tok = next(t for t in ids[3:] if tok.decode([t]).strip())  # a token with visible text
+    cut = ids.index(stop_tok) + 1
+    for include in (False, True):
+        out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
+                                             include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids[:cut] and out.stop_reason == stop_tok
+        assert out.text == tok.decode(ids[:cut] if include else ids[:cut - 1])
+    eos = tok.eos_token_id
+    for include in (False, True):
+        out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, min_tokens=2, logit_bias={eos: 100},
+                                             skip_special_tokens=False, include_stop_str_in_output=include),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids[:2] + [eos] and out.finish_reason == "stop"
+        assert (tok.eos_token in out.text) == include
+
+
 def test_stop_strings_trim_the_text(llm):
     p = [{"prompt_token_ids": [100, 200, 300]}]
     full = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]

@@ -380,7 +380,7 @@ class Scheduler:
     def _check_stop(self, req: Request) -> None:
         last = req.output_token_ids[-1]
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens and last in sp._all_stop_token_ids:
+        if req.num_output_tokens >= sp.min_tokens and last in sp._finish_token_ids:
             req.stop_reason = None if last not in sp.stop_token_ids else last
             self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:

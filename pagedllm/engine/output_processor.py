@@ -14,7 +14,7 @@ from typing import Any
 from pagedllm.engine.core import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.request import Request
+from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import RequestOutputKind
 
 
@@ -98,7 +98,10 @@ class OutputProcessor:
                 sp = req.sampling_params
                 # several tokens in one step (speculative decoding) with stop strings: one at a time, so the
                 # output ends at the token that completed the stop string, exactly as without speculation
-                steps = [[t] for t in out.new_token_ids] if sp.stop and kept > 1 else [out.new_token_ids]
+                text_ids = out.new_token_ids
+                if req.status == RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output:
+                    text_ids = text_ids[:-1]  # ended by EOS or a stop_token_id: its text is not output (vLLM)
+                steps = [[t] for t in text_ids] if sp.stop and len(text_ids) > 1 else [text_ids]
                 for j, ids in enumerate(steps):
                     delta = st.detok.step(ids, final=out.finished and j == len(steps) - 1)
                     st.text += delta
