@@ -29,6 +29,26 @@ import pytest
 import torch
 from utils import TINY_MODEL_NAMES, build_tiny_model
 
+# Where the suite may write: HOME, the XDG folders and Ray's temp dir point into this session's pytest
+# tmp (set before collection, so libraries that read them at import time see them too, and inherited by
+# every server the tests start). Nothing lands in the user's ~/.cache, ~/.ray or /tmp/ray.
+_ISOLATED = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "RAY_TMPDIR",
+             "PAGEDLLM_CACHE_DIR")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made the session's temp-path factory
+def pytest_configure(config: pytest.Config) -> None:
+    root = config._tmp_path_factory.mktemp("isolated", numbered=False)  # type: ignore[attr-defined]
+    home = root / "home"
+    dirs = {"HOME": home, "XDG_CACHE_HOME": home / ".cache", "XDG_CONFIG_HOME": home / ".config",
+            "XDG_DATA_HOME": home / ".local" / "share", "XDG_STATE_HOME": home / ".local" / "state",
+            "RAY_TMPDIR": root / "ray",  # short: Ray's socket paths under it must stay below 107 bytes
+            "PAGEDLLM_CACHE_DIR": home / ".cache" / "pagedllm"}
+    assert set(dirs) == set(_ISOLATED)
+    for name, path in dirs.items():
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(path)
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding SmolLM2's tokenizer (from the embedded GGUF), saved with ``save_pretrained``."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -22,16 +21,11 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    """Debian's Chromium, installed here if absent (the test set-up runs as root on these machines)."""
+    """Debian's Chromium, which the README's test command installs (apt-get install chromium) before the suite."""
     path = shutil.which("chromium")
     if path is None:
-        if os.geteuid() != 0:
-            pytest.fail("the dashboard test needs Debian's chromium: apt-get install chromium (as root)")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], check=True, env=env, capture_output=True)
-        path = shutil.which("chromium")
-    assert path, "chromium did not install"
+        pytest.fail("the dashboard test needs Debian's chromium: the README's test command installs it "
+                    "(apt-get install chromium, as root)")
     return path
 
 
@@ -226,7 +220,8 @@ def test_the_state_stream_takes_one_snapshot_per_interval_and_none_unwatched(ser
 
 
 def test_sigterm_ends_dashboard_streams_and_drains_promptly(tiny_model_factory):
-    s = Server(str(tiny_model_factory("llama")), "--engine-state-interval", "0.2")
+    # a graceful-shutdown timeout far above the bound below: a stream that never ended would cost all of it
+    s = Server(str(tiny_model_factory("llama")), "--engine-state-interval", "0.2", "--shutdown-timeout", "120")
     got: list = []
     reader = threading.Thread(target=_read_events, args=(f"{s.url}/v1/engine/state/stream", 10**9, got, {}),
                               daemon=True)
@@ -235,6 +230,6 @@ def test_sigterm_ends_dashboard_streams_and_drains_promptly(tiny_model_factory):
         time.sleep(0.05)
     t0 = time.monotonic()
     assert s.stop() == 0
-    assert time.monotonic() - t0 < 10  # not the 30 s graceful-shutdown timeout a never-ending stream would cost
+    assert time.monotonic() - t0 < 60  # not the 120 s graceful-shutdown timeout a never-ending stream would cost
     reader.join(5)
     assert not reader.is_alive()

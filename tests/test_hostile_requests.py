@@ -78,12 +78,6 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
 _PROBE = httpx.Client(timeout=5)  # one kept-alive client: a fresh one per probe costs the *client* ~30 ms
 
 
-def _health_latency(url: str) -> float:
-    t0 = time.perf_counter()
-    assert _PROBE.get(f"{url}/health").status_code == 200
-    return time.perf_counter() - t0
-
-
 class _Streamer(threading.Thread):
     """Streams normal completions back to back on two connections, the second started a moment after the
     first, recording when each token arrives. (A 200-token stream of the tiny model lasts about half a
@@ -127,40 +121,98 @@ class _Streamer(threading.Thread):
         self.join(30)
 
 
-def _abuse_once(server: Server, h: httpx.Client) -> None:
-    """Every hostile request and bad body once: each refused with its error, fast, /health answering."""
-    for name, (endpoint, body, param) in HOSTILE.items():
-        payload = json.dumps(body).encode()
+# A cheap request the server refuses at once (the baseline every hostile answer is measured against).
+_CHEAP = (COMPLETIONS, {**BASE, "temperature": -1}, "temperature")
+
+
+class _Timings:
+    """Latencies of one window: /health probes and refused requests. Each bound below is a ratio against
+    the same quantities measured in this test on this machine at this moment (with a floor), so a machine
+    that is busy with other work slows both sides alike, while a request that does work in proportion to
+    a number it chose, or that blocks the event loop, still misses by orders of magnitude."""
+
+    def __init__(self) -> None:
+        self.health: list[float] = []
+        self.answers: list[tuple[str, float]] = []
+
+    def probe(self, url: str) -> None:
         t0 = time.perf_counter()
-        r = h.post(f"{server.url}{endpoint}", content=payload, headers={"content-type": "application/json"})
-        elapsed = time.perf_counter() - t0
+        assert _PROBE.get(f"{url}/health").status_code == 200
+        self.health.append(time.perf_counter() - t0)
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _post(h: httpx.Client, url: str, payload: bytes, ctype: str = "application/json") -> tuple[httpx.Response, float]:
+    t0 = time.perf_counter()
+    r = h.post(url, content=payload, headers={"content-type": ctype})
+    return r, time.perf_counter() - t0
+
+
+def _cheap_once(server: Server, h: httpx.Client, timings: _Timings) -> None:
+    """The baseline round: as many cheap refused requests and probes as an abuse round sends."""
+    endpoint, body, param = _CHEAP
+    for _ in range(len(HOSTILE) + len(BAD_BODIES)):
+        r, elapsed = _post(h, f"{server.url}{endpoint}", json.dumps(body).encode())
+        assert _assert_openai_error(r, 400)["param"] == param
+        timings.answers.append(("cheap", elapsed))
+        timings.probe(server.url)
+
+
+def _abuse_once(server: Server, h: httpx.Client, timings: _Timings) -> None:
+    """Every hostile request and bad body once: each refused with its error, /health probed after each."""
+    for name, (endpoint, body, param) in HOSTILE.items():
+        r, elapsed = _post(h, f"{server.url}{endpoint}", json.dumps(body).encode())
         err = _assert_openai_error(r, 400)
         assert err["param"] == param, (name, err)
         assert "limit" in err["message"], (name, err)
-        assert elapsed < 1.0, f"{name}: answered in {elapsed:.2f}s"
-        assert _health_latency(server.url) < 0.1, name
+        timings.answers.append((name, elapsed))
+        timings.probe(server.url)
     for name, (raw, ctype, status, words) in BAD_BODIES.items():
-        t0 = time.perf_counter()
-        r = h.post(f"{server.url}{COMPLETIONS}", content=raw, headers={"content-type": ctype})
-        assert time.perf_counter() - t0 < 1.0, name
+        r, elapsed = _post(h, f"{server.url}{COMPLETIONS}", raw, ctype)
         assert words in _assert_openai_error(r, status)["message"], name
-        assert _health_latency(server.url) < 0.1, name
+        timings.answers.append((name, elapsed))
+        timings.probe(server.url)
+
+
+def _window(streamer: "_Streamer", server: Server, h: httpx.Client, round_fn, seconds: float) -> tuple:
+    """Rounds of ``round_fn`` for ``seconds``; returns (timings, the stream's tokens per second, its longest gap)."""
+    timings = _Timings()
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        round_fn(server, h, timings)
+    end = time.perf_counter()
+    during = sorted(t for t in streamer.token_times if start <= t <= end)
+    gaps = [b - a for a, b in zip([start] + during, during + [end])]
+    return timings, len(during) / (end - start), max(gaps)
 
 
 def test_each_abusive_request_is_refused_fast_while_others_are_served(server):
     for endpoint, body, _ in HOSTILE.values():  # warm up both endpoints and the allocator
         httpx.post(f"{server.url}{endpoint}", json=body, timeout=30)
     rss_before = server.rss_bytes()
-    with _Streamer(server.url) as streamer, httpx.Client(timeout=30) as h:
-        start = time.perf_counter()
-        while time.perf_counter() - start < 1.0:  # rounds of abuse for a second: one is ~0.25 s, too short to
-            _abuse_once(server, h)                # tell a stalled stream from a scheduling hiccup of the box
-        end = time.perf_counter()
+    with _Streamer(server.url) as streamer, httpx.Client(timeout=60) as h:
+        # the same normal stream beside cheap refused requests, then beside the abuse: each window is rounds
+        # for two seconds (one round is ~0.25 s, too short to tell a stalled stream from a hiccup of the box)
+        base, base_rate, base_gap = _window(streamer, server, h, _cheap_once, 2.0)
+        abuse, rate, gap = _window(streamer, server, h, _abuse_once, 2.0)
         time.sleep(0.3)
-    during = sorted(t for t in streamer.token_times if start <= t <= end)
-    assert len(during) >= 40 * (end - start), f"the normal stream got {len(during)} tokens in {end - start:.2f}s of abuse"
-    gaps = [b - a for a, b in zip([start] + during, during + [end])]
-    assert max(gaps) < 1.0, f"the normal stream stalled for {max(gaps):.2f}s"
+    report = (f"stream {rate:.0f} tok/s beside abuse vs {base_rate:.0f} beside cheap requests; longest gap "
+              f"{gap:.2f}s vs {base_gap:.2f}s; /health median {_median(abuse.health) * 1e3:.1f} ms vs "
+              f"{_median(base.health) * 1e3:.1f} ms")
+    print(report)
+    # the stream keeps a fair share of the rate it has on this machine now, and never stalls
+    assert rate >= 0.2 * base_rate, report
+    assert gap < max(1.0, 4 * base_gap), report
+    # /health stays as responsive as it is beside cheap traffic; each abusive answer costs no more than a few
+    # times a cheap refusal (a body of megabytes is parsed, but nothing grows with the numbers inside it)
+    base_health, base_answer = _median(base.health), _median([t for _, t in base.answers])
+    assert _median(abuse.health) < max(0.1, 5 * base_health), report
+    assert max(abuse.health) < max(1.0, 50 * base_health), report
+    for name, elapsed in abuse.answers:
+        assert elapsed < max(1.0, 50 * base_answer), f"{name}: answered in {elapsed:.2f}s; {report}"
     assert not streamer.errors, streamer.errors
     assert server.rss_bytes() - rss_before < 100 << 20
     deadline = time.time() + 10  # the stream the client just dropped is aborted when the server notices
@@ -311,6 +363,9 @@ def fuzz_rss(server):
 def _fuzz_one(server, endpoint: str, body: dict, fuzz_rss: dict) -> None:
     body = {**body, "stream": True}
     payload = json.dumps(body).encode()  # NaN / Infinity too, as Python's json writes and reads them
+    before, after = _Timings(), _Timings()  # /health just before and after: the bounds scale with the machine
+    for _ in range(3):
+        before.probe(server.url)
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{server.url}{endpoint}", content=payload, timeout=10,
                       headers={"content-type": "application/json"}) as r:
@@ -319,8 +374,11 @@ def _fuzz_one(server, endpoint: str, body: dict, fuzz_rss: dict) -> None:
         if status != 200:
             r.read()
     assert status < 500 or status == 503, (status, r.text[:300] if status != 200 else "")
-    assert elapsed < 2.0, f"took {elapsed:.2f}s to answer"
-    assert _health_latency(server.url) < 0.1
+    base = _median(before.health)
+    assert elapsed < max(2.0, 100 * base), f"took {elapsed:.2f}s to answer (/health: {base * 1e3:.1f} ms)"
+    for _ in range(3):
+        after.probe(server.url)
+    assert _median(after.health) < max(0.1, 20 * base), (after.health, before.health)  # no work left running
     rss = server.rss_bytes()
     fuzz_rss["first"] = fuzz_rss["first"] or rss
     fuzz_rss["max"] = max(fuzz_rss["max"], rss)
@@ -351,6 +409,9 @@ def test_fuzzing_left_the_engine_idle_and_clean(server):
 
 # -- a mixed abusive load, then SIGTERM while saturated ---------------------------------------
 
+_RETRIES = 30
+
+
 def test_mixed_abusive_load_then_sigterm_under_load(model_dir):
     s = Server(model_dir, "--max-queue-len", "24", "--max-num-seqs", "8", "--shutdown-timeout", "3")
     rng = random.Random(1234)
@@ -360,16 +421,26 @@ def test_mixed_abusive_load_then_sigterm_under_load(model_dir):
         t0 = time.perf_counter()
         out = []
         with httpx.Client(timeout=60) as h:
-            if kind == "normal":
-                r = h.post(f"{s.url}{COMPLETIONS}", json={**BASE, "max_tokens": 16, "seed": i, "temperature": 1})
-                out.append(r.status_code)
-            elif kind in ("stream", "disconnect"):
-                body = {**BASE, "max_tokens": 64, "stream": True, "n": 2, "ignore_eos": True}
-                with h.stream("POST", f"{s.url}{COMPLETIONS}", json=body) as r:
+            if kind in ("normal", "stream", "disconnect"):
+                # a well-behaved client: on 503 it waits as Retry-After says and tries again, so whether it is
+                # served does not depend on how fast this machine drains the queue today
+                for _ in range(_RETRIES):
+                    if kind == "normal":
+                        r = h.post(f"{s.url}{COMPLETIONS}", json={**BASE, "max_tokens": 16, "seed": i,
+                                                                   "temperature": 1})
+                    else:
+                        body = {**BASE, "max_tokens": 64, "stream": True, "n": 2, "ignore_eos": True}
+                        with h.stream("POST", f"{s.url}{COMPLETIONS}", json=body) as r:
+                            if r.status_code == 200:
+                                for j, _ in enumerate(r.iter_lines()):
+                                    if kind == "disconnect" and j == 3:
+                                        break  # vanish mid-stream
+                            else:
+                                r.read()
                     out.append(r.status_code)
-                    for j, _ in enumerate(r.iter_lines()):
-                        if kind == "disconnect" and j == 3:
-                            break  # vanish mid-stream
+                    if r.status_code != 503:
+                        break
+                    time.sleep(float(r.headers["retry-after"]))
             elif kind == "hostile":
                 endpoint, body, _ = HOSTILE[rng.choice(sorted(HOSTILE))]
                 out.append(h.post(f"{s.url}{endpoint}", json=body).status_code)
@@ -381,11 +452,15 @@ def test_mixed_abusive_load_then_sigterm_under_load(model_dir):
 
     try:
         with ThreadPoolExecutor(12) as pool:
-            results = [x for f in [pool.submit(one, i, k) for i, k in enumerate(kinds)] for x in f.result()]
+            per_client = [f.result() for f in [pool.submit(one, i, k) for i, k in enumerate(kinds)]]
+        results = [x for xs in per_client for x in xs]
         statuses = [st_ for st_, _ in results]
         assert all(st_ < 500 or st_ == 503 for st_ in statuses), statuses
-        assert statuses.count(200) >= 40 and 400 in statuses and 503 in statuses
-        assert max(t for _, t in results) < 60
+        # every well-behaved client was served in the end (refused only with 503 + Retry-After before that)
+        patient = [xs[-1][0] for xs, k in zip(per_client, kinds) if k in ("normal", "stream", "disconnect")]
+        assert patient.count(200) == len(patient) >= 40, patient
+        assert 400 in statuses and 503 in statuses
+        assert max(t for _, t in results) < 60 * _RETRIES
         deadline = time.time() + 15
         while time.time() < deadline and s.metric("pagedllm:kv_cache_usage_perc") > 0:
             time.sleep(0.1)

@@ -147,6 +147,7 @@ def test_64_concurrent_streams_all_complete_and_match_offline(server, model_dir)
 
 
 def test_client_disconnect_aborts_and_frees_kv_blocks(server):
+    before = _generated_tokens(server.url)
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", f"{server.url}/v1/completions", headers=_headers(),
                       json={"model": MODEL, "prompt": "a long story", "max_tokens": 200, "stream": True,
@@ -160,9 +161,10 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(server):
                 and server.metric("pagedllm:kv_cache_usage_perc") == 0):
             break
         time.sleep(0.1)
-    elapsed = time.time() - t0
     assert server.metric("pagedllm:kv_cache_usage_perc") == 0
-    assert elapsed < 1.0, f"abort took {elapsed:.2f}s"
+    # aborted when the client left, not run to its end: fewer than its 200 tokens were generated (an order of
+    # events, whatever this machine's speed; the 10 s above are only a liveness limit)
+    assert _generated_tokens(server.url) - before < 200
     text = httpx.get(f"{server.url}/metrics").text
     assert re.search(r'pagedllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} [1-9]', text)
 

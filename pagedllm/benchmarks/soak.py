@@ -64,6 +64,9 @@ class SoakConfig:
     kv_cache_bytes: int = 1 << 30
     rss_tolerance: float = 0.05
     idle_settle_s: float = 12.0  # idle threads of the server's thread pools exit after 10 s
+    onednn_cache_capacity: int | None = None
+    """The server's oneDNN primitive caches (the engine's default, 128 each, when None): they grow with each new
+    batch row count until full, which a short soak on a slow machine may not reach in its warm-up."""
 
 
 @dataclass
@@ -175,8 +178,8 @@ class Soak:
         self.tally.client_aborted += 1
         self.tally.outcomes[("disconnect", "dropped")] += 1
 
-    async def _hostile(self, client, rng: random.Random) -> None:
-        what = rng.choice(HOSTILE)
+    async def _hostile(self, client, rng: random.Random, what: str | None = None) -> None:
+        what = what or rng.choice(HOSTILE)
         base = {"model": self.model, "prompt": "hello", "max_tokens": 4}
         raw: bytes
         if what == "huge_max_tokens":
@@ -245,12 +248,28 @@ class Soak:
             await asyncio.gather(*(self._one(client, r, "burst") for r in rngs))
 
     async def run(self, seconds: float) -> None:
+        async with self._http() as client:
+            self.end = time.monotonic() + seconds
+            await asyncio.gather(self._bursts(client), *(self._client(client, i) for i in range(self.c.clients)))
+
+    async def every_path_once(self) -> None:
+        """Each kind of request once, every hostile one included, then one burst at full size: the start of the
+        warm-up, so that what the main phase allocates has been allocated once whatever this machine's speed
+        (a time-only warm-up on a slow day may never send the 10 MB body)."""
+        rng = random.Random(self.c.seed * 1000 - 2)
+        size = self.c.burst_factor * (self.c.max_num_seqs + self.c.max_queue_len)
+        async with self._http() as client:
+            for kind in ("complete", "chat", "stream", "n_stop", "disconnect"):
+                await self._one(client, rng, kind)
+            for what in HOSTILE:
+                await self._hostile(client, rng, what)
+            await asyncio.gather(*(self._one(client, random.Random(rng.random()), "burst") for _ in range(size)))
+
+    def _http(self):
         import httpx
 
-        self.end = time.monotonic() + seconds
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
-            await asyncio.gather(self._bursts(client), *(self._client(client, i) for i in range(self.c.clients)))
+        return httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits)
 
 
 # -- the server process and what it holds ---------------------------------------------------------------
@@ -324,7 +343,10 @@ def start_server(model: str, config: SoakConfig, extra: list[str], log) -> tuple
            "--max-num-seqs", str(config.max_num_seqs), "--max-queue-len", str(config.max_queue_len),
            "--max-model-len", str(config.max_model_len), "--kv-cache-memory", str(config.kv_cache_bytes),
            "--kv-cache-prefault", "--uvicorn-log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ)
+    if config.onednn_cache_capacity is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = str(config.onednn_cache_capacity)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -351,7 +373,8 @@ def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str
         soaker = Soak(url, served_name, config, headers)
         total = config.minutes * 60
         warmup = total * config.warmup_fraction
-        asyncio.run(soaker.run(warmup))  # warm-up: every path taken once, caches and pools grown
+        asyncio.run(soaker.every_path_once())  # warm-up: every path taken once, then the mix: caches and pools grown
+        asyncio.run(soaker.run(warmup))
         wait_idle(url, headers)
         time.sleep(config.idle_settle_s)
         idle_before = proc_stats(proc.pid)
