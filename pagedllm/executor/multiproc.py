@@ -22,7 +22,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_open_port
-from pagedllm.executor import DistributedExecutor, worker_threads
+from pagedllm.executor.base import DistributedExecutor, worker_threads
 
 logger = logging.getLogger("pagedllm")
 

@@ -18,7 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_open_port
 from pagedllm.errors import InvalidParameterError
-from pagedllm.executor import DistributedExecutor
+from pagedllm.executor.base import DistributedExecutor
 
 logger = logging.getLogger("pagedllm")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor import Executor
+from pagedllm.executor.base import Executor
 from pagedllm.worker.worker import Worker
 
 
