@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.worker.runner_output import ModelRunnerOutput
 
 
 class Executor:

@@ -15,7 +15,8 @@ import torch
 from pagedllm.errors import InvalidParameterError
 
 if TYPE_CHECKING:
-    from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+    from pagedllm.core.scheduler import SchedulerOutput
+    from pagedllm.worker.runner_output import ModelRunnerOutput
     from pagedllm.request import Request
     from pagedllm.sampling_params import StructuredOutputsParams
 
