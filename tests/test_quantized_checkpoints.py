@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_loader import awq
-from pagedllm.model_loader.zero_point import checkpoint_scheme
+from pagedllm.model_loader.quant_config import checkpoint_scheme
 from utils import check_greedy_close, hf_greedy
 
 GROUP = 128

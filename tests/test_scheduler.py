@@ -14,7 +14,8 @@ import zlib
 import pytest
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 

@@ -1,3 +1,4 @@
-from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
+from pagedllm.attention.backend import get_attention_backend
+from pagedllm.attention.interface import AttentionBackend, AttentionMetadata
 
-__all__ = ["AttentionMetadata", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

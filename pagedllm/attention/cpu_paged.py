@@ -18,7 +18,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention import torch_ref
-from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.interface import AttentionMetadata
 
 
 def kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.interface import AttentionMetadata
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -75,7 +75,7 @@ def run(model: str, n: int, seed: int, repeats: int = 3) -> dict:
 
 
 def add_parser(sub) -> None:
-    from pagedllm.entrypoints.cli import add_command
+    from pagedllm.entrypoints.cli_args import add_command
 
     p = add_command(sub, "embed", help="sentence embeddings per second against sentence-transformers")
     p.add_argument("model", nargs="?", default=None, help="a sentence-transformers model directory "

@@ -362,8 +362,7 @@ def _load_transformers(model_path: str | None):
 
 
 def add_parsers(sub) -> None:
-    from pagedllm.benchmarks import startup
-    from pagedllm.entrypoints.cli import add_command
+    from pagedllm.entrypoints.cli_args import add_command
 
     model_help = "model path or cached repo id; default: the embedded SmolLM2"
     tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
@@ -430,8 +429,6 @@ def add_parsers(sub) -> None:
     _add_quant_args(acc, "compared with float32 pagedllm on the same weights")
     acc.add_argument("--output-json", default=None, help="also write the JSON report here")
     acc.set_defaults(func=_cmd_accuracy)
-
-    startup.add_parser(sub)
 
 
 def _add_quant_args(parser, reference: str) -> None:

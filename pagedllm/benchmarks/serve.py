@@ -181,7 +181,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def add_parser(sub) -> None:
-    from pagedllm.entrypoints.cli import add_command
+    from pagedllm.entrypoints.cli_args import add_command
 
     p = add_command(sub, "serve", help="load-test an OpenAI-compatible server (vLLM's metrics)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to measure")

@@ -446,7 +446,7 @@ def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str
 
 
 def add_parser(sub) -> None:
-    from pagedllm.entrypoints.cli import add_command
+    from pagedllm.entrypoints.cli_args import add_command
 
     p = add_command(sub, "soak", help="run a server under sustained abuse and check it lost and leaked nothing")
     p.add_argument("model", nargs="?", default=None, help="model to serve (default: the embedded SmolLM2)")

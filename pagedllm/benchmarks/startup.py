@@ -103,7 +103,7 @@ def run_startup(model: str | None, runs: int, backend: str) -> dict:
 
 
 def add_parser(sub) -> None:
-    from pagedllm.entrypoints.cli import add_command
+    from pagedllm.entrypoints.cli_args import add_command
 
     p = add_command(sub, "startup", help="process start to first token, cold and warm, beside transformers")
     p.add_argument("--model", default=None, help="model path or cached repo id; default: the embedded SmolLM2")

@@ -19,6 +19,8 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+# the runner's results (torch-free); SampleLogprobs is imported for those who import it from here
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs  # noqa: F401
 
 if TYPE_CHECKING:
     from pagedllm.kv_transfer import KVConnectorMetadata, KVConnectorStats
@@ -63,29 +65,6 @@ class SchedulerOutput:
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
     # KV connector: the copies every rank makes before this step's forward (None: nothing to copy)
     kv_connector_meta: "KVConnectorMetadata | None" = None
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """The new tokens (and optional logprobs, one entry per token) of every request that reached the end of
-    its known tokens: one sampled token, or with speculative decoding the accepted drafts and one more."""
-    sampled: dict[str, list[int]]
-    logprobs: dict[str, list["SampleLogprobs"]] = field(default_factory=dict)
-    # prompt logprobs computed this step: request id -> (first prompt position they predict, one per position)
-    prompt_logprobs: dict[str, tuple[int, list["SampleLogprobs"]]] = field(default_factory=dict)
-    # the drafts proposed for each request's next step
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # KV connector: seconds the driver rank spent saving and loading blocks this step
-    kv_transfer_seconds: tuple[float, float] | None = None
-    # KV connector: blocks the driver rank could not load (a file gone or changed since it was checked)
-    kv_load_failed: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class SampleLogprobs:
-    token_ids: list[int]  # the sampled token first, then the top-N
-    logprobs: list[float]
-    sampled_rank: int  # 1-based rank of the sampled token in the distribution
 
 
 @dataclass(slots=True)

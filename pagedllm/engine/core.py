@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, Scheduler, SchedulerOutput, SchedulerStats
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 from pagedllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:

@@ -13,59 +13,15 @@ import logging
 import os
 import sys
 import time
-import types
-import typing
-from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.cli_args import (HelpFormatter, add_command, add_engine_args, add_log_level_flag,
+                                           engine_kwargs)
+from pagedllm.entrypoints.graceful_server import graceful_server_class
+
+__all__ = ["HelpFormatter", "add_command", "add_engine_args", "build_parser", "engine_kwargs", "main"]
 
 _STARTED = time.monotonic()  # the CLI module is the first thing the `pagedllm` command imports
-
-
-def _flag_type(section: str, name: str) -> tuple[Any, list | None]:
-    """(argparse type, choices) for a config field such as ``int | None`` or ``Literal[...] | None``."""
-    choices = EngineConfig.choices(section, name)
-    if choices is not None:
-        return str, [c for c in choices if c is not None]
-    hint = EngineConfig.field_type(section, name)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if hint is dict:
-        return _json_object, None
-    return hint, None
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    group = parser.add_argument_group("engine")
-    for section, f in EngineConfig.all_fields():
-        name = f.name.replace("_", "-")
-        typ, choices = _flag_type(section, f.name)
-        help_text = f.metadata.get("help", "")
-        if f.name == "model" and positional_model:
-            group.add_argument("model_pos", nargs="?", metavar="MODEL", help=help_text)
-        if typ is bool:
-            group.add_argument(f"--{name}", dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=help_text)
-        else:
-            group.add_argument(f"--{name}", dest=f.name, type=typ, choices=choices, default=f.default,
-                               help=help_text)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs = {f.name: getattr(args, f.name) for _, f in EngineConfig.all_fields()}
-    if getattr(args, "model_pos", None):
-        kwargs["model"] = args.model_pos
-    return kwargs
 
 
 def _checked_config(args: argparse.Namespace) -> EngineConfig:
@@ -164,7 +120,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     engine_state_interval=args.engine_state_interval)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=args.shutdown_timeout)
-    server = _graceful_server_class()(uv_config)
+    server = graceful_server_class()(uv_config)
     server.run()
     return 0
 
@@ -215,28 +171,6 @@ def _router_args(rt: argparse.ArgumentParser) -> None:
                     choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
 
 
-def _graceful_server_class():
-    import signal
-
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """SIGTERM is the orderly way to stop a server: drain in-flight requests, then exit 0.
-
-        uvicorn re-raises captured signals after shutdown (so the process dies of
-        SIGTERM); we drop SIGTERM from that list and keep SIGINT's behaviour.
-        """
-
-        def handle_exit(self, sig, frame):
-            super().handle_exit(sig, frame)
-            for hook in getattr(getattr(self.config.app, "state", None), "on_exit", ()):
-                hook()  # e.g. end the streams that would never finish by themselves
-            if sig == signal.SIGTERM:
-                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
-
-    return GracefulServer
-
-
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     from pagedllm.entrypoints.openai.limits import RequestLimits
 
@@ -246,35 +180,10 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                            help=f.metadata["help"])
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default (unless the help text already states it)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-def _log_level_flag(parser: argparse.ArgumentParser, top: bool) -> None:
-    # on the top parser it sets the default; on a subcommand it may be repeated after the subcommand's name
-    parser.add_argument("--log-level", default="INFO" if top else argparse.SUPPRESS,
-                        type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                        help="level of pagedllm's log lines (start-up stages, warnings)"
-                        + ("" if top else "; also accepted before the subcommand (default: INFO)"))
-
-
-def add_command(sub: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """A subcommand parser with the shared flags and help formatting."""
-    parser = sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
-    _log_level_flag(parser, top=False)
-    return parser
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="A small, fast LLM inference engine.",
                                      formatter_class=HelpFormatter)
-    _log_level_flag(parser, top=True)
+    add_log_level_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = add_command(sub, "generate", help="generate text offline for one or more prompts")
@@ -357,15 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
     dp.set_defaults(func=_cmd_router)
 
     bench = add_command(sub, "bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from pagedllm.benchmarks import embed as bench_embed
     from pagedllm.benchmarks import offline as bench_offline
     from pagedllm.benchmarks import serve as bench_serve
-    from pagedllm.benchmarks import embed as bench_embed
     from pagedllm.benchmarks import soak as bench_soak
+    from pagedllm.benchmarks import startup as bench_startup
 
     bench_serve.add_parser(bench)
     bench_soak.add_parser(bench)
     bench_embed.add_parser(bench)
     bench_offline.add_parsers(bench)
+    bench_startup.add_parser(bench)
     return parser
 
 

@@ -382,8 +382,8 @@ def run_router(config: RouterConfig, host: str, port: int, api_key: str | None =
                log_level: str = "warning", max_body_bytes: int = 4 << 20) -> None:
     import uvicorn
 
-    from pagedllm.entrypoints.cli import _graceful_server_class
+    from pagedllm.entrypoints.graceful_server import graceful_server_class
 
     logger.info("routing (%s) over %d backends at http://%s:%d/v1", config.routing, len(config.backends), host, port)
     app = build_router_app(config, api_key, max_body_bytes)
-    _graceful_server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    graceful_server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()

@@ -20,9 +20,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import get_open_port
-from pagedllm.executor import DistributedExecutor, worker_threads
+from pagedllm.executor.base import DistributedExecutor, worker_threads
+from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedllm")
 

@@ -15,10 +15,11 @@ from collections import deque
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import get_open_port
 from pagedllm.errors import InvalidParameterError
-from pagedllm.executor import DistributedExecutor
+from pagedllm.executor.base import DistributedExecutor
+from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedllm")
 

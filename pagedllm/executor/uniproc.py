@@ -6,8 +6,9 @@ from collections import deque
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor import Executor
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.executor.base import Executor
+from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.worker.worker import Worker
 
 

@@ -34,7 +34,7 @@ from collections import OrderedDict
 import torch
 
 from pagedllm.core.block_pool import KVCacheBlock
-from pagedllm.kv_transfer import KVConnectorMetadata, KVConnectorStats
+from pagedllm.kv_transfer.metadata import KVConnectorMetadata, KVConnectorStats
 from pagedllm.kv_transfer.disk import DiskIndex, DiskStore
 from pagedllm.request import Request
 

@@ -9,7 +9,7 @@ gate|up and down projections once on its contiguous slice of rows. An expert no
 token chose costs nothing; nothing loops over tokens. The results, scaled by their
 routing weights, are summed back into each token's row with one ``index_add_``.
 
-Each expert is a :class:`~pagedllm.models.llama.LlamaMLP` of ``nn.Linear`` layers, so
+Each expert is a :class:`~pagedllm.layers.mlp.GatedMLP` of ``nn.Linear`` layers, so
 the loader's oneDNN packing and ``--quantization`` (int8 / int4 / w4a8) apply to expert weights
 as to any other linear. The router and the shared expert's gate are kept in float32
 (:class:`RouterLinear`): quantizing them would move tokens between experts.
@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.layers.mlp import GatedMLP
 
 
 def local_experts(num_experts: int, ps: ParallelState) -> tuple[int, int]:
@@ -48,8 +49,6 @@ class FusedMoE(nn.Module):
     def __init__(self, cfg: Any, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_intermediate: int = 0, ps: ParallelState | None = None):
         super().__init__()
-        from pagedllm.models.llama import LlamaMLP
-
         self.ps = ps = ps or ParallelState()
         if ps.tp_size > 1 and not ps.expert_parallel:
             raise UnsupportedModelError("tensor parallelism of a Mixture-of-Experts model needs "
@@ -64,10 +63,10 @@ class FusedMoE(nn.Module):
         # and one all-reduce sums the ranks' partial outputs. Rank 0 adds the shared expert.
         self.first_expert, self.num_local = local_experts(num_experts, ps)
         self.gate = RouterLinear(cfg.hidden_size, num_experts)
-        self.experts = nn.ModuleList(LlamaMLP(cfg, intermediate_size=intermediate_size)
+        self.experts = nn.ModuleList(GatedMLP(cfg, intermediate_size=intermediate_size)
                                      for _ in range(self.num_local))
         shared_here = shared_intermediate and ps.tp_rank == 0
-        self.shared_expert = LlamaMLP(cfg, intermediate_size=shared_intermediate) if shared_here else None
+        self.shared_expert = GatedMLP(cfg, intermediate_size=shared_intermediate) if shared_here else None
         self.shared_expert_gate = RouterLinear(cfg.hidden_size, 1) if shared_here else None
         self.expert_calls = 0  # expert matmul groups run so far (a test counts them: one per expert per step)
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagedllm.errors import InvalidParameterError
-from pagedllm.lora import LoRARequest
+from pagedllm.lora.request import LoRARequest
 
 # transformers' projection names we can adapt -> (our fused module, part index within it)
 ADAPTABLE = {

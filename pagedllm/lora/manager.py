@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.lora import LoRARequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.adapter import AdapterCache
 from pagedllm.lora.layers import LoRALinear, LoRAState, Rows
 

@@ -1,5 +1,8 @@
 """Checkpoints quantized with zero points (AWQ, GPTQ): what the formats share (FP8 reuses the reading).
 
+The formats subclass :class:`ZeroPointCheckpoint`; :func:`pagedllm.model_loader.quant_config.checkpoint_scheme`
+picks one by the checkpoint's ``quantization_config``.
+
 Each format unpacks one linear's tensors into ``q [out, in]``, ``zeros [out, groups]``,
 ``scales [out, groups]`` and its group size, with ``W = (q - zeros) * scales`` per group; from
 there the weights are the same thing: the int4 / int8 blocks
@@ -92,21 +95,3 @@ class ZeroPointCheckpoint:
                 raise UnsupportedModelError(f"{self.name} checkpoint: {module} lacks {missing}")
             yield module, got
 
-
-def checkpoint_scheme(hf_config: Any) -> ZeroPointCheckpoint | None:
-    """How an HF checkpoint's linears are quantized (its ``quantization_config``), None if they are not; a
-    method or layout pagedllm cannot run is refused with the reason."""
-    from pagedllm.model_loader.awq import AWQ
-    from pagedllm.model_loader.fp8 import FP8
-    from pagedllm.model_loader.gptq import GPTQ
-
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    formats = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": FP8, "fbgemm_fp8": FP8, "fp8": FP8}
-    method = qc.get("quant_method")
-    if method not in formats:
-        raise UnsupportedModelError(f"checkpoint quantization {method!r} is not supported yet (AWQ, GPTQ and FP8 "
-                                    "(compressed-tensors, fbgemm_fp8) are)")
-    return formats[method].from_config(qc)

@@ -66,7 +66,8 @@ def _eligible(model: Any) -> bool:
     from pagedllm.layers.linear import PackedLinear
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.quantization import Int4Linear, Int8Linear
-    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+    from pagedllm.layers.mlp import GatedMLP
+    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
     if (type(model).forward is not LlamaForCausalLM.forward or model.ps.world_size > 1
             or model.aux_hidden_state_layers or not len(model.layers) or type(model.norm) is not RMSNorm
@@ -75,7 +76,7 @@ def _eligible(model: Any) -> bool:
     eps = model.norm.eps
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        if type(m) is not LlamaMLP:  # an MoE block
+        if type(m) is not GatedMLP:  # an MoE block
             return False
         linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
         if (type(layer).forward is not LlamaDecoderLayer.forward or type(a).forward is not LlamaAttention.forward

@@ -25,12 +25,13 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata
 from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
-from pagedllm.models.llama import IntermediateTensors, LlamaAttention, LlamaForCausalLM, LlamaMLP, _materialize
+from pagedllm.models.llama import IntermediateTensors, LlamaAttention, LlamaForCausalLM, _materialize
 
 
-class Gemma3MLP(LlamaMLP):
+class Gemma3MLP(GatedMLP):
     """gate|up column-parallel, down row-parallel, as Llama's; ``gelu(gate, tanh) * up``."""
 
     activations = ("gelu_pytorch_tanh", "gelu_tanh")

@@ -17,13 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import kernels
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.distributed import ParallelState, stage_layers
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
+from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+LlamaMLP = GatedMLP  # its name before it moved to pagedllm.layers.mlp
 
 
 class LlamaAttention(nn.Module):
@@ -70,37 +72,12 @@ class LlamaAttention(nn.Module):
         return self.ps.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
-class LlamaMLP(nn.Module):
-    """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism."""
-
-    activations = ("silu",)  # the config's hidden_act values this block computes
-
-    def __init__(self, cfg: Any, ps: ParallelState | None = None, intermediate_size: int | None = None):
-        super().__init__()
-        act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None) or self.activations[0]
-        if act not in self.activations:
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only {', '.join(self.activations)}")
-        bias = getattr(cfg, "mlp_bias", False)
-        self.ps = ps or ParallelState()
-        self.intermediate = (intermediate_size or cfg.intermediate_size) // self.ps.tp_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
-
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        k = kernels.for_tensor(gate_up)
-        if k is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
-            return self.ps.all_reduce(self.down_proj(k.silu_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.ps.all_reduce(self.down_proj(F.silu(gate) * up))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
                  ps: ParallelState | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, qk_norm, sliding_window, ps)
-        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, ps)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg, ps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -159,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward block (the MoE families return their sparse block)."""
-        return LlamaMLP(cfg, ps)
+        return GatedMLP(cfg, ps)
 
     def _sliding_window(self, cfg: Any, i: int) -> int | None:
         window = getattr(cfg, "sliding_window", None)
@@ -474,7 +451,7 @@ class Qwen2MoeForCausalLM(_MoEWeights, LlamaForCausalLM):
         sparse = (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
                   and cfg.num_experts > 0 and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0)
         if not sparse:
-            return LlamaMLP(cfg, ps)
+            return GatedMLP(cfg, ps)
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) if self.shared_expert else 0
         return FusedMoE(cfg, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                         renormalize=bool(getattr(cfg, "norm_topk_prob", False)), shared_intermediate=shared, ps=ps)

@@ -46,7 +46,7 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     """Build and load the model (this rank's shard of it under ``parallel``); ``stages`` (if given)
     receives the seconds spent on weights and packing."""
     from pagedllm.model_loader import iter_weights
-    from pagedllm.model_loader.zero_point import checkpoint_scheme
+    from pagedllm.model_loader.quant_config import checkpoint_scheme
 
     scheme = checkpoint_scheme(hf_config) if source.kind == "hf_dir" else None  # AWQ, GPTQ
     if scheme is not None and quantization is None:

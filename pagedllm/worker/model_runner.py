@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.attention.torch_ref import copy_blocks
-from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import ParallelState
 from pagedllm.sample import Penalties, Sampler, SamplingBatch
 from pagedllm.sample.rejection import verify
@@ -25,6 +25,7 @@ from pagedllm.sample.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.proposer import ProposeContext
 from pagedllm.worker.batch import Segment, build_batch
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 
 if TYPE_CHECKING:
     from pagedllm.kv_transfer.offload import OffloadWorker

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.distributed import ParallelState, init_distributed
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker import kv_cache

@@ -1,0 +1,115 @@
+"""Compile the C kernels once per source version and CPU, cache the .so, load it with ctypes.
+
+The sources sit next to this file (package data: ``"pagedllm.kernels" = ["*.c", "*.h"]``). ``load`` and
+``try_load`` are cached: the process loads the library once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import torch
+
+from pagedllm.kernels.ops import Kernels
+
+logger = logging.getLogger("pagedllm")
+
+_DIR = os.path.dirname(__file__)
+_SOURCES = [os.path.join(_DIR, f) for f in ("quant_matmul.c", "paged_attention.c", "elementwise.c", "decode_loop.c")]
+_HEADERS = [os.path.join(_DIR, "vec_math.h")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+@functools.cache
+def load() -> Kernels:
+    """Build (once per source version) and load the kernels; raises KernelBuildError when that fails."""
+    from pagedllm.model_loader.cache import cache_root
+
+    cc = os.environ.get("CC", "cc")
+    # -march=native: a cache shared between machines must not hand one CPU's build to another
+    digest = hashlib.sha256(" ".join([cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode())
+    for src in _SOURCES + _HEADERS:
+        with open(src, "rb") as f:
+            digest.update(f.read())
+    out_dir = os.path.join(cache_root(), "kernels")
+    path = os.path.join(out_dir, f"pagedllm-kernels-{digest.hexdigest()[:16]}.so")
+    with _BUILD_LOCK:  # one build per process: a second caller waits for it (e.g. the background build)
+        if not os.path.exists(path):
+            if shutil.which(cc) is None:
+                raise KernelBuildError(f"pagedllm's C kernels are compiled on first use, but no C compiler "
+                                       f"({cc!r}; set $CC) was found")
+            _build(cc, out_dir, path)
+    try:
+        return Kernels(ctypes.CDLL(path))
+    except OSError as e:  # e.g. a cached build this system can no longer load
+        raise KernelBuildError(f"loading pagedllm's C kernels from {path} failed: {e}") from e
+
+
+def _build(cc: str, out_dir: str, path: str) -> None:
+    """Compile each source in its own process (in parallel), then link; the .so appears atomically."""
+    logger.info("compiling pagedllm's C kernels for this CPU (once; cached in %s)", out_dir)
+    t0 = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        objects = [os.path.join(tmp, os.path.basename(src) + ".o") for src in _SOURCES]
+        compile_flags = [f for f in _FLAGS if f != "-shared"]
+        compiles = [subprocess.Popen([cc, *compile_flags, "-c", src, "-o", obj], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for src, obj in zip(_SOURCES, objects)]
+        steps = [(proc, proc.communicate()[1]) for proc in compiles]
+        so = os.path.join(tmp, "kernels.so")
+        if all(proc.returncode == 0 for proc, _ in steps):
+            link = subprocess.run([cc, *_FLAGS, *objects, "-o", so], capture_output=True, text=True)
+            steps.append((link, link.stderr))
+        failed = [err for proc, err in steps if proc.returncode != 0]
+        if failed:
+            raise KernelBuildError(f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n"
+                                   f"{failed[0].strip()}")
+        os.replace(so, path)  # atomic: a concurrent loader sees no file or a whole one
+    logger.info("compiled pagedllm's C kernels in %.1fs", time.perf_counter() - t0)
+
+
+def build_in_background() -> None:
+    """Start building the kernels on a thread, so the compiler runs while the model loads."""
+    threading.Thread(target=try_load, name="pagedllm-kernel-build", daemon=True).start()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def for_tensor(x: torch.Tensor) -> Kernels | None:
+    """The kernels where ``x`` is a float32 CPU tensor outside autograd and they could be built, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+        return None
+    return try_load()
+
+
+@functools.cache
+def try_load() -> Kernels | None:
+    """The kernels, or None (with one warning) where they cannot be built: callers fall back to torch."""
+    try:
+        return load()
+    except KernelBuildError as e:
+        logger.warning("%s; using the plain-torch paths instead", e)
+        return None

@@ -1,0 +1,252 @@
+"""The loaded kernels as Python methods: ctypes signatures, and the tensors' shapes, strides and pointers.
+
+:mod:`pagedllm.kernels.build` compiles and loads the library and wraps it in :class:`Kernels`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+# limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
+MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 32, 64, 256  # MAX_TASK_HEADS, MAX_BS, MAX_D
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+
+
+@functools.cache
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each of the 256 bytes of an fp8 format."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().contiguous()
+
+
+class Kernels:
+    def __init__(self, lib: ctypes.CDLL):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._matmul = lib.int4_matmul
+        self._dequant = lib.int4_dequantize
+        self._matmul8 = lib.int8_matmul
+        self._dequant8 = lib.int8_dequantize
+        self._matmul8_g16, self._dequant8_g16 = lib.int8_matmul_g16, lib.int8_dequantize_g16
+        self._matmul_a8, self._matmul8_a8 = lib.int4_matmul_a8, lib.int8_matmul_a8
+        self._quantize_q8 = lib.quantize_activations_q8
+        self._quantize_q8.argtypes = [p, p, p, p, i64, i64, ctypes.c_int]
+        lib.a8_gemm_available.argtypes, lib.a8_gemm_available.restype = [ctypes.c_int], ctypes.c_int
+        self.a8_gemm_bits = frozenset(b for b in (4, 8) if lib.a8_gemm_available(b))
+        """Weight widths whose *_matmul_a8 / _a16 take quant_matmul.c's integer GEMM above A8_GEMM_ROWS rows
+        (any number of rows); the others must leave batches to the float32 GEMM (see _QuantLinear)."""
+        self._attn = lib.paged_decode_attention
+        self._prefill_attn = lib.paged_prefill_attention
+        self._prefill_attn.argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64,
+                                       ctypes.c_float, i64, ctypes.c_int, p]
+        self._prefill_attn.restype = None
+        self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
+        self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+        self._silu_mul.argtypes = [p, p, i64, i64]
+        self._rotary.argtypes = [p, i64, p, p, p, i64, i64, i64]
+        self._matmul.argtypes = [p, p, p, p, p, i64, i64, i64]
+        self._dequant.argtypes = [p, p, p, p, i64, i64]
+        self._matmul8.argtypes = [p, p, p, p, p, i64, i64, i64]
+        self._matmul_a8.argtypes = self._matmul8_a8.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
+        self._dequant8.argtypes = self._dequant8_g16.argtypes = [p, p, p, p, i64, i64]
+        self._matmul8_g16.argtypes = [p, p, p, p, p, i64, i64, i64]
+        self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
+                               ctypes.c_int, p]
+        self._f32_matmul = lib.f32_matmul
+        self._f32_matmul.argtypes = [p, p, p, i64, i64, i64]
+        self._f32_matmul.restype = None
+        self._decode_layers = lib.decode_layers
+        self._decode_layers.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, p, p,
+                                        i64, p, i64, ctypes.c_float]
+        self._decode_layers.restype = ctypes.c_int
+        for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn, self._norm,
+                   self._silu_mul, self._rotary, self._matmul_a8, self._matmul8_a8, self._quantize_q8,
+                   self._matmul8_g16, self._dequant8_g16):
+            fn.restype = None
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [nd, H, D] float32 (rows may be strided, heads and dims contiguous); kv_cache: one layer's
+        [2, num_blocks, bs, KVH, D] in a dtype of KV_DTYPES; block_tables [>= nd, M], seq_lens and
+        starts [nd] int64."""
+        nd, h, d = q.shape
+        _, _, bs, kvh, _ = kv_cache.shape
+        code = KV_DTYPES[kv_cache.dtype]
+        lut = _fp8_table(kv_cache.dtype) if code == 2 else None
+        out = q.new_empty(nd, h, d)
+        self._attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), starts.data_ptr(),
+                   out.data_ptr(), nd, h, kvh, d, bs, scale, code, lut.data_ptr() if lut is not None else None)
+        return out
+
+    def paged_prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, ctx: int,
+                                scale: float, window: int | None, out: torch.Tensor) -> None:
+        """One request's queries q [Q, H, D] float32 (rows may be strided, heads and dims contiguous) at positions
+        ctx .. ctx + Q - 1, attending their own and earlier positions (within ``window``) of one layer's
+        kv_cache [2, num_blocks, bs, KVH, D] through block_row [>= blocks] int64, into out [Q, H, D] (rows may
+        be strided), in place."""
+        _, _, bs, kvh, d = kv_cache.shape
+        code = KV_DTYPES[kv_cache.dtype]
+        lut = _fp8_table(kv_cache.dtype) if code == 2 else None
+        self._prefill(q, kv_cache[0], kv_cache[1], kvh * d, kvh * d, block_row, ctx, bs, scale, window, out, code,
+                      lut)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          window: int | None, out: torch.Tensor) -> None:
+        """As paged_prefill_attention with nothing cached before the queries: their own K / V [Q, KVH, D]
+        float32 (rows may be strided; heads and dims contiguous)."""
+        self._prefill(q, k, v, k.stride(0), v.stride(0), _ZERO_ROW, 0, max(q.shape[0], 1), scale, window, out, 0,
+                      None)
+
+    def _prefill(self, q, k, v, k_stride: int, v_stride: int, table: torch.Tensor, ctx: int, bs: int, scale: float,
+                 window: int | None, out: torch.Tensor, code: int, lut: torch.Tensor | None) -> None:
+        n, h, d = q.shape
+        self._prefill_attn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k_stride, v_stride,
+                           table.data_ptr(), ctx, n, out.data_ptr(), out.stride(0), h, k.shape[-2], d, bs, scale,
+                           window or 0, code, lut.data_ptr() if lut is not None else None)
+
+    def decode_layers(self, layers, n_layers: int, x: torch.Tensor, out: torch.Tensor, t: int, hidden: int,
+                      heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, final_norm: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, block_size: int, scale: float) -> int:
+        """A decode step's layers (decode_loop.c; ``layers`` a ctypes array of its DecodeLayer). 0 or -1."""
+        return self._decode_layers(ctypes.byref(layers), n_layers, x.data_ptr(), out.data_ptr(), t, hidden, heads,
+                                   kv_heads, head_dim, inter, eps, final_norm.data_ptr(), cos.data_ptr(),
+                                   sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                                   block_tables.stride(0), seq_lens.data_ptr(), block_size, scale)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x, residual: [T, n] float32 contiguous; x becomes x + residual in place; returns the norm."""
+        out = torch.empty_like(x)
+        self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                   out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2 I] float32 contiguous; returns silu(gate) * up, [T, I]."""
+        t, two_i = gate_up.shape
+        out = gate_up.new_empty(t, two_i // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] float32 with heads and dims contiguous (rows may be strided); cos, sin
+        [T, 1, D/2] contiguous; returns the rotated heads, contiguous."""
+        t, heads, d = x.shape
+        out = x.new_empty(t, heads, d)
+        self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, heads, d)
+        return out
+
+    def int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] float32 contiguous; qweight [N, K/2] uint8, scales / mins [N, K/32]; returns [M, N]."""
+        return self._quant_matmul(self._matmul, x, qweight, scales, mins)
+
+    def int8_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
+        return self._quant_matmul(self._matmul8, x, qweight, scales, mins)
+
+    def int8_matmul_g16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        mins: torch.Tensor) -> torch.Tensor:
+        """As int8_matmul with a scale per 16 weights (GGUF's Q6_K): scales [N, K/16], mins [N, K/32]."""
+        return self._quant_matmul(self._matmul8_g16, x, qweight, scales, mins)
+
+    def f32_matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous @ W^T with W [n, K] as ``f32_panels(W)``, for a decode step's few rows;
+        each element summed in oneDNN's order (see quant_matmul.c)."""
+        y = x.new_empty(x.shape[0], n)
+        self._f32_matmul(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1])
+        return y
+
+    @staticmethod
+    def f32_panels(weight: torch.Tensor) -> torch.Tensor:
+        """W [N, K] float32 as f32_matmul reads it: panels of 16 rows, [ceil(N / 16), K, 16], zero padded."""
+        n, k = weight.shape
+        padded = torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, -n % 16))
+        return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+
+    def int4_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       mins: torch.Tensor) -> torch.Tensor:
+        """As int4_matmul, with each row of x first rounded to int8 per group of 32 (GGUF's Q8_0: scale
+        max|x| / 127); the mins multiply the groups' exact float sums. Any number of rows."""
+        return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins, 1)
+
+    def int8_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       mins: torch.Tensor) -> torch.Tensor:
+        """As int8_matmul, with x rounded to int8 as in int4_matmul_a8."""
+        return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins, 1)
+
+    def int4_matmul_a16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        mins: torch.Tensor) -> torch.Tensor:
+        """As int4_matmul_a8 with x rounded to int16 per group of 32 (scale max|x| / 32512), multiplied as
+        two int8 digits."""
+        return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins, 2)
+
+    def int8_matmul_a16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        mins: torch.Tensor) -> torch.Tensor:
+        """As int8_matmul, with x rounded to int16 as in int4_matmul_a16."""
+        return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins, 2)
+
+    def quantize_activations(self, x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 contiguous rounded as the *_a8 (bits 8) or *_a16 (bits 16) matmuls round it:
+        (int8 [M, K * bits / 8]: per group of 32 its int8 values, or its high then its low base-255 digits;
+        scales [M, K/32])."""
+        digits = _digits(bits)
+        q = torch.empty(x.shape[0], x.shape[1] * digits, dtype=torch.int8)
+        d = x.new_empty(x.shape[0], x.shape[1] // 32)
+        self._quantize_q8(x.data_ptr(), q.data_ptr(), d.data_ptr(), None, x.shape[0], x.shape[1], digits)
+        return q, d
+
+    def round_activations(self, x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+        """x [M, K] float32 contiguous as the *_a8 / *_a16 matmuls see it: each group of 32 rounded to
+        ``bits``-bit integers and scaled back (float32 [M, K])."""
+        out = torch.empty_like(x)
+        self._quantize_q8(x.data_ptr(), None, None, out.data_ptr(), x.shape[0], x.shape[1], _digits(bits))
+        return out
+
+    @staticmethod
+    def _quant_matmul(fn, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      mins: torch.Tensor, *digits: int) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], qweight.shape[0])
+        fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), y.data_ptr(), x.shape[0],
+           qweight.shape[0], x.shape[1], *digits)
+        return y
+
+    def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._quant_dequantize(self._dequant, qweight, scales, mins, qweight.shape[1] * 2, out)
+
+    def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._quant_dequantize(self._dequant8, qweight, scales, mins, qweight.shape[1], out)
+
+    def int8_dequantize_g16(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._quant_dequantize(self._dequant8_g16, qweight, scales, mins, qweight.shape[1], out)
+
+    @staticmethod
+    def _quant_dequantize(fn, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int,
+                          out: torch.Tensor | None) -> torch.Tensor:
+        """Into ``out`` (float32, at least N * K elements, contiguous) when given, else a new tensor."""
+        n = qweight.shape[0]
+        w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[:n * k].view(n, k)
+        fn(qweight.data_ptr(), scales.data_ptr(), _ptr(mins), w.data_ptr(), n, k)
+        return w
+
+
+_ZERO_ROW = torch.zeros(1, dtype=torch.int64)  # the block table of K / V handed over as one block
+
+
+def _digits(bits: int) -> int:
+    """Integer activations of ``bits`` bits: how many int8 digits the kernels keep of each."""
+    if bits not in (8, 16):
+        raise ValueError(f"integer activations are 8 or 16 bits, not {bits}")
+    return bits // 8
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address; None (NULL) for none: the quantized kernels' all-zero mins."""
+    return None if t is None else t.data_ptr()
