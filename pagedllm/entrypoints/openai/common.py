@@ -1,0 +1,181 @@
+"""Request handling the route modules share: JSON bodies parsed (and limit-checked) off the event loop when
+large, collecting or streaming (SSE) a request's outputs, usage and logprob formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
+
+from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.openai import protocol as P
+from pagedllm.entrypoints.openai.errors import BodyError
+from pagedllm.entrypoints.openai.limits import RequestLimits
+from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.outputs import RequestOutput
+
+# -- request bodies ---------------------------------------------------------------------
+
+# Bodies larger than this are parsed and limit-checked on a worker thread. (The C JSON parser still
+# holds the GIL while it runs, ~25 ms per MiB; --max-request-body-bytes bounds that.)
+_OFF_LOOP_JSON_BYTES = 64 << 10
+
+
+class _Request(Request):
+    """Parses JSON and checks the request limits on it, on a worker thread when the body is large."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            limits = self.scope["app"].state.server.limits
+            self._json = (await asyncio.to_thread(_parse_body, body, limits) if len(body) > _OFF_LOOP_JSON_BYTES
+                          else _parse_body(body, limits))
+        return self._json
+
+
+def _parse_body(body: bytes, limits: RequestLimits) -> Any:
+    try:
+        obj = json.loads(body)  # a json.JSONDecodeError becomes FastAPI's json_invalid, with its position
+    except RecursionError:
+        raise BodyError(400, "the JSON body is nested too deeply") from None
+    except UnicodeDecodeError as e:
+        raise BodyError(400, f"the body is not valid UTF-8 (invalid byte at position {e.start})") from None
+    try:
+        limits.check(obj)
+    except InvalidParameterError as e:
+        raise BodyError(400, str(e), e.param) from None
+    return obj
+
+
+class JSONBodyRoute(APIRoute):
+    """FastAPI's route, reading JSON bodies through :class:`_Request`. Every router of the server uses it
+    (``include_router`` keeps each route's own class)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_Request(request.scope, request.receive))
+
+        return route
+
+
+# -- collecting and streaming outputs ---------------------------------------------------
+
+async def run_to_end(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+    """Collect final outputs; abort everything if the client goes away meanwhile."""
+    async def drain(s):
+        last = None
+        async for out in s:
+            last = out
+        return last
+
+    tasks = [asyncio.ensure_future(drain(s)) for s in streams]
+    try:
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.5)
+            if await raw.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for chunk in gen:
+                yield chunk
+        except EngineDeadError as e:  # headers are gone already: say it in the stream, as vLLM does
+            err = {"error": {"message": str(e), "type": "EngineDeadError", "code": 503}}
+            yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def sse_event(obj: Any) -> str:
+    return f"data: {obj.model_dump_json(exclude_unset=False)}\n\n"
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as outputs arrive, tagged by their index."""
+    if len(streams) == 1:  # the usual case: no pump task and queue between the stream and its reader
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except EngineDeadError as e:  # the engine died mid-request: the stream ends with an error event
+            await q.put((i, e))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    live = len(tasks)
+    try:
+        while live:
+            i, out = await q.get()
+            if out is None:
+                live -= 1
+                continue
+            if isinstance(out, BaseException):
+                raise out
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+# -- usage and logprobs -----------------------------------------------------------------
+
+def usage_info(finals: list[RequestOutput]) -> P.UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _top(entry: dict, n: int) -> list:
+    """The top-n alternatives of one token's logprobs (the engine stores them first, by rank)."""
+    return list(entry.values())[:n]
+
+
+def completion_logprobs(c, offset: int, n: int, start: int = 0) -> P.CompletionLogprobs:
+    lp = P.CompletionLogprobs()
+    for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        text = entry[tid].decoded_token or ""  # decoded once, by the output processor
+        lp.tokens.append(text)
+        lp.token_logprobs.append(entry[tid].logprob)
+        lp.top_logprobs.append({(v.decoded_token or ""): v.logprob for v in _top(entry, n)})
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return lp
+
+
+def chat_logprobs(c, n: int, start: int = 0) -> P.ChatLogprobs:
+    content = []
+    for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        text = entry[tid].decoded_token or ""
+        content.append(P.ChatTokenLogprob(
+            token=text, logprob=entry[tid].logprob, bytes=list(text.encode()),
+            top_logprobs=[P.TopLogprob(token=v.decoded_token or "", logprob=v.logprob,
+                                       bytes=list((v.decoded_token or "").encode())) for v in _top(entry, n)]))
+    return P.ChatLogprobs(content=content)
