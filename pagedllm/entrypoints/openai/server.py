@@ -221,12 +221,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     def load() -> None:
         try:
             engine = engine_factory()
-            from pagedllm.engine.pooling import AsyncPooler, PoolingEngine
-
-            if isinstance(engine, PoolingEngine):
-                state.llm = AsyncPooler(engine, max_queue_len)
-            else:
-                state.llm = AsyncLLM(engine, max_queue_len, on_step=on_step)
+            state.llm = AsyncLLM(engine, max_queue_len, on_step=on_step)  # pooling models too
             for name, path in (lora_modules or {}).items():  # a bad adapter fails the start, with its reason
                 state.add_lora(name, path)
         except BaseException as e:  # surfaced by /health and every endpoint
@@ -298,21 +293,23 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
 
     def generator() -> AsyncLLM:
         llm = engine()
-        if not isinstance(llm, AsyncLLM):
+        if llm.engine.is_pooling:
             raise APIError(400, f"`{state.served_model_name}` is a pooling model: use /v1/embeddings, /score or "
                            "/rerank", "invalid_request_error", "model")
         return llm
 
     def pooler() -> Any:
         llm = engine()
-        if isinstance(llm, AsyncLLM):
+        if not llm.engine.is_pooling:
             raise APIError(400, f"`{state.served_model_name}` generates text; embeddings and scores need a pooling "
                            "model (pagedllm serve MODEL --runner pooling)", "invalid_request_error", "model")
         return llm
 
     async def pool(llm: Any, prompts: list, truncate: int | None) -> tuple[list[list[int]], list]:
-        ids = await llm.prepare(llm.engine.tokenize_many, prompts, truncate)
-        return ids, await llm.embed(ids)
+        from pagedllm.pooling_params import PoolingParams
+
+        outs = await llm.encode(prompts, PoolingParams(truncate_prompt_tokens=truncate))
+        return [o.prompt_token_ids for o in outs], [o.outputs.embedding for o in outs]
 
     def check_model(name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for an unknown name."""
@@ -429,9 +426,11 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
             if req.encoding_format == "base64":
                 import base64
 
-                emb: list[float] | str = base64.b64encode(v.float().numpy().tobytes()).decode()
+                import numpy as np
+
+                emb: list[float] | str = base64.b64encode(np.asarray(v, dtype=np.float32).tobytes()).decode()
             else:
-                emb = v.tolist()
+                emb = v
             data.append(P.EmbeddingData(index=i, embedding=emb))
         n = sum(map(len, ids))
         return P.EmbeddingResponse(id=P.random_id("embd"), model=req.model or state.served_model_name, data=data,
