@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SampleLogprobs, Scheduler, SchedulerOutput, SchedulerStats
@@ -28,7 +28,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[SampleLogprobs] = field(default_factory=list)
     prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # (first position, entries)
-    pooling_output: Any = None  # a pooling request's vector (a float32 tensor), in the step it finished
+    pooling_output: list[float] | None = None  # a pooling request's vector, in the step it finished
 
     @property
     def finished(self) -> bool:

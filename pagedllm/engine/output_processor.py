@@ -151,7 +151,7 @@ class OutputProcessor:
             time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
         vector = out.pooling_output
         return EmbeddingRequestOutput(req.request_id, req.prompt_token_ids,
-                                      None if vector is None else EmbeddingOutput(vector.tolist()), True,
+                                      None if vector is None else EmbeddingOutput(vector), True,
                                       metrics, prompt)
 
     def _tok_text(self, tid: int) -> str:

@@ -240,8 +240,9 @@ class ModelRunner:
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         normalize = [self.pooling.normalize if st.pooling_params is None or st.pooling_params.normalize is None
                      else st.pooling_params.normalize for st in states]
-        pooled = pool_hidden_states(hidden, lens, self.pooling.pooling, normalize).cpu()
-        return ModelRunnerOutput({}, pooler_output={rid: pooled[i] for i, rid in enumerate(order)})
+        # plain floats: a tensor would travel between processes (the mp executor) as a shared-memory handle
+        pooled = pool_hidden_states(hidden, lens, self.pooling.pooling, normalize).tolist()
+        return ModelRunnerOutput({}, pooler_output=dict(zip(order, pooled)))
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[_ReqState, list[int]]], sampled: list[str],
                 spec: dict[str, list[int]], result: ModelRunnerOutput, grammar: dict[str, torch.Tensor]) -> None:

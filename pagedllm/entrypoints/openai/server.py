@@ -372,7 +372,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
         def take(e: Any) -> dict:  # on the engine thread, between two steps
             state.metrics.engine_state_snapshots.inc()
             return {**e.core.snapshot(check=check), **state.metrics.recent(), "model": state.served_model_name}
-        return await generator().call(take)
+        return await engine().call(take)  # pooling models too
 
     hub = EngineStateHub(take_state, engine_state_interval)
     app.state.on_exit = [hub.close_soon]  # run by the server on SIGTERM / SIGINT: end the dashboards' streams
@@ -386,7 +386,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
     @app.get("/v1/engine/state/stream", response_model=None)
     async def engine_state_stream():
         """The same snapshot as Server-Sent Events, one per interval, shared by every watcher."""
-        generator()  # 503 while loading, 400 for a pooling model
+        engine()  # 503 while loading
         if hub.closed:
             raise APIError(503, "the server is shutting down", "server_overloaded")
         if hub.full:
