@@ -62,8 +62,11 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         ids = [str(next(engine._ids)) for _ in prompts]
-        for prepared in engine.make_pooling_requests(ids, prompts, pooling_params, group=ids[0] if ids else None):
-            engine.add_prepared_request(prepared)
+        prepared = engine.make_pooling_requests(ids, prompts, pooling_params, group=ids[0] if ids else None)
+        # queued shortest first: each step's sequences are then of like lengths, and an encoder's attention
+        # (padded to the step's longest) wastes little; the outputs come back in input order
+        for p in sorted(prepared, key=lambda p: p.children[0].num_prompt_tokens):
+            engine.add_prepared_request(p)
         return self._run(ids, use_tqdm)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
