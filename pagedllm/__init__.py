@@ -17,6 +17,7 @@ _LAZY = {
     "LLM": "pagedllm.entrypoints.llm",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "SamplingParams": "pagedllm.sampling_params",
+    "PoolingParams": "pagedllm.pooling_params",
     "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.models.registry import ModelRegistry
     from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 

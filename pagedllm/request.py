@@ -16,6 +16,7 @@ from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.lora import LoRARequest
+    from pagedllm.pooling_params import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +73,8 @@ class Request:
     num_accepted_tokens: int = 0  # of which accepted
     lora_request: "LoRARequest | None" = None  # the adapter this request runs with (None: the base model)
     trace_headers: dict[str, str] | None = None  # the client's W3C trace context, parent of its OTLP span
+    # a pooling request (an embedding): computed whole in one step, samples nothing, finishes in that step
+    pooling_params: "PoolingParams | None" = None
 
     @property
     def lora_int_id(self) -> int:

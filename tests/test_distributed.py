@@ -284,3 +284,21 @@ def test_expert_parallel_matches_single_process(tiny_model_factory, name: str) -
 def test_tensor_parallel_moe_without_expert_parallel_is_refused(tiny_model_factory) -> None:
     with pytest.raises(InvalidParameterError, match="enable_expert_parallel"):
         LLM(str(tiny_model_factory("mixtral")), tensor_parallel_size=2)
+
+
+def test_tp2_embeddings_equal_single_process(qwen2_dir: Path) -> None:
+    """runner='pooling' on a decoder under tensor_parallel_size=2 (two worker processes): the same vectors."""
+    import torch
+
+    texts = [SYSTEM + q for q in QUESTIONS] + ["a"]
+
+    def embed(**kw: Any) -> torch.Tensor:
+        llm = LLM(str(qwen2_dir), runner="pooling", max_model_len=96, max_num_seqs=4, **kw)
+        try:
+            return torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
+        finally:
+            llm.llm_engine.shutdown()
+
+    ref, got = embed(), embed(tensor_parallel_size=2)
+    assert ref.shape == (len(texts), 64)
+    assert float((ref - got).abs().max()) < 1e-5

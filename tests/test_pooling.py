@@ -153,3 +153,62 @@ def test_bench_embed_times_both_sides_in_turns(minilm_dir):
     assert r["min_cosine"] > 0.99999
     with pytest.raises(SystemExit, match="--repeats must be at least 1"):
         run(minilm_dir, 12, seed=0, repeats=0)
+
+
+def test_pooling_requests_batch_in_the_engine_steps_and_free_their_blocks_at_once(tiny_model_factory):
+    """A decoder's pooling requests are the engine's own requests: each prompt whole in one step, up to
+    max_num_seqs of them per step, nothing sampled, and every KV block back in the pool (unhashed: pooling
+    keeps no prefix cache) as soon as the step is done."""
+    model = str(tiny_model_factory("llama"))
+    llm = LLM(model, runner="pooling", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=512,
+              num_gpu_blocks_override=64)
+    engine = llm.llm_engine
+    assert not engine.config.cache_config.enable_prefix_caching
+    outs = llm.embed(SENTENCES[:10])
+    steps = list(engine.core.step_history)
+    assert len(steps) == 3  # 4 + 4 + 2 requests
+    assert sum(s[3] for s in steps) == sum(len(o.prompt_token_ids) for o in outs) and all(s[2] == 0 for s in steps)
+    pool = engine.core.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks and all(b.block_hash is None for b in pool.blocks)
+    engine.core.scheduler.check_invariants()
+    assert not engine.core.scheduler.requests
+
+    small = LLM(model, runner="pooling", max_model_len=64, max_num_batched_tokens=16, num_gpu_blocks_override=64)
+    assert small.llm_engine.config.scheduler_config.max_num_batched_tokens == 64  # raised: never chunked
+    (out,) = small.embed("word " * 50)
+    assert len(small.llm_engine.core.step_history) == 1 and len(out.prompt_token_ids) > 16
+
+
+def test_an_encoder_takes_no_kv_blocks_and_no_tensor_parallelism(minilm_dir, minilm):
+    s = minilm.llm_engine.core.scheduler
+    assert s.kv.pool.num_blocks == 0 and minilm.llm_engine.core.snapshot()["num_blocks"] == 0
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
+        LLM(minilm_dir, tensor_parallel_size=2)
+    with pytest.raises(InvalidParameterError, match="truncate_prompt_tokens"):
+        minilm.embed("hello", truncate_prompt_tokens=0)
+    with pytest.raises(InvalidParameterError, match="encoder"):
+        LLM(minilm_dir, runner="generate")
+    assert len(minilm.embed("word " * 600, truncate_prompt_tokens=-1)[0].prompt_token_ids) == 256  # max_model_len
+
+
+def test_embedding_requests_count_in_metrics_and_the_engine_state(minilm_dir):
+    import httpx
+
+    s = Server(minilm_dir)
+    try:
+        before = {m: s.metric(f"pagedllm:{m}") for m in ("prompt_tokens_total", "request_success_total",
+                                                         "e2e_request_latency_seconds_count")}
+        r = httpx.post(f"{s.url}/v1/embeddings", json={"model": "tiny", "input": SENTENCES[:5]}, timeout=60).json()
+        n = r["usage"]["prompt_tokens"]
+        r2 = httpx.post(f"{s.url}/v1/embeddings", json={"model": "tiny", "input": "hello"}, timeout=60).json()
+        n += r2["usage"]["prompt_tokens"]
+        assert s.metric("pagedllm:prompt_tokens_total") - before["prompt_tokens_total"] == n
+        assert s.metric("pagedllm:request_success_total") - before["request_success_total"] == 6  # stop
+        assert s.metric("pagedllm:e2e_request_latency_seconds_count") - before["e2e_request_latency_seconds_count"] == 6
+        assert s.metric("pagedllm:num_requests_running") == 0
+        state = httpx.get(f"{s.url}/v1/engine/state", params={"check": "true"}, timeout=60).json()
+        assert state["invariants"] == "ok" and state["num_running"] == 0 and state["num_waiting"] == 0
+        assert state["totals"]["prompt_tokens"] == n and state["totals"]["finished_requests"] == 6
+        assert sum(step["prefill_tokens"] for step in state["steps"]) == n
+    finally:
+        assert s.stop() == 0

@@ -87,8 +87,8 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if num_blocks < 0:  # 0: an encoder pooling model's, which keeps no KV
+            raise ValueError(f"the KV cache cannot have {num_blocks} blocks")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -103,7 +103,7 @@ class BlockPool:
 
     def usage(self) -> float:
         """Fraction of blocks held by requests (free cached blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0  # an encoder's: none
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)

@@ -39,6 +39,7 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: Any = None  # LoRARequest | None
     group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' (kv_groups), if any
+    pooling_params: Any = None  # PoolingParams of a pooling request (None: it samples)
 
 
 @dataclass(slots=True)
@@ -98,8 +99,11 @@ class SpecDecodeStats:
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
                  num_lookahead_tokens: int = 0, speculative: bool = False, max_loras: int = 1,
-                 kv_connector: "OffloadScheduler | None" = None, kv_groups: "KVGroups | None" = None):
+                 kv_connector: "OffloadScheduler | None" = None, kv_groups: "KVGroups | None" = None,
+                 pooling_needs_kv: bool = True):
         self.config = sched
+        # a pooling request of a decoder writes its K/V somewhere during its one pass; an encoder's needs no block
+        self.pooling_needs_kv = pooling_needs_kv
         self.connector = kv_connector
         self.max_loras = max_loras  # distinct adapters among the running requests, at most
         # slots past the verified tokens a proposer writes its own KV into (the draft model's)
@@ -218,22 +222,26 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens, ext = None, 0, 0
-            if req.num_computed_tokens == 0:
+            pooling = req.pooling_params is not None
+            if req.num_computed_tokens == 0 and not pooling:  # pooling: no prefix caching, nothing kept
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
                 if self.connector is not None:  # the next tier: tokens it can load instead of computing
                     ext = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
             n = req.num_tokens - num_hit_tokens - ext
-            if not self.config.enable_chunked_prefill and n > budget:
-                break  # head-of-line waits for a step with enough budget
+            if (pooling or not self.config.enable_chunked_prefill) and n > budget:
+                break  # head-of-line waits for a step with enough budget (a pooling prompt is never chunked)
             n = min(n, budget)
-            new_blocks = self._allocate(req, ext + n, hits, num_hit_tokens)
+            if pooling and not self.pooling_needs_kv:
+                new_blocks = [[]]
+            else:
+                new_blocks = self._allocate(req, ext + n, hits, num_hit_tokens)
             if new_blocks is None:
                 break
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
                                                         num_hit_tokens, ext)
             self.waiting.pop()
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and not pooling:
                 self.kv.record_lookup(req, num_hit_tokens)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -274,7 +282,7 @@ class Scheduler:
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
                               self.kv.get_block_ids(req.request_id), req.num_computed_tokens, req.lora_request,
-                              self.kv.get_group_block_ids(req.request_id))
+                              self.kv.get_group_block_ids(req.request_id), req.pooling_params)
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[tuple[Request, int]]:
@@ -310,6 +318,11 @@ class Scheduler:
             if not req.status.finished:
                 req.spec_token_ids = runner_out.spec_token_ids.get(rid, [])
             touched.append((req, req.num_output_tokens - before))
+        for rid in runner_out.pooler_output:  # a pooling request is done after its one step: free its blocks now
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                touched.append((req, 0))
         return touched
 
     def handle_kv_load_failures(self, runner_out: ModelRunnerOutput) -> None:
@@ -326,7 +339,7 @@ class Scheduler:
             for b in blocks[bad:]:
                 self.kv.pool.uncache(b)
             for out in (runner_out.sampled, runner_out.logprobs, runner_out.spec_token_ids,
-                        runner_out.prompt_logprobs):
+                        runner_out.prompt_logprobs, runner_out.pooler_output):
                 out.pop(req.request_id, None)
             self._preempt(req)
 

@@ -20,7 +20,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PreparedRequest
@@ -28,6 +28,10 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.errors import EngineDeadError, InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.pooling import EmbeddingRequestOutput
+    from pagedllm.pooling_params import PoolingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -147,6 +151,33 @@ class AsyncLLM:
             lambda: [self.engine.make_request(rid, p, params, priority, group=request_id, lora_request=lora_request,
                                               trace_headers=trace_headers, max_tokens_must_fit=max_tokens_must_fit)
                      for rid, p in zip(ids, prompts)])
+        return self._register(ids, prepared, size)
+
+    async def encode(self, prompts: Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
+                     request_id: str | None = None, priority: int = 0,
+                     trace_headers: dict[str, str] | None = None) -> list["EmbeddingRequestOutput"]:
+        """Embed one user request's prompts on a pooling model; one output per prompt, in order. They join the
+        engine's steps like generation's requests (batched with other clients', under max_queue_len); raises
+        at once on invalid input or a full queue. Cancelling aborts the prompts not yet computed."""
+        self._check_alive()
+        request_id = request_id or uuid.uuid4().hex
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._check_room(len(prompts))
+        prepared = await self.prepare(lambda: self.engine.make_pooling_requests(
+            ids, list(prompts), pooling_params, priority, group=request_id, trace_headers=trace_headers))
+        streams = self._register(ids, prepared, len(prompts))
+        outs = []
+        try:
+            for stream in streams:
+                async for out in stream:
+                    outs.append(out)
+        finally:
+            for stream in streams:
+                await stream.aclose()
+        return outs
+
+    def _register(self, ids: list[str], prepared: list[PreparedRequest], size: int) -> list[RequestStream]:
+        """One stream per request id, then the prepared requests to the engine thread (all or nothing)."""
         loop = asyncio.get_running_loop()
         streams = []
         with self._lock:  # the engine thread snapshots the streams under this lock when it dies

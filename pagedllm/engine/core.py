@@ -29,6 +29,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[SampleLogprobs] = field(default_factory=list)
     prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # (first position, entries)
+    pooling_output: list[float] | None = None  # a pooling request's vector, in the step it finished
 
     @property
     def finished(self) -> bool:
@@ -46,7 +47,7 @@ class _Step:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: "Executor", num_blocks: int, max_model_len: int,
                  structured: "StructuredOutputManager | None" = None, kv_connector: "OffloadScheduler | None" = None,
-                 kv_groups: "KVGroups | None" = None):
+                 kv_groups: "KVGroups | None" = None, pooling_needs_kv: bool = True):
         self.config = config
         self.structured = structured
         self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
@@ -58,7 +59,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
                                    speculative=spec is not None, max_loras=config.lora_config.max_loras,
-                                   kv_connector=kv_connector, kv_groups=kv_groups)
+                                   kv_connector=kv_connector, kv_groups=kv_groups,
+                                   pooling_needs_kv=pooling_needs_kv)
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
         self.max_in_flight = config.parallel_config.pipeline_parallel_size
@@ -156,6 +158,7 @@ class EngineCore:
         """Apply a finished step's output (None: no step finished now) and report what changed."""
         touched: list[tuple[Request, int]] = []
         plp: dict = {}
+        pooled: dict = {}
         if step is not None:
             sched_out = step.sched_out
             self.last_scheduled = sched_out.num_scheduled_tokens
@@ -172,8 +175,10 @@ class EngineCore:
                 stats.save_seconds += runner_out.kv_transfer_seconds[0]
                 stats.load_seconds += runner_out.kv_transfer_seconds[1]
             plp = runner_out.prompt_logprobs
-        outputs = [EngineCoreOutput(r, r.output_token_ids[-n:], runner_out.logprobs.get(r.request_id, [])[:n],
-                                    plp.get(r.request_id))
+            pooled = runner_out.pooler_output
+        outputs = [EngineCoreOutput(r, r.output_token_ids[-n:] if n else [],
+                                    runner_out.logprobs.get(r.request_id, [])[:n], plp.get(r.request_id),
+                                    pooled.get(r.request_id))
                    for r, n in touched]
         seen = {r.request_id for r, _ in touched}
         outputs += [EngineCoreOutput(self.scheduler.requests[rid], [], [], entries)  # a prefill chunk's share

@@ -23,9 +23,11 @@ if TYPE_CHECKING:
     import torch
 
     from pagedllm.core.kv_groups import KVGroups
+    from pagedllm.engine.pooling import PoolingConfig
     from pagedllm.kv_transfer.disk import DiskIndex
     from pagedllm.lora import LoRARequest
     from pagedllm.lora.adapter import AdapterCache
+    from pagedllm.pooling_params import PoolingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -48,6 +50,10 @@ class LLMEngine:
         logger.info("loading %s from %s", self.source.name, self.source.path)
         with stage("config"):
             self.hf_config = load_config(self.source)
+        self.pooling = self._pooling_runner()  # a pooling runner's PoolingConfig; None: it generates
+        self.is_pooling = self.pooling is not None
+        if self.is_pooling:
+            config = self.config = self._pooling_engine_config(config)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         with stage("tokenizer"):
             self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
@@ -70,11 +76,12 @@ class LLMEngine:
             num_blocks, stages = self.executor.load_model()
             for name, seconds in stages.items():  # a remote rank 0's loading stages
                 self.startup_stages.setdefault(name, seconds)
-            self.kv_groups = self._kv_groups()
+            self.kv_groups = None if self.is_pooling else self._kv_groups()
             if self.kv_groups is not None and config.cache_config.num_gpu_blocks_override is None:
                 # a block holds only a group's layers: the same memory holds that many times more of them
                 num_blocks = num_blocks * len(self.kv_groups.layer_group) // self.kv_groups.num_slots
-            self.max_model_len = self._resolve_max_model_len(num_blocks)
+            self.max_model_len = self._pooling_max_model_len(num_blocks) if self.is_pooling \
+                else self._resolve_max_model_len(num_blocks)
             offload_slots, block_bytes, disk = 0, 0, None
             if config.cache_config.kv_offloading_size is not None or config.kv_transfer_config is not None:
                 layouts = self.executor.collective_rpc("kv_block_layout")  # per rank: one block's shape, dtype
@@ -88,6 +95,11 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.num_blocks = num_blocks
+        sc = config.scheduler_config
+        if self.is_pooling and sc.max_num_batched_tokens < self.max_model_len:
+            # a pooling prompt is computed whole in one step: the longest must fit the step's budget
+            config = self.config = dataclasses.replace(
+                config, scheduler_config=dataclasses.replace(sc, max_num_batched_tokens=self.max_model_len))
         from pagedllm.structured_output import StructuredOutputManager
 
         so_cfg = config.structured_outputs_config
@@ -101,7 +113,7 @@ class LLMEngine:
             connector = OffloadScheduler(offload_slots, config.cache_config.block_size, block_bytes,
                                          swap=config.scheduler_config.preemption_mode == "swap", disk=disk)
         self.core = EngineCore(config, self.executor, num_blocks, self.max_model_len, self.structured, connector,
-                               self.kv_groups)
+                               self.kv_groups, pooling_needs_kv=not self.pooling_encoder)
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                    mc.max_logprobs, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -109,6 +121,50 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1fs (%s)", self.startup_seconds,
                     ", ".join(f"{name} {sec:.1f}s" for name, sec in self.startup_stages.items()))
+
+    def _pooling_runner(self) -> "PoolingConfig | None":
+        """How this engine pools (``runner='pooling'``, or 'auto' on an encoder), or None when it generates."""
+        from pagedllm.engine.pooling import pooling_mode, read_pooling_config
+        from pagedllm.models.registry import ModelRegistry
+
+        model_cls = ModelRegistry.resolve_for_config(self.hf_config)
+        self.pooling_encoder = bool(getattr(model_cls, "is_pooling_model", False))
+        if not pooling_mode(self.config, model_cls, getattr(self.hf_config, "architectures", None)):
+            return None
+        return read_pooling_config(self.source.path, decoder=not self.pooling_encoder)
+
+    def _pooling_engine_config(self, config: EngineConfig) -> EngineConfig:
+        """A pooling runner's config: refuse what does not apply; prefix caching off (a pooling request's
+        blocks are freed at once and never reused, as vLLM does by default for pooling models)."""
+        pc, cc = config.parallel_config, config.cache_config
+        if self.pooling_encoder and pc.world_size > 1:
+            raise InvalidParameterError(
+                "encoder pooling models (BertModel) run in one process: tensor_parallel_size and "
+                f"pipeline_parallel_size must be 1 (got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}); "
+                "Llama-family decoders pool under both", "tensor_parallel_size")
+        if cc.kv_offloading_size is not None or config.kv_transfer_config is not None:
+            raise InvalidParameterError("pooling models keep no KV cache: kv_offloading_size and "
+                                        "kv_transfer_config do not apply to them", "kv_offloading_size")
+        if config.speculative_config is not None:
+            raise InvalidParameterError("pooling models sample nothing: speculative_config does not apply to them",
+                                        "speculative_config")
+        if config.lora_config.enable_lora:
+            raise InvalidParameterError("LoRA adapters are not supported for pooling models", "enable_lora")
+        return dataclasses.replace(config, cache_config=dataclasses.replace(cc, enable_prefix_caching=False))
+
+    def _pooling_max_model_len(self, num_blocks: int) -> int:
+        """The longest pooling prompt: max_model_len, the sentence-transformers max_seq_length and the model's
+        positions, whichever is least (a decoder's must also fit its KV cache, as for generation)."""
+        limits = [self.config.model_config.max_model_len, self.pooling.max_seq_length,
+                  getattr(self.hf_config, "max_position_embeddings", None)]
+        if not self.pooling_encoder:
+            limits.append(self._resolve_max_model_len(num_blocks))
+        return min(x for x in limits if x)
+
+    @property
+    def hidden_size(self) -> int:
+        """The size of a pooling model's vectors."""
+        return self.hf_config.hidden_size
 
     def _lora_cache(self) -> "AdapterCache | None":
         lc = self.config.lora_config
@@ -284,6 +340,9 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
+        if self.is_pooling:
+            raise InvalidParameterError("this is a pooling model (runner='pooling'): use embed or score, "
+                                        "not generation", "runner")
         text, ids = self.processor.tokenize(prompt)
         ids = self.processor.truncate(ids, params)
         if params.structured_outputs is not None:
@@ -304,6 +363,32 @@ class LLMEngine:
                                     trace_headers=trace_headers))
         children[0].pending_children = children[1:]
         return PreparedRequest(request_id, children, text)
+
+    def make_pooling_requests(self, request_ids: list[str], prompts: list[PromptType],
+                              params: "PoolingParams | None" = None, priority: int = 0, group: str | None = None,
+                              trace_headers: dict[str, str] | None = None) -> list["PreparedRequest"]:
+        """``make_request`` for pooling (embeddings): tokenize (the texts in one tokenizer call), truncate and
+        validate every prompt, touching no engine state; all or nothing."""
+        from pagedllm.pooling_params import PoolingParams
+
+        if not self.is_pooling:
+            raise InvalidParameterError("embed and score need a pooling model (runner='pooling'); this LLM "
+                                        "generates text", "runner")
+        params = params if params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise InvalidParameterError(f"expected PoolingParams, got {type(params).__name__}", "pooling_params")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise InvalidParameterError("priority needs scheduling_policy='priority'", "priority")
+        out = []
+        for rid, (text, ids) in zip(request_ids, self.processor.tokenize_many(prompts)):
+            ids = self.processor.check_pooling(ids, params.truncate_prompt_tokens)
+            # SamplingParams only so the shared code paths read defaults; a pooling request samples nothing
+            req = Request(rid, ids, SamplingParams(max_tokens=1, detokenize=False), 0, priority=priority,
+                          parent_id=rid, group=group, trace_headers=trace_headers, pooling_params=params)
+            out.append(PreparedRequest(rid, [req], text))
+        return out
 
     def add_prepared_request(self, prepared: "PreparedRequest") -> None:
         self.output_processor.add_request(prepared.request_id, prepared.children, prepared.prompt)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedllm.engine.core import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedllm.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import RequestOutputKind
@@ -50,8 +51,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.children: dict[str, _ChildState] = {}
         self.parents: dict[str, _ParentState] = {}
+        self.pooling: dict[str, str | None] = {}  # pooling requests: id -> prompt text
 
     def add_request(self, request_id: str, children: list[Request], prompt: str | None) -> None:
+        if children[0].pooling_params is not None:  # one vector, in the step it finishes: nothing to gather
+            self.pooling[request_id] = prompt
+            return
         for req in children:
             sp = req.sampling_params
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens,
@@ -73,12 +78,17 @@ class OutputProcessor:
         return parent.child_ids if parent is not None else [request_id]
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the request outputs and the (child request id, stop string) pairs the core must stop."""
+        """Returns the request outputs (EmbeddingRequestOutput for pooling requests) and the (child request id, stop string) pairs the core must stop."""
         to_stop: list[tuple[str, str]] = []
         touched: dict[str, _ParentState] = {}
         now = time.monotonic()
+        results: list = []
         for out in outputs:
             req = out.request
+            if req.request_id in self.pooling:
+                if out.finished:
+                    results.append(self._pooling_output(out, self.pooling.pop(req.request_id), now))
+                continue
             st = self.children.get(req.request_id)
             if st is None:
                 continue
@@ -127,7 +137,6 @@ class OutputProcessor:
                 parent.finished.add(st.index)
                 del self.children[req.request_id]
             touched[st.parent_id] = parent
-        results = []
         for rid, parent in touched.items():
             done = len(parent.finished) == len(parent.child_ids)
             if done or parent.kind != RequestOutputKind.FINAL_ONLY:
@@ -135,6 +144,18 @@ class OutputProcessor:
             if done:
                 del self.parents[rid]
         return results, to_stop
+
+    @staticmethod
+    def _pooling_output(out: EngineCoreOutput, prompt: str | None, now: float) -> EmbeddingRequestOutput:
+        req = out.request
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=None,
+            last_token_time=None, finished_time=now,
+            time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
+        vector = out.pooling_output
+        return EmbeddingRequestOutput(req.request_id, req.prompt_token_ids,
+                                      None if vector is None else EmbeddingOutput(vector), True,
+                                      metrics, prompt)
 
     def _tok_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])

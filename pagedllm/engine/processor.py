@@ -46,6 +46,31 @@ class Processor:
                     f"prompt token id {t!r} is out of range [0, {self.vocab_size})", "prompt_token_ids")
         return text, ids
 
+    def tokenize_many(self, prompts: list[PromptType]) -> list[tuple[str | None, list[int]]]:
+        """``tokenize`` for a batch (pooling: hundreds of sentences), the texts through the tokenizer in one call.
+        An empty text is tokenized too (an encoder's [CLS] [SEP] is a prompt)."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts and getattr(self.tokenizer, "is_fast", False):
+            encoded = iter(self.tokenizer(texts)["input_ids"])
+        else:
+            encoded = iter(self.tokenizer.encode(t) for t in texts)
+        return [(p, list(next(encoded))) if isinstance(p, str) else self.tokenize(p) for p in prompts]
+
+    def check_pooling(self, prompt_ids: list[int], truncate: int | None) -> list[int]:
+        """A pooling prompt cut to ``truncate`` tokens (-1: max_model_len), keeping its final (special) token,
+        as the tokenizer's own truncation does; refused when empty or longer than max_model_len."""
+        if truncate == -1:
+            truncate = self.max_model_len
+        ids = prompt_ids
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[:truncate - 1] + ids[-1:] if truncate > 1 else ids[:truncate]  # keep the final [SEP]
+        if not ids:
+            raise InvalidParameterError("the prompt is empty: it must have at least one token", "prompt")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than this model's {self.max_model_len}"
+                                     " (max_model_len); pass truncate_prompt_tokens to cut it", "prompt")
+        return ids
+
     def truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         k = params.truncate_prompt_tokens
         return prompt_ids[-k:] if k is not None else prompt_ids

@@ -58,9 +58,10 @@ class ChromeTraceWriter:
             if out.finished:
                 del self._seen[rid]
                 end = m.finished_time or m.last_token_time or m.arrival_time
+                completions = out.outputs if isinstance(out.outputs, list) else []  # a pooling request: none
                 events.append({**common, "ph": "e", "ts": _us(end), "args": {
-                    "finish_reason": [c.finish_reason for c in out.outputs],
-                    "output_tokens": sum(len(c.token_ids) for c in out.outputs),
+                    "finish_reason": [c.finish_reason for c in completions],
+                    "output_tokens": sum(len(c.token_ids) for c in completions),
                     "cached_prompt_tokens": out.num_cached_tokens}})
         if events:
             self._q.put(events)
@@ -157,6 +158,7 @@ class OtelRequestTracer:
         from opentelemetry.trace import SpanKind
 
         m = out.metrics
+        completions = out.outputs if isinstance(out.outputs, list) else []  # a pooling request: none
         wall = time.time_ns() - time.monotonic_ns()
         ns = lambda t: int(t * 1e9) + wall  # noqa: E731
         children = [c for c in self._params if c == out.request_id or c.endswith("_" + out.request_id)]
@@ -173,10 +175,10 @@ class OtelRequestTracer:
         attrs = {
             "gen_ai.request.id": out.request_id, "gen_ai.response.model": self.model_name,
             "gen_ai.usage.prompt_tokens": len(out.prompt_token_ids),
-            "gen_ai.usage.completion_tokens": sum(len(c.token_ids) for c in out.outputs),
-            "gen_ai.usage.num_sequences": len(out.outputs),
-            "gen_ai.request.n": len(out.outputs),
-            "gen_ai.response.finish_reasons": [c.finish_reason or "abort" for c in out.outputs],
+            "gen_ai.usage.completion_tokens": sum(len(c.token_ids) for c in completions),
+            "gen_ai.usage.num_sequences": len(completions),
+            "gen_ai.request.n": len(completions),
+            "gen_ai.response.finish_reasons": [c.finish_reason or "abort" for c in completions],
             "gen_ai.latency.e2e": end - m.arrival_time,
             "pagedllm.cached_prompt_tokens": max(out.num_cached_tokens, 0),
         }

@@ -89,13 +89,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         with open(chat_template) as f:
             chat_template = f.read()
 
-    from pagedllm.engine.pooling import PoolingEngine, is_pooling_config
-
-    pooling = is_pooling_config(config)
-
-    def factory() -> LLMEngine | PoolingEngine:
-        if pooling:
-            return PoolingEngine(config)
+    def factory() -> LLMEngine:  # pooling models too (runner='pooling'): a runner mode of the same engine
         engine = LLMEngine(config)
         if chat_template is not None:
             engine.tokenizer.chat_template = chat_template

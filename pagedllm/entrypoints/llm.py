@@ -16,6 +16,7 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedllm.lora import LoRARequest
+    from pagedllm.pooling_params import PoolingParams
 
 ChatMessage = dict[str, Any]
 
@@ -29,40 +30,44 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        from pagedllm.engine.pooling import PoolingEngine, is_pooling_config
-
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.llm_engine: Any = PoolingEngine(config) if is_pooling_config(config) else LLMEngine(config)
+        self.llm_engine = LLMEngine(config)  # a pooling model (runner='pooling') runs in the same engine
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
     def _generator(self) -> LLMEngine:
-        if not isinstance(self.llm_engine, LLMEngine):
+        if self.llm_engine.is_pooling:
             raise InvalidParameterError("this is a pooling model (runner='pooling'): use embed or score, "
                                         "not generation", "runner")
         return self.llm_engine
 
-    def _pooler(self) -> Any:
-        from pagedllm.engine.pooling import PoolingEngine
-
-        if not isinstance(self.llm_engine, PoolingEngine):
-            raise InvalidParameterError("embed and score need a pooling model (runner='pooling'); this LLM "
-                                        "generates text", "runner")
-        return self.llm_engine
-
     def embed(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = False) -> list[Any]:
-        """One ``EmbeddingRequestOutput`` per prompt (``.outputs.embedding``), in input order."""
-        from pagedllm.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput
+              use_tqdm: bool = False, pooling_params: "PoolingParams | None" = None) -> list[Any]:
+        """One ``EmbeddingRequestOutput`` per prompt (``.outputs.embedding``), in input order. The prompts are
+        requests of the engine like generate's: batched in its steps under max_num_batched_tokens."""
+        from pagedllm.pooling_params import PoolingParams
 
-        engine = self._pooler()
+        if pooling_params is None:
+            pooling_params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        elif truncate_prompt_tokens is not None:
+            pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.encode(prompts, pooling_params, use_tqdm)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
+               use_tqdm: bool = False) -> list[Any]:
+        """vLLM's ``LLM.encode``: the pooled output of each prompt (``EmbeddingRequestOutput``), in input order."""
+        engine = self.llm_engine
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        ids = engine.tokenize_many(list(prompts), truncate_prompt_tokens)
-        vectors = engine.embed_ids(ids)
-        return [EmbeddingRequestOutput(str(i), t, EmbeddingOutput(v.tolist())) for i, (t, v) in
-                enumerate(zip(ids, vectors))]
+        prompts = list(prompts)
+        ids = [str(next(engine._ids)) for _ in prompts]
+        prepared = engine.make_pooling_requests(ids, prompts, pooling_params, group=ids[0] if ids else None)
+        # queued shortest first: each step's sequences are then of like lengths, and an encoder's attention
+        # (padded to the step's longest) wastes little; the outputs come back in input order
+        for p in sorted(prepared, key=lambda p: p.children[0].num_prompt_tokens):
+            engine.add_prepared_request(p)
+        return self._run(ids, use_tqdm)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[Any]:
@@ -70,9 +75,9 @@ class LLM:
         embedding model; one ``ScoringRequestOutput`` (``.outputs.score``) per pair."""
         from pagedllm.engine.pooling import ScoringOutput, ScoringRequestOutput, pair_scores, score_texts
 
-        engine = self._pooler()
-        ids = engine.tokenize_many(score_texts(text_1, text_2), truncate_prompt_tokens)
-        scores = pair_scores(engine.embed_ids(ids))
+        outs = self.embed(score_texts(text_1, text_2), truncate_prompt_tokens, use_tqdm)
+        ids = [o.prompt_token_ids for o in outs]
+        scores = pair_scores([o.outputs.embedding for o in outs])
         n = len(scores)
         return [ScoringRequestOutput(str(i), ids[i] + ids[n + i], ScoringOutput(s)) for i, s in enumerate(scores)]
 

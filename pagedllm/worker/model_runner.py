@@ -1,4 +1,4 @@
-"""Turns a SchedulerOutput into one flattened batch, runs the model, samples.
+"""Turns a SchedulerOutput into one flattened batch, runs the model, samples (or, as a pooling runner, pools).
 
 Per-request state (known token ids, block ids, sampling settings) persists here
 across steps and is updated from the scheduler's deltas; each step only gathers
@@ -28,6 +28,7 @@ from pagedllm.worker.batch import Segment, build_batch
 from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 
 if TYPE_CHECKING:
+    from pagedllm.engine.pooling import PoolingConfig
     from pagedllm.kv_transfer.offload import OffloadWorker
     from pagedllm.lora.manager import LoRAManager
     from pagedllm.spec_decode.config import SpeculativeConfig
@@ -51,6 +52,7 @@ class _ReqState:
     spec_skip: int = 0  # steps left without drafting
     lora: Any = None  # the request's LoRARequest, or None
     group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' tables (kv_groups)
+    pooling_params: Any = None  # a pooling request's PoolingParams
 
     @property
     def lora_int_id(self) -> int:
@@ -62,8 +64,10 @@ class ModelRunner:
                  device: torch.device, default_seed: int = 0, processed_logprobs: bool = False,
                  proposer: "Proposer | None" = None, spec_config: "SpeculativeConfig | None" = None,
                  max_model_len: int | None = None, parallel: ParallelState | None = None,
-                 lora: "LoRAManager | None" = None, kv_connector: "OffloadWorker | None" = None):
+                 lora: "LoRAManager | None" = None, kv_connector: "OffloadWorker | None" = None,
+                 pooling: "PoolingConfig | None" = None):
         self.model = model
+        self.pooling = pooling  # set: a pooling runner (pools hidden states, samples nothing)
         self.kv_connector = kv_connector
         self.ps = parallel or ParallelState()
         self.num_tokens_computed = 0  # every token of every forward pass, for per-token figures
@@ -96,7 +100,8 @@ class ModelRunner:
             self.states[new.req_id] = _ReqState(
                 new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
                 new.sampling_params, self._seed_for(new.req_id, new.sampling_params), new.num_computed_tokens,
-                lora=new.lora_request, group_block_ids=[list(ids) for ids in new.group_block_ids])
+                lora=new.lora_request, group_block_ids=[list(ids) for ids in new.group_block_ids],
+                pooling_params=new.pooling_params)
             if self.proposer is not None:
                 self.proposer.add(new.req_id, new.num_computed_tokens)
         for c in so.cached_reqs:
@@ -144,6 +149,8 @@ class ModelRunner:
                 copy_blocks(cache, src, dst)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
+        if self.pooling is not None:
+            return self._execute_pooling(so)
         spec = so.scheduled_spec_tokens
         num = so.num_scheduled_tokens
         # one-token rows first (decodes, and every token of a request verifying drafts), then prefill chunks
@@ -204,6 +211,39 @@ class ModelRunner:
         if self.proposer is not None:
             result.spec_token_ids = self._propose(order, sampled, hidden, aux, offsets, row_starts)
         return result
+
+    def _execute_pooling(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Every request's whole prompt in one pass (the scheduler never chunks one); one pooled vector each."""
+        from pagedllm.engine.pooling import pool_hidden_states
+
+        num = so.num_scheduled_tokens
+        encoder = getattr(self.model, "is_pooling_model", False)
+        # a decoder's one-token prompts are decode rows, which must come first in the batch
+        order = list(num) if encoder else sorted(num, key=lambda r: num[r] != 1)
+        states = [self.states[rid] for rid in order]
+        for rid, st in zip(order, states):
+            assert st.num_computed_tokens == 0 and num[rid] == len(st.token_ids), f"{rid}: pooling is one step"
+        lens = [len(st.token_ids) for st in states]
+        if encoder:  # bidirectional attention within each sequence, no KV cache
+            dev = self.device
+            ids = torch.tensor([t for st in states for t in st.token_ids], device=dev)
+            positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+            hidden = self.model(ids, positions, lens)
+        else:  # causal, through the paged cache: its K/V go to the request's blocks, freed after this step
+            batch = build_batch([Segment(st.token_ids, 0, st.block_ids, split=False) for st in states],
+                                self.block_size, self.device)
+            hidden = self._forward(batch)
+        self.num_tokens_computed += so.total_num_scheduled_tokens
+        for rid, st in zip(order, states):
+            st.num_computed_tokens = num[rid]
+        if not self.ps.is_driver:  # the driver's output is the step's
+            return ModelRunnerOutput({})
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        normalize = [self.pooling.normalize if st.pooling_params is None or st.pooling_params.normalize is None
+                     else st.pooling_params.normalize for st in states]
+        # plain floats: a tensor would travel between processes (the mp executor) as a shared-memory handle
+        pooled = pool_hidden_states(hidden, lens, self.pooling.pooling, normalize).tolist()
+        return ModelRunnerOutput({}, pooler_output=dict(zip(order, pooled)))
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[_ReqState, list[int]]], sampled: list[str],
                 spec: dict[str, list[int]], result: ModelRunnerOutput, grammar: dict[str, torch.Tensor]) -> None:

@@ -20,6 +20,8 @@ class ModelRunnerOutput:
     kv_transfer_seconds: tuple[float, float] | None = None
     # KV connector: blocks the driver rank could not load (a file gone or changed since it was checked)
     kv_load_failed: list[int] = field(default_factory=list)
+    # pooling runner: each pooling request's pooled vector (float32 values), computed whole this step
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -48,6 +48,14 @@ class Worker:
         self.draft: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.lora_cache = lora_cache  # the engine's AdapterCache (LoRA runs in one process)
+        from pagedllm.engine.pooling import pooling_mode, read_pooling_config
+        from pagedllm.models.registry import ModelRegistry
+
+        # a pooling runner: how it pools (None: it generates); an encoder has no KV cache at all
+        model_cls = ModelRegistry.resolve_for_config(self.hf_config)
+        self.pooling = read_pooling_config(self.source.path, decoder=not getattr(model_cls, "is_pooling_model", False)) \
+            if pooling_mode(config, model_cls) else None
+        self.encoder = bool(getattr(model_cls, "is_pooling_model", False))
 
     def load_model(self) -> tuple[int, dict[str, float]]:
         """Load this rank's weights; returns how many KV blocks its memory budget allows, and the
@@ -60,6 +68,8 @@ class Worker:
                 kernels.try_load()  # waits for a background build, if one is still compiling
         self.model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
                                 stages=self.stages, parallel=self.ps)
+        if self.encoder:
+            return 0, self.stages  # no KV cache: attention sees only the sequence itself
         if self.device.type == "cpu" and not mc.enforce_eager and hasattr(self.model, "fused_decode"):
             from pagedllm.models.fused_decode import FusedDecode
 
@@ -103,6 +113,10 @@ class Worker:
     def _init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int,
                     disk: tuple[str, str] | None, kv_groups: Any) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
+        if self.encoder:
+            self.runner = ModelRunner(self.model, [], cc.block_size, self.device, mc.seed, parallel=self.ps,
+                                      pooling=self.pooling)
+            return
         caches = [kv_cache.allocate_kv_caches(len(m.layers) if kv_groups is None else kv_groups.num_slots,
                                               num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
                                               self.kv_cache_dtype, self.device, prefault=cc.kv_cache_prefault)
@@ -146,7 +160,7 @@ class Worker:
         self.runner = ModelRunner(self.model, caches[0], cc.block_size, self.device, mc.seed,
                                   processed_logprobs=mc.logprobs_mode == "processed_logprobs",
                                   proposer=proposer, spec_config=spec, max_model_len=max_model_len,
-                                  parallel=self.ps, lora=lora, kv_connector=connector)
+                                  parallel=self.ps, lora=lora, kv_connector=connector, pooling=self.pooling)
 
     def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None
                       ) -> ModelRunnerOutput | None:

@@ -135,6 +135,9 @@ class ServerMetrics:
         now = time.monotonic()
         wall = time.time()
         for out in outputs:
+            if not isinstance(out.outputs, list):  # a pooling request's: one output, when it finishes
+                self._pooling_finished(out, now)
+                continue
             n_tokens = sum(len(c.token_ids) for c in out.outputs)
             last = self._last_token.get(out.request_id)
             if last is None:
@@ -161,6 +164,19 @@ class ServerMetrics:
                     self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
                 self.req_prompt_tokens.observe(len(out.prompt_token_ids))
                 self.req_gen_tokens.observe(n_tokens)
+
+    def _pooling_finished(self, out: Any, now: float) -> None:
+        """A pooling request (an embedding): its whole prompt computed in one step, nothing generated."""
+        n = len(out.prompt_token_ids)
+        if out.outputs is not None:
+            self.prompt_tokens.inc(n)
+            self._totals["prompt_tokens"] += n
+        self._totals["finished_requests"] += 1
+        self.success.labels(self.model_name, "stop" if out.outputs is not None else "abort").inc()
+        self.e2e.observe(now - out.metrics.arrival_time)
+        if out.metrics.first_scheduled_time is not None:
+            self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
+        self.req_prompt_tokens.observe(n)
 
     def recent(self) -> dict:
         """The dashboard's latency samples and running totals (call on the engine thread, as on_step)."""

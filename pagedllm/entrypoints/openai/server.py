@@ -131,13 +131,7 @@ def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key
 
     def load() -> None:
         try:
-            engine = engine_factory()
-            from pagedllm.engine.pooling import AsyncPooler, PoolingEngine
-
-            if isinstance(engine, PoolingEngine):
-                state.llm = AsyncPooler(engine, max_queue_len)
-            else:
-                state.llm = AsyncLLM(engine, max_queue_len, on_step=on_step)
+            state.llm = AsyncLLM(engine_factory(), max_queue_len, on_step=on_step)  # pooling models too
             for name, path in (lora_modules or {}).items():  # a bad adapter fails the start, with its reason
                 state.add_lora(name, path)
         except BaseException as e:  # surfaced by /health and every endpoint

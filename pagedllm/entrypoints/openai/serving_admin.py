@@ -19,7 +19,7 @@ async def take_state(state: ServerState, check: bool = False) -> dict:
     def take(e: Any) -> dict:  # on the engine thread, between two steps
         state.metrics.engine_state_snapshots.inc()
         return {**e.core.snapshot(check=check), **state.metrics.recent(), "model": state.served_model_name}
-    return await state.generator().call(take)
+    return await state.engine().call(take)  # pooling models too
 
 
 def engine_state_hub(state: ServerState, interval: float) -> EngineStateHub:
@@ -37,7 +37,7 @@ async def engine_state(state: ServerStateDep, check: bool = False):
 @router.get("/v1/engine/state/stream", response_model=None)
 async def engine_state_stream(state: ServerStateDep):
     """The same snapshot as Server-Sent Events, one per interval, shared by every watcher."""
-    state.generator()  # 503 while loading, 400 for a pooling model
+    state.engine()  # 503 while loading
     hub = state.hub
     if hub.closed:
         raise APIError(503, "the server is shutting down", "server_overloaded")

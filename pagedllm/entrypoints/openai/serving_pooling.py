@@ -14,9 +14,11 @@ from pagedllm.entrypoints.openai.state import ServerStateDep
 router = APIRouter(route_class=JSONBodyRoute)
 
 
-async def pool(llm: Any, prompts: list, truncate: int | None) -> tuple[list[list[int]], list]:
-    ids = await llm.prepare(llm.engine.tokenize_many, prompts, truncate)
-    return ids, await llm.embed(ids)
+async def pool(llm: Any, prompts: list, truncate: int | None) -> tuple[list[list[int]], list[list[float]]]:
+    from pagedllm.pooling_params import PoolingParams
+
+    outs = await llm.encode(prompts, PoolingParams(truncate_prompt_tokens=truncate))
+    return [o.prompt_token_ids for o in outs], [o.outputs.embedding for o in outs]
 
 
 @router.post("/v1/embeddings", response_model=None)
@@ -42,9 +44,11 @@ async def embeddings(req: P.EmbeddingRequest, state: ServerStateDep):
         if req.encoding_format == "base64":
             import base64
 
-            emb: list[float] | str = base64.b64encode(v.float().numpy().tobytes()).decode()
+            import numpy as np
+
+            emb: list[float] | str = base64.b64encode(np.asarray(v, dtype=np.float32).tobytes()).decode()
         else:
-            emb = v.tolist()
+            emb = v
         data.append(P.EmbeddingData(index=i, embedding=emb))
     n = sum(map(len, ids))
     return P.EmbeddingResponse(id=P.random_id("embd"), model=req.model or state.served_model_name, data=data,

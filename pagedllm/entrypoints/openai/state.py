@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -59,14 +59,14 @@ class ServerState:
 
     def generator(self) -> AsyncLLM:
         llm = self.engine()
-        if not isinstance(llm, AsyncLLM):
+        if llm.engine.is_pooling:
             raise APIError(400, f"`{self.served_model_name}` is a pooling model: use /v1/embeddings, /score or "
                            "/rerank", "invalid_request_error", "model")
         return llm
 
-    def pooler(self) -> Any:
+    def pooler(self) -> AsyncLLM:
         llm = self.engine()
-        if isinstance(llm, AsyncLLM):
+        if not llm.engine.is_pooling:
             raise APIError(400, f"`{self.served_model_name}` generates text; embeddings and scores need a pooling "
                            "model (pagedllm serve MODEL --runner pooling)", "invalid_request_error", "model")
         return llm
