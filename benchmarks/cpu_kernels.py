@@ -37,9 +37,7 @@ def _best(fn, reps: int, repeats: int = 5) -> float:
 
 
 def bench_linear(rows: list[int]) -> None:
-    from pagedllm.layers.linear import PackedLinear
-
-    from pagedllm.layers.linear import GEMV_ROWS
+    from pagedllm.layers.linear import GEMV_ROWS, PackedLinear
 
     weights = [torch.randn(n, k) for n, k in SHAPES]
     packed = [PackedLinear(w, None) for w in weights]
@@ -50,8 +48,10 @@ def bench_linear(rows: list[int]) -> None:
         reps = max(1, int(2000 / (m + 30)))
         mkl = _best(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], reps)
         dnn = _best(lambda: [p(xs[p.in_features]) for p in packed], reps)
-        line = (f"rows {m:5d}: F.linear {mkl * 1e3:8.2f} ms ({flops / mkl:6.1f} GFLOP/s)   "
-                f"oneDNN packed {dnn * 1e3:8.2f} ms ({flops / dnn:6.1f} GFLOP/s)   {mkl / dnn:.2f}x")
+        line = (
+            f"rows {m:5d}: F.linear {mkl * 1e3:8.2f} ms ({flops / mkl:6.1f} GFLOP/s)   "
+            f"oneDNN packed {dnn * 1e3:8.2f} ms ({flops / dnn:6.1f} GFLOP/s)   {mkl / dnn:.2f}x"
+        )
         if m <= GEMV_ROWS:
             for g, p in zip(gemv, packed):  # the same bits as oneDNN, or it stands aside
                 assert torch.equal(g(xs[g.in_features]), p(xs[p.in_features]))
@@ -60,8 +60,9 @@ def bench_linear(rows: list[int]) -> None:
         print(line)
 
 
-def bench_attention(num_decodes: int, block_size: int = 16, heads: int = 9, kv_heads: int = 3,
-                    head_dim: int = 64) -> None:
+def bench_attention(
+    num_decodes: int, block_size: int = 16, heads: int = 9, kv_heads: int = 3, head_dim: int = 64
+) -> None:
     from pagedllm.attention import AttentionMetadata, cpu_paged, torch_ref
 
     rng = random.Random(0)
@@ -73,20 +74,28 @@ def bench_attention(num_decodes: int, block_size: int = 16, heads: int = 9, kv_h
     for r, n in enumerate(blocks):
         table[r, :n] = torch.tensor([perm.pop() for _ in range(n)])
     q = torch.randn(num_decodes, heads, head_dim)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=table,
-                             seq_lens=torch.tensor(lens), num_decodes=num_decodes,
-                             query_start_loc=list(range(num_decodes + 1)), seq_lens_cpu=lens, block_size=block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_tables=table,
+        seq_lens=torch.tensor(lens),
+        num_decodes=num_decodes,
+        query_start_loc=list(range(num_decodes + 1)),
+        seq_lens_cpu=lens,
+        block_size=block_size,
+    )
 
     def run(decode):
         meta.scratch.clear()
-        return decode(q, cache, meta, head_dim ** -0.5, None)
+        return decode(q, cache, meta, head_dim**-0.5, None)
 
     torch.testing.assert_close(run(cpu_paged._decode), run(torch_ref._decode), rtol=1e-5, atol=1e-5)
     ref, ker = _best(lambda: run(torch_ref._decode), 5), _best(lambda: run(cpu_paged._decode), 20)
     gb = sum(lens) * kv_heads * head_dim * 2 * 4 / 1e9
-    print(f"{num_decodes} decodes, {sum(lens)} cached tokens ({gb * 1e3:.0f} MB of K/V) per layer: "
-          f"gather + SDPA {ref * 1e3:.2f} ms   paged kernel {ker * 1e3:.2f} ms ({gb / ker:.1f} GB/s)   "
-          f"{ref / ker:.2f}x")
+    print(
+        f"{num_decodes} decodes, {sum(lens)} cached tokens ({gb * 1e3:.0f} MB of K/V) per layer: "
+        f"gather + SDPA {ref * 1e3:.2f} ms   paged kernel {ker * 1e3:.2f} ms ({gb / ker:.1f} GB/s)   "
+        f"{ref / ker:.2f}x"
+    )
 
 
 def bench_prefill(block_size: int = 16, heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> None:
@@ -106,17 +115,19 @@ def bench_prefill(block_size: int = 16, heads: int = 9, kv_heads: int = 3, head_
 
         def ref():  # as torch_ref.paged_attention runs one request: its own K/V, or the context gathered
             kc, vc = (k, v) if ctx == 0 else torch_ref._gather(cache, table, n, block_size)
-            return torch_ref._prefill(q, kc, vc, ctx, head_dim ** -0.5, None)
+            return torch_ref._prefill(q, kc, vc, ctx, head_dim**-0.5, None)
 
         def ker():
-            cpu_paged._prefill(q, k, v, cache, table, ctx, head_dim ** -0.5, None, out)
+            cpu_paged._prefill(q, k, v, cache, table, ctx, head_dim**-0.5, None, out)
             return out
 
         torch.testing.assert_close(ker(), ref(), rtol=1e-4, atol=1e-5)
         flops = 4 * heads * head_dim * (q_len * ctx + q_len * (q_len + 1) / 2)
         tr, tk = _best(ref, 5), _best(ker, 5)
-        print(f"{q_len:5d} queries after {ctx:5d} cached: gather + SDPA {tr * 1e3:7.2f} ms ({flops / tr / 1e9:5.1f} "
-              f"GFLOP/s)   paged kernel {tk * 1e3:7.2f} ms ({flops / tk / 1e9:5.1f} GFLOP/s)   {tr / tk:.2f}x")
+        print(
+            f"{q_len:5d} queries after {ctx:5d} cached: gather + SDPA {tr * 1e3:7.2f} ms ({flops / tr / 1e9:5.1f} "
+            f"GFLOP/s)   paged kernel {tk * 1e3:7.2f} ms ({flops / tk / 1e9:5.1f} GFLOP/s)   {tr / tk:.2f}x"
+        )
 
 
 def bench_quant(rows: list[int]) -> None:
@@ -146,10 +157,12 @@ def bench_quant(rows: list[int]) -> None:
         fa = _best(lambda: [f(x, *b) for f, x, b in zip(float_act, xs, blocks)], reps)
         a8 = _best(lambda: [a(x, *b) for a, x, b in zip(int8_act, xs, blocks)], reps)
         a16 = _best(lambda: [a(x, *b) for a, x, b in zip(int16_act, xs, blocks)], reps)
-        print(f"rows {m:4d}: float32 oneDNN {f32 * 1e3:7.2f} ms   int4/int8 float activations {fa * 1e3:7.2f} ms "
-              f"({f32 / fa:.2f}x)   int8 activations {a8 * 1e3:7.2f} ms ({f32 / a8:.2f}x, {fa / a8:.2f}x the "
-              f"float-activation kernels; {gb / a8:.1f} GB/s of weights)   int16 activations {a16 * 1e3:7.2f} ms "
-              f"({f32 / a16:.2f}x)")
+        print(
+            f"rows {m:4d}: float32 oneDNN {f32 * 1e3:7.2f} ms   int4/int8 float activations {fa * 1e3:7.2f} ms "
+            f"({f32 / fa:.2f}x)   int8 activations {a8 * 1e3:7.2f} ms ({f32 / a8:.2f}x, {fa / a8:.2f}x the "
+            f"float-activation kernels; {gb / a8:.1f} GB/s of weights)   int16 activations {a16 * 1e3:7.2f} ms "
+            f"({f32 / a16:.2f}x)"
+        )
 
 
 def main() -> None:

@@ -28,8 +28,20 @@ def _free_port() -> int:
 
 def _serve(extra: list[str], model: str | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([model] if model else []),
-           "--port", str(port), "--uvicorn-log-level", "warning", "--max-queue-len", "4096", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        "serve",
+        *([model] if model else []),
+        "--port",
+        str(port),
+        "--uvicorn-log-level",
+        "warning",
+        "--max-queue-len",
+        "4096",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -61,18 +73,38 @@ def main() -> int:
         proc, url = _serve(extra, args.model)
         try:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", url,
-                                "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-                                "--random-output-len", str(args.output_len), "--ignore-eos",
-                                "--result-file", out.name], check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pagedllm.entrypoints.cli",
+                        "bench",
+                        "serve",
+                        "--base-url",
+                        url,
+                        "--num-prompts",
+                        str(args.num_prompts),
+                        "--random-input-len",
+                        str(args.input_len),
+                        "--random-output-len",
+                        str(args.output_len),
+                        "--ignore-eos",
+                        "--result-file",
+                        out.name,
+                    ],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
                 report = json.load(open(out.name))
         finally:
             proc.terminate()
             proc.wait(60)
-        results[name] = {k: report[k] for k in ("duration_s", "output_throughput", "total_token_throughput")
-                         if k in report}
-    results["ratio_total_tok_s"] = (results[f"dp{args.dp}"]["total_token_throughput"]
-                                    / results["single"]["total_token_throughput"])
+        results[name] = {
+            k: report[k] for k in ("duration_s", "output_throughput", "total_token_throughput") if k in report
+        }
+    results["ratio_total_tok_s"] = (
+        results[f"dp{args.dp}"]["total_token_throughput"] / results["single"]["total_token_throughput"]
+    )
     print(json.dumps(results, indent=2))
     return 0
 

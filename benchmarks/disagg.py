@@ -23,18 +23,40 @@ import subprocess
 import tempfile
 import time
 
-from _servers import PAGEDLLM, start as _start, stop as _stop
+from _servers import PAGEDLLM
+from _servers import start as _start
+from _servers import stop as _stop
 
 
 def _workload(url: str, args: argparse.Namespace, out_dir: str, name: str) -> dict:
     """The decode streams and the long prompts, at once; their two reports."""
     common = PAGEDLLM + ["bench", "serve", "--base-url", url, "--random-range-ratio", "0", "--seed", "1"]
-    streams = common + ["--num-prompts", str(2 * args.streams), "--max-concurrency", str(args.streams),
-                        "--random-input-len", "64", "--random-output-len", str(args.stream_output_len),
-                        "--result-file", f"{out_dir}/{name}-streams.json"]
-    longs = common + ["--num-prompts", str(args.long_prompts), "--request-rate", str(args.long_rate),
-                      "--random-input-len", str(args.long_input_len), "--random-output-len", "16", "--seed", "2",
-                      "--result-file", f"{out_dir}/{name}-long.json"]
+    streams = common + [
+        "--num-prompts",
+        str(2 * args.streams),
+        "--max-concurrency",
+        str(args.streams),
+        "--random-input-len",
+        "64",
+        "--random-output-len",
+        str(args.stream_output_len),
+        "--result-file",
+        f"{out_dir}/{name}-streams.json",
+    ]
+    longs = common + [
+        "--num-prompts",
+        str(args.long_prompts),
+        "--request-rate",
+        str(args.long_rate),
+        "--random-input-len",
+        str(args.long_input_len),
+        "--random-output-len",
+        "16",
+        "--seed",
+        "2",
+        "--result-file",
+        f"{out_dir}/{name}-long.json",
+    ]
     a = subprocess.Popen(streams, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(5)  # the streams are decoding when the first long prompt comes
     b = subprocess.Popen(longs, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -42,8 +64,16 @@ def _workload(url: str, args: argparse.Namespace, out_dir: str, name: str) -> di
     return {part: json.load(open(f"{out_dir}/{name}-{part}.json")) for part in ("streams", "long")}
 
 
-KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
-        "output_throughput")
+KEYS = (
+    "completed",
+    "failed",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_tpot_ms",
+    "output_throughput",
+)
 
 
 def main() -> None:
@@ -56,8 +86,18 @@ def main() -> None:
     p.add_argument("--long-rate", type=float, default=0.25, help="long prompts per second (Poisson)")
     args = p.parse_args()
     model = [args.model] if args.model else []
-    serve = PAGEDLLM + ["serve", *model, "--max-model-len", "2048", "--kv-cache-memory", str(1 << 30),
-                        "--uvicorn-log-level", "warning", "--log-level", "WARNING"]
+    serve = PAGEDLLM + [
+        "serve",
+        *model,
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        str(1 << 30),
+        "--uvicorn-log-level",
+        "warning",
+        "--log-level",
+        "WARNING",
+    ]
     out_dir = tempfile.mkdtemp()
     report: dict = {}
 
@@ -71,8 +111,12 @@ def main() -> None:
     one = {"OMP_NUM_THREADS": "1"}
 
     def tier(role: str) -> list[str]:
-        return ["--kv-transfer-config", json.dumps({"kv_connector": "DiskConnector", "kv_role": role,
-                                                     "kv_connector_extra_config": {"path": kv_dir}})]
+        return [
+            "--kv-transfer-config",
+            json.dumps(
+                {"kv_connector": "DiskConnector", "kv_role": role, "kv_connector_extra_config": {"path": kv_dir}}
+            ),
+        ]
 
     procs = []
     try:
@@ -89,10 +133,15 @@ def main() -> None:
 
     summary = {setup: {part: {k: r[part].get(k) for k in KEYS} for part in r} for setup, r in report.items()}
     c, d = summary["colocated"], summary["pd"]
-    summary["streams_p99_itl_ratio_pd_over_colocated"] = round(d["streams"]["p99_itl_ms"] / c["streams"]["p99_itl_ms"], 3)
-    summary["long_median_ttft_ratio_pd_over_colocated"] = round(d["long"]["median_ttft_ms"] / c["long"]["median_ttft_ms"], 3)
-    summary["streams_median_ttft_ratio_pd_over_colocated"] = round(d["streams"]["median_ttft_ms"]
-                                                                   / c["streams"]["median_ttft_ms"], 3)
+    summary["streams_p99_itl_ratio_pd_over_colocated"] = round(
+        d["streams"]["p99_itl_ms"] / c["streams"]["p99_itl_ms"], 3
+    )
+    summary["long_median_ttft_ratio_pd_over_colocated"] = round(
+        d["long"]["median_ttft_ms"] / c["long"]["median_ttft_ms"], 3
+    )
+    summary["streams_median_ttft_ratio_pd_over_colocated"] = round(
+        d["streams"]["median_ttft_ms"] / c["streams"]["median_ttft_ms"], 3
+    )
     summary["workload"] = vars(args)
     print(json.dumps(summary, indent=2))
 

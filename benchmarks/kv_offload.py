@@ -22,8 +22,7 @@ from pagedllm import LLM, SamplingParams
 
 
 def run(args: argparse.Namespace, docs: list[list[int]], questions: list[list[list[int]]], **kw) -> dict:
-    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory_mb << 20, max_model_len=args.doc_len + 64,
-              **kw)
+    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory_mb << 20, max_model_len=args.doc_len + 64, **kw)
     runner = llm.llm_engine.core.runner
     params = SamplingParams(temperature=0, max_tokens=1)
     out: dict = {"tokens": []}
@@ -39,11 +38,14 @@ def run(args: argparse.Namespace, docs: list[list[int]], questions: list[list[li
         out[f"{name}_pass_median_ttft_s"] = round(statistics.median(ttfts), 4)
     stats = llm.llm_engine.core.make_stats()
     if stats.kv_connector is not None:
-        out["tier"] = {"hits": stats.kv_connector.hits, "queries": stats.kv_connector.queries,
-                       "ram_bytes_saved": stats.kv_connector.ram_bytes_saved,
-                       "ram_bytes_loaded": stats.kv_connector.ram_bytes_loaded,
-                       "save_seconds": round(stats.kv_connector.save_seconds, 3),
-                       "load_seconds": round(stats.kv_connector.load_seconds, 3)}
+        out["tier"] = {
+            "hits": stats.kv_connector.hits,
+            "queries": stats.kv_connector.queries,
+            "ram_bytes_saved": stats.kv_connector.ram_bytes_saved,
+            "ram_bytes_loaded": stats.kv_connector.ram_bytes_loaded,
+            "save_seconds": round(stats.kv_connector.save_seconds, 3),
+            "load_seconds": round(stats.kv_connector.load_seconds, 3),
+        }
     return out
 
 
@@ -64,11 +66,23 @@ def main() -> None:
     tiered = run(args, docs, questions, kv_offloading_size=args.kv_offloading_size)
     same = plain.pop("tokens") == tiered.pop("tokens")
     cut = 1 - tiered["second_pass_computed_prompt_tokens"] / plain["second_pass_computed_prompt_tokens"]
-    print(json.dumps({"num_docs": args.num_docs, "doc_len": args.doc_len, "second_pass_prompt_tokens": prompt_tokens,
-                      "no_offloading": plain, "ram_tier": tiered, "same_tokens": same,
-                      "recomputed_prompt_tokens_cut": round(cut, 4),
-                      "second_pass_median_ttft_ratio": round(plain["second_pass_median_ttft_s"]
-                                                             / tiered["second_pass_median_ttft_s"], 2)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "num_docs": args.num_docs,
+                "doc_len": args.doc_len,
+                "second_pass_prompt_tokens": prompt_tokens,
+                "no_offloading": plain,
+                "ram_tier": tiered,
+                "same_tokens": same,
+                "recomputed_prompt_tokens_cut": round(cut, 4),
+                "second_pass_median_ttft_ratio": round(
+                    plain["second_pass_median_ttft_s"] / tiered["second_pass_median_ttft_s"], 2
+                ),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

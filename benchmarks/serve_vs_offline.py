@@ -31,8 +31,7 @@ import time
 from _servers import PAGEDLLM, start, stop
 
 
-def offline(data: list[tuple[list[int], int]], warm: list[tuple[list[int], int]],
-            args: argparse.Namespace) -> dict:
+def offline(data: list[tuple[list[int], int]], warm: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, max_num_seqs=args.max_concurrency, quantization=args.quantization)
@@ -58,9 +57,13 @@ def offline(data: list[tuple[list[int], int]], warm: list[tuple[list[int], int]]
     n_in, n_out = sum(len(p) for p, _ in data), sum(len(o.outputs[0].token_ids) for o in outs)
     del llm, engine
     gc.collect()
-    return {"duration_s": elapsed, "total_token_throughput": (n_in + n_out) / elapsed,
-            "output_throughput": n_out / elapsed, "steps": len(steps),
-            "median_step_ms": statistics.median(steps) * 1000}
+    return {
+        "duration_s": elapsed,
+        "total_token_throughput": (n_in + n_out) / elapsed,
+        "output_throughput": n_out / elapsed,
+        "steps": len(steps),
+        "median_step_ms": statistics.median(steps) * 1000,
+    }
 
 
 def serving(args: argparse.Namespace) -> dict:
@@ -73,11 +76,29 @@ def serving(args: argparse.Namespace) -> dict:
         parser = argparse.ArgumentParser()
         sub = parser.add_subparsers()
         bench_serve.add_parser(sub)
-        bargs = parser.parse_args(["serve", "--base-url", url, "--num-prompts", str(args.num_prompts),
-                                   "--random-input-len", "256", "--random-output-len", "128",
-                                   "--random-range-ratio", "0.5", "--random-output-range-ratio", "0.5",
-                                   "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
-                                   "--num-warmups", "2"])
+        bargs = parser.parse_args(
+            [
+                "serve",
+                "--base-url",
+                url,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--random-input-len",
+                "256",
+                "--random-output-len",
+                "128",
+                "--random-range-ratio",
+                "0.5",
+                "--random-output-range-ratio",
+                "0.5",
+                "--max-concurrency",
+                str(args.max_concurrency),
+                "--seed",
+                str(args.seed),
+                "--num-warmups",
+                "2",
+            ]
+        )
         return asyncio.run(bench_serve.run(bargs))
     finally:
         stop([proc])
@@ -98,8 +119,17 @@ def main() -> None:
     warm = random_dataset(2, 256, 128, 0.5, 0.5, 49152, args.seed + 1)  # what `bench serve --num-warmups 2` sends
     off = None if args.skip_offline else offline(data, warm, args)
     srv = serving(args)
-    keys = ("duration_s", "total_token_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms",
-            "median_itl_ms", "p99_itl_ms", "completed", "failed")
+    keys = (
+        "duration_s",
+        "total_token_throughput",
+        "output_throughput",
+        "median_ttft_ms",
+        "median_tpot_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "completed",
+        "failed",
+    )
     report = {"offline": off, "serving": {k: srv.get(k) for k in keys}}
     if off:
         report["serving_vs_offline_throughput"] = srv["total_token_throughput"] / off["total_token_throughput"]

@@ -34,8 +34,15 @@ import time
 def _llama(path: str, threads: int, logits_all: bool = False):
     from llama_cpp import Llama
 
-    return Llama(model_path=path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                 logits_all=logits_all, verbose=False)
+    return Llama(
+        model_path=path,
+        n_ctx=2048,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=logits_all,
+        verbose=False,
+    )
 
 
 def _llama_greedy(lc, prompt: list[int], n: int) -> tuple[list[int], float, float]:
@@ -59,7 +66,7 @@ def _llama_tops(lc, prompt: list[int], continuation: list[int]) -> list[int]:
 
     lc.reset()
     lc.eval(prompt + continuation)
-    scores = np.asarray(lc.scores[len(prompt) - 1:len(prompt) - 1 + len(continuation)])
+    scores = np.asarray(lc.scores[len(prompt) - 1 : len(prompt) - 1 + len(continuation)])
     return scores.argmax(axis=1).tolist()
 
 
@@ -94,8 +101,10 @@ def main() -> None:
     for name, kwargs in (("float32", {}), ("w4a8", {"quantization": "w4a8"}), ("w4a16", {"quantization": "w4a16"})):
         llm = LLM(model=src.path, enable_prefix_caching=False, max_num_batched_tokens=512, **kwargs)
         greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        outs[name] = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": q} for q in prompts], greedy, use_tqdm=False)]
+        outs[name] = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": q} for q in prompts], greedy, use_tqdm=False)
+        ]
         tops[name] = teacher_forced_tops(llm, prompts, outs["float32"])
         del llm
         gc.collect()
@@ -107,22 +116,34 @@ def main() -> None:
     outs["llama.cpp"] = [_llama_greedy(lc, q, n)[0] for q in prompts]
     _llama_greedy(lc, timed, n)
     runs = [_llama_greedy(lc, timed, n)[1:] for _ in range(args.num_iters)]
-    speed["llama.cpp"] = {"ttft_ms": statistics.median(first for first, _ in runs) * 1000,
-                          "decode_tok_s": statistics.median((n - 1) / (total - first) for first, total in runs)}
+    speed["llama.cpp"] = {
+        "ttft_ms": statistics.median(first for first, _ in runs) * 1000,
+        "decode_tok_s": statistics.median((n - 1) / (total - first) for first, total in runs),
+    }
     del lc
     gc.collect()
     lc = _llama(src.path, args.threads, logits_all=True)
     tops["llama.cpp"] = [_llama_tops(lc, q, c) for q, c in zip(prompts, outs["float32"])]
     del lc
 
-    report = {"model": src.path, "num_prompts": args.num_prompts, "output_len": n, "threads": args.threads,
-              "vs_float32": {k: {**greedy_agreement(outs["float32"], outs[k]),
-                                 "same_top_token": same_top_token(tops["float32"], tops[k])}
-                             for k in ("llama.cpp", "w4a8", "w4a16")},
-              "llama.cpp_vs_w4a8": greedy_agreement(outs["w4a8"], outs["llama.cpp"]),
-              "one_stream": speed,
-              "decode_vs_llama.cpp": {k: speed[k]["decode_tok_s"] / speed["llama.cpp"]["decode_tok_s"]
-                                      for k in ("w4a8", "w4a16")}}
+    report = {
+        "model": src.path,
+        "num_prompts": args.num_prompts,
+        "output_len": n,
+        "threads": args.threads,
+        "vs_float32": {
+            k: {
+                **greedy_agreement(outs["float32"], outs[k]),
+                "same_top_token": same_top_token(tops["float32"], tops[k]),
+            }
+            for k in ("llama.cpp", "w4a8", "w4a16")
+        },
+        "llama.cpp_vs_w4a8": greedy_agreement(outs["w4a8"], outs["llama.cpp"]),
+        "one_stream": speed,
+        "decode_vs_llama.cpp": {
+            k: speed[k]["decode_tok_s"] / speed["llama.cpp"]["decode_tok_s"] for k in ("w4a8", "w4a16")
+        },
+    }
     print(json.dumps(report, indent=2))
 
 

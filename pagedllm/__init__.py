@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from pagedllm.logger import configure_logging as _configure_logging  # noqa: E402
+from pagedllm.logger import configure_logging as _configure_logging
 
 _configure_logging()
 

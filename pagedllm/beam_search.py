@@ -42,11 +42,11 @@ class BeamSearchParams:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidParameterError(f"{name} must be an integer >= 1, got {v!r}", name)
         if self.temperature != 0.0:
-            raise InvalidParameterError("beam search ranks beams by raw logprobs: temperature must be 0",
-                                        "temperature")
+            raise InvalidParameterError("beam search ranks beams by raw logprobs: temperature must be 0", "temperature")
         if self.early_stopping not in (True, False, "never"):
-            raise InvalidParameterError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
-                                        "early_stopping")
+            raise InvalidParameterError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}", "early_stopping"
+            )
 
 
 @dataclass
@@ -72,8 +72,9 @@ class _State:
     done: bool = False
 
 
-def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
-                lora_request: Any = None) -> list[BeamSearchOutput]:
+def beam_search(
+    engine: Any, prompts: list[list[int]], params: BeamSearchParams, lora_request: Any = None
+) -> list[BeamSearchOutput]:
     from pagedllm.sampling_params import SamplingParams
 
     k = params.beam_width
@@ -82,7 +83,9 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
     if keep > engine.processor.max_logprobs:
         raise InvalidParameterError(
             f"beam_width={k} needs {keep} logprobs per step, above max_logprobs={engine.processor.max_logprobs}; "
-            "raise max_logprobs", "beam_width")
+            "raise max_logprobs",
+            "beam_width",
+        )
     states = [_State(list(p), [(list(p), 0.0)]) for p in prompts]
     step_params = SamplingParams(temperature=0, max_tokens=1, logprobs=keep, ignore_eos=True, detokenize=False)
     for _ in range(params.max_tokens):
@@ -110,8 +113,10 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
 def _advance(s: _State, top: dict, k: int, keep: int, eos: set[int], params: BeamSearchParams) -> None:
     cur_len = len(s.running[0][0])
     max_len = len(s.prompt) + params.max_tokens
-    cands = sorted(((score + lp, tokens + [t]) for bi, (tokens, score) in enumerate(s.running)
-                    for t, lp in top[(id(s), bi)]), key=lambda c: -c[0])[:keep]
+    cands = sorted(
+        ((score + lp, tokens + [t]) for bi, (tokens, score) in enumerate(s.running) for t, lp in top[(id(s), bi)]),
+        key=lambda c: -c[0],
+    )[:keep]
     stops = [(c[1][-1] in eos) or cur_len + 1 >= max_len for c in cands]
     # finished hypotheses: only among the best k, only while improvement is possible
     full = len(s.finished) >= k and params.early_stopping is True
@@ -120,7 +125,7 @@ def _advance(s: _State, top: dict, k: int, keep: int, eos: set[int], params: Bea
         for (score, tokens), stop in zip(cands[:k], stops[:k]):
             if stop:
                 reason = "stop" if tokens[-1] in eos else "length"
-                s.finished.append((score / gen_len ** params.length_penalty, tokens, score, reason))
+                s.finished.append((score / gen_len**params.length_penalty, tokens, score, reason))
         s.finished = sorted(s.finished, key=lambda f: -f[0])[:k]
     s.running = [(tokens, score) for (score, tokens), stop in zip(cands, stops) if not stop][:k]
     cur_len += 1
@@ -129,14 +134,17 @@ def _advance(s: _State, top: dict, k: int, keep: int, eos: set[int], params: Bea
             best_len = max_len - len(s.prompt)
         else:
             best_len = cur_len - len(s.prompt)
-        best_possible = s.running[0][1] / best_len ** params.length_penalty
+        best_possible = s.running[0][1] / best_len**params.length_penalty
         s.improvable = s.improvable and best_possible > s.finished[-1][0]
     all_finished = len(s.finished) >= k
-    s.done = (not s.improvable or (all_finished and params.early_stopping is True) or not s.running
-              or cur_len >= max_len)
+    s.done = not s.improvable or (all_finished and params.early_stopping is True) or not s.running or cur_len >= max_len
 
 
 def _finish(s: _State, k: int, tokenizer: Any) -> BeamSearchOutput:
-    seqs = [BeamSearchSequence(tokens, cum, score, tokenizer.decode(tokens[len(s.prompt):], skip_special_tokens=True),
-                               reason) for score, tokens, cum, reason in s.finished[:k]]
+    seqs = [
+        BeamSearchSequence(
+            tokens, cum, score, tokenizer.decode(tokens[len(s.prompt) :], skip_special_tokens=True), reason
+        )
+        for score, tokens, cum, reason in s.finished[:k]
+    ]
     return BeamSearchOutput(seqs)

@@ -25,53 +25,82 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    model: str | None = _f(None, "Path to an HF directory or .gguf file, or an HF repo id already in the local cache. Default: the embedded SmolLM2-135M-Instruct.", positional=True)
+    model: str | None = _f(
+        None,
+        "Path to an HF directory or .gguf file, or an HF repo id already in the local cache. Default: the embedded SmolLM2-135M-Instruct.",
+        positional=True,
+    )
     tokenizer: str | None = _f(None, "Tokenizer path; defaults to the model's own.")
     runner: Literal["auto", "generate", "pooling"] = _f(
-        "auto", "'generate' (text generation) or 'pooling' (embeddings and scores: llm.embed / llm.score, "
-        "/v1/embeddings); 'auto' picks pooling for encoder models (BertModel).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Weight and activation dtype. 'auto' is float32 on CPU and the checkpoint's dtype (or bfloat16) on CUDA.")
-    max_model_len: int | None = _f(None, "Context length (prompt + output). Defaults to the model's, capped to what the KV cache can hold.")
+        "auto",
+        "'generate' (text generation) or 'pooling' (embeddings and scores: llm.embed / llm.score, "
+        "/v1/embeddings); 'auto' picks pooling for encoder models (BertModel).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto",
+        "Weight and activation dtype. 'auto' is float32 on CPU and the checkpoint's dtype (or bfloat16) on CUDA.",
+    )
+    max_model_len: int | None = _f(
+        None, "Context length (prompt + output). Defaults to the model's, capped to what the KV cache can hold."
+    )
     served_model_name: str | None = _f(None, "Name reported in outputs and the API. Defaults to the model argument.")
     seed: int = _f(0, "Seed for requests that give none.")
     max_logprobs: int = _f(20, "Largest `logprobs` / `prompt_logprobs` a request may ask for.")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = _f(
-        "raw_logprobs", "What returned logprobs describe: the model's raw distribution, or the processed one "
-        "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).")
+        "raw_logprobs",
+        "What returned logprobs describe: the model's raw distribution, or the processed one "
+        "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).",
+    )
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
     enforce_eager: bool = _f(
-        False, "Run every step through the Python layer loop. By default a decode-only step of a Llama-family "
-        "model on CPU (float32 or quantized) runs its layers in one C call (the same kernels, the same result).")
+        False,
+        "Run every step through the Python layer loop. By default a decode-only step of a Llama-family "
+        "model on CPU (float32 or quantized) runs its layers in one C call (the same kernels, the same result).",
+    )
     quantization: Literal["int8", "int4", "w4a8", "w4a16", "fp8"] | None = _f(
-        None, "Quantization on CPU. Weight-only, float32 activations: 'int8' or 'int4' (groups of 32 with a "
+        None,
+        "Quantization on CPU. Weight-only, float32 activations: 'int8' or 'int4' (groups of 32 with a "
         "scale and a min; a GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K blocks load without a second "
         "rounding). 'w4a8': int4 "
         "weights with activations rounded to int8 per group of 32 and integer dot products, as llama.cpp "
         "computes (faster decode and batches, not the float32 function: see `pagedllm bench accuracy`). "
         "'w4a16': the same with activations rounded to int16 (two int8 digits, twice the integer products): "
         "the float32 function's greedy tokens, faster batches than float32. 'fp8': e4m3 weights "
-        "with a scale per row, float32 activations (an FP8 checkpoint's own weights; chosen by itself for one).")
+        "with a scale per row, float32 activations (an FP8 checkpoint's own weights; chosen by itself for one).",
+    )
 
 
 @dataclass(slots=True, frozen=True)
 class CacheConfig:
     block_size: int = _f(16, "Tokens per KV cache block.")
     kv_cache_memory: int | None = _f(None, "Bytes for the KV cache on CPU (default 4 GiB, vLLM's CPU default).")
-    gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory the engine may use (weights + activations + KV cache).")
-    num_gpu_blocks_override: int | None = _f(None, "Use exactly this many KV blocks, whatever the memory budget says (for tests).")
+    gpu_memory_utilization: float = _f(
+        0.9, "Fraction of GPU memory the engine may use (weights + activations + KV cache)."
+    )
+    num_gpu_blocks_override: int | None = _f(
+        None, "Use exactly this many KV blocks, whatever the memory budget says (for tests)."
+    )
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes across requests.")
-    kv_cache_prefault: bool = _f(False, "Write every page of a CPU KV cache at start-up, so all of it is resident "
-                                 "from the first request: a memory limit fails at start rather than hours in, and "
-                                 "RSS stays flat. Without it, pages become resident as blocks are first used.")
+    kv_cache_prefault: bool = _f(
+        False,
+        "Write every page of a CPU KV cache at start-up, so all of it is resident "
+        "from the first request: a memory limit fails at start rather than hours in, and "
+        "RSS stays flat. Without it, pages become resident as blocks are first used.",
+    )
     kv_offloading_size: float | None = _f(
-        None, "GiB of RAM for a second KV tier behind the prefix cache (all ranks together): cached blocks the "
+        None,
+        "GiB of RAM for a second KV tier behind the prefix cache (all ranks together): cached blocks the "
         "cache evicts are kept there, least recently used dropped first, and a prefix found there is loaded back "
-        "instead of recomputed. Needs enable_prefix_caching.")
-    kv_offloading_backend: Literal["native"] = _f("native", "The offload tier's implementation: 'native' (a RAM "
-                                                  "pool in each worker, pinned on CUDA).")
+        "instead of recomputed. Needs enable_prefix_caching.",
+    )
+    kv_offloading_backend: Literal["native"] = _f(
+        "native", "The offload tier's implementation: 'native' (a RAM pool in each worker, pinned on CUDA)."
+    )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = _f(
-        "auto", "KV cache storage dtype; 'auto' uses the model dtype. fp8 (= fp8_e4m3) and fp8_e5m2 store "
-        "unscaled 8-bit floats, converted back to the model dtype when attention reads them.")
+        "auto",
+        "KV cache storage dtype; 'auto' uses the model dtype. fp8 (= fp8_e4m3) and fp8_e5m2 store "
+        "unscaled 8-bit floats, converted back to the model dtype when attention reads them.",
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,31 +109,51 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one engine step (prefill chunks + decodes).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts across steps to fit the token budget.")
     preemption_mode: Literal["recompute", "swap"] = _f(
-        "recompute", "What a request preempted for lack of KV blocks loses: 'recompute' frees its blocks (its "
+        "recompute",
+        "What a request preempted for lack of KV blocks loses: 'recompute' frees its blocks (its "
         "full blocks stay prefix-cached, and with an offload tier reach RAM when evicted); 'swap' also keeps its "
         "partial last block in the offload tier, so it resumes without recomputing anything. Needs "
-        "kv_offloading_size.")
-    scheduling_policy: Literal["fcfs", "priority"] = _f("fcfs", "Order of admission: arrival (the prompts and completions of one request take turns with other requests), or (priority, arrival) with lower values first.")
+        "kv_offloading_size.",
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = _f(
+        "fcfs",
+        "Order of admission: arrival (the prompts and completions of one request take turns with other requests), or (priority, arrival) with lower values first.",
+    )
     disable_hybrid_kv_cache_manager: bool = _f(
-        False, "Keep every KV block of sliding-window (local) layers, as full-attention layers keep theirs. By "
+        False,
+        "Keep every KV block of sliding-window (local) layers, as full-attention layers keep theirs. By "
         "default a model with both kinds (Gemma 3) gives its local layers block tables of their own and frees the "
         "blocks that fall behind their window (vLLM's hybrid KV cache manager); that is also off under pipeline "
-        "parallelism, a KV offload or disk tier, a KV connector and a draft model's speculative decoding.")
+        "parallelism, a KV offload or disk tier, a KV connector and a draft model's speculative decoding.",
+    )
 
 
 @dataclass(slots=True, frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = _f(1, "Tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, and of the vocabulary (Megatron style, one all-reduce after attention and one after the MLP).")
-    pipeline_parallel_size: int = _f(1, "Pipeline stages: each holds a contiguous share of the layers and hands its activations to the next.")
+    tensor_parallel_size: int = _f(
+        1,
+        "Tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, and of the vocabulary (Megatron style, one all-reduce after attention and one after the MLP).",
+    )
+    pipeline_parallel_size: int = _f(
+        1, "Pipeline stages: each holds a contiguous share of the layers and hands its activations to the next."
+    )
     distributed_executor_backend: Literal["uniproc", "mp", "ray"] | None = _f(
-        None, "How the tp x pp workers are started: 'mp' (processes on this node; the default above one "
-        "worker), 'ray' (Ray actors across a Ray cluster's nodes), or 'uniproc' (in-process; one worker only).")
-    enable_expert_parallel: bool = _f(False, "Mixture-of-Experts models under tensor parallelism: each rank holds "
-                                      "1/tp of the experts whole (and runs them for every token) instead of a "
-                                      "slice of every expert; the partial outputs are summed by the all-reduce "
-                                      "the layer needs anyway.")
-    data_parallel_size: int = _f(1, "Engine replicas, each its own process (with its own tp x pp workers), behind "
-                                    "one API server that balances them (`pagedllm serve`).")
+        None,
+        "How the tp x pp workers are started: 'mp' (processes on this node; the default above one "
+        "worker), 'ray' (Ray actors across a Ray cluster's nodes), or 'uniproc' (in-process; one worker only).",
+    )
+    enable_expert_parallel: bool = _f(
+        False,
+        "Mixture-of-Experts models under tensor parallelism: each rank holds "
+        "1/tp of the experts whole (and runs them for every token) instead of a "
+        "slice of every expert; the partial outputs are summed by the all-reduce "
+        "the layer needs anyway.",
+    )
+    data_parallel_size: int = _f(
+        1,
+        "Engine replicas, each its own process (with its own tp x pp workers), behind "
+        "one API server that balances them (`pagedllm serve`).",
+    )
 
     @property
     def world_size(self) -> int:
@@ -116,36 +165,49 @@ class LoRAConfig:
     enable_lora: bool = _f(False, "Serve LoRA adapters (PEFT format) over the base model; requests name one.")
     max_loras: int = _f(1, "Adapters active at once: distinct adapters in one running batch.")
     max_lora_rank: int = _f(16, "Largest adapter rank accepted (slots are padded to it).")
-    max_cpu_loras: int | None = _f(None, "Adapters kept loaded in memory, least recently used evicted first "
-                                         "(default: max_loras).")
+    max_cpu_loras: int | None = _f(
+        None, "Adapters kept loaded in memory, least recently used evicted first (default: max_loras)."
+    )
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeSection:
     speculative_config: dict | None = _f(
-        None, "Speculative decoding, as vLLM's JSON object: {\"method\": \"ngram\" | \"draft_model\" | "
-        "\"eagle\" | \"eagle3\" | \"medusa\", \"num_speculative_tokens\": k, \"model\": path, ...}; "
-        "see the README for every key.")
+        None,
+        'Speculative decoding, as vLLM\'s JSON object: {"method": "ngram" | "draft_model" | '
+        '"eagle" | "eagle3" | "medusa", "num_speculative_tokens": k, "model": path, ...}; '
+        "see the README for every key.",
+    )
 
 
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsSection:
     structured_outputs_config: dict | None = _f(
-        None, "Structured outputs, as a JSON object: {\"backend\": \"xgrammar\" | \"guidance\" | \"auto\", "
-        "\"compile_timeout\": seconds (30)}.")
+        None,
+        'Structured outputs, as a JSON object: {"backend": "xgrammar" | "guidance" | "auto", '
+        '"compile_timeout": seconds (30)}.',
+    )
 
 
 @dataclass(slots=True, frozen=True)
 class KVTransferSection:
     kv_transfer_config: dict | None = _f(
-        None, "A KV connector, as vLLM's JSON object: {\"kv_connector\": name, \"kv_role\": \"kv_both\" | "
-        "\"kv_producer\" | \"kv_consumer\", \"kv_connector_extra_config\": {...}}; see the README.")
+        None,
+        'A KV connector, as vLLM\'s JSON object: {"kv_connector": name, "kv_role": "kv_both" | '
+        '"kv_producer" | "kv_consumer", "kv_connector_extra_config": {...}}; see the README.',
+    )
 
 
-_SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
-             "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig, "lora_config": LoRAConfig,
-             "speculative": SpeculativeSection, "structured": StructuredOutputsSection,
-             "kv_transfer": KVTransferSection}
+_SECTIONS = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "lora_config": LoRAConfig,
+    "speculative": SpeculativeSection,
+    "structured": StructuredOutputsSection,
+    "kv_transfer": KVTransferSection,
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -160,7 +222,7 @@ class EngineConfig:
     kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
 
     @property
-    def kv_transfer_config(self) -> "KVTransferConfig | None":
+    def kv_transfer_config(self) -> KVTransferConfig | None:
         from pagedllm.kv_transfer import KVTransferConfig
 
         return KVTransferConfig.parse(self.kv_transfer.kv_transfer_config)
@@ -175,28 +237,34 @@ class EngineConfig:
             try:
                 raw = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise InvalidParameterError(f"structured_outputs_config is not valid JSON: {e}",
-                                            "structured_outputs_config") from None
+                raise InvalidParameterError(
+                    f"structured_outputs_config is not valid JSON: {e}", "structured_outputs_config"
+                ) from None
         raw = dict(raw or {})
         if not isinstance(raw, dict):
             raise InvalidParameterError("structured_outputs_config must be a JSON object", "structured_outputs_config")
         out = {"backend": raw.pop("backend", "xgrammar"), "compile_timeout": raw.pop("compile_timeout", 30.0)}
         if raw:
-            raise InvalidParameterError(f"structured_outputs_config: unknown keys {sorted(raw)}; valid: backend, "
-                                        "compile_timeout", f"structured_outputs_config.{sorted(raw)[0]}")
+            raise InvalidParameterError(
+                f"structured_outputs_config: unknown keys {sorted(raw)}; valid: backend, compile_timeout",
+                f"structured_outputs_config.{sorted(raw)[0]}",
+            )
         if out["backend"] not in ("xgrammar", "guidance", "auto"):
             raise InvalidParameterError(
                 f"structured_outputs_config.backend: {out['backend']!r} is not available; use 'xgrammar', "
                 "'guidance' or 'auto'",
-                "structured_outputs_config.backend")
+                "structured_outputs_config.backend",
+            )
         t = out["compile_timeout"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise InvalidParameterError(f"structured_outputs_config.compile_timeout must be > 0 seconds, got {t!r}",
-                                        "structured_outputs_config.compile_timeout")
+            raise InvalidParameterError(
+                f"structured_outputs_config.compile_timeout must be > 0 seconds, got {t!r}",
+                "structured_outputs_config.compile_timeout",
+            )
         return out
 
     @property
-    def speculative_config(self) -> "SpeculativeConfig | None":
+    def speculative_config(self) -> SpeculativeConfig | None:
         from pagedllm.spec_decode.config import SpeculativeConfig
 
         raw = self.speculative.speculative_config
@@ -223,14 +291,15 @@ class EngineConfig:
         return tuple(v for lit in literals for v in typing.get_args(lit)) + ((None,) if type(None) in args else ())
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Distribute flat vLLM-style keyword arguments to the section owning each name."""
         per_section: dict[str, dict[str, Any]] = {sec: {} for sec in _SECTIONS}
         owner = {f.name: sec for sec, f in cls.all_fields()}
         for name, value in kwargs.items():
             if name not in owner:
                 raise InvalidParameterError(
-                    f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owner))}", param=name)
+                    f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owner))}", param=name
+                )
             per_section[owner[name]][name] = value
         config = cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in per_section.items()})
         config.validate()
@@ -254,7 +323,8 @@ class EngineConfig:
             _positive("kv_cache_memory", c.kv_cache_memory)
         if not 0.0 < c.gpu_memory_utilization <= 1.0:
             raise InvalidParameterError(
-                f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}", "gpu_memory_utilization")
+                f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}", "gpu_memory_utilization"
+            )
         self.speculative_config  # noqa: B018 -- parses, raising on a bad key or value
         self.structured_outputs_config  # noqa: B018
         _positive("tensor_parallel_size", p.tensor_parallel_size)
@@ -263,43 +333,61 @@ class EngineConfig:
         if p.distributed_executor_backend == "uniproc" and p.world_size > 1:
             raise InvalidParameterError(
                 f"distributed_executor_backend='uniproc' runs one worker, but tensor_parallel_size x "
-                f"pipeline_parallel_size is {p.world_size}; use 'mp' or 'ray'", "distributed_executor_backend")
+                f"pipeline_parallel_size is {p.world_size}; use 'mp' or 'ray'",
+                "distributed_executor_backend",
+            )
         lc = self.lora_config
         _positive("max_loras", lc.max_loras)
         _positive("max_lora_rank", lc.max_lora_rank)
         if lc.max_cpu_loras is not None:
             _positive("max_cpu_loras", lc.max_cpu_loras)
             if lc.max_cpu_loras < lc.max_loras:
-                raise InvalidParameterError(f"max_cpu_loras ({lc.max_cpu_loras}) must be >= max_loras "
-                                            f"({lc.max_loras})", "max_cpu_loras")
+                raise InvalidParameterError(
+                    f"max_cpu_loras ({lc.max_cpu_loras}) must be >= max_loras ({lc.max_loras})", "max_cpu_loras"
+                )
         if lc.enable_lora and p.world_size > 1:
-            raise InvalidParameterError("enable_lora with tensor or pipeline parallelism is not supported yet",
-                                        "enable_lora")
-        tiers = [name for name, on in (("kv_offloading_size", c.kv_offloading_size is not None),
-                                       ("kv_transfer_config", self.kv_transfer_config is not None)) if on]
+            raise InvalidParameterError(
+                "enable_lora with tensor or pipeline parallelism is not supported yet", "enable_lora"
+            )
+        tiers = [
+            name
+            for name, on in (
+                ("kv_offloading_size", c.kv_offloading_size is not None),
+                ("kv_transfer_config", self.kv_transfer_config is not None),
+            )
+            if on
+        ]
         if c.kv_offloading_size is not None:
             size = c.kv_offloading_size
             if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
                 raise InvalidParameterError(f"kv_offloading_size must be > 0 GiB, got {size!r}", "kv_offloading_size")
         if tiers and not c.enable_prefix_caching:
-            raise InvalidParameterError(f"{tiers[0]} needs enable_prefix_caching: the KV tiers find blocks by "
-                                        "their prefix hashes", tiers[0])
+            raise InvalidParameterError(
+                f"{tiers[0]} needs enable_prefix_caching: the KV tiers find blocks by their prefix hashes", tiers[0]
+            )
         if "kv_transfer_config" in tiers and self.lora_config.enable_lora:
-            raise InvalidParameterError("kv_transfer_config with enable_lora is not supported yet: a block's hash "
-                                        "names its adapter by an id that means nothing after a restart",
-                                        "kv_transfer_config")
+            raise InvalidParameterError(
+                "kv_transfer_config with enable_lora is not supported yet: a block's hash "
+                "names its adapter by an id that means nothing after a restart",
+                "kv_transfer_config",
+            )
         if s.preemption_mode == "swap" and c.kv_offloading_size is None:
-            raise InvalidParameterError("preemption_mode='swap' needs an offload tier to swap to: set "
-                                        "kv_offloading_size", "preemption_mode")
+            raise InvalidParameterError(
+                "preemption_mode='swap' needs an offload tier to swap to: set kv_offloading_size", "preemption_mode"
+            )
         spec = self.speculative_config
         if tiers and spec is not None and spec.needs_draft_kv:
             raise InvalidParameterError(
                 f"{tiers[0]} with speculative_config.method={spec.method!r} is not supported yet: the KV tiers "
-                "keep the target model's KV only", tiers[0])
+                "keep the target model's KV only",
+                tiers[0],
+            )
         if p.world_size > 1 and spec is not None and spec.method != "ngram":
             raise InvalidParameterError(
                 f"speculative_config.method={spec.method!r} runs in one process; with tensor or pipeline "
-                "parallelism only 'ngram' is supported", "speculative_config.method")
+                "parallelism only 'ngram' is supported",
+                "speculative_config.method",
+            )
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

@@ -15,11 +15,13 @@ class PoolingParams:
     special token); -1 means the model's max_model_len. ``normalize``: L2-normalise the pooled vector
     (None: as the model's sentence-transformers files say).
     """
+
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
 
     def __post_init__(self) -> None:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
-            raise InvalidParameterError(f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}",
-                                        "truncate_prompt_tokens")
+            raise InvalidParameterError(
+                f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}", "truncate_prompt_tokens"
+            )

@@ -63,7 +63,7 @@ class Request:
     # others wait here until it has, then fork off its KV blocks (see Scheduler._fork).
     parent_id: str | None = None
     index: int = 0
-    pending_children: list["Request"] = field(default_factory=list)
+    pending_children: list[Request] = field(default_factory=list)
     # The user request this one arrived with (a batch of prompts shares one): the FCFS queue serves
     # groups in turn, so one large request cannot hold back a small one that arrived after it.
     group: str | None = None
@@ -71,10 +71,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
-    lora_request: "LoRARequest | None" = None  # the adapter this request runs with (None: the base model)
+    lora_request: LoRARequest | None = None  # the adapter this request runs with (None: the base model)
     trace_headers: dict[str, str] | None = None  # the client's W3C trace context, parent of its OTLP span
     # a pooling request (an embedding): computed whole in one step, samples nothing, finishes in that step
-    pooling_params: "PoolingParams | None" = None
+    pooling_params: PoolingParams | None = None
 
     @property
     def lora_int_id(self) -> int:

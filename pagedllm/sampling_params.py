@@ -19,6 +19,7 @@ from pagedllm.errors import InvalidParameterError
 
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a running request carries (vLLM's names)."""
+
     CUMULATIVE = 0  # everything so far
     DELTA = 1  # only what is new since the previous output
     FINAL_ONLY = 2  # nothing until the request finishes
@@ -45,6 +46,7 @@ class StructuredOutputsParams:
     exactly one of these strings; ``grammar``: an EBNF grammar (xgrammar's GBNF dialect, rule
     ``root``); ``json_object``: any JSON object.
     """
+
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -57,11 +59,15 @@ class StructuredOutputsParams:
         def bad(msg: str, key: str) -> InvalidParameterError:
             return InvalidParameterError(f"structured_outputs.{key}: {msg}", f"structured_outputs.{key}")
 
-        given = [k for k in _KINDS if getattr(self, k) is not None and not (k == "json_object" and self.json_object is False)]
+        given = [
+            k for k in _KINDS if getattr(self, k) is not None and not (k == "json_object" and self.json_object is False)
+        ]
         if len(given) != 1:
             raise InvalidParameterError(
                 f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
-                f"{given or 'none'}", "structured_outputs")
+                f"{given or 'none'}",
+                "structured_outputs",
+            )
         if self.json is not None:
             if isinstance(self.json, str):
                 if len(self.json) > MAX_GRAMMAR_CHARS:
@@ -180,12 +186,12 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
             if unknown:
-                raise InvalidParameterError(f"structured_outputs: unknown keys {sorted(unknown)}",
-                                            "structured_outputs")
+                raise InvalidParameterError(f"structured_outputs: unknown keys {sorted(unknown)}", "structured_outputs")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise InvalidParameterError("structured_outputs must be a StructuredOutputsParams or a dict",
-                                        "structured_outputs")
+            raise InvalidParameterError(
+                "structured_outputs must be a StructuredOutputsParams or a dict", "structured_outputs"
+            )
         self._all_stop_token_ids = self._finish_token_ids = frozenset(self.stop_token_ids)
 
     def _validate(self) -> None:
@@ -207,8 +213,9 @@ class SamplingParams:
                 raise InvalidParameterError(f"{name} must be in [-2, 2], got {value}", name)
         _number("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0:
-            raise InvalidParameterError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                                        "repetition_penalty")
+            raise InvalidParameterError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty"
+            )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidParameterError("logit_bias must map token ids to numbers", "logit_bias")
@@ -221,7 +228,8 @@ class SamplingParams:
                 _number("logit_bias", value)
                 if tid < 0 or not -100.0 <= value <= 100.0:
                     raise InvalidParameterError(
-                        f"logit_bias[{tid}]={value}: ids must be >= 0 and biases in [-100, 100]", "logit_bias")
+                        f"logit_bias[{tid}]={value}: ids must be >= 0 and biases in [-100, 100]", "logit_bias"
+                    )
                 bias[tid] = float(value)
             self.logit_bias = bias
         if self.allowed_token_ids is not None:
@@ -239,16 +247,18 @@ class SamplingParams:
                 self.output_kind = RequestOutputKind[self.output_kind.upper()]
             except KeyError:
                 raise InvalidParameterError(
-                    f"output_kind must be one of cumulative, delta, final_only; got {self.output_kind!r}",
-                    "output_kind") from None
+                    f"output_kind must be one of cumulative, delta, final_only; got {self.output_kind!r}", "output_kind"
+                ) from None
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise InvalidParameterError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
-                                        "output_kind")
+            raise InvalidParameterError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}", "output_kind"
+            )
         self._processor_arities = [_arity(fn) if callable(fn) else None for fn in self.logits_processors or []]
         if any(a not in (2, 3) for a in self._processor_arities):
             raise InvalidParameterError(
-                "logits_processors must be callables fn(output_ids, logits) or "
-                "fn(prompt_ids, output_ids, logits)", "logits_processors")
+                "logits_processors must be callables fn(output_ids, logits) or fn(prompt_ids, output_ids, logits)",
+                "logits_processors",
+            )
         if self.seed is not None:
             _int_at_least("seed", self.seed, -(1 << 63))
         if self.max_tokens is not None:
@@ -256,7 +266,8 @@ class SamplingParams:
         _int_at_least("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParameterError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens"
+            )
         if self.logprobs is not None:
             _int_at_least("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
@@ -303,12 +314,12 @@ def _arity(fn: Callable) -> int | None:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return None
-    return sum(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-               for p in params)
+    return sum(
+        p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+    )
 
 
-def apply_logits_processors(params: "SamplingParams", prompt_ids: list[int], output_ids: list[int],
-                            row: Any) -> Any:
+def apply_logits_processors(params: SamplingParams, prompt_ids: list[int], output_ids: list[int], row: Any) -> Any:
     for fn, arity in zip(params.logits_processors, params._processor_arities):
         row = fn(prompt_ids, output_ids, row) if arity == 3 else fn(output_ids, row)
     return row

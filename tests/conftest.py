@@ -27,27 +27,41 @@ from typing import Any
 
 import pytest
 import torch
+
 from utils import TINY_MODEL_NAMES, build_tiny_model
 
 # Where the suite may write: HOME, the XDG folders and Ray's temp dir point into this session's pytest
 # tmp (set before collection, so libraries that read them at import time see them too, and inherited by
 # every server the tests start). Nothing lands in the user's ~/.cache, ~/.ray or /tmp/ray.
-_ISOLATED = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "RAY_TMPDIR",
-             "PAGEDLLM_CACHE_DIR")
+_ISOLATED = (
+    "HOME",
+    "XDG_CACHE_HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "XDG_STATE_HOME",
+    "RAY_TMPDIR",
+    "PAGEDLLM_CACHE_DIR",
+)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made the session's temp-path factory
 def pytest_configure(config: pytest.Config) -> None:
     root = config._tmp_path_factory.mktemp("isolated", numbered=False)  # type: ignore[attr-defined]
     home = root / "home"
-    dirs = {"HOME": home, "XDG_CACHE_HOME": home / ".cache", "XDG_CONFIG_HOME": home / ".config",
-            "XDG_DATA_HOME": home / ".local" / "share", "XDG_STATE_HOME": home / ".local" / "state",
-            "RAY_TMPDIR": root / "ray",  # short: Ray's socket paths under it must stay below 107 bytes
-            "PAGEDLLM_CACHE_DIR": home / ".cache" / "pagedllm"}
+    dirs = {
+        "HOME": home,
+        "XDG_CACHE_HOME": home / ".cache",
+        "XDG_CONFIG_HOME": home / ".config",
+        "XDG_DATA_HOME": home / ".local" / "share",
+        "XDG_STATE_HOME": home / ".local" / "state",
+        "RAY_TMPDIR": root / "ray",  # short: Ray's socket paths under it must stay below 107 bytes
+        "PAGEDLLM_CACHE_DIR": home / ".cache" / "pagedllm",
+    }
     assert set(dirs) == set(_ISOLATED)
     for name, path in dirs.items():
         path.mkdir(parents=True, exist_ok=True)
         os.environ[name] = str(path)
+
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -60,8 +74,7 @@ def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory,
-                       smollm2_tokenizer_dir: Path) -> Callable[..., Path]:
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Callable[..., Path]:
     """``make(name, **config_overrides) -> Path``: a tiny model dir, built once per session per arguments."""
     built: dict[tuple, Path] = {}
 
@@ -89,6 +102,7 @@ def smollm2_hf_model() -> Any:
     from pagedllm.model_loader import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     return model.eval()

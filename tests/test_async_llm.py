@@ -37,7 +37,9 @@ def test_streams_match_offline_and_unread_streams_free_their_blocks(model_dir):
         single, finals = asyncio.run(main())
         offline = LLM(**kwargs).generate(["Hello there", "one", "two", "three"], GREEDY, use_tqdm=False)
         assert single[-1].finished and [o.outputs[0].token_ids for o in offline] == [
-            single[-1].outputs[0].token_ids, *[f.outputs[0].token_ids for f in finals]]
+            single[-1].outputs[0].token_ids,
+            *[f.outputs[0].token_ids for f in finals],
+        ]
         core = llm.engine.core
         deadline = time.time() + 10
         while core.has_unfinished_requests() and time.time() < deadline:

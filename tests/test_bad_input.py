@@ -28,19 +28,22 @@ def _assert_clean(llm):
     assert core.scheduler.kv.pool.num_free_blocks == core.scheduler.kv.num_blocks
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
-    ({"n": 0}, "n"),
-    ({"logprobs": -1}, "logprobs"),
-    ({"stop": [""]}, "stop"),
-    ({"temperature": float("nan")}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
 def test_invalid_sampling_values_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(**kwargs)
@@ -59,8 +62,10 @@ def test_prompt_longer_than_context_says_both_numbers(llm):
     _assert_clean(llm)
 
 
-@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}, {"prompt_token_ids": [1, 10**9]},
-                                    {"prompt_token_ids": [-1]}, {"nope": 1}, 42])
+@pytest.mark.parametrize(
+    "prompt",
+    ["", {"prompt_token_ids": []}, {"prompt_token_ids": [1, 10**9]}, {"prompt_token_ids": [-1]}, {"nope": 1}, 42],
+)
 def test_empty_or_malformed_prompt_is_rejected(llm, prompt):
     with pytest.raises(InvalidParameterError):
         llm.generate([prompt], GREEDY, use_tqdm=False)
@@ -122,10 +127,15 @@ def test_unsupported_architecture_lists_supported_ones(tiny_llama_dir, tmp_path)
         LLM(model=str(d))
 
 
-@pytest.mark.parametrize("kwargs, param", [({"logit_bias": {10**9: 1.0}}, "logit_bias"),
-                                           ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
-                                           ({"stop_token_ids": [10**9]}, "stop_token_ids"),
-                                           ({"prompt_logprobs": 99}, "prompt_logprobs")])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"logit_bias": {10**9: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"prompt_logprobs": 99}, "prompt_logprobs"),
+    ],
+)
 def test_token_ids_outside_the_vocabulary_are_rejected(llm, kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
         llm.generate(["hi"], SamplingParams(**kwargs), use_tqdm=False)
@@ -133,12 +143,17 @@ def test_token_ids_outside_the_vocabulary_are_rejected(llm, kwargs, param):
     _assert_clean(llm)
 
 
-@pytest.mark.parametrize("kwargs, param", [({"logit_bias": {5: 200.0}}, "logit_bias"),
-                                           ({"logit_bias": {"x": 1.0}}, "logit_bias"),
-                                           ({"presence_penalty": 3.0}, "presence_penalty"),
-                                           ({"repetition_penalty": 0.0}, "repetition_penalty"),
-                                           ({"allowed_token_ids": []}, "allowed_token_ids"),
-                                           ({"bad_words": [""]}, "bad_words")])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"logit_bias": {5: 200.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+    ],
+)
 def test_invalid_penalty_and_bias_values(kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(**kwargs)

@@ -16,9 +16,16 @@ def setup(tiny_model_factory):
 
     base = str(tiny_model_factory("llama"))
     # make an EOS that beams actually meet: a token the model likes early on
-    greedy = LLM(model=base, max_model_len=256, num_gpu_blocks_override=64).generate(
-        [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-        use_tqdm=False)[0].outputs[0].token_ids
+    greedy = (
+        LLM(model=base, max_model_len=256, num_gpu_blocks_override=64)
+        .generate(
+            [{"prompt_token_ids": PROMPTS[0]}],
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     eos = greedy[1]
     model_dir = str(tiny_model_factory("llama", eos_token_id=eos))
     llm = LLM(model=model_dir, max_model_len=256, num_gpu_blocks_override=256)
@@ -28,31 +35,49 @@ def setup(tiny_model_factory):
     return llm, hf, eos_ids
 
 
-@pytest.mark.parametrize("width, length_penalty, early_stopping, max_tokens", [
-    (3, 1.0, False, 8), (4, 2.0, True, 8), (2, 0.5, "never", 10), (3, -1.0, False, 6),
-])
+@pytest.mark.parametrize(
+    "width, length_penalty, early_stopping, max_tokens",
+    [
+        (3, 1.0, False, 8),
+        (4, 2.0, True, 8),
+        (2, 0.5, "never", 10),
+        (3, -1.0, False, 6),
+    ],
+)
 def test_beam_search_matches_transformers(setup, width, length_penalty, early_stopping, max_tokens):
     llm, hf, eos_ids = setup
-    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
-                           BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
-                                            early_stopping=early_stopping))
+    outs = llm.beam_search(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        BeamSearchParams(
+            beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping
+        ),
+    )
     saw_eos = False
     for prompt, out in zip(PROMPTS, outs):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              num_beams=width, num_return_sequences=width, max_new_tokens=max_tokens,
-                              length_penalty=length_penalty, early_stopping=early_stopping, do_sample=False,
-                              eos_token_id=eos_ids, pad_token_id=eos_ids[0], return_dict_in_generate=True,
-                              output_scores=True)
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                num_beams=width,
+                num_return_sequences=width,
+                max_new_tokens=max_tokens,
+                length_penalty=length_penalty,
+                early_stopping=early_stopping,
+                do_sample=False,
+                eos_token_id=eos_ids,
+                pad_token_id=eos_ids[0],
+                return_dict_in_generate=True,
+                output_scores=True,
+            )
         ref_seqs = []
         for seq in ref.sequences.tolist():
-            gen = seq[len(prompt):]
+            gen = seq[len(prompt) :]
             for i, t in enumerate(gen):  # HF pads finished beams after their EOS
                 if t in eos_ids:
-                    gen = gen[:i + 1]
+                    gen = gen[: i + 1]
                     break
             ref_seqs.append(gen)
-        ours = [s.tokens[len(prompt):] for s in out.sequences]
+        ours = [s.tokens[len(prompt) :] for s in out.sequences]
         assert ours == ref_seqs
         assert [s.score for s in out.sequences] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
         saw_eos |= any(s.finish_reason == "stop" for s in out.sequences)

@@ -10,8 +10,12 @@ import sys
 def _bench(args, tmp_path, progress: str = "it"):
     """Run a bench command; it must show a progress bar (tqdm on stderr) and write its JSON report."""
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args, "--output-json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args, "--output-json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "100%|" in r.stderr and progress in r.stderr, r.stderr[-2000:]
     return json.loads(out.read_text())
@@ -19,8 +23,22 @@ def _bench(args, tmp_path, progress: str = "it"):
 
 def test_bench_throughput_compares_with_transformers(tiny_model_factory, tmp_path):
     model = str(tiny_model_factory("llama"))
-    res = _bench(["throughput", "--model", model, "--num-prompts", "5", "--min-input-len", "8",
-                  "--max-input-len", "40", "--output-len", "6"], tmp_path)
+    res = _bench(
+        [
+            "throughput",
+            "--model",
+            model,
+            "--num-prompts",
+            "5",
+            "--min-input-len",
+            "8",
+            "--max-input-len",
+            "40",
+            "--output-len",
+            "6",
+        ],
+        tmp_path,
+    )
     assert res["workload"]["output_tokens"] == 30 and 5 * 8 <= res["workload"]["prompt_tokens"] <= 5 * 40
     assert res["pagedllm"]["total_tok_s"] > 0 and res["transformers"]["total_tok_s"] > 0
     assert res["ratio_total_tok_s"] == res["pagedllm"]["total_tok_s"] / res["transformers"]["total_tok_s"]
@@ -31,8 +49,24 @@ def test_bench_throughput_hybrid_vs_off_frees_local_blocks_in_the_same_memory(ti
     """Tiny Gemma 3 (a 32-token window): the same requests in the same KV memory, local layers freeing their
     blocks behind the window and keeping them; the same tokens, and fewer preemptions with the blocks freed."""
     model = str(tiny_model_factory("gemma3"))
-    res = _bench(["throughput", "--model", model, "--backend", "hybrid-vs-off", "--num-prompts", "8",
-                  "--input-len", "40", "--output-len", "200", "--kv-cache-memory", "0.001"], tmp_path)
+    res = _bench(
+        [
+            "throughput",
+            "--model",
+            model,
+            "--backend",
+            "hybrid-vs-off",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "40",
+            "--output-len",
+            "200",
+            "--kv-cache-memory",
+            "0.001",
+        ],
+        tmp_path,
+    )
     hybrid, off = res["pagedllm_hybrid"], res["pagedllm_all_blocks"]
     assert hybrid["total_tok_s"] > 0 and off["total_tok_s"] > 0
     assert res["hybrid_vs_all_blocks"] == {"greedy_agreement": 1.0, "identical_sequences": "8/8"}
@@ -53,8 +87,22 @@ def test_bench_startup_times_cold_and_warm_beside_transformers(tiny_model_factor
 
 def test_bench_latency_reports_ttft_and_decode_speed(tiny_model_factory, tmp_path):
     model = str(tiny_model_factory("llama"))
-    res = _bench(["latency", "--model", model, "--input-len", "16", "--output-len", "8", "--num-iters", "2",
-                  "--num-iters-warmup", "1"], tmp_path)
+    res = _bench(
+        [
+            "latency",
+            "--model",
+            model,
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--num-iters",
+            "2",
+            "--num-iters-warmup",
+            "1",
+        ],
+        tmp_path,
+    )
     for backend in ("pagedllm", "transformers"):
         assert len(res[backend]["ttft_ms"]) == 2 and res[backend]["median_decode_tok_s"] > 0
     assert res["ratio_decode_tok_s"] > 0
@@ -62,8 +110,10 @@ def test_bench_latency_reports_ttft_and_decode_speed(tiny_model_factory, tmp_pat
 
 def test_bench_accuracy_reports_agreement_and_perplexity(tiny_model_factory, tmp_path):
     model = str(tiny_model_factory("llama"))
-    res = _bench(["accuracy", "--model", model, "--num-prompts", "3", "--output-len", "8",
-                  "--kv-cache-dtype", "bfloat16"], tmp_path)
+    res = _bench(
+        ["accuracy", "--model", model, "--num-prompts", "3", "--output-len", "8", "--kv-cache-dtype", "bfloat16"],
+        tmp_path,
+    )
     assert res["config"] == {"quantization": None, "kv_cache_dtype": "bfloat16"}
     assert 0.0 <= res["greedy_agreement"] <= res["same_top_token"] <= 1.0
     assert 1 < res["perplexity_float32"] < float("inf")  # random weights: far worse than uniform, but finite
@@ -78,9 +128,14 @@ def test_teacher_forced_tops_are_the_greedy_choices_along_a_continuation(tiny_mo
 
     llm = LLM(model=str(tiny_model_factory("llama")), enable_prefix_caching=False, max_num_batched_tokens=32)
     prompts = [[5, 6, 7, 8, 9] * 3, list(range(100, 140))]
-    outs = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-        use_tqdm=False)]
+    outs = [
+        o.outputs[0].token_ids
+        for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )
+    ]
     assert teacher_forced_tops(llm, prompts, outs) == outs
     other = [[(t + 1) % 1000 for t in o] for o in outs]
     tops = teacher_forced_tops(llm, prompts, other)

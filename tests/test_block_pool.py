@@ -68,14 +68,21 @@ def test_allocation_failure_changes_nothing():
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["add", "step", "free", "abort"]), st.integers(0, 7), st.integers(1, 40),
-              st.integers(0, 3)),
-    min_size=1, max_size=60)
+    st.tuples(
+        st.sampled_from(["add", "step", "free", "abort"]), st.integers(0, 7), st.integers(1, 40), st.integers(0, 3)
+    ),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, num_blocks=st.integers(1, 24), caching=st.booleans(),
-       windows=st.sampled_from([None, (None, 6, 6), (None, None, 9, 5, 9)]))  # one table; local groups
+@given(
+    ops=ops,
+    num_blocks=st.integers(1, 24),
+    caching=st.booleans(),
+    windows=st.sampled_from([None, (None, 6, 6), (None, None, 9, 5, 9)]),
+)  # one table; local groups
 def test_random_operation_sequences_keep_invariants_and_return_every_block(ops, num_blocks, caching, windows):
     groups = KVGroups.plan(list(windows)) if windows else None
     kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK, enable_caching=caching, groups=groups)

@@ -22,8 +22,15 @@ def _parsers(parser: argparse.ArgumentParser, path: str = "pagedllm"):
 
 def test_every_flag_has_help_text_that_shows_its_default():
     parsers = dict(_parsers(build_parser()))
-    assert {"pagedllm generate", "pagedllm serve", "pagedllm bench startup", "pagedllm bench throughput",
-            "pagedllm bench latency", "pagedllm bench accuracy", "pagedllm bench serve"} <= set(parsers)
+    assert {
+        "pagedllm generate",
+        "pagedllm serve",
+        "pagedllm bench startup",
+        "pagedllm bench throughput",
+        "pagedllm bench latency",
+        "pagedllm bench accuracy",
+        "pagedllm bench serve",
+    } <= set(parsers)
     for path, parser in parsers.items():
         formatter = HelpFormatter(path)
         for action in parser._actions:
@@ -34,21 +41,31 @@ def test_every_flag_has_help_text_that_shows_its_default():
             assert "default" in formatter._get_help_string(action).lower(), f"{flag} does not show its default"
 
 
-@pytest.mark.parametrize("argv", [["--log-level", "debug", "generate", "hi"], ["generate", "hi", "--log-level", "DEBUG"],
-                                  ["bench", "startup", "--log-level", "debug"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--log-level", "debug", "generate", "hi"],
+        ["generate", "hi", "--log-level", "DEBUG"],
+        ["bench", "startup", "--log-level", "debug"],
+    ],
+)
 def test_log_level_is_accepted_before_or_after_the_subcommand(argv):
     assert build_parser().parse_args(argv).log_level == "DEBUG"
     assert build_parser().parse_args(argv[-2:] if argv[0] == "--log-level" else argv[:-2]).log_level == "INFO"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["generate", "", "--model", "/nonexistent"], "prompt 0 is empty"),
-    (["generate", "hi", "--max-tokens", "0", "--model", "/nonexistent"], "max_tokens"),
-    (["generate", "hi", "--temperature", "-1"], "temperature"),
-    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "", "--model", "/nonexistent"], "prompt 0 is empty"),
+        (["generate", "hi", "--max-tokens", "0", "--model", "/nonexistent"], "max_tokens"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
+    ],
+)
 def test_bad_input_is_refused_before_any_model_loads(args, message):
-    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "loading" not in r.stderr  # the engine never started

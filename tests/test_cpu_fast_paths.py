@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import GreedyResult, check_greedy_close
 
 from pagedllm import LLM, SamplingParams, kernels
 from pagedllm.layers import linear
 from pagedllm.layers.linear import PackedLinear, onednn_available
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import apply_rotary
+
+from utils import GreedyResult, check_greedy_close
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -51,7 +52,7 @@ def test_fused_silu_mul_matches_torch(rows, inter):
 def test_fused_rotary_matches_torch(tokens):
     g = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, 7 * 32, generator=g)
-    x = qkv[:, :5 * 32].view(tokens, 5, 32)  # rows strided, as the fused projection's q|k view is
+    x = qkv[:, : 5 * 32].view(tokens, 5, 32)  # rows strided, as the fused projection's q|k view is
     ang = torch.rand(tokens, 1, 16, generator=g) * 6
     cos, sin = ang.cos(), ang.sin()
     x1, x2 = x.chunk(2, dim=-1)
@@ -79,9 +80,10 @@ def _greedy(llm: LLM) -> list[GreedyResult]:
     prompts = [[(29 * i + 7 * j) % 4000 + 50 for j in range(4 + 11 * i)] for i in range(5)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [GreedyResult(o.outputs[0].token_ids,
-                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        GreedyResult(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+        for o in outs
+    ]
 
 
 def _cpu_flags() -> set[str]:
@@ -146,8 +148,12 @@ def test_prefills_take_the_attention_kernel(tiny_model_factory, monkeypatch, nam
     def greedy() -> list[GreedyResult]:
         llm = LLM(model=model, num_gpu_blocks_override=64, max_num_batched_tokens=40, enable_prefix_caching=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return [GreedyResult(o.outputs[0].token_ids,
-                             [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs]
+        return [
+            GreedyResult(
+                o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]
+            )
+            for o in outs
+        ]
 
     def no_sdpa(*args, **kwargs):
         raise AssertionError("a prefill took the SDPA reference path")
@@ -156,8 +162,9 @@ def test_prefills_take_the_attention_kernel(tiny_model_factory, monkeypatch, nam
         m.setattr(torch_ref, "_prefill", no_sdpa)
         ours = greedy()
     monkeypatch.setattr(cpu_paged, "kernel_applies", lambda *args: False)  # every attention through torch
-    check_greedy_close(greedy(), ours, topk=5, logprob_atol=1e-4, min_exact_fraction=1.0,
-                       names=("torch reference", "C kernels"))
+    check_greedy_close(
+        greedy(), ours, topk=5, logprob_atol=1e-4, min_exact_fraction=1.0, names=("torch reference", "C kernels")
+    )
 
 
 def test_kernels_propagate_nan_as_torch_does():
@@ -181,15 +188,25 @@ def _greedy_varied(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     (Python), then fewer (C), within one run."""
     sps = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=3) for i in range(10)]
     outs = llm.generate([{"prompt_token_ids": p} for p in _FUSED_PROMPTS], sps, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs
+    ]
 
 
-@pytest.mark.parametrize("name,method,kv", [("llama", "int4", "auto"), ("qwen2", "w4a8", "auto"),
-                                            ("mistral", "int8", "auto"), ("llama", "w4a8", "auto"),
-                                            ("mistral", "w4a16", "auto"), ("qwen2", None, "auto"),
-                                            ("mistral", None, "auto"), ("mistral", "w4a16", "bfloat16"),
-                                            ("qwen2", None, "bfloat16")])
+@pytest.mark.parametrize(
+    "name,method,kv",
+    [
+        ("llama", "int4", "auto"),
+        ("qwen2", "w4a8", "auto"),
+        ("mistral", "int8", "auto"),
+        ("llama", "w4a8", "auto"),
+        ("mistral", "w4a16", "auto"),
+        ("qwen2", None, "auto"),
+        ("mistral", None, "auto"),
+        ("mistral", "w4a16", "bfloat16"),
+        ("qwen2", None, "bfloat16"),
+    ],
+)
 # biases (qwen2), a sliding window (mistral), float32 (None: PackedLinear's own GEMV for up to 4 rows), a
 # bfloat16 KV cache (the C loop rounds the new K/V as torch's .to(bfloat16) does)
 def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, name, method, kv):
@@ -209,8 +226,9 @@ def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, na
     if method:
         dequantize_model(net)  # plain float32 nn.Linear: the C loop no longer applies
     else:
-        net.layers[1].mlp.down_proj = torch.nn.Linear(net.layers[1].mlp.down_proj.in_features,
-                                                      net.layers[1].mlp.down_proj.out_features, bias=False)
+        net.layers[1].mlp.down_proj = torch.nn.Linear(
+            net.layers[1].mlp.down_proj.in_features, net.layers[1].mlp.down_proj.out_features, bias=False
+        )
     _greedy_varied(llm)
     assert fused.steps == steps
 
@@ -231,8 +249,10 @@ def test_fused_decode_loop_runs_a_scale_per_16_bit_for_bit(tiny_model_factory):
     """Down projections with a scale per 16 (a Q6_K tensor kept as it is) run in the C loop too, with the
     Python loop's very tokens and logprobs."""
     model = str(tiny_model_factory("llama"))
-    llms = [LLM(model=model, num_gpu_blocks_override=64, quantization="int8", enforce_eager=eager)
-            for eager in (True, False)]
+    llms = [
+        LLM(model=model, num_gpu_blocks_override=64, quantization="int8", enforce_eager=eager)
+        for eager in (True, False)
+    ]
     for llm in llms:
         for layer in llm.llm_engine.core.runner.model.layers:
             layer.mlp.down_proj = _six_bit_per_16(layer.mlp.down_proj)

@@ -12,11 +12,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from utils import MODEL, Server
 
 KEY = "dashboard-secret"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +32,28 @@ def chromium() -> str:
     """Debian's Chromium, which the README's test command installs (apt-get install chromium) before the suite."""
     path = shutil.which("chromium")
     if path is None:
-        pytest.fail("the dashboard test needs Debian's chromium: the README's test command installs it "
-                    "(apt-get install chromium, as root)")
+        pytest.fail(
+            "the dashboard test needs Debian's chromium: the README's test command installs it "
+            "(apt-get install chromium, as root)"
+        )
     return path
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
-    s = Server(str(tiny_model_factory("llama")), "--api-key", KEY, "--engine-state-interval", "0.25",
-               "--max-model-len", "512", "--num-gpu-blocks-override", "96", "--max-num-seqs", "4")
+    s = Server(
+        str(tiny_model_factory("llama")),
+        "--api-key",
+        KEY,
+        "--engine-state-interval",
+        "0.25",
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "96",
+        "--max-num-seqs",
+        "4",
+    )
     yield s
     s.stop()
 
@@ -55,8 +76,15 @@ class Load:
         with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
             k = 0
             while not self.stop_flag.is_set():
-                body = {"model": MODEL, "prompt": shared + f"client {i} request {k}", "max_tokens": 180,
-                        "temperature": 0.8, "seed": k, "ignore_eos": True, "n": 2 if i % 2 else 1}
+                body = {
+                    "model": MODEL,
+                    "prompt": shared + f"client {i} request {k}",
+                    "max_tokens": 180,
+                    "temperature": 0.8,
+                    "seed": k,
+                    "ignore_eos": True,
+                    "n": 2 if i % 2 else 1,
+                }
                 with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
                     assert r.status_code == 200, r.read()
                     for _ in r.iter_bytes():
@@ -117,8 +145,11 @@ def test_dashboard_in_chromium_follows_the_engine_under_load(server, chromium, t
 
             load = Load(server.url)
             try:
-                page.wait_for_function("+document.getElementById('num-running').textContent >= 2 && "
-                                       "+document.getElementById('num-waiting').textContent >= 1", timeout=60_000)
+                page.wait_for_function(
+                    "+document.getElementById('num-running').textContent >= 2 && "
+                    "+document.getElementById('num-waiting').textContent >= 1",
+                    timeout=60_000,
+                )
                 page.wait_for_timeout(1000)  # a few snapshots of steady load for the sparklines
                 busy = _page_view(page)
                 live = _state(server)
@@ -138,18 +169,23 @@ def test_dashboard_in_chromium_follows_the_engine_under_load(server, chromium, t
             assert "decode" in steps_text and float(tput) > 0
 
             # idle again: the page settles on exactly what /v1/engine/state says
-            page.wait_for_function("document.getElementById('num-running').textContent === '0' && "
-                                   "document.getElementById('num-waiting').textContent === '0' && "
-                                   "document.getElementById('blocks-used').textContent === '0' && "
-                                   "document.getElementById('blocks-shared').textContent === '0'", timeout=60_000)
+            page.wait_for_function(
+                "document.getElementById('num-running').textContent === '0' && "
+                "document.getElementById('num-waiting').textContent === '0' && "
+                "document.getElementById('blocks-used').textContent === '0' && "
+                "document.getElementById('blocks-shared').textContent === '0'",
+                timeout=60_000,
+            )
             page.wait_for_timeout(600)  # one more snapshot after the last request finished
             idle = _page_view(page)
             state = _state(server)
             assert idle["wrong"] == 0 and idle["map"] == state["block_map"]
             assert idle["counts"] == {
-                "num-running": state["num_running"], "num-waiting": state["num_waiting"],
+                "num-running": state["num_running"],
+                "num-waiting": state["num_waiting"],
                 **{f"blocks-{k}": state["blocks"][k] for k in ("free", "cached", "used", "shared")},
-                "num-finished": state["totals"]["finished_requests"]}
+                "num-finished": state["totals"]["finished_requests"],
+            }
             assert state["blocks"]["cached"] > 0  # the shared system prompt stays cached after the load
             assert idle["running_rows"] == idle["waiting_rows"] == 0
             # no network fetch but this server
@@ -223,8 +259,9 @@ def test_sigterm_ends_dashboard_streams_and_drains_promptly(tiny_model_factory):
     # a graceful-shutdown timeout far above the bound below: a stream that never ended would cost all of it
     s = Server(str(tiny_model_factory("llama")), "--engine-state-interval", "0.2", "--shutdown-timeout", "120")
     got: list = []
-    reader = threading.Thread(target=_read_events, args=(f"{s.url}/v1/engine/state/stream", 10**9, got, {}),
-                              daemon=True)
+    reader = threading.Thread(
+        target=_read_events, args=(f"{s.url}/v1/engine/state/stream", 10**9, got, {}), daemon=True
+    )
     reader.start()
     while not got:
         time.sleep(0.05)

@@ -5,8 +5,6 @@ against the server's real command line."""
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -83,12 +81,21 @@ def test_helm_chart_lints_clean() -> None:
 def test_helm_chart_renders_valid_kubernetes_objects(options: str) -> None:
     import kubernetes_validate
 
-    values = {} if options == "defaults" else {
-        "autoscaling": {"enabled": True}, "modelCache": {"enabled": True}, "serviceMonitor": {"enabled": True},
-        "apiKey": {"existingSecret": "pagedllm-key"}, "model": "/home/pagedllm/.cache/pagedllm/model.gguf"}
+    values = (
+        {}
+        if options == "defaults"
+        else {
+            "autoscaling": {"enabled": True},
+            "modelCache": {"enabled": True},
+            "serviceMonitor": {"enabled": True},
+            "apiKey": {"existingSecret": "pagedllm-key"},
+            "model": "/home/pagedllm/.cache/pagedllm/model.gguf",
+        }
+    )
     docs = _render(values)
-    expected = {"Deployment", "Service"} | ({"HorizontalPodAutoscaler", "PersistentVolumeClaim", "ServiceMonitor"}
-                                           if options == "everything" else set())
+    expected = {"Deployment", "Service"} | (
+        {"HorizontalPodAutoscaler", "PersistentVolumeClaim", "ServiceMonitor"} if options == "everything" else set()
+    )
     assert set(docs) == expected
     for kind, items in docs.items():
         for doc in items:
@@ -111,7 +118,11 @@ def test_helm_chart_renders_valid_kubernetes_objects(options: str) -> None:
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     (svc,) = docs["Service"]
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
-    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"] == dep["spec"]["template"]["metadata"]["labels"]
+    assert (
+        svc["spec"]["selector"]
+        == dep["spec"]["selector"]["matchLabels"]
+        == dep["spec"]["template"]["metadata"]["labels"]
+    )
     if options == "everything":
         assert args.model_pos == values["model"]
         (hpa,) = docs["HorizontalPodAutoscaler"]
@@ -127,7 +138,9 @@ def test_compose_wires_prometheus_and_grafana_to_the_server() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
     app = services["pagedllm"]
-    assert (DEPLOY / app["build"]["context"] / app["build"]["dockerfile"]).resolve() == (DEPLOY / "Dockerfile").resolve()
+    assert (DEPLOY / app["build"]["context"] / app["build"]["dockerfile"]).resolve() == (
+        DEPLOY / "Dockerfile"
+    ).resolve()
     args = _serve_args(["--host", "0.0.0.0", "--port", "8000", *app["command"]])
     assert int(app["stop_grace_period"].rstrip("s")) > args.shutdown_timeout
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
@@ -138,10 +151,12 @@ def test_compose_wires_prometheus_and_grafana_to_the_server() -> None:
     grafana_mounts = [v.split(":") for v in services["grafana"]["volumes"]]
     for host, _, *rest in grafana_mounts:
         assert (DEPLOY / host).exists(), host
-    dash_dir = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/pagedllm.yml").read_text())[
-        "providers"][0]["options"]["path"]
-    assert any(target.startswith(dash_dir) and host.endswith("pagedllm-dashboard.json")
-               for host, target, *_ in grafana_mounts)
+    dash_dir = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/pagedllm.yml").read_text())["providers"][0][
+        "options"
+    ]["path"]
+    assert any(
+        target.startswith(dash_dir) and host.endswith("pagedllm-dashboard.json") for host, target, *_ in grafana_mounts
+    )
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
     assert ds["url"] == "http://prometheus:9090"
 

@@ -50,7 +50,7 @@ def _stream(tok, text, sp, prompt="Say:"):
 def test_streamed_deltas_concatenate_to_the_full_decode(tok, text):
     outs, ids, _ = _stream(tok, text, SamplingParams(max_tokens=100))
     texts = [o.outputs[0].text for o in outs]
-    deltas = [b[len(a):] for a, b in zip([""] + texts, texts)]
+    deltas = [b[len(a) :] for a, b in zip([""] + texts, texts)]
     assert all(b.startswith(a) for a, b in zip([""] + texts, texts)), "cumulative text must only grow"
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
     assert not any("\ufffd" in t for t in texts[:-1]) or "\ufffd" in tok.decode(ids)
@@ -65,14 +65,17 @@ def test_multibyte_characters_split_across_byte_tokens_are_held_back(tok):
     assert all("\ufffd" not in o.outputs[0].text for o in outs)
 
 
-@pytest.mark.parametrize("text, stops, include, expect", [
-    ("The answer is forty-two. Done.", ["forty-two"], False, "The answer is "),
-    ("The answer is forty-two. Done.", ["forty-two"], True, "The answer is forty-two"),
-    ("Café crème brûlée — naïve.", ["brûlée"], False, "Café crème "),
-    ("你好，世界！这是一个测试。", ["世界"], True, "你好，世界"),
-    ("alpha beta gamma delta", ["delta", "beta", "gamma"], False, "alpha "),  # earliest of several wins
-    ("one\n\ntwo", ["\n\n"], False, "one"),
-])
+@pytest.mark.parametrize(
+    "text, stops, include, expect",
+    [
+        ("The answer is forty-two. Done.", ["forty-two"], False, "The answer is "),
+        ("The answer is forty-two. Done.", ["forty-two"], True, "The answer is forty-two"),
+        ("Café crème brûlée — naïve.", ["brûlée"], False, "Café crème "),
+        ("你好，世界！这是一个测试。", ["世界"], True, "你好，世界"),
+        ("alpha beta gamma delta", ["delta", "beta", "gamma"], False, "alpha "),  # earliest of several wins
+        ("one\n\ntwo", ["\n\n"], False, "one"),
+    ],
+)
 def test_stop_strings_across_token_boundaries(tok, text, stops, include, expect):
     outs, _, to_stop = _stream(tok, text, SamplingParams(stop=stops, include_stop_str_in_output=include))
     final = outs[-1]
@@ -106,8 +109,9 @@ def test_delta_outputs_concatenate_to_the_cumulative_output(tok):
 
 
 # slow-tokenizer rule: specials and the text runs between them joined by " " (" there" keeps its own space)
-@pytest.mark.parametrize("spaces, expect", [(True, "Hi <|im_end|> <|im_start|>  there"),
-                                            (False, "Hi<|im_end|><|im_start|> there")])
+@pytest.mark.parametrize(
+    "spaces, expect", [(True, "Hi <|im_end|> <|im_start|>  there"), (False, "Hi<|im_end|><|im_start|> there")]
+)
 def test_spaces_between_special_tokens(tok, spaces, expect):
     text = "Hi<|im_end|><|im_start|> there"
     outs, ids, _ = _stream(tok, text, SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces))

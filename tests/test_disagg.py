@@ -12,12 +12,14 @@ import tempfile
 
 import httpx
 import pytest
-from utils import MODEL, Server, _free_port, wait_healthy
 
 from pagedllm.entrypoints.router import prefill_body
 
-PROMPTS = [f"Document {k}: " + " ".join(f"word{(k * 37 + i) % 97}" for i in range(60)) + " Summarise it."
-           for k in range(4)]
+from utils import MODEL, Server, _free_port, wait_healthy
+
+PROMPTS = [
+    f"Document {k}: " + " ".join(f"word{(k * 37 + i) % 97}" for i in range(60)) + " Summarise it." for k in range(4)
+]
 
 
 class Proxy:
@@ -25,10 +27,25 @@ class Proxy:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "disagg-proxy", "--port",
-                                      str(self.port), "--prefill", prefill, "--decode", decode,
-                                      "--health-check-interval", "0.3"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.entrypoints.cli",
+                "disagg-proxy",
+                "--port",
+                str(self.port),
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+                "--health-check-interval",
+                "0.3",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         wait_healthy(self.url, self.proc, timeout=60)
 
     def stop(self) -> None:
@@ -41,8 +58,7 @@ class Proxy:
 
 
 def _tier(path: str, role: str) -> str:
-    return json.dumps({"kv_connector": "DiskConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"path": path}})
+    return json.dumps({"kv_connector": "DiskConnector", "kv_role": role, "kv_connector_extra_config": {"path": path}})
 
 
 @pytest.fixture(scope="module")
@@ -71,30 +87,54 @@ def _complete(url: str, prompt: str, stream: bool = False) -> str:
 
 
 def test_prefill_body_keeps_the_prompt_and_asks_for_one_token():
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}],
-            "stream": True, "n": 3, "max_completion_tokens": 50, "min_tokens": 5, "logprobs": True,
-            "response_format": {"type": "json_object"}, "temperature": 0.7}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function"}],
+        "stream": True,
+        "n": 3,
+        "max_completion_tokens": 50,
+        "min_tokens": 5,
+        "logprobs": True,
+        "response_format": {"type": "json_object"},
+        "temperature": 0.7,
+    }
     out = prefill_body(body)
-    assert out == {"model": "m", "messages": body["messages"], "tools": body["tools"], "max_tokens": 1,
-                   "temperature": 0}
+    assert out == {
+        "model": "m",
+        "messages": body["messages"],
+        "tools": body["tools"],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
 
 
 def test_decode_server_loads_the_prefill_servers_blocks_and_answers_the_same(pair):
     prefill, decode = pair
     proxy = Proxy(prefill.url, decode.url)
     try:
-        hits, tokens = (decode.metric("pagedllm:external_prefix_cache_hits_total"),
-                        decode.metric("pagedllm:prompt_tokens_total"))
-        got = [_complete(proxy.url, PROMPTS[0]), _complete(proxy.url, PROMPTS[1], stream=True),
-               *(_complete(proxy.url, p) for p in PROMPTS[2:])]
+        hits, tokens = (
+            decode.metric("pagedllm:external_prefix_cache_hits_total"),
+            decode.metric("pagedllm:prompt_tokens_total"),
+        )
+        got = [
+            _complete(proxy.url, PROMPTS[0]),
+            _complete(proxy.url, PROMPTS[1], stream=True),
+            *(_complete(proxy.url, p) for p in PROMPTS[2:]),
+        ]
         assert proxy.metric("pagedllm_router:prefills_total{") == len(PROMPTS)
         # the decode engine computed only each prompt's last partial block: the rest was the prefill engine's
         loaded = decode.metric("pagedllm:external_prefix_cache_hits_total") - hits
         computed = decode.metric("pagedllm:prompt_tokens_total") - tokens
         assert loaded > 0 and computed < 16 * len(PROMPTS), (loaded, computed)
-        tier_bytes = {m[0]: float(m[1]) for m in re.findall(
-            r'^pagedllm:kv_offload_bytes_total\{direction="(\w+)",model_name="[^"]*",tier="disk"\} (\S+)$',
-            httpx.get(f"{decode.url}/metrics").text, re.M)}
+        tier_bytes = {
+            m[0]: float(m[1])
+            for m in re.findall(
+                r'^pagedllm:kv_offload_bytes_total\{direction="(\w+)",model_name="[^"]*",tier="disk"\} (\S+)$',
+                httpx.get(f"{decode.url}/metrics").text,
+                re.M,
+            )
+        }
         assert set(tier_bytes) == {"save", "load"} and tier_bytes["load"] > 0, tier_bytes
         assert got == [_complete(prefill.url, p) for p in PROMPTS]  # what one engine answers alone
     finally:
@@ -109,7 +149,7 @@ def test_a_decode_server_whose_prefill_server_is_gone_computes_the_prompt_itself
     try:
         assert _complete(proxy.url, prompt + " again") == _complete(decode.url, prompt + " again")
         assert _complete(proxy.url, prompt) == expected
-        assert proxy.metric('pagedllm_router:prefills_total{') == 2
+        assert proxy.metric("pagedllm_router:prefills_total{") == 2
         assert "unreachable" in httpx.get(f"{proxy.url}/metrics").text
     finally:
         proxy.stop()

@@ -17,14 +17,23 @@ from pagedllm.errors import EngineDeadError, InvalidParameterError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-SYSTEM = ("You are a careful assistant. Answer briefly, check every step of your reasoning twice, and say "
-          "so plainly when you do not know the answer to a question. ")
-QUESTIONS = ["What is two plus two?", "Name a colour of the sky.", "Count from one to five.",
-             "Which planet is the largest?", "Spell the word cat.", "What do bees make?"]
+SYSTEM = (
+    "You are a careful assistant. Answer briefly, check every step of your reasoning twice, and say "
+    "so plainly when you do not know the answer to a question. "
+)
+QUESTIONS = [
+    "What is two plus two?",
+    "Name a colour of the sky.",
+    "Count from one to five.",
+    "Which planet is the largest?",
+    "Spell the word cat.",
+    "What do bees make?",
+]
 # a shared prefix (prefix caching), prompts longer than the step budget (chunked prefill), and more
 # sequences than the cache holds at once (preemption)
-ENGINE_KW = dict(max_model_len=96, num_gpu_blocks_override=10, max_num_batched_tokens=32, max_num_seqs=6,
-                 enable_prefix_caching=True)
+ENGINE_KW = dict(
+    max_model_len=96, num_gpu_blocks_override=10, max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=True
+)
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
 
 
@@ -106,8 +115,14 @@ def test_mp_parallel_engine_matches_single_process(tp: int, pp: int, name: str, 
 def test_kv_tiers_under_tensor_and_pipeline_parallelism(qwen2_dir: Path, reference, tmp_path: Path) -> None:
     """Each of the 4 ranks keeps its own shard in the RAM pool and on disk, at the same slots and names."""
     disk = {"kv_connector": "DiskConnector", "kv_connector_extra_config": {"path": str(tmp_path)}}
-    got, stats = _run(qwen2_dir, tensor_parallel_size=2, pipeline_parallel_size=2, kv_offloading_size=0.01,
-                      preemption_mode="swap", kv_transfer_config=disk)
+    got, stats = _run(
+        qwen2_dir,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        kv_offloading_size=0.01,
+        preemption_mode="swap",
+        kv_transfer_config=disk,
+    )
     _assert_same(reference["qwen2"][0], got)
     assert stats["preemptions"] > 0 and stats["tier_hits"] > 0
     files = [f.name for d in tmp_path.iterdir() for f in d.iterdir()]
@@ -143,9 +158,13 @@ def test_tp3_smollm2_matches_single_process(quantization: str | None) -> None:
     def run(**extra: Any) -> list:
         llm = LLM(**kw, **extra)
         try:
-            return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                                  o.outputs[0].logprobs)])
-                    for o in llm.generate(prompts, params, use_tqdm=False)]
+            return [
+                (
+                    list(o.outputs[0].token_ids),
+                    [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+                )
+                for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
         finally:
             llm.llm_engine.shutdown()
 
@@ -180,11 +199,15 @@ def test_bad_parallel_sizes_are_refused_at_start(qwen2_dir: Path) -> None:
     with pytest.raises(InvalidParameterError, match="uniproc"):
         LLM(str(qwen2_dir), tensor_parallel_size=2, distributed_executor_backend="uniproc")
     with pytest.raises(InvalidParameterError, match="only 'ngram'"):
-        LLM(str(qwen2_dir), tensor_parallel_size=2,
-            speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+        LLM(
+            str(qwen2_dir),
+            tensor_parallel_size=2,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2},
+        )
 
 
 # -- Ray -----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def local_ray():
@@ -196,8 +219,7 @@ def local_ray():
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
 def test_ray_parallel_engine_matches_single_process(tp: int, pp: int, qwen3_dir: Path, reference, local_ray) -> None:
-    got, stats = _run(qwen3_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                      distributed_executor_backend="ray")
+    got, stats = _run(qwen3_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="ray")
     _assert_same(reference["qwen3"][0], got)
     if pp == 1:
         assert stats == reference["qwen3"][1]
@@ -234,6 +256,7 @@ def test_server_with_a_dead_worker_fails_fast_and_sigterm_stops_every_worker(qwe
     import subprocess
 
     import httpx
+
     from utils import MODEL, Server
 
     def workers(pid: int) -> list[int]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+
 from utils import check_greedy_close
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
@@ -16,14 +17,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 def _prompts(seed: int, n: int, shared: int = 0, lo: int = 5, hi: int = 120) -> list[dict]:
     rng = random.Random(seed)
     prefix = [rng.randrange(100, 40000) for _ in range(shared)]
-    return [{"prompt_token_ids": prefix + [rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))]}
-            for _ in range(n)]
+    return [
+        {"prompt_token_ids": prefix + [rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))]} for _ in range(n)
+    ]
 
 
 def _same(ref, outs):
     """On vs off must give the same greedy tokens, up to near-ties flipped by float summation order."""
-    check_greedy_close([o.outputs[0] for o in ref], [o.outputs[0] for o in outs], topk=5,
-                       min_exact_fraction=0.9, names=("off", "on"))
+    check_greedy_close(
+        [o.outputs[0] for o in ref], [o.outputs[0] for o in outs], topk=5, min_exact_fraction=0.9, names=("off", "on")
+    )
 
 
 def _ids(outs):
@@ -38,8 +41,14 @@ def tiny_llama_dir(tiny_model_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     """Outputs with every feature off and a cache large enough for everything at once."""
-    llm = LLM(model=tiny_llama_dir, enable_prefix_caching=False, enable_chunked_prefill=False,
-              max_num_batched_tokens=4096, max_model_len=512, num_gpu_blocks_override=512)
+    llm = LLM(
+        model=tiny_llama_dir,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=4096,
+        max_model_len=512,
+        num_gpu_blocks_override=512,
+    )
     prompts = _prompts(0, 10) + _prompts(1, 6, shared=70)
     return prompts, llm.generate(prompts, GREEDY, use_tqdm=False)
 
@@ -53,8 +62,14 @@ def _engine_is_clean(llm):
 @pytest.mark.parametrize("budget", [32, 77])
 def test_chunked_prefill_does_not_change_outputs(tiny_llama_dir, reference, budget):
     prompts, ref = reference
-    llm = LLM(model=tiny_llama_dir, enable_prefix_caching=False, enable_chunked_prefill=True,
-              max_num_batched_tokens=budget, max_model_len=512, num_gpu_blocks_override=512)
+    llm = LLM(
+        model=tiny_llama_dir,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=budget,
+        max_model_len=512,
+        num_gpu_blocks_override=512,
+    )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     _same(ref, outs)
     _engine_is_clean(llm)
@@ -69,8 +84,7 @@ def test_prefix_cache_hit_does_not_change_output(tiny_llama_dir, reference):
     assert sum(o.num_cached_tokens for o in first[10:]) >= 5 * 64
     again = llm.generate(prompts, GREEDY, use_tqdm=False)  # now every prompt's full blocks are cached
     _same(ref, again)
-    assert all(o.num_cached_tokens >= 16 * ((len(p["prompt_token_ids"]) - 1) // 16)
-               for o, p in zip(again, prompts))
+    assert all(o.num_cached_tokens >= 16 * ((len(p["prompt_token_ids"]) - 1) // 16) for o, p in zip(again, prompts))
     stats = llm.llm_engine.core.make_stats().prefix_cache
     assert stats.hits > 0 and stats.queries >= stats.hits
     _engine_is_clean(llm)
@@ -79,8 +93,13 @@ def test_prefix_cache_hit_does_not_change_output(tiny_llama_dir, reference):
 def test_preemption_under_tiny_cache_finishes_every_request(tiny_llama_dir, reference):
     prompts, ref = reference
     for caching in (False, True):
-        llm = LLM(model=tiny_llama_dir, enable_prefix_caching=caching, max_model_len=224,
-                  num_gpu_blocks_override=14, max_num_batched_tokens=64)
+        llm = LLM(
+            model=tiny_llama_dir,
+            enable_prefix_caching=caching,
+            max_model_len=224,
+            num_gpu_blocks_override=14,
+            max_num_batched_tokens=64,
+        )
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.llm_engine.core.scheduler.num_preemptions > 0
         assert all(o.finished and len(o.outputs[0].token_ids) == 24 for o in outs)
@@ -90,8 +109,14 @@ def test_preemption_under_tiny_cache_finishes_every_request(tiny_llama_dir, refe
 
 def test_priority_scheduling_runs_and_matches(tiny_llama_dir, reference):
     prompts, ref = reference
-    llm = LLM(model=tiny_llama_dir, scheduling_policy="priority", max_model_len=224,
-              num_gpu_blocks_override=14, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(
+        model=tiny_llama_dir,
+        scheduling_policy="priority",
+        max_model_len=224,
+        num_gpu_blocks_override=14,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+    )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[i % 3 for i in range(len(prompts))])
     _same(ref, outs)
     _engine_is_clean(llm)
@@ -103,8 +128,12 @@ def llm(tiny_llama_dir):
 
 
 def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
-    prompts = ["Hello world, this is a longer prompt than the next one", "Hi",
-               {"prompt": "Bonjour"}, {"prompt_token_ids": [1, 2, 3]}]
+    prompts = [
+        "Hello world, this is a longer prompt than the next one",
+        "Hi",
+        {"prompt": "Bonjour"},
+        {"prompt_token_ids": [1, 2, 3]},
+    ]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 2, 4)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5, 2, 4]
@@ -128,17 +157,22 @@ def test_seeded_sampling_is_reproducible_across_batches_and_order(llm):
     assert mixed[2].outputs[0].token_ids == alone
     last = llm.generate(others + [p], [unseeded] * 5 + [sp], use_tqdm=False)
     assert last[-1].outputs[0].token_ids == alone
-    different = llm.generate([p], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True),
-                             use_tqdm=False)[0].outputs[0].token_ids
+    different = (
+        llm.generate([p], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert different != alone
 
 
 def test_top_k_1_equals_greedy(llm):
     prompts = _prompts(7, 4)
-    greedy = _ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                               use_tqdm=False))
-    topk1 = _ids(llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True,
-                                                      seed=3), use_tqdm=False))
+    greedy = _ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))
+    topk1 = _ids(
+        llm.generate(
+            prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True, seed=3), use_tqdm=False
+        )
+    )
     assert topk1 == greedy
 
 
@@ -148,14 +182,16 @@ def test_eos_stop_token_ids_min_tokens_and_ignore_eos(llm):
     ids = free.outputs[0].token_ids
     stop_tok = ids[5]
     first = ids.index(stop_tok)
-    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ids[:first + 1]
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert out.token_ids == ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     # min_tokens masks the stop token until enough tokens exist
-    later = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
-                                           min_tokens=first + 1), use_tqdm=False)[0].outputs[0]
-    assert len(later.token_ids) > first + 1 and stop_tok not in later.token_ids[:first + 1]
+    later = llm.generate(
+        p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], min_tokens=first + 1), use_tqdm=False
+    )[0].outputs[0]
+    assert len(later.token_ids) > first + 1 and stop_tok not in later.token_ids[: first + 1]
     # the model's EOS ends generation unless ignore_eos
     eos = llm.llm_engine.tokenizer.eos_token_id
     sp = SamplingParams(temperature=0, max_tokens=20)
@@ -173,8 +209,9 @@ def test_min_tokens_forbids_eos_even_with_ignore_eos(llm):
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
     assert eos not in out.token_ids[:8] and out.token_ids[8:] == [eos] * 4  # past min_tokens EOS wins, and goes on
     # without ignore_eos the same bias ends the output at the first token min_tokens allows
-    stopped = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, min_tokens=8, logit_bias={eos: 100}),
-                           use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        p, SamplingParams(temperature=0, max_tokens=12, min_tokens=8, logit_bias={eos: 100}), use_tqdm=False
+    )[0].outputs[0]
     assert stopped.token_ids[:8] == out.token_ids[:8] and stopped.token_ids[8:] == [eos]
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None
 
@@ -184,20 +221,35 @@ def test_stop_token_text_is_left_out_unless_include_stop_str_in_output(llm):
     unless include_stop_str_in_output (with skip_special_tokens=False an EOS would otherwise show)."""
     tok = llm.llm_engine.tokenizer
     p = [{"prompt_token_ids": [100, 200, 300]}]
-    ids = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
+    ids = (
+        llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     stop_tok = next(t for t in ids[3:] if tok.decode([t]).strip())  # a token with visible text
     cut = ids.index(stop_tok) + 1
     for include in (False, True):
-        out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
-                                             include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            p,
+            SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], include_stop_str_in_output=include),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert out.token_ids == ids[:cut] and out.stop_reason == stop_tok
-        assert out.text == tok.decode(ids[:cut] if include else ids[:cut - 1])
+        assert out.text == tok.decode(ids[:cut] if include else ids[: cut - 1])
     eos = tok.eos_token_id
     for include in (False, True):
-        out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, min_tokens=2, logit_bias={eos: 100},
-                                             skip_special_tokens=False, include_stop_str_in_output=include),
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            p,
+            SamplingParams(
+                temperature=0,
+                max_tokens=20,
+                min_tokens=2,
+                logit_bias={eos: 100},
+                skip_special_tokens=False,
+                include_stop_str_in_output=include,
+            ),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert out.token_ids == ids[:2] + [eos] and out.finish_reason == "stop"
         assert (tok.eos_token in out.text) == include
 
@@ -206,20 +258,27 @@ def test_stop_strings_trim_the_text(llm):
     p = [{"prompt_token_ids": [100, 200, 300]}]
     full = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
     text = full.outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = text.index(stop)
-    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
-                                          include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[:cut + len(stop)]
+    kept = llm.generate(
+        p,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: cut + len(stop)]
     _engine_is_clean(llm)
 
 
 def test_max_tokens_is_capped_by_the_context(llm):
-    out = llm.generate([{"prompt_token_ids": [9] * 250}], SamplingParams(temperature=0, max_tokens=100,
-                                                                       ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": [9] * 250}],
+        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
 
 
@@ -246,8 +305,9 @@ def test_n8_shares_prompt_blocks_and_matches_independent_seeded_requests(tiny_ll
     outs, shared_peak = _peak_blocks(llm, [("group", prompt, sp)])
     group = outs["group"]
     assert [c.index for c in group.outputs] == list(range(8))
-    single = [SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
-              for i in range(8)]
+    single = [
+        SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True) for i in range(8)
+    ]
     indep, indep_peak = _peak_blocks(llm, [(f"r{i}", prompt, s) for i, s in enumerate(single)])
     assert [c.token_ids for c in group.outputs] == [indep[f"r{i}"].outputs[0].token_ids for i in range(8)]
     assert len({tuple(c.token_ids) for c in group.outputs}) > 1, "siblings must sample independently"
@@ -270,8 +330,11 @@ def test_n_siblings_with_prefix_caching_and_preemption_all_finish(tiny_llama_dir
 def test_abort_of_an_n_group_frees_every_block(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, max_model_len=256, num_gpu_blocks_override=64)
     eng = llm.llm_engine
-    eng.add_request("g", {"prompt_token_ids": list(range(100, 150))},
-                    SamplingParams(n=4, temperature=1.0, max_tokens=50, ignore_eos=True))
+    eng.add_request(
+        "g",
+        {"prompt_token_ids": list(range(100, 150))},
+        SamplingParams(n=4, temperature=1.0, max_tokens=50, ignore_eos=True),
+    )
     for _ in range(3):
         eng.step()
     eng.abort_request(["g"])
@@ -285,8 +348,11 @@ def test_abort_of_an_n_group_frees_every_block(tiny_llama_dir):
 def test_frequency_and_presence_penalties_reduce_repetition(llm):
     prompts = _prompts(21, 4)
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    penal = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                 frequency_penalty=2.0, presence_penalty=2.0), use_tqdm=False)
+    penal = llm.generate(
+        prompts,
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
+        use_tqdm=False,
+    )
 
     def max_repeats(o):
         ids = o.outputs[0].token_ids
@@ -302,26 +368,43 @@ def test_repetition_penalty_and_bad_words(llm):
     plain = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     first = plain.outputs[0].token_ids[0]
     banned_word = llm.get_tokenizer().decode([first])
-    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[banned_word]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[banned_word]), use_tqdm=False
+    )[0]
     bad_ids = llm.llm_engine.processor._bad_words_ids([banned_word])
     singles = {w[0] for w in bad_ids if len(w) == 1}
     assert first in singles and not singles & set(out.outputs[0].token_ids)
-    rep = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=5.0),
-                       use_tqdm=False)[0].outputs[0].token_ids
+    rep = (
+        llm.generate(
+            p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=5.0), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len(set(rep)) >= len(set(plain.outputs[0].token_ids))
-    allowed = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=2,
-                                             allowed_token_ids=[7, 8]), use_tqdm=False)[0].outputs[0].token_ids
+    allowed = (
+        llm.generate(
+            p,
+            SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=2, allowed_token_ids=[7, 8]),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert set(allowed) <= {7, 8}
 
 
 def test_truncate_prompt_tokens_keeps_the_last_k(llm):
     long = {"prompt_token_ids": list(range(1000, 1100))}
-    cut = llm.generate([long], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
-                                              truncate_prompt_tokens=10), use_tqdm=False)[0]
+    cut = llm.generate(
+        [long], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, truncate_prompt_tokens=10), use_tqdm=False
+    )[0]
     assert cut.prompt_token_ids == list(range(1090, 1100))
-    same = llm.generate([{"prompt_token_ids": list(range(1090, 1100))}],
-                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    same = llm.generate(
+        [{"prompt_token_ids": list(range(1090, 1100))}],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert cut.outputs[0].token_ids == same.outputs[0].token_ids
 
 
@@ -341,11 +424,25 @@ def test_user_logits_processors_both_signatures(llm):
         return out
 
     p = [{"prompt_token_ids": [301, 302, 303]}]
-    even = llm.generate(p, SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True,
-                                          logits_processors=[only_even]), use_tqdm=False)[0].outputs[0].token_ids
+    even = (
+        llm.generate(
+            p,
+            SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, logits_processors=[only_even]),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert all(t % 2 == 0 for t in even) and seen == list(range(6))
-    echo = llm.generate(p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
-                                          logits_processors=[echo_prompt]), use_tqdm=False)[0].outputs[0].token_ids
+    echo = (
+        llm.generate(
+            p,
+            SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logits_processors=[echo_prompt]),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert echo == [301, 302, 303, 301, 302]
 
 
@@ -432,12 +529,18 @@ def test_sliding_window_groups_leave_seeded_n_gt_1_sampling_and_preemption_uncha
     prompt (a copy of the last block in each group), seeded sampling, prompts past the window and preemptions,
     with the local layer's own block tables and without them: the same tokens, and every block back."""
     model = str(tiny_model_factory("gemma3"))
-    prompts = [{"prompt_token_ids": [(i * 37 + j) % 4000 + 10 for j in range(n)]} for i, n in enumerate([5, 90, 140, 33])]
+    prompts = [
+        {"prompt_token_ids": [(i * 37 + j) % 4000 + 10 for j in range(n)]} for i, n in enumerate([5, 90, 140, 33])
+    ]
     params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, n=3, seed=7)
     outs = {}
     for hybrid, num_blocks in ((True, 64), (False, 40)):  # a hybrid block holds one of the two layers: less memory
-        llm = LLM(model, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=64,
-                  disable_hybrid_kv_cache_manager=not hybrid)
+        llm = LLM(
+            model,
+            num_gpu_blocks_override=num_blocks,
+            max_num_batched_tokens=64,
+            disable_hybrid_kv_cache_manager=not hybrid,
+        )
         assert (llm.llm_engine.kv_groups is not None) == hybrid
         outs[hybrid] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
         sched = llm.llm_engine.core.scheduler

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+
 from utils import GreedyResult, check_greedy_close, hf_greedy
 
 TOPK = 5
@@ -90,9 +91,16 @@ def _tiny_prompts(tokenizer) -> list[list[int]]:
 
 
 def test_tiny_models_greedy_match_transformers(tiny_model_dir: Path) -> None:
-    llm = LLM(model=str(tiny_model_dir), max_model_len=512, max_num_batched_tokens=64,
-              enable_chunked_prefill=True, enable_prefix_caching=False, num_gpu_blocks_override=96,
-              block_size=16, dtype="float32")
+    llm = LLM(
+        model=str(tiny_model_dir),
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=96,
+        block_size=16,
+        dtype="float32",
+    )
     prompts = _tiny_prompts(llm.get_tokenizer())
     assert len(prompts) == 6 and min(map(len, prompts)) == 1 and max(map(len, prompts)) == 160
 
@@ -100,20 +108,52 @@ def test_tiny_models_greedy_match_transformers(tiny_model_dir: Path) -> None:
     ref = hf_greedy(tiny_model_dir, prompts, max_new_tokens=32, topk=TOPK)
 
     assert all(o.num_cached_tokens == 0 for o in outs)  # prefix caching is off
-    check_greedy_close(ref, [o.outputs[0] for o in outs], TOPK, logprob_atol=LOGPROB_ATOL,
-                       min_exact_fraction=0.8, max_divergence_gap=MAX_DIVERGENCE_GAP,
-                       names=("transformers", "pagedllm"))
+    check_greedy_close(
+        ref,
+        [o.outputs[0] for o in outs],
+        TOPK,
+        logprob_atol=LOGPROB_ATOL,
+        min_exact_fraction=0.8,
+        max_divergence_gap=MAX_DIVERGENCE_GAP,
+        names=("transformers", "pagedllm"),
+    )
 
 
 # ---------------------------------------------------------------- the embedded SmolLM2 GGUF
 
-_VILLAGES = ["Ashford", "Brindle", "Corwen", "Dunmore", "Elmstead", "Fairholm", "Glenrock", "Hartwell",
-             "Ivybridge", "Juniper", "Kestrel", "Larkspur", "Millbrook", "Northwood", "Oakridge", "Pinecrest",
-             "Queensfield", "Rosedale", "Stonehaven", "Thornbury", "Upton", "Valewood", "Westbrook"]
-LONG_STORY = " ".join(
-    f"Chapter {i}. The river flowed past the village of {name}, where the baker sold {3 + 4 * i} loaves of "
-    "bread every morning and the children counted the boats." for i, name in enumerate(_VILLAGES)
-) + " Summarize the story so far:"
+_VILLAGES = [
+    "Ashford",
+    "Brindle",
+    "Corwen",
+    "Dunmore",
+    "Elmstead",
+    "Fairholm",
+    "Glenrock",
+    "Hartwell",
+    "Ivybridge",
+    "Juniper",
+    "Kestrel",
+    "Larkspur",
+    "Millbrook",
+    "Northwood",
+    "Oakridge",
+    "Pinecrest",
+    "Queensfield",
+    "Rosedale",
+    "Stonehaven",
+    "Thornbury",
+    "Upton",
+    "Valewood",
+    "Westbrook",
+]
+LONG_STORY = (
+    " ".join(
+        f"Chapter {i}. The river flowed past the village of {name}, where the baker sold {3 + 4 * i} loaves of "
+        "bread every morning and the children counted the boats."
+        for i, name in enumerate(_VILLAGES)
+    )
+    + " Summarize the story so far:"
+)
 
 SMOLLM2_TEXTS = [
     "The capital of France is",
@@ -129,8 +169,15 @@ SMOLLM2_TEXTS = [
 
 @pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_transformers(smollm2_hf_model) -> None:
-    llm = LLM(max_model_len=1024, max_num_batched_tokens=256, enable_chunked_prefill=True,
-              enable_prefix_caching=False, num_gpu_blocks_override=160, block_size=16, dtype="float32")
+    llm = LLM(
+        max_model_len=1024,
+        max_num_batched_tokens=256,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=160,
+        block_size=16,
+        dtype="float32",
+    )
     tok = llm.get_tokenizer()
     chat = llm.apply_chat_template([{"role": "user", "content": "What is the boiling point of water?"}])
     prompts = [tok.encode(t) for t in SMOLLM2_TEXTS] + [chat]
@@ -140,6 +187,12 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2_hf_model) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(48), use_tqdm=False)
     ref = hf_greedy(smollm2_hf_model, prompts, max_new_tokens=48, topk=TOPK)
 
-    check_greedy_close(ref, [o.outputs[0] for o in outs], TOPK, logprob_atol=LOGPROB_ATOL,
-                       min_exact_fraction=0.75, max_divergence_gap=MAX_DIVERGENCE_GAP,
-                       names=("transformers", "pagedllm"))
+    check_greedy_close(
+        ref,
+        [o.outputs[0] for o in outs],
+        TOPK,
+        logprob_atol=LOGPROB_ATOL,
+        min_exact_fraction=0.75,
+        max_divergence_gap=MAX_DIVERGENCE_GAP,
+        names=("transformers", "pagedllm"),
+    )

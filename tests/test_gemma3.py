@@ -10,20 +10,49 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+
 from utils import check_greedy_close, hf_greedy
 
 TOPK = 5
 GREEDY = SamplingParams(temperature=0, max_tokens=48, logprobs=TOPK, ignore_eos=True)
 
-_CITIES = ["Lisbon", "Oslo", "Quito", "Hanoi", "Nairobi", "Perth", "Tbilisi", "Lima", "Dakar", "Riga", "Accra",
-           "Suva", "Baku", "Sofia", "Tunis", "Male", "Bern", "Doha", "Kyiv", "Minsk", "Apia", "Rome", "Seoul"]
-LONG = " ".join(f"Day {i}: the train left {c} at {6 + i % 12} o'clock, carrying {40 + 7 * i} passengers and a "
-                f"crate of {['apples', 'books', 'lamps', 'tea'][i % 4]} bound for the coast." for i, c in
-                enumerate(_CITIES)) + " Which city did the train leave on day 3?"
+_CITIES = [
+    "Lisbon",
+    "Oslo",
+    "Quito",
+    "Hanoi",
+    "Nairobi",
+    "Perth",
+    "Tbilisi",
+    "Lima",
+    "Dakar",
+    "Riga",
+    "Accra",
+    "Suva",
+    "Baku",
+    "Sofia",
+    "Tunis",
+    "Male",
+    "Bern",
+    "Doha",
+    "Kyiv",
+    "Minsk",
+    "Apia",
+    "Rome",
+    "Seoul",
+]
+LONG = (
+    " ".join(
+        f"Day {i}: the train left {c} at {6 + i % 12} o'clock, carrying {40 + 7 * i} passengers and a "
+        f"crate of {['apples', 'books', 'lamps', 'tea'][i % 4]} bound for the coast."
+        for i, c in enumerate(_CITIES)
+    )
+    + " Which city did the train leave on day 3?"
+)
 PROMPTS = [
     LONG,  # longer than the 512-token window of the local layers
     "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
-    "def quicksort(xs):\n    \"\"\"Sort a list.\"\"\"\n",
+    'def quicksort(xs):\n    """Sort a list."""\n',
     "東京は日本の首都です。大阪は",
     "Emoji story: 🐱🚀🌙 — the cat went to",
     "The capital of France is",
@@ -40,8 +69,14 @@ def gemma_gguf() -> str:
 @pytest.fixture(scope="module")
 def reference(gemma_gguf):
     """Every feature off and room for all prompts at once; the prompts as Gemma's tokenizer reads them."""
-    llm = LLM(gemma_gguf, enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=4096,
-              max_model_len=1024, num_gpu_blocks_override=512)
+    llm = LLM(
+        gemma_gguf,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=4096,
+        max_model_len=1024,
+        num_gpu_blocks_override=512,
+    )
     ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert len(ids[0]) > 600 and all(ids[i][0] == 2 for i in range(len(ids)))  # past the window; <bos> first
     return ids, llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False), llm
@@ -51,17 +86,30 @@ def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file(gemma_gguf, re
     from transformers import AutoModelForCausalLM
 
     ids, ours, _ = reference
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma_gguf), gguf_file=os.path.basename(gemma_gguf),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gemma_gguf), gguf_file=os.path.basename(gemma_gguf), dtype=torch.float32
+    )
     ref = hf_greedy(model, ids, max_new_tokens=48, topk=TOPK)
-    result = check_greedy_close(ref, [o.outputs[0] for o in ours], TOPK, logprob_atol=1e-4, min_exact_fraction=1.0,
-                                names=("transformers", "pagedllm"))
+    result = check_greedy_close(
+        ref,
+        [o.outputs[0] for o in ours],
+        TOPK,
+        logprob_atol=1e-4,
+        min_exact_fraction=1.0,
+        names=("transformers", "pagedllm"),
+    )
     assert result.max_logprob_diff < 1e-4
 
 
 def _same(ref, outs):
-    check_greedy_close([o.outputs[0] for o in ref], [o.outputs[0] for o in outs], TOPK, min_exact_fraction=1.0,
-                       logprob_atol=1e-4, names=("off", "on"))
+    check_greedy_close(
+        [o.outputs[0] for o in ref],
+        [o.outputs[0] for o in outs],
+        TOPK,
+        min_exact_fraction=1.0,
+        logprob_atol=1e-4,
+        names=("off", "on"),
+    )
 
 
 def _clean(llm):
@@ -73,8 +121,14 @@ def _clean(llm):
 def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unchanged(gemma_gguf, reference):
     ids, ref, _ = reference
     prompts = [{"prompt_token_ids": p} for p in ids]
-    chunked = LLM(gemma_gguf, enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=96,
-                  max_model_len=1024, num_gpu_blocks_override=512)
+    chunked = LLM(
+        gemma_gguf,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=96,
+        max_model_len=1024,
+        num_gpu_blocks_override=512,
+    )
     _same(ref, chunked.generate(prompts, GREEDY, use_tqdm=False))
     _clean(chunked)
     del chunked
@@ -91,8 +145,14 @@ def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unch
     # block: 3 of the 18 layers; 300 of them hold what 50 whole-model blocks do) and without (60 blocks of all 18
     # layers: the long prompt and its decode need 50, and the others more)
     for hybrid, num_blocks in ((True, 300), (False, 60)):
-        tight = LLM(gemma_gguf, enable_prefix_caching=False, max_num_batched_tokens=128, max_model_len=900,
-                    num_gpu_blocks_override=num_blocks, disable_hybrid_kv_cache_manager=not hybrid)
+        tight = LLM(
+            gemma_gguf,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=128,
+            max_model_len=900,
+            num_gpu_blocks_override=num_blocks,
+            disable_hybrid_kv_cache_manager=not hybrid,
+        )
         assert (tight.llm_engine.kv_groups is not None) == hybrid
         outs = tight.generate(prompts, GREEDY, use_tqdm=False)
         assert tight.llm_engine.core.scheduler.num_preemptions > 0
@@ -106,8 +166,13 @@ def test_gemma3_local_layers_hold_only_their_window(gemma_gguf, reference):
     the 746-token prompt is computed in chunks of 128 and then decoded, group 0 holds every block and each
     local group at most its window and a chunk; once decoding, just the window."""
     ids = reference[0][0]
-    llm = LLM(gemma_gguf, enable_prefix_caching=False, max_num_batched_tokens=128, max_model_len=1024,
-              num_gpu_blocks_override=400)
+    llm = LLM(
+        gemma_gguf,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=128,
+        max_model_len=1024,
+        num_gpu_blocks_override=400,
+    )
     engine = llm.llm_engine
     groups = engine.kv_groups
     assert groups.windows == (None, 512, 512, 512, 512, 512) and groups.num_slots == 3
@@ -128,11 +193,19 @@ def test_gemma3_local_layers_hold_only_their_window(gemma_gguf, reference):
 
 def test_gemma3_gguf_chats_in_gemma_turns_and_ends_a_turn_at_end_of_turn(reference):
     llm = reference[2]  # the file carries no chat template: Gemma's turn format stands in
-    ids = llm.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                                   {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}])
+    ids = llm.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "2+2?"},
+        ]
+    )
     tok = llm.get_tokenizer()
-    assert tok.decode(ids) == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
-                               "Hello!<end_of_turn>\n<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")
+    assert tok.decode(ids) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+        "Hello!<end_of_turn>\n<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert ids.count(2) == 1  # one <bos>: the template's
     assert llm.llm_engine.processor.eos_token_ids == {1, tok.convert_tokens_to_ids("<end_of_turn>")}
 
@@ -147,8 +220,15 @@ def test_gemma3_gguf_under_int8_keeps_the_files_blocks(gemma_gguf):
     net = llm.llm_engine.core.runner.model
     blocks = gguf_quantized_blocks(gemma_gguf)
     kinds = {name.split(".")[-2]: kind for name, (kind, _) in blocks.items() if ".layers.0." in name}
-    assert kinds == {"q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int4", "gate_proj": "int8",
-                     "up_proj": "int8", "down_proj": "int8"}  # layer 0's down_proj is Q6_K
+    assert kinds == {
+        "q_proj": "int8",
+        "k_proj": "int8",
+        "v_proj": "int8",
+        "o_proj": "int4",
+        "gate_proj": "int8",
+        "up_proj": "int8",
+        "down_proj": "int8",
+    }  # layer 0's down_proj is Q6_K
     assert len(blocks) == 18 * 7 + 1  # every projection, and the Q8_0 embedding
     o, down = net.layers[0].self_attn.o_proj, net.layers[0].mlp.down_proj
     assert isinstance(o, Int8Linear) and isinstance(down, Int8Linear) and down.scales_per_group == 2

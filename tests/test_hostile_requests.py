@@ -20,6 +20,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from utils import MODEL, Server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -35,10 +36,16 @@ HOSTILE = {
     "100,000 stop strings": (COMPLETIONS, {**BASE, "stop": [f"s{i}" for i in range(100_000)]}, "stop"),
     "a 200,000-character stop string": (COMPLETIONS, {**BASE, "stop": "x" * 200_000}, "stop"),
     "100,000 stop token ids": (COMPLETIONS, {**BASE, "stop_token_ids": [7] * 100_000}, "stop_token_ids"),
-    "40,000 logit_bias entries": (COMPLETIONS, {**BASE, "logit_bias": {str(i): 1 for i in range(40_000)}},
-                                  "logit_bias"),
-    "150,000 allowed token ids": (COMPLETIONS, {**BASE, "allowed_token_ids": list(range(49152)) * 3},
-                                  "allowed_token_ids"),
+    "40,000 logit_bias entries": (
+        COMPLETIONS,
+        {**BASE, "logit_bias": {str(i): 1 for i in range(40_000)}},
+        "logit_bias",
+    ),
+    "150,000 allowed token ids": (
+        COMPLETIONS,
+        {**BASE, "allowed_token_ids": list(range(49152)) * 3},
+        "allowed_token_ids",
+    ),
     "50,000 bad words": (COMPLETIONS, {**BASE, "bad_words": [f"w{i}" for i in range(50_000)]}, "bad_words"),
     "chat n of a billion": (CHAT, {"model": MODEL, "messages": MESSAGES, "n": 10**9}, "n"),
     "100,000 chat messages": (CHAT, {"model": MODEL, "messages": MESSAGES * 100_000}, "messages"),
@@ -46,11 +53,14 @@ HOSTILE = {
 
 # name -> (raw body, content type, expected status, words the message must contain)
 BAD_BODIES = {
-    "nested 5,000 deep": (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", 400,
-                          "nested too deeply"),
+    "nested 5,000 deep": (
+        b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        "application/json",
+        400,
+        "nested too deeply",
+    ),
     "invalid UTF-8": (b'{"model": "tiny", "prompt": "\xff\xfe"}', "application/json", 400, "UTF-8"),
-    "trailing garbage": (b'{"model": "tiny", "prompt": "hi"} trailing', "application/json", 400,
-                         "line 1, column 35"),
+    "trailing garbage": (b'{"model": "tiny", "prompt": "hi"} trailing', "application/json", 400, "line 1, column 35"),
     "unclosed object": (b'{"model": "tiny",\n "prompt": "hi"', "application/json", 400, "line 2"),
     "wrong content type": (b'{"model": "tiny", "prompt": "hi"}', "text/plain", 400, "Content-Type"),
 }
@@ -108,7 +118,7 @@ class _Streamer(threading.Thread):
                 except httpx.HTTPError as e:
                     self.errors.append(repr(e))
 
-    def __enter__(self) -> "_Streamer":
+    def __enter__(self) -> _Streamer:
         self.start()
         deadline = time.time() + 30
         while not self.token_times and time.time() < deadline:
@@ -177,7 +187,7 @@ def _abuse_once(server: Server, h: httpx.Client, timings: _Timings) -> None:
         timings.probe(server.url)
 
 
-def _window(streamer: "_Streamer", server: Server, h: httpx.Client, round_fn, seconds: float) -> tuple:
+def _window(streamer: _Streamer, server: Server, h: httpx.Client, round_fn, seconds: float) -> tuple:
     """Rounds of ``round_fn`` for ``seconds``; returns (timings, the stream's tokens per second, its longest gap)."""
     timings = _Timings()
     start = time.perf_counter()
@@ -199,9 +209,11 @@ def test_each_abusive_request_is_refused_fast_while_others_are_served(server):
         base, base_rate, base_gap = _window(streamer, server, h, _cheap_once, 2.0)
         abuse, rate, gap = _window(streamer, server, h, _abuse_once, 2.0)
         time.sleep(0.3)
-    report = (f"stream {rate:.0f} tok/s beside abuse vs {base_rate:.0f} beside cheap requests; longest gap "
-              f"{gap:.2f}s vs {base_gap:.2f}s; /health median {_median(abuse.health) * 1e3:.1f} ms vs "
-              f"{_median(base.health) * 1e3:.1f} ms")
+    report = (
+        f"stream {rate:.0f} tok/s beside abuse vs {base_rate:.0f} beside cheap requests; longest gap "
+        f"{gap:.2f}s vs {base_gap:.2f}s; /health median {_median(abuse.health) * 1e3:.1f} ms vs "
+        f"{_median(base.health) * 1e3:.1f} ms"
+    )
     print(report)
     # the stream keeps a fair share of the rate it has on this machine now, and never stalls
     assert rate >= 0.2 * base_rate, report
@@ -224,6 +236,7 @@ def test_each_abusive_request_is_refused_fast_while_others_are_served(server):
 def test_chunked_body_over_the_limit_is_413_without_content_length(model_dir):
     s = Server(model_dir, "--max-request-body-bytes", "100000")
     try:
+
         def chunks():
             yield b'{"model": "tiny", "prompt": "'
             for _ in range(100):
@@ -245,8 +258,11 @@ def test_n_must_be_a_json_integer(server, n):
 
 
 def test_request_chat_template_needs_the_server_flag(server):
-    body = {"model": MODEL, "messages": MESSAGES, "chat_template": "{% for i in range(99999) %}{{ 'a' * 9999 }}"
-                                                                    "{% endfor %}"}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "chat_template": "{% for i in range(99999) %}{{ 'a' * 9999 }}{% endfor %}",
+    }
     err = _assert_openai_error(httpx.post(f"{server.url}{CHAT}", json=body), 400)
     assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
 
@@ -273,8 +289,12 @@ def _small_request_while_a_big_one_runs(server: Server, big_body: dict, metric: 
     while server.metric(metric) < at_least and time.time() < deadline:
         time.sleep(0.01)
     assert server.metric(metric) >= at_least, f"the big request never got {metric} to {at_least}"
-    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", timeout=120,
-                      json={**BASE, "prompt": "small", "max_tokens": 8, "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}{COMPLETIONS}",
+        timeout=120,
+        json={**BASE, "prompt": "small", "max_tokens": 8, "stream": True, "ignore_eos": True},
+    ) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         small_finished_first = not big_done.is_set()
     t.join(300)
@@ -283,8 +303,15 @@ def _small_request_while_a_big_one_runs(server: Server, big_body: dict, metric: 
 
 def test_small_stream_gets_tokens_while_an_n_64_request_runs(server):
     """Fair admission: a large but legal request does not hold back a small one behind it."""
-    body = {**BASE, "prompt": "a big request", "n": 64, "max_tokens": 60, "ignore_eos": True, "temperature": 1.0,
-            "seed": 1}
+    body = {
+        **BASE,
+        "prompt": "a big request",
+        "n": 64,
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 1,
+    }
     chunks, small_first, big = _small_request_while_a_big_one_runs(server, body, "pagedllm:num_requests_running", 64)
     assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert small_first, "the small stream waited for the n=64 request to finish"
@@ -309,8 +336,12 @@ def test_every_child_counts_against_max_queue_len(model_dir):
     try:
         r = httpx.post(f"{s.url}{COMPLETIONS}", json={**BASE, "n": 9})
         assert "max_queue_len=8" in _assert_openai_error(r, 400)["message"]
-        with httpx.stream("POST", f"{s.url}{COMPLETIONS}", timeout=60,
-                          json={**BASE, "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True}) as big:
+        with httpx.stream(
+            "POST",
+            f"{s.url}{COMPLETIONS}",
+            timeout=60,
+            json={**BASE, "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True},
+        ) as big:
             lines = big.iter_lines()
             next(line for line in lines if line.startswith("data: {"))  # 2 running, 6 queued
             full = httpx.post(f"{s.url}{COMPLETIONS}", json={**BASE, "n": 4})
@@ -326,8 +357,10 @@ def test_every_child_counts_against_max_queue_len(model_dir):
 # -- fuzzing: huge and boundary values in every numeric and list field ----------------------
 
 _INTS = st.sampled_from([0, 1, -1, 2, 255, 256, 257, 49151, 49152, 2**31, 2**63, 2**64, 10**30, -(2**63) - 1])
-_FLOATS = st.sampled_from([0.0, -0.0, 1e-300, 0.5, 1.0, 2.0, 100.0, 101.0, 1e308, -1e308, float("inf"),
-                           float("nan")]) | st.floats()
+_FLOATS = (
+    st.sampled_from([0.0, -0.0, 1e-300, 0.5, 1.0, 2.0, 100.0, 101.0, 1e308, -1e308, float("inf"), float("nan")])
+    | st.floats()
+)
 _SIZES = st.sampled_from([0, 1, 1000, 100_000])
 
 
@@ -336,22 +369,42 @@ def _big_list(item):
 
 
 _SAMPLING = {
-    "max_tokens": _INTS, "temperature": _FLOATS, "top_p": _FLOATS, "n": _INTS, "seed": _INTS,
-    "presence_penalty": _FLOATS, "frequency_penalty": _FLOATS, "repetition_penalty": _FLOATS, "top_k": _INTS,
-    "min_p": _FLOATS, "min_tokens": _INTS, "priority": _INTS,
+    "max_tokens": _INTS,
+    "temperature": _FLOATS,
+    "top_p": _FLOATS,
+    "n": _INTS,
+    "seed": _INTS,
+    "presence_penalty": _FLOATS,
+    "frequency_penalty": _FLOATS,
+    "repetition_penalty": _FLOATS,
+    "top_k": _INTS,
+    "min_p": _FLOATS,
+    "min_tokens": _INTS,
+    "priority": _INTS,
     "stop": _big_list(st.sampled_from(["a", "", "x" * 40])) | st.sampled_from(["", "a", "x" * 5000]),
-    "stop_token_ids": _big_list(_INTS), "allowed_token_ids": _big_list(_INTS),
+    "stop_token_ids": _big_list(_INTS),
+    "allowed_token_ids": _big_list(_INTS),
     "bad_words": _big_list(st.sampled_from(["a", "", "x" * 40])) | st.just(["x" * 5000]),
     "logit_bias": st.tuples(_SIZES, _FLOATS).map(lambda t: {str(i): t[1] for i in range(t[0])}),
 }
 _COMPLETION_BODY = st.fixed_dictionaries(
     {"model": st.just(MODEL)},
-    optional={**_SAMPLING, "logprobs": _INTS, "echo": st.booleans(),
-              "prompt": st.one_of(_big_list(_INTS), _big_list(st.sampled_from(["hi", ""])),
-                                  _big_list(st.just([5, 6])), st.sampled_from(["", "hi"]))})
+    optional={
+        **_SAMPLING,
+        "logprobs": _INTS,
+        "echo": st.booleans(),
+        "prompt": st.one_of(
+            _big_list(_INTS),
+            _big_list(st.sampled_from(["hi", ""])),
+            _big_list(st.just([5, 6])),
+            st.sampled_from(["", "hi"]),
+        ),
+    },
+)
 _CHAT_BODY = st.fixed_dictionaries(
     {"model": st.just(MODEL), "messages": _big_list(st.just({"role": "user", "content": "hi"}))},
-    optional={**_SAMPLING, "max_completion_tokens": _INTS, "top_logprobs": _INTS, "logprobs": st.booleans()})
+    optional={**_SAMPLING, "max_completion_tokens": _INTS, "top_logprobs": _INTS, "logprobs": st.booleans()},
+)
 
 
 @pytest.fixture(scope="module")
@@ -367,8 +420,9 @@ def _fuzz_one(server, endpoint: str, body: dict, fuzz_rss: dict) -> None:
     for _ in range(3):
         before.probe(server.url)
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{server.url}{endpoint}", content=payload, timeout=10,
-                      headers={"content-type": "application/json"}) as r:
+    with httpx.stream(
+        "POST", f"{server.url}{endpoint}", content=payload, timeout=10, headers={"content-type": "application/json"}
+    ) as r:
         elapsed = time.perf_counter() - t0
         status = r.status_code
         if status != 200:
@@ -399,8 +453,9 @@ def test_fuzzed_chat_bodies_get_a_fast_answer(server, fuzz_rss, body):
 
 def test_fuzzing_left_the_engine_idle_and_clean(server):
     deadline = time.time() + 30
-    while time.time() < deadline and (server.metric("pagedllm:num_requests_running") > 0
-                                      or server.metric("pagedllm:kv_cache_usage_perc") > 0):
+    while time.time() < deadline and (
+        server.metric("pagedllm:num_requests_running") > 0 or server.metric("pagedllm:kv_cache_usage_perc") > 0
+    ):
         time.sleep(0.1)
     assert server.metric("pagedllm:num_requests_running") == 0
     assert server.metric("pagedllm:num_requests_waiting") == 0
@@ -426,8 +481,9 @@ def test_mixed_abusive_load_then_sigterm_under_load(model_dir):
                 # served does not depend on how fast this machine drains the queue today
                 for _ in range(_RETRIES):
                     if kind == "normal":
-                        r = h.post(f"{s.url}{COMPLETIONS}", json={**BASE, "max_tokens": 16, "seed": i,
-                                                                   "temperature": 1})
+                        r = h.post(
+                            f"{s.url}{COMPLETIONS}", json={**BASE, "max_tokens": 16, "seed": i, "temperature": 1}
+                        )
                     else:
                         body = {**BASE, "max_tokens": 64, "stream": True, "n": 2, "ignore_eos": True}
                         with h.stream("POST", f"{s.url}{COMPLETIONS}", json=body) as r:
@@ -468,9 +524,15 @@ def test_mixed_abusive_load_then_sigterm_under_load(model_dir):
         assert s.metric("pagedllm:num_requests_running") == 0
 
         # saturate it again, then SIGTERM: in-flight work is finished or aborted within the timeout
-        streams = [httpx.stream("POST", f"{s.url}{COMPLETIONS}", timeout=60,
-                                json={**BASE, "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True})
-                   for _ in range(3)]
+        streams = [
+            httpx.stream(
+                "POST",
+                f"{s.url}{COMPLETIONS}",
+                timeout=60,
+                json={**BASE, "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True},
+            )
+            for _ in range(3)
+        ]
         opened = [cm.__enter__() for cm in streams]
         # the gauges move at step ends: the step that admits the first request's 8 completions may report
         # before the engine has taken the other two requests, so wait for the saturated state itself

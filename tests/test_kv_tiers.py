@@ -15,6 +15,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import build_parser, engine_kwargs
 from pagedllm.errors import InvalidParameterError
+
 from utils import check_greedy_close
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
@@ -51,8 +52,9 @@ def _clean(llm: LLM) -> None:
 
 
 def _same(ref: list, outs: list) -> None:
-    check_greedy_close([o.outputs[0] for o in ref], [o.outputs[0] for o in outs], topk=5,
-                       min_exact_fraction=0.9, names=("off", "on"))
+    check_greedy_close(
+        [o.outputs[0] for o in ref], [o.outputs[0] for o in outs], topk=5, min_exact_fraction=0.9, names=("off", "on")
+    )
 
 
 def test_ram_tier_cuts_recomputed_prompt_tokens_of_a_second_pass_by_90_percent(tiny_model_factory):
@@ -102,8 +104,7 @@ def test_a_full_ram_tier_drops_its_least_recently_used_blocks(model):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_the_ram_tier_keeps_outputs_and_swap_recomputes_nothing(model, mode):
     rng = random.Random(7)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))]}
-               for _ in range(8)]
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))]} for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
     roomy = LLM(model=model, max_model_len=128, num_gpu_blocks_override=256)
     ref, ref_computed = _run(roomy, prompts, params)
@@ -124,12 +125,16 @@ def test_preemption_with_the_ram_tier_keeps_outputs_and_swap_recomputes_nothing(
 
 
 def _disk(path: Path, size_gb: float = 1) -> dict:
-    return {"kv_connector": "DiskConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"path": str(path), "max_size_gb": size_gb}}
+    return {
+        "kv_connector": "DiskConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"path": str(path), "max_size_gb": size_gb},
+    }
 
 
-def test_disk_tier_survives_a_restart_and_refuses_corrupt_or_foreign_blocks(model, tiny_model_factory, tmp_path,
-                                                                              caplog):
+def test_disk_tier_survives_a_restart_and_refuses_corrupt_or_foreign_blocks(
+    model, tiny_model_factory, tmp_path, caplog
+):
     docs = _docs(11, 6, 300)
     prompts = _ask(docs, 12)
     kw = dict(model=model, max_model_len=512, num_gpu_blocks_override=64, kv_transfer_config=_disk(tmp_path))
@@ -149,8 +154,10 @@ def test_disk_tier_survives_a_restart_and_refuses_corrupt_or_foreign_blocks(mode
     outs, restart_computed = _run(restarted, prompts)
     _same(ref, outs)
     # every full block but the one holding the last prompt token came from disk; then the decodes
-    assert restart_computed == sum(len(p["prompt_token_ids"]) - 16 * ((len(p["prompt_token_ids"]) - 1) // 16)
-                                   + GREEDY.max_tokens - 1 for p in prompts)
+    assert restart_computed == sum(
+        len(p["prompt_token_ids"]) - 16 * ((len(p["prompt_token_ids"]) - 1) // 16) + GREEDY.max_tokens - 1
+        for p in prompts
+    )
     del restarted
 
     # a flipped byte in one block of each of the first three documents, and a well-formed file of another model
@@ -160,8 +167,12 @@ def test_disk_tier_survives_a_restart_and_refuses_corrupt_or_foreign_blocks(mode
         raw = bytearray(f.read_bytes())
         raw[-7] ^= 0x40
         f.write_bytes(bytes(raw))
-    other = LLM(model=str(tiny_model_factory("llama", seed=1)), max_model_len=512, num_gpu_blocks_override=64,
-                kv_transfer_config=_disk(tmp_path))
+    other = LLM(
+        model=str(tiny_model_factory("llama", seed=1)),
+        max_model_len=512,
+        num_gpu_blocks_override=64,
+        kv_transfer_config=_disk(tmp_path),
+    )
     _run(other, prompts[3:4])
     other_root = other.llm_engine.core.scheduler.connector.disk.root
     assert other_root != root  # another model's blocks live apart ...
@@ -186,7 +197,7 @@ def restarted_hashes(out) -> list[bytes]:
 
     ids, hashes = out.prompt_token_ids, []
     for i in range(len(ids) // 16):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, ids[16 * i:16 * (i + 1)]))
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, ids[16 * i : 16 * (i + 1)]))
     return hashes
 
 
@@ -211,8 +222,12 @@ def test_a_full_disk_skips_saving_and_fails_no_request(model, tmp_path, monkeypa
 
 
 def test_disk_tier_bound_deletes_the_oldest_blocks(model, tmp_path):
-    llm = LLM(model=model, max_model_len=512, num_gpu_blocks_override=64,
-              kv_transfer_config=_disk(tmp_path, size_gb=30 * 16384 / 2**30))
+    llm = LLM(
+        model=model,
+        max_model_len=512,
+        num_gpu_blocks_override=64,
+        kv_transfer_config=_disk(tmp_path, size_gb=30 * 16384 / 2**30),
+    )
     _run(llm, _ask(_docs(31, 4, 200), 32))
     _clean(llm)
     disk = llm.llm_engine.core.scheduler.connector.disk
@@ -220,20 +235,39 @@ def test_disk_tier_bound_deletes_the_oldest_blocks(model, tmp_path):
     assert len(list(disk.root.iterdir())) == 30
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(kv_offloading_size=0), "kv_offloading_size"),
-    (dict(kv_offloading_size=1, enable_prefix_caching=False), "kv_offloading_size"),
-    (dict(preemption_mode="swap"), "preemption_mode"),
-    (dict(kv_transfer_config={"kv_connector": "NoSuchConnector"}), "kv_transfer_config.kv_connector"),
-    (dict(kv_transfer_config={"kv_connector": "DiskConnector"}),
-     "kv_transfer_config.kv_connector_extra_config.path"),
-    (dict(kv_transfer_config={"kv_connector": "DiskConnector", "kv_role": "kv_sideways",
-                              "kv_connector_extra_config": {"path": "/tmp/x"}}), "kv_transfer_config.kv_role"),
-    (dict(kv_transfer_config={"kv_connector": "DiskConnector",
-                              "kv_connector_extra_config": {"path": "/tmp/x", "size": 3}}),
-     "kv_transfer_config.kv_connector_extra_config.size"),
-    (dict(kv_transfer_config='{"kv_connector": '), "kv_transfer_config"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(kv_offloading_size=0), "kv_offloading_size"),
+        (dict(kv_offloading_size=1, enable_prefix_caching=False), "kv_offloading_size"),
+        (dict(preemption_mode="swap"), "preemption_mode"),
+        (dict(kv_transfer_config={"kv_connector": "NoSuchConnector"}), "kv_transfer_config.kv_connector"),
+        (
+            dict(kv_transfer_config={"kv_connector": "DiskConnector"}),
+            "kv_transfer_config.kv_connector_extra_config.path",
+        ),
+        (
+            dict(
+                kv_transfer_config={
+                    "kv_connector": "DiskConnector",
+                    "kv_role": "kv_sideways",
+                    "kv_connector_extra_config": {"path": "/tmp/x"},
+                }
+            ),
+            "kv_transfer_config.kv_role",
+        ),
+        (
+            dict(
+                kv_transfer_config={
+                    "kv_connector": "DiskConnector",
+                    "kv_connector_extra_config": {"path": "/tmp/x", "size": 3},
+                }
+            ),
+            "kv_transfer_config.kv_connector_extra_config.size",
+        ),
+        (dict(kv_transfer_config='{"kv_connector": '), "kv_transfer_config"),
+    ],
+)
 def test_bad_tier_settings_get_a_clear_error(kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
         LLM(model="unused", **kwargs)
@@ -241,10 +275,19 @@ def test_bad_tier_settings_get_a_clear_error(kwargs, param):
 
 
 def test_cli_flags_reach_the_engine_config():
-    args = build_parser().parse_args(["serve", "--kv-offloading-size", "8", "--kv-offloading-backend", "native",
-                                      "--preemption-mode", "swap", "--kv-transfer-config",
-                                      '{"kv_connector": "DiskConnector", "kv_connector_extra_config": '
-                                      '{"path": "/var/cache/pagedllm-kv"}}'])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--kv-offloading-size",
+            "8",
+            "--kv-offloading-backend",
+            "native",
+            "--preemption-mode",
+            "swap",
+            "--kv-transfer-config",
+            '{"kv_connector": "DiskConnector", "kv_connector_extra_config": {"path": "/var/cache/pagedllm-kv"}}',
+        ]
+    )
     kw = engine_kwargs(args)
     assert kw["kv_offloading_size"] == 8.0 and kw["preemption_mode"] == "swap"
     assert kw["kv_transfer_config"]["kv_connector"] == "DiskConnector"

@@ -38,9 +38,11 @@ def _prompts(n, lo, hi, seed=0):
 def test_prompt_and_generated_logprobs_match_transformers(model_dir, hf_model, budget):
     llm = LLM(model=model_dir, max_model_len=512, num_gpu_blocks_override=256, max_num_batched_tokens=budget)
     prompts = _prompts(4, 5, 60)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=3),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=3),
+        use_tqdm=False,
+    )
     for prompt, out in zip(prompts, outs):
         gen = out.outputs[0].token_ids
         ref = _hf_logprobs(hf_model, prompt + gen)
@@ -69,8 +71,9 @@ def test_prompt_logprobs_bypass_the_prefix_cache(model_dir):
     first = llm.generate([prompt], sp, use_tqdm=False)[0]
     again = llm.generate([prompt], sp, use_tqdm=False)[0]
     assert again.num_cached_tokens == 0
-    assert all(a is None and b is None or a.keys() == b.keys() for a, b in zip(first.prompt_logprobs,
-                                                                              again.prompt_logprobs))
+    assert all(
+        (a is None and b is None) or a.keys() == b.keys() for a, b in zip(first.prompt_logprobs, again.prompt_logprobs)
+    )
     cached = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert cached.num_cached_tokens > 0 and cached.prompt_logprobs is None
 

@@ -8,33 +8,46 @@ from typing import Any
 
 import pytest
 import torch
-from utils import check_greedy_close, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError
 from pagedllm.lora import LoRARequest
 
+from utils import check_greedy_close, hf_greedy
+
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
-PROMPTS = ["The quick brown fox jumps over", "In a hole in the ground there lived", "1, 2, 3, 4,",
-           "Once upon a time, in a land far away"]
+PROMPTS = [
+    "The quick brown fox jumps over",
+    "In a hole in the ground there lived",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a land far away",
+]
 MAX_TOKENS = 12
 
 
-def build_adapter(base_dir: Path, out_dir: Path, r: int, targets: list[str], rslora: bool = False,
-                  seed: int = 0, alpha: int | None = None) -> Path:
+def build_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    r: int,
+    targets: list[str],
+    rslora: bool = False,
+    seed: int = 0,
+    alpha: int | None = None,
+) -> Path:
     """A PEFT LoRA adapter with random (non-zero) A and B, saved as PEFT saves it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=targets,
-                                            use_rslora=rslora, lora_dropout=0.0))
+    model = get_peft_model(
+        base, LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 / r ** 0.5))
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 / r**0.5))
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -68,8 +81,9 @@ def adapters(base_dir: Path, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def llm(base_dir: Path) -> LLM:
-    return LLM(str(base_dir), enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=256,
-               num_gpu_blocks_override=64)
+    return LLM(
+        str(base_dir), enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=256, num_gpu_blocks_override=64
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +93,12 @@ def prompt_ids(llm: LLM) -> list[list[int]]:
 
 
 def _ours(llm: LLM, prompt_ids: list[list[int]], loras: Any) -> list:
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=5, ignore_eos=True),
-                        use_tqdm=False, lora_request=loras)
+    outs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=5, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=loras,
+    )
     return [o.outputs[0] for o in outs]
 
 
@@ -111,8 +128,15 @@ def test_one_batch_mixing_the_base_and_four_adapters_equals_each_alone(llm: LLM,
 def test_more_adapters_than_slots_queue_for_a_slot_and_all_finish(base_dir: Path, adapters, prompt_ids) -> None:
     """max_loras=2 with four adapters: at most two adapters run at once; every request still finishes with
     its own adapter's output."""
-    small = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=64, max_cpu_loras=2,
-                max_model_len=256, num_gpu_blocks_override=64)
+    small = LLM(
+        str(base_dir),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=64,
+        max_cpu_loras=2,
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+    )
     reqs = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
     loras = [r for r in reqs for _ in prompt_ids]
     got = _ours(small, [ids for _ in reqs for ids in prompt_ids], loras)
@@ -124,6 +148,7 @@ def test_more_adapters_than_slots_queue_for_a_slot_and_all_finish(base_dir: Path
         out = orig(*a, **k)
         seen.append({r.lora_int_id for r in core.scheduler.running} - {0})
         return out
+
     core.scheduler.schedule = spy
     try:
         again = _ours(small, [ids for _ in reqs for ids in prompt_ids], loras)
@@ -133,8 +158,9 @@ def test_more_adapters_than_slots_queue_for_a_slot_and_all_finish(base_dir: Path
     assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in again]
     for i, req in enumerate(reqs):  # each equals the adapter alone in the 4-slot engine's reference run
         alone = _ours(small, prompt_ids, req)
-        assert [list(o.token_ids) for o in got[i * len(prompt_ids):(i + 1) * len(prompt_ids)]] == \
-            [list(o.token_ids) for o in alone]
+        assert [list(o.token_ids) for o in got[i * len(prompt_ids) : (i + 1) * len(prompt_ids)]] == [
+            list(o.token_ids) for o in alone
+        ]
 
 
 def test_prefix_cache_never_shares_kv_between_adapters(llm: LLM, adapters, prompt_ids) -> None:
@@ -143,15 +169,17 @@ def test_prefix_cache_never_shares_kv_between_adapters(llm: LLM, adapters, promp
     base_first = _ours(llm, long_prompt, None)
     with_adapter = _ours(llm, long_prompt, req)
     assert with_adapter[0].token_ids != base_first[0].token_ids
-    outs = llm.generate([{"prompt_token_ids": long_prompt[0]}], SamplingParams(max_tokens=1), use_tqdm=False,
-                        lora_request=req)
+    outs = llm.generate(
+        [{"prompt_token_ids": long_prompt[0]}], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=req
+    )
     assert outs[0].num_cached_tokens > 0  # the same adapter does reuse its own blocks
 
 
 def test_bad_adapters_and_requests_get_clear_errors(llm: LLM, base_dir: Path, adapters, tmp_path) -> None:
     with pytest.raises(InvalidParameterError, match="enable_lora"):
         LLM(str(base_dir), max_model_len=64, num_gpu_blocks_override=8).generate(
-            ["hi"], lora_request=LoRARequest("a", 1, str(adapters["r8_attn"])), use_tqdm=False)
+            ["hi"], lora_request=LoRARequest("a", 1, str(adapters["r8_attn"])), use_tqdm=False
+        )
     with pytest.raises(InvalidParameterError, match="no adapter_config.json"):
         llm.generate(["hi"], lora_request=LoRARequest("missing", 90, str(tmp_path)), use_tqdm=False)
     small_rank = LLM(str(base_dir), enable_lora=True, max_lora_rank=16, max_model_len=64, num_gpu_blocks_override=8)
@@ -165,6 +193,7 @@ def test_bad_adapters_and_requests_get_clear_errors(llm: LLM, base_dir: Path, ad
         llm.generate(["a", "b"], lora_request=[None], use_tqdm=False)
     # an adapter for another model shape: the shapes do not fit this base
     from utils import build_tiny_model
+
     other = build_tiny_model(tmp_path / "other", "qwen2")
     wrong = build_adapter(other, tmp_path / "wrong", 8, ATTENTION)
     with pytest.raises(InvalidParameterError, match="do not fit"):
@@ -174,24 +203,40 @@ def test_bad_adapters_and_requests_get_clear_errors(llm: LLM, base_dir: Path, ad
 
 def test_server_selects_adapters_by_model_name_and_loads_them_at_run_time(llm: LLM, base_dir: Path, adapters) -> None:
     import httpx
+
     from utils import MODEL, Server
 
     def offline(path: Path, lora_id: int) -> str:
-        out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False,
-                           lora_request=LoRARequest("x", lora_id, str(path)))
+        out = llm.generate(
+            [PROMPTS[1]],
+            SamplingParams(max_tokens=8, temperature=0),
+            use_tqdm=False,
+            lora_request=LoRARequest("x", lora_id, str(path)),
+        )
         return out[0].outputs[0].text
 
-    srv = Server(str(base_dir), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "64",
-                 "--lora-modules", f"sql={adapters['r8_attn']}", f"chat={adapters['r16_mlp']}",
-                 "--allow-runtime-lora-updating")
+    srv = Server(
+        str(base_dir),
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "64",
+        "--lora-modules",
+        f"sql={adapters['r8_attn']}",
+        f"chat={adapters['r16_mlp']}",
+        "--allow-runtime-lora-updating",
+    )
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             models = c.get("/v1/models").json()["data"]
             assert [(m["id"], m["parent"]) for m in models] == [(MODEL, None), ("sql", MODEL), ("chat", MODEL)]
 
             def complete(model: str, **extra: Any) -> httpx.Response:
-                return c.post("/v1/completions", json={"model": model, "prompt": PROMPTS[1], "max_tokens": 8,
-                                                       "temperature": 0, **extra})
+                return c.post(
+                    "/v1/completions",
+                    json={"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, **extra},
+                )
 
             r = complete("sql")
             assert r.status_code == 200 and r.json()["model"] == "sql"
@@ -224,8 +269,11 @@ def test_server_selects_adapters_by_model_name_and_loads_them_at_run_time(llm: L
 def _sse(resp: Any) -> list[dict]:
     import json
 
-    return [json.loads(line[6:]) for line in resp.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]" and '"choices":[]' not in line]
+    return [
+        json.loads(line[6:])
+        for line in resp.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]" and '"choices":[]' not in line
+    ]
 
 
 def test_adapters_under_chunked_prefill_preemption_n_and_beam_search(base_dir: Path, adapters, prompt_ids) -> None:
@@ -259,8 +307,10 @@ def test_smollm2_with_a_peft_adapter_matches_transformers(smollm2_hf_model, tmp_
 
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(copy.deepcopy(smollm2_hf_model), LoraConfig(
-        r=8, lora_alpha=16, target_modules=ALL_LINEAR, use_rslora=True, lora_dropout=0.0))
+    model = get_peft_model(
+        copy.deepcopy(smollm2_hf_model),
+        LoraConfig(r=8, lora_alpha=16, target_modules=ALL_LINEAR, use_rslora=True, lora_dropout=0.0),
+    )
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -274,37 +324,71 @@ def test_smollm2_with_a_peft_adapter_matches_transformers(smollm2_hf_model, tmp_
     ref = hf_greedy(model.eval(), prompts, MAX_TOKENS)
     base = _ours(llm, prompts, None)
     # the base model alone agrees with transformers to 2e-4 on SmolLM2 (test_fidelity): the same bound here
-    check_greedy_close(ref, ours, topk=5, logprob_atol=2e-4, min_exact_fraction=2 / 3, max_divergence_gap=1e-2,
-                       names=("transformers+peft", "pagedllm"))
+    check_greedy_close(
+        ref,
+        ours,
+        topk=5,
+        logprob_atol=2e-4,
+        min_exact_fraction=2 / 3,
+        max_divergence_gap=1e-2,
+        names=("transformers+peft", "pagedllm"),
+    )
     assert [list(o.token_ids) for o in ours] != [list(o.token_ids) for o in base]
 
 
 def test_loading_unloading_and_eviction_under_traffic_lose_no_request(llm: LLM, base_dir: Path, adapters) -> None:
     """One slot and one adapter in memory for three adapters and the base, with requests to all of them in
     flight while a fourth adapter is loaded and unloaded: every request answers, each with its adapter."""
-    import httpx
     from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
     from utils import MODEL, Server
 
     names = {"a": ("r8_attn", 1), "b": ("r16_mlp", 4), "c": ("r8_all_rslora", 2)}
     want = {}
     for name, (key, lora_id) in names.items():
-        out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
-                           lora_request=LoRARequest(key, lora_id, str(adapters[key])))
+        out = llm.generate(
+            [PROMPTS[2]],
+            SamplingParams(max_tokens=6, temperature=0),
+            use_tqdm=False,
+            lora_request=LoRARequest(key, lora_id, str(adapters[key])),
+        )
         want[name] = out[0].outputs[0].text
-    want[MODEL] = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0),
-                               use_tqdm=False)[0].outputs[0].text
-    srv = Server(str(base_dir), "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", "64",
-                 "--lora-modules", *[f"{n}={adapters[k]}" for n, (k, _) in names.items()],
-                 "--allow-runtime-lora-updating")
+    want[MODEL] = (
+        llm.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].outputs[0].text
+    )
+    srv = Server(
+        str(base_dir),
+        "--enable-lora",
+        "--max-loras",
+        "1",
+        "--max-cpu-loras",
+        "1",
+        "--max-lora-rank",
+        "64",
+        "--lora-modules",
+        *[f"{n}={adapters[k]}" for n, (k, _) in names.items()],
+        "--allow-runtime-lora-updating",
+    )
     try:
         order = [n for _ in range(6) for n in [*names, MODEL]]
         with httpx.Client(base_url=srv.url, timeout=120) as c, ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(c.post, "/v1/completions", json={
-                "model": n, "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0}) for n in order]
+            futures = [
+                pool.submit(
+                    c.post,
+                    "/v1/completions",
+                    json={"model": n, "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0},
+                )
+                for n in order
+            ]
             for _ in range(3):
-                assert c.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": str(
-                    adapters["r64_all"])}).status_code == 200
+                assert (
+                    c.post(
+                        "/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": str(adapters["r64_all"])}
+                    ).status_code
+                    == 200
+                )
                 assert c.post("/v1/unload_lora_adapter", json={"lora_name": "d"}).status_code == 200
             answers = [f.result() for f in futures]
         assert [r.status_code for r in answers] == [200] * len(order)
@@ -317,8 +401,16 @@ def test_speculative_decoding_keeps_each_adapters_outputs(base_dir: Path, adapte
     """n-gram drafts are verified by the target with its adapter: outputs equal those without drafting."""
     reqs = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
     kw = dict(enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=256, num_gpu_blocks_override=64)
-    spec = LLM(str(base_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                  "prompt_lookup_max": 2, "prompt_lookup_min": 1}, **kw)
+    spec = LLM(
+        str(base_dir),
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1,
+        },
+        **kw,
+    )
     plain = LLM(str(base_dir), **kw)
     prompts = [{"prompt_token_ids": ids * 2} for ids in prompt_ids]  # repeats: n-gram finds drafts
     loras = [reqs[i % len(reqs)] for i in range(len(prompts))]

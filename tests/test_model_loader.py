@@ -16,20 +16,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from utils import make_tiny_model
 
 from pagedllm.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
 from pagedllm.model_loader import (
     DEFAULT_MODEL_NAME,
     ModelSource,
+    cache,
     default_model_path,
     iter_weights,
     load_config,
     load_tokenizer,
     resolve_model,
 )
-from pagedllm.model_loader import cache
 from pagedllm.model_loader.gguf_loader import read_gguf_header
+
+from utils import make_tiny_model
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -221,16 +222,25 @@ def test_gguf_weights_equal_transformers_gguf_state_dict(
 def test_gguf_config_matches_transformers_and_is_cached(default_src: ModelSource) -> None:
     from transformers import AutoConfig
 
-    want = AutoConfig.from_pretrained(
-        os.path.dirname(default_src.path), gguf_file=os.path.basename(default_src.path)
-    )
+    want = AutoConfig.from_pretrained(os.path.dirname(default_src.path), gguf_file=os.path.basename(default_src.path))
     first, second = load_config(default_src), load_config(default_src)  # miss, then hit
     for config in (first, second):
         assert config.model_type == "llama"
         assert config.tie_word_embeddings is True
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
-                    "bos_token_id", "eos_token_id", "pad_token_id", "head_dim"):
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "head_dim",
+        ):
             assert getattr(config, key) == getattr(want, key), key
         assert _without_name(config) == _without_name(want)
     assert first.to_dict() == second.to_dict()
@@ -276,8 +286,9 @@ def test_q4_0_blocks_widen_like_gguf() -> None:
     w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
         data = quantize(w, qtype)
-        assert torch.equal(_widen(*_q_blocks(data, qtype, _identity)),
-                           torch.from_numpy(dequantize(data, qtype).astype(np.float32))), qtype.name
+        assert torch.equal(
+            _widen(*_q_blocks(data, qtype, _identity)), torch.from_numpy(dequantize(data, qtype).astype(np.float32))
+        ), qtype.name
 
 
 @pytest.mark.parametrize("qtype_name,kind", [("Q5_0", "int8"), ("Q5_1", "int8"), ("Q4_K", "int4"), ("Q5_K", "int8")])
@@ -295,7 +306,7 @@ def test_5_bit_and_k_quant_blocks_keep_ggufs_values(qtype_name, kind) -> None:
     raw = rng.integers(0, 256, (6, 1024 // block, size), dtype=np.uint8)
     halves = [0] if qtype_name == "Q5_0" else [0, 2]  # d (and m / dmin) lead every block
     for off in halves:
-        raw[..., off:off + 2] = rng.normal(0, 0.05, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        raw[..., off : off + 2] = rng.normal(0, 0.05, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     raw = raw.reshape(6, -1)
     got_kind, tensors = _q_blocks(raw, qtype, _identity)
     assert got_kind == kind and tensors[1].shape == (6, 1024 // 32)
@@ -361,8 +372,14 @@ def test_gguf_round_trip_restores_hf_weights(tmp_path: Path, kind: str, tie: boo
     assert config.model_type == kind
     assert config.tie_word_embeddings is tie
     _assert_fast_config_dict_is_transformers_own(str(path))
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+    ):
         assert getattr(config, key) == getattr(model.config, key), key
 
 
@@ -492,8 +509,9 @@ def test_fast_gguf_tokenizer_conversion_equals_transformers_own(default_src: Mod
 
     from pagedllm.model_loader.tokenizer import convert_gguf_tokenizer
 
-    want = AutoTokenizer.from_pretrained(os.path.dirname(default_src.path),
-                                         gguf_file=os.path.basename(default_src.path), local_files_only=True)
+    want = AutoTokenizer.from_pretrained(
+        os.path.dirname(default_src.path), gguf_file=os.path.basename(default_src.path), local_files_only=True
+    )
     got = convert_gguf_tokenizer(default_src.path)
     assert type(got) is type(want)
     got.save_pretrained(tmp_path / "got")

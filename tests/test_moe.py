@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import check_greedy_close, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.fused_moe import FusedMoE, RouterLinear
+
+from utils import check_greedy_close, hf_greedy
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 PROMPTS = [[5, 17, 300, 4000, 9, 12], list(range(100, 190)), [42]]
@@ -31,8 +32,14 @@ def test_moe_matches_transformers_tokens_and_logprobs(tiny_model_factory, name):
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     ref = hf_greedy(path, PROMPTS, max_new_tokens=24, topk=5)
-    cmp = check_greedy_close(ref, [o.outputs[0] for o in outs], 5, logprob_atol=1e-4, min_exact_fraction=1.0,
-                             names=("transformers", "pagedllm"))
+    cmp = check_greedy_close(
+        ref,
+        [o.outputs[0] for o in outs],
+        5,
+        logprob_atol=1e-4,
+        min_exact_fraction=1.0,
+        names=("transformers", "pagedllm"),
+    )
     assert cmp is not None
     layers = _moe_layers(llm)
     expected_sparse = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 1}[name]  # qwen3_moe's layer 0 is dense
@@ -46,8 +53,9 @@ def test_each_expert_runs_once_per_step_not_once_per_token(tiny_model_factory):
     steps0 = llm.llm_engine.core.runner.num_tokens_computed
     before = [m.expert_calls for m in layers]
     prompts = [list(range(1000 + 40 * i, 1040 + 40 * i)) for i in range(4)]  # 160 prompt tokens
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0),
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False
+    )
     tokens = llm.llm_engine.core.runner.num_tokens_computed - steps0
     steps = len(llm.llm_engine.core.step_history)
     assert tokens >= 160
@@ -75,7 +83,7 @@ def test_routing_sorts_tokens_by_expert_and_skips_empty_experts():
     want = torch.zeros_like(x)  # a token-by-token reference
     for t in range(50):
         for slot in range(2):
-            want[t] += weights[t, slot] * moe.experts[int(experts[t, slot])](x[t:t + 1])[0]
+            want[t] += weights[t, slot] * moe.experts[int(experts[t, slot])](x[t : t + 1])[0]
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
 
 

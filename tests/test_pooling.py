@@ -10,14 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from utils import Server
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError
 
-SENTENCES = [f"Sentence {i}: the {['quick', 'lazy', 'happy', 'tired'][i % 4]} {['fox', 'dog', 'cat'][i % 3]} "
-             + "jumps over the fence " * (i % 7) + ["", "Ça va? 你好 🙂", "def f(x): return x"][i % 3]
-             for i in range(100)]
+from utils import Server
+
+SENTENCES = [
+    f"Sentence {i}: the {['quick', 'lazy', 'happy', 'tired'][i % 4]} {['fox', 'dog', 'cat'][i % 3]} "
+    + "jumps over the fence " * (i % 7)
+    + ["", "Ça va? 你好 🙂", "def f(x): return x"][i % 3]
+    for i in range(100)
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +51,14 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm_dir, minilm):
 
 
 def test_score_is_the_cosine_of_the_embeddings(minilm):
-    scores = [o.outputs.score for o in minilm.score("A dog runs in the park.",
-                                                    ["A puppy is running outside.", "Stock prices fell today."])]
+    scores = [
+        o.outputs.score
+        for o in minilm.score("A dog runs in the park.", ["A puppy is running outside.", "Stock prices fell today."])
+    ]
     assert scores[0] > scores[1] + 0.3
-    a, b = (torch.tensor(o.outputs.embedding) for o in minilm.embed(["A dog runs in the park.",
-                                                                     "Stock prices fell today."]))
+    a, b = (
+        torch.tensor(o.outputs.embedding) for o in minilm.embed(["A dog runs in the park.", "Stock prices fell today."])
+    )
     assert scores[1] == pytest.approx(float(a @ b), abs=1e-5)
     with pytest.raises(InvalidParameterError, match="text_1"):
         minilm.score(["a", "b"], ["c", "d", "e"])
@@ -67,8 +74,14 @@ def test_cls_pooling_of_a_bert_without_sentence_transformers_files(tmp_path, min
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=128)
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     model = BertModel(cfg).eval()
     model.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(tmp_path)
@@ -134,9 +147,14 @@ def test_embeddings_score_and_rerank_over_http(minilm_dir, minilm):
         assert post("/v1/completions", {"prompt": "hi"}).json()["error"]["param"] == "model"
         score = post("/score", {"text_1": "A dog runs.", "text_2": ["A puppy runs.", "Taxes rose."]}).json()
         assert score["data"][0]["score"] > score["data"][1]["score"]
-        rerank = post("/rerank", {"query": "capital of France", "top_n": 2,
-                                  "documents": ["Bananas are yellow.", "Paris is the capital of France.",
-                                                "France borders Spain."]}).json()
+        rerank = post(
+            "/rerank",
+            {
+                "query": "capital of France",
+                "top_n": 2,
+                "documents": ["Bananas are yellow.", "Paris is the capital of France.", "France borders Spain."],
+            },
+        ).json()
         assert [r["index"] for r in rerank["results"]] == [1, 2]
         assert rerank["results"][0]["relevance_score"] > rerank["results"][1]["relevance_score"]
     finally:
@@ -160,8 +178,14 @@ def test_pooling_requests_batch_in_the_engine_steps_and_free_their_blocks_at_onc
     max_num_seqs of them per step, nothing sampled, and every KV block back in the pool (unhashed: pooling
     keeps no prefix cache) as soon as the step is done."""
     model = str(tiny_model_factory("llama"))
-    llm = LLM(model, runner="pooling", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=512,
-              num_gpu_blocks_override=64)
+    llm = LLM(
+        model,
+        runner="pooling",
+        max_num_seqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=512,
+        num_gpu_blocks_override=64,
+    )
     engine = llm.llm_engine
     assert not engine.config.cache_config.enable_prefix_caching
     outs = llm.embed(SENTENCES[:10])
@@ -196,8 +220,10 @@ def test_embedding_requests_count_in_metrics_and_the_engine_state(minilm_dir):
 
     s = Server(minilm_dir)
     try:
-        before = {m: s.metric(f"pagedllm:{m}") for m in ("prompt_tokens_total", "request_success_total",
-                                                         "e2e_request_latency_seconds_count")}
+        before = {
+            m: s.metric(f"pagedllm:{m}")
+            for m in ("prompt_tokens_total", "request_success_total", "e2e_request_latency_seconds_count")
+        }
         r = httpx.post(f"{s.url}/v1/embeddings", json={"model": "tiny", "input": SENTENCES[:5]}, timeout=60).json()
         n = r["usage"]["prompt_tokens"]
         r2 = httpx.post(f"{s.url}/v1/embeddings", json={"model": "tiny", "input": "hello"}, timeout=60).json()

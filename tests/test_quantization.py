@@ -19,13 +19,21 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import GreedyResult, check_greedy_close
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import AttentionMetadata, cpu_paged, torch_ref
 from pagedllm.errors import InvalidParameterError
-from pagedllm.layers.quantization import (SMALL_BATCH, SMALL_BATCH_A8, Int4Linear, Int8Linear, dequantize_model,
-                                          quantize_int4, quantize_int8)
+from pagedllm.layers.quantization import (
+    SMALL_BATCH,
+    SMALL_BATCH_A8,
+    Int4Linear,
+    Int8Linear,
+    dequantize_model,
+    quantize_int4,
+    quantize_int8,
+)
+
+from utils import GreedyResult, check_greedy_close
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,11 +134,13 @@ def test_integer_activation_kernels_match_rounded_reference(rows, k, bits, abits
     # no mins (NULL: all 0, as GGUF's Q8_0 has them): the scaled dots alone, in every kernel
     q_w, scales, _ = blocks
     wd0 = (kern.int4_dequantize if bits == 4 else kern.int8_dequantize)(q_w, scales, None)
-    assert torch.equal(wd0, (kern.int4_dequantize if bits == 4 else kern.int8_dequantize)(q_w, scales,
-                                                                                     torch.zeros_like(scales)))
+    assert torch.equal(
+        wd0, (kern.int4_dequantize if bits == 4 else kern.int8_dequantize)(q_w, scales, torch.zeros_like(scales))
+    )
     torch.testing.assert_close(matmul(x, q_w, scales, None), xr @ wd0.T, rtol=1e-5, atol=5e-4)
-    torch.testing.assert_close((kern.int4_matmul if bits == 4 else kern.int8_matmul)(x, q_w, scales, None),
-                               x @ wd0.T, rtol=1e-5, atol=5e-4)
+    torch.testing.assert_close(
+        (kern.int4_matmul if bits == 4 else kern.int8_matmul)(x, q_w, scales, None), x @ wd0.T, rtol=1e-5, atol=5e-4
+    )
 
 
 def test_int16_activations_hold_the_extremes_of_their_digits():
@@ -142,19 +152,18 @@ def test_int16_activations_hold_the_extremes_of_their_digits():
     q16 = torch.cat([torch.arange(-32512, -32512 + 64), torch.arange(-300, 300), torch.arange(32512 - 63, 32513)])
     groups = torch.zeros(40, 24, 32)
     groups[:, :, 0] = 32512.0  # scale 1 in every group: x is its own rounding
-    groups[:, :, 1:].reshape(-1)[:q16.numel()] = q16.float()
+    groups[:, :, 1:].reshape(-1)[: q16.numel()] = q16.float()
     x = groups.view(40, 24 * 32)
     assert torch.equal(kern.round_activations(x, 16), x)
     w = torch.randint(-128, 128, (19, x.shape[1]), dtype=torch.int8)
     scales = torch.ones(19, x.shape[1] // 32)
     y = kern.int8_matmul_a16(x, w, scales, None)
-    exact = (x.double() @ w.double().T)
+    exact = x.double() @ w.double().T
     assert torch.equal(y[:3].double().round(), exact[:3])  # few rows; the sums fit float32's 24 bits
     torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=0)
     w4 = quantize_int4(torch.randn(19, x.shape[1]))
     wd4 = kern.int4_dequantize(*w4)
-    torch.testing.assert_close(kern.int4_matmul_a16(x, *w4).double(), x.double() @ wd4.double().T, rtol=1e-5,
-                               atol=1e-2)
+    torch.testing.assert_close(kern.int4_matmul_a16(x, *w4).double(), x.double() @ wd4.double().T, rtol=1e-5, atol=1e-2)
 
 
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
@@ -214,8 +223,14 @@ def test_w4a8_engine_matches_rounded_activation_reference(tiny_model_factory, na
     # boundary by one step of its group (1/127 of its largest value; these models' rows are only 2-4 groups
     # wide): measured up to 1.1e-2 in a logprob with the batches in oneDNN's float GEMM, 3.3e-2 in the
     # integer GEMM (each linear alone agrees with the reference to 7e-7), with every token the same.
-    check_greedy_close(_greedy_with_logprobs(llm, 16), ours, topk=5, logprob_atol=5e-2, min_exact_fraction=1.0,
-                       names=("rounded-activation reference", "w4a8"))
+    check_greedy_close(
+        _greedy_with_logprobs(llm, 16),
+        ours,
+        topk=5,
+        logprob_atol=5e-2,
+        min_exact_fraction=1.0,
+        names=("rounded-activation reference", "w4a8"),
+    )
     # ... while float32 activations go elsewhere (measured: 5 and 6 of 6 sequences diverge): the rounding is real
     assert sum(a.token_ids != b.token_ids for a, b in zip(unrounded, ours)) >= len(ours) // 2
 
@@ -231,8 +246,14 @@ def test_w4a16_engine_keeps_the_float32_greedy_tokens(tiny_model_factory, name):
     assert net.lm_head.activation_bits == 16 and net.layers[0].self_attn.qkv_proj.activation_bits == 16
     ours = _greedy_with_logprobs(llm, 16)
     dequantize_model(net)
-    check_greedy_close(_greedy_with_logprobs(llm, 16), ours, topk=5, logprob_atol=2e-3, min_exact_fraction=1.0,
-                       names=("float32 activations", "w4a16"))
+    check_greedy_close(
+        _greedy_with_logprobs(llm, 16),
+        ours,
+        topk=5,
+        logprob_atol=2e-3,
+        min_exact_fraction=1.0,
+        names=("float32 activations", "w4a16"),
+    )
 
 
 def test_int4_blocks_widen_to_int8_exactly():
@@ -262,8 +283,12 @@ def test_gguf_blocks_load_exactly():
     blocks = gguf_quantized_blocks(path)
     # SmolLM2's file: every projection Q4_1, the (tied) embedding Q8_0
     assert len(blocks) == 30 * 7 + 1 and blocks["model.embed_tokens.weight"][0] == "int8"
-    wanted = {"model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
-              "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"}
+    wanted = {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    }
     ref = {n: w for n, w in iter_gguf_weights(path) if n in wanted}
     k = kernels.load()
     for name in wanted:  # q and k also went through llama.cpp's row permutation, undone on the blocks
@@ -305,10 +330,15 @@ def _random_decode_batch(seed: int, nd: int, heads: int, kv_heads: int, head_dim
             table[r, j] = perm.pop()
     # q rows strided as the model's q/k split gives them: [T, H + KVH, D][:, :H]
     q = torch.randn(nd, heads + kv_heads, head_dim, generator=g)[:, :heads]
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=table,
-                             seq_lens=torch.tensor(lens + [5, 5]), num_decodes=nd,
-                             query_start_loc=list(range(nd + 1)), seq_lens_cpu=lens + [5, 5],
-                             block_size=block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_tables=table,
+        seq_lens=torch.tensor(lens + [5, 5]),
+        num_decodes=nd,
+        query_start_loc=list(range(nd + 1)),
+        seq_lens_cpu=lens + [5, 5],
+        block_size=block_size,
+    )
     return q, cache, meta
 
 
@@ -335,19 +365,34 @@ def test_prefill_after_a_cached_context_reads_only_its_window(window, backend):
             cache[:, table[j]] = float("nan")
     pos = torch.arange(ctx, ctx + n)
     slots = table[pos // bs] * bs + pos % bs
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=table[None], seq_lens=torch.tensor([ctx + n]),
-                             num_decodes=0, query_start_loc=[0, n], seq_lens_cpu=[ctx + n], block_size=bs)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=table[None],
+        seq_lens=torch.tensor([ctx + n]),
+        num_decodes=0,
+        query_start_loc=[0, n],
+        seq_lens_cpu=[ctx + n],
+        block_size=bs,
+    )
     out = attention(q, k_all[ctx:], v_all[ctx:], cache, meta, 0.25, window)
     qp, kp = pos[:, None], torch.arange(ctx + n)[None, :]
     mask = (kp <= qp) & ((kp > qp - window) if window else True)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all.transpose(0, 1)[None],
-                                         v_all.transpose(0, 1)[None], attn_mask=mask, scale=0.25, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k_all.transpose(0, 1)[None],
+        v_all.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=0.25,
+        enable_gqa=True,
+    )
     torch.testing.assert_close(out, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_len,ctx", [(1, 0), (1, 37), (65, 0), (65, 100), (31, 5), (200, 0)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
-    (9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,window",
+    [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)],
+)
 def test_paged_prefill_kernel_matches_sdpa(q_len, ctx, heads, kv_heads, head_dim, block_size, window):
     """A request's queries after ctx cached tokens, read in place from a shuffled block table (or, with nothing
     cached, from the chunk's own K/V, strided as the model's q/k/v split leaves them): SDPA with the causal (and
@@ -361,7 +406,7 @@ def test_paged_prefill_kernel_matches_sdpa(q_len, ctx, heads, kv_heads, head_dim
     # v rows of the projection's (three row strides, two of them alike)
     qk = torch.randn(q_len, heads + kv_heads, head_dim, generator=g)
     q, k = qk.split([heads, kv_heads], dim=1)
-    v = torch.randn(q_len, heads + 2 * kv_heads, head_dim, generator=g)[:, heads + kv_heads:]
+    v = torch.randn(q_len, heads + 2 * kv_heads, head_dim, generator=g)[:, heads + kv_heads :]
     pos = torch.arange(n)
     cache[0, table[pos[ctx:] // block_size], pos[ctx:] % block_size] = k
     cache[1, table[pos[ctx:] // block_size], pos[ctx:] % block_size] = v
@@ -369,8 +414,14 @@ def test_paged_prefill_kernel_matches_sdpa(q_len, ctx, heads, kv_heads, head_dim
     q[q_len // 2, heads - 1, 0] = float("nan")
     qp, kp = torch.arange(ctx, n)[:, None], pos[None, :]
     mask = (kp <= qp) & ((kp > qp - window) if window else True)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
-                                         kv[1].transpose(0, 1)[None], attn_mask=mask, scale=0.3, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        kv[0].transpose(0, 1)[None],
+        kv[1].transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=0.3,
+        enable_gqa=True,
+    )
     ref = ref[0].transpose(0, 1)
     nan = torch.zeros(q_len, heads, dtype=torch.bool)
     nan[q_len // 2, heads - 1] = True
@@ -398,14 +449,22 @@ def test_paged_prefill_kernel_reads_low_precision_caches(dtype):
     kv = cache[:, table[pos // 16], pos % 16].float()
     assert cpu_paged._prefill(q, kv[0, 100:], kv[1, 100:], cache, table, 100, 0.125, None, out)
     mask = pos[None, :] <= torch.arange(100, 140)[:, None]
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
-                                         kv[1].transpose(0, 1)[None], attn_mask=mask, scale=0.125, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        kv[0].transpose(0, 1)[None],
+        kv[1].transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=0.125,
+        enable_gqa=True,
+    )
     torch.testing.assert_close(out, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("nd", [2, 11])  # few requests: a task per kv head; many: a task per request
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
-    (9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,window",
+    [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 1, 128, 16, 40), (6, 2, 16, 32, 7), (64, 4, 40, 16, None)],
+)
 def test_paged_decode_kernel_matches_the_torch_reference(nd, heads, kv_heads, head_dim, block_size, window):
     q, cache, meta = _random_decode_batch(0, nd, heads, kv_heads, head_dim, block_size)
     assert cpu_paged.kernel_applies(q, cache)
@@ -431,8 +490,9 @@ def test_paged_decode_kernel_reads_low_precision_caches(dtype, head_dim):
 
 def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                                         use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ]
 
 
 def _agreement(ref: list[list[int]], ours: list[list[int]]) -> float:
@@ -462,15 +522,21 @@ def test_quantized_engine_matches_its_dequantized_reference(tiny_model_factory, 
 def _greedy_with_logprobs(llm: LLM, n: int) -> list[GreedyResult]:
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], sp, use_tqdm=False)
-    return [GreedyResult(o.outputs[0].token_ids,
-                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        GreedyResult(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+        for o in outs
+    ]
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-@pytest.mark.parametrize("dtype,torch_dtype,atol", [
-    # per-element relative rounding of K and V: 2^-9 (bf16), 2^-12 (fp16)
-    ("bfloat16", torch.bfloat16, 0.15), ("float16", torch.float16, 0.03)])
+@pytest.mark.parametrize(
+    "dtype,torch_dtype,atol",
+    [
+        # per-element relative rounding of K and V: 2^-9 (bf16), 2^-12 (fp16)
+        ("bfloat16", torch.bfloat16, 0.15),
+        ("float16", torch.float16, 0.03),
+    ],
+)
 def test_16_bit_kv_caches_follow_float32(tiny_model_factory, name, dtype, torch_dtype, atol):
     """Greedy decoding over a bf16 / fp16 cache: the float32 tokens, diverging only at near-ties, with
     each matching token's logprob within the stated distance. (fp8's 2^-4..2^-3 rounding moves these
@@ -517,8 +583,12 @@ def test_kernels_build_from_an_empty_cache(monkeypatch, tmp_path):
     built = kernels.load.__wrapped__()
     assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no object files left behind
     x, w = torch.randn(2, 64), torch.randn(8, 64)
-    torch.testing.assert_close(built.int8_matmul(x, *quantize_int8(w)), x @ kernels.load().int8_dequantize(
-        *quantize_int8(w)).T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        built.int8_matmul(x, *quantize_int8(w)),
+        x @ kernels.load().int8_dequantize(*quantize_int8(w)).T,
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 def test_kernel_build_without_a_compiler_fails_clearly(monkeypatch, tmp_path):

@@ -16,6 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_loader import awq
 from pagedllm.model_loader.quant_config import checkpoint_scheme
+
 from utils import check_greedy_close, hf_greedy
 
 GROUP = 128
@@ -72,43 +73,97 @@ def _gptq(bits: int, group: int, v1: bool, act_order: bool = False):
         stored = zeros - 1 if v1 else zeros
         deq = torch.empty(w.shape)
         deq[:, order] = _dequantized(q_sorted, zeros, scales)
-        return ({"qweight": _pack_gptq(q, bits, 0), "qzeros": _pack_gptq(stored, bits, 1), "scales": scales,
-                 "g_idx": g_idx}, deq)
+        return (
+            {
+                "qweight": _pack_gptq(q, bits, 0),
+                "qzeros": _pack_gptq(stored, bits, 1),
+                "scales": scales,
+                "g_idx": g_idx,
+            },
+            deq,
+        )
+
     return write
 
 
 def _fp8(per_row: bool):
     """e4m3 weights with a float32 scale per tensor ([1], compressed-tensors) or per row ([out, 1], fbgemm)."""
+
     def write(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax().reshape(1)
         scale = (amax / 448.0).float()
         q = (w / (scale if per_row else scale[0])).to(torch.float8_e4m3fn)
         parts = {"weight": q, "weight_scale": scale, "input_scale": torch.ones(1)}
         return parts, q.float() * (scale if per_row else scale[0])
+
     return write
 
 
-_CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-           "ignore": ["lm_head"], "config_groups": {"group_0": {
-               "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                  "symmetric": True, "dynamic": False},
-               "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}
+_CT_FP8 = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+        }
+    },
+}
 
 SCHEMES = {  # name -> (writer, quantization_config)
     "awq": (_awq, {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}),
-    "gptq4": (_gptq(4, GROUP, True), {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-                                      "sym": False, "checkpoint_format": "gptq"}),
-    "gptq8_v2_per_row": (_gptq(8, -1, False), {"quant_method": "gptq", "bits": 8, "group_size": -1,
-                                               "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"}),
-    "gptq4_act_order": (_gptq(4, 32, True, act_order=True), {  # groups smaller than every input size
-        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
-        "checkpoint_format": "gptq"}),
-    "gptq8_act_order": (_gptq(8, 64, False, act_order=True), {
-        "quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": True, "sym": False,
-        "checkpoint_format": "gptq_v2"}),
+    "gptq4": (
+        _gptq(4, GROUP, True),
+        {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": GROUP,
+            "desc_act": False,
+            "sym": False,
+            "checkpoint_format": "gptq",
+        },
+    ),
+    "gptq8_v2_per_row": (
+        _gptq(8, -1, False),
+        {
+            "quant_method": "gptq",
+            "bits": 8,
+            "group_size": -1,
+            "desc_act": False,
+            "sym": False,
+            "checkpoint_format": "gptq_v2",
+        },
+    ),
+    "gptq4_act_order": (
+        _gptq(4, 32, True, act_order=True),
+        {  # groups smaller than every input size
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 32,
+            "desc_act": True,
+            "sym": False,
+            "checkpoint_format": "gptq",
+        },
+    ),
+    "gptq8_act_order": (
+        _gptq(8, 64, False, act_order=True),
+        {
+            "quant_method": "gptq",
+            "bits": 8,
+            "group_size": 64,
+            "desc_act": True,
+            "sym": False,
+            "checkpoint_format": "gptq_v2",
+        },
+    ),
     "fp8_tensor": (_fp8(False), _CT_FP8),
-    "fp8_row": (_fp8(True), {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
-                             "modules_to_not_convert": ["lm_head"]}),
+    "fp8_row": (
+        _fp8(True),
+        {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+    ),
 }
 
 
@@ -164,9 +219,15 @@ def test_pack_and_unpack_follow_the_nibble_order():
     assert packed[0, 0].item() == 0x75316420
 
 
-KERNELS = [("awq", "Int4Linear"), ("gptq4", "Int4Linear"), ("gptq8_v2_per_row", "Int8Linear"),
-           ("gptq4_act_order", "InputPermuted"), ("gptq8_act_order", "InputPermuted"),
-           ("fp8_tensor", "Fp8Linear"), ("fp8_row", "Fp8Linear")]
+KERNELS = [
+    ("awq", "Int4Linear"),
+    ("gptq4", "Int4Linear"),
+    ("gptq8_v2_per_row", "Int8Linear"),
+    ("gptq4_act_order", "InputPermuted"),
+    ("gptq8_act_order", "InputPermuted"),
+    ("fp8_tensor", "Fp8Linear"),
+    ("fp8_row", "Fp8Linear"),
+]
 
 
 @pytest.mark.parametrize("scheme, kernel", KERNELS)
@@ -191,12 +252,13 @@ def test_blocks_hold_exactly_the_dequantized_weights(checkpoints, scheme, kernel
         w, _ = getattr(quantization, kernel)(*blocks, None).dequantized()
     assert torch.allclose(w, reader.dequantize(parts), rtol=0, atol=1e-6)
     if kernel == "Fp8Linear":  # one byte a weight, held as the file has it
-        assert blocks[0].dtype == torch.float8_e4m3fn and torch.equal(blocks[0].view(torch.uint8), parts["weight"].view(torch.uint8))
+        assert blocks[0].dtype == torch.float8_e4m3fn and torch.equal(
+            blocks[0].view(torch.uint8), parts["weight"].view(torch.uint8)
+        )
 
 
 @pytest.mark.parametrize("scheme, kernel", KERNELS)
-def test_a_quantized_checkpoint_runs_on_our_kernels_and_matches_its_dequantized_weights(checkpoints, scheme,
-                                                                                          kernel):
+def test_a_quantized_checkpoint_runs_on_our_kernels_and_matches_its_dequantized_weights(checkpoints, scheme, kernel):
     quant_dir, ref_dir = checkpoints[scheme]
     prompts = [[5, 17, 300, 4000, 12, 9, 77], [1000 + i for i in range(40)], [42] * 12]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
@@ -208,14 +270,20 @@ def test_a_quantized_checkpoint_runs_on_our_kernels_and_matches_its_dequantized_
     from transformers import AutoModelForCausalLM
 
     ref = hf_greedy(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32), prompts, 24, 5)
-    check_greedy_close(ref, [o.outputs[0] for o in ours], topk=5, logprob_atol=1e-4, min_exact_fraction=0.9,
-                       names=("transformers on the dequantized weights", f"pagedllm on {scheme}"))
+    check_greedy_close(
+        ref,
+        [o.outputs[0] for o in ours],
+        topk=5,
+        logprob_atol=1e-4,
+        min_exact_fraction=0.9,
+        names=("transformers on the dequantized weights", f"pagedllm on {scheme}"),
+    )
 
 
-@pytest.mark.parametrize("scheme, kernel", [("awq", "Int4Linear"), ("gptq8_act_order", "InputPermuted"),
-                                            ("fp8_tensor", "Fp8Linear")])
-def test_quantized_layers_are_built_from_their_blocks_without_a_float32_copy(checkpoints, monkeypatch, scheme,
-                                                                             kernel):
+@pytest.mark.parametrize(
+    "scheme, kernel", [("awq", "Int4Linear"), ("gptq8_act_order", "InputPermuted"), ("fp8_tensor", "Fp8Linear")]
+)
+def test_quantized_layers_are_built_from_their_blocks_without_a_float32_copy(checkpoints, monkeypatch, scheme, kernel):
     """The layers that take their checkpoint blocks get them before any weight is read, so their float32
     weights are never made: no linear is dequantized while loading (that float32 copy of every projection
     set the load's peak memory)."""
@@ -237,8 +305,7 @@ def test_quantized_layers_are_built_from_their_blocks_without_a_float32_copy(che
 
 
 @pytest.mark.parametrize("scheme", ["awq", "gptq4_act_order"])
-def test_projections_with_a_bias_take_their_blocks_and_load_the_bias(tiny_model_factory, tmp_path, monkeypatch,
-                                                                      scheme):
+def test_projections_with_a_bias_take_their_blocks_and_load_the_bias(tiny_model_factory, tmp_path, monkeypatch, scheme):
     """Qwen2's q/k/v have biases: the fused projection takes its blocks before any weight is read (nothing is
     dequantized) and the checkpoint's biases then load into it; tokens and logprobs as the dequantized weights."""
     from transformers import AutoModelForCausalLM
@@ -249,20 +316,27 @@ def test_projections_with_a_bias_take_their_blocks_and_load_the_bias(tiny_model_
     _write(src, tmp_path / "q", tmp_path / "ref", scheme)
     real = zero_point.ZeroPointCheckpoint.dequantize
     dequantized = []
-    monkeypatch.setattr(zero_point.ZeroPointCheckpoint, "dequantize",
-                        lambda self, t: dequantized.append(1) or real(self, t))
+    monkeypatch.setattr(
+        zero_point.ZeroPointCheckpoint, "dequantize", lambda self, t: dequantized.append(1) or real(self, t)
+    )
     llm = LLM(str(tmp_path / "q"), max_model_len=256, num_gpu_blocks_override=64)
     qkv = llm.llm_engine.executor.worker.model.layers[0].self_attn.qkv_proj
     assert dequantized == [] and qkv.bias is not None and not isinstance(qkv, torch.nn.Linear)
     ref_bias = load_file(str(tmp_path / "ref" / "model.safetensors"))["model.layers.0.self_attn.k_proj.bias"]
     a = llm.llm_engine.executor.worker.model.layers[0].self_attn
-    assert torch.equal(qkv.bias[a.q_size:a.q_size + a.kv_size], ref_bias.float())
+    assert torch.equal(qkv.bias[a.q_size : a.q_size + a.kv_size], ref_bias.float())
     prompts = [[5, 17, 300, 4000, 12, 9, 77], [1000 + i for i in range(40)]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ref = hf_greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32), prompts, 16, 5)
-    check_greedy_close(ref, [o.outputs[0] for o in ours], topk=5, logprob_atol=1e-4, min_exact_fraction=0.9,
-                       names=("transformers on the dequantized weights", f"pagedllm on {scheme}"))
+    check_greedy_close(
+        ref,
+        [o.outputs[0] for o in ours],
+        topk=5,
+        logprob_atol=1e-4,
+        min_exact_fraction=0.9,
+        names=("transformers on the dequantized weights", f"pagedllm on {scheme}"),
+    )
 
 
 def test_unsupported_awq_layouts_are_refused(awq_dirs, tmp_path):
@@ -294,10 +368,14 @@ def test_fp8_checkpoints_keep_one_byte_a_weight_and_bad_layouts_are_refused(chec
     bad = tmp_path / "fp8"
     shutil.copytree(quant_dir, bad)
     config = json.loads((bad / "config.json").read_text())
-    for qc, words in (({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
-                      ({**_CT_FP8, "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
-                                                                      "strategy": "block"}}}}, "'block'"),
-                      ({**_CT_FP8, "format": "pack-quantized"}, "pack-quantized")):
+    for qc, words in (
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+        (
+            {**_CT_FP8, "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
+            "'block'",
+        ),
+        ({**_CT_FP8, "format": "pack-quantized"}, "pack-quantized"),
+    ):
         config["quantization_config"] = qc
         (bad / "config.json").write_text(json.dumps(config))
         with pytest.raises(UnsupportedModelError, match=words):

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from utils import _free_port, wait_healthy
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -24,8 +25,10 @@ _SMALL = [(re.compile(r"max_tokens=\d+"), "max_tokens=8"), (re.compile(r"--max-t
 
 def _examples() -> list:
     text = README.read_text()
-    found = [pytest.param(m["lang"], m["note"], m["code"], id=f"README.md:{text.count(chr(10), 0, m.start()) + 1}")
-             for m in _BLOCK.finditer(text)]
+    found = [
+        pytest.param(m["lang"], m["note"], m["code"], id=f"README.md:{text.count(chr(10), 0, m.start()) + 1}")
+        for m in _BLOCK.finditer(text)
+    ]
     assert len(found) >= 4, "the README's example markers went missing"
     return found
 
@@ -48,17 +51,30 @@ def _small(code: str) -> str:
 
 def _env() -> dict[str, str]:
     bin_dir = os.path.dirname(sys.executable)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PAGEDLLM_LOGGING_LEVEL": "WARNING",
+    }
 
 
 @pytest.fixture(scope="module")
 def default_server():
     """`pagedllm serve` of the default model, as the README starts it, on a free port."""
     port = _free_port()
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pagedllm"), "serve", "--port", str(port),
-                             "--uvicorn-log-level", "warning"], env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "pagedllm"),
+            "serve",
+            "--port",
+            str(port),
+            "--uvicorn-log-level",
+            "warning",
+        ],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_healthy(f"http://127.0.0.1:{port}", proc)
     yield port
     proc.terminate()
@@ -72,15 +88,17 @@ def test_readme_example_runs_as_written(lang, note, code, request, tmp_path):
     if "pagedllm serve" in note:
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{request.getfixturevalue('default_server')}")
     if lang == "python":
-        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.strip(), "the example printed nothing"
         return
     for line in code.splitlines():
         command = re.sub(r"\s+#.*$", "", line).strip()
         if command:
-            r = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                               timeout=300)
+            r = subprocess.run(
+                ["bash", "-c", command], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+            )
             assert r.returncode == 0, f"{command}: {r.stderr[-3000:]}"
             assert r.stdout.strip(), f"{command} printed nothing"

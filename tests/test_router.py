@@ -13,18 +13,29 @@ from pathlib import Path
 
 import httpx
 import pytest
-from utils import MODEL, Server, _free_port, wait_healthy
 
 from pagedllm.entrypoints.data_parallel import replica_argv
 from pagedllm.entrypoints.router import Backend, prefix_key, rendezvous
+
+from utils import MODEL, Server, _free_port, wait_healthy
 
 
 class RouterProc:
     def __init__(self, backends: list[str], routing: str):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--port", str(self.port),
-               "--routing", routing, "--health-check-interval", "0.3"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "router",
+            "--port",
+            str(self.port),
+            "--routing",
+            routing,
+            "--health-check-interval",
+            "0.3",
+        ]
         for b in backends:
             cmd += ["--backend", b]
         self.log = tempfile.TemporaryFile(mode="w+")
@@ -37,8 +48,10 @@ class RouterProc:
 
 
 def _system(k: int, tag: str) -> str:
-    return (f"[{tag} system prompt {k}] You are assistant number {k}. Follow the house style guide: short "
-            "sentences, no lists, British spelling, and always end with a question back to the user. " * 2)
+    return (
+        f"[{tag} system prompt {k}] You are assistant number {k}. Follow the house style guide: short "
+        "sentences, no lists, British spelling, and always end with a question back to the user. " * 2
+    )
 
 
 def _workload(tag: str) -> list[str]:
@@ -47,17 +60,32 @@ def _workload(tag: str) -> list[str]:
     return prompts
 
 
-def _send(url: str, prompts: list[str], max_tokens: int = 2, concurrency: int = 8,
-          logprobs: int | None = None) -> list[httpx.Response]:
+def _send(
+    url: str, prompts: list[str], max_tokens: int = 2, concurrency: int = 8, logprobs: int | None = None
+) -> list[httpx.Response]:
     with httpx.Client(timeout=120) as client, ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda p: client.post(f"{url}/v1/completions", json={
-            "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "logprobs": logprobs}),
-            prompts))
+        return list(
+            pool.map(
+                lambda p: client.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": p,
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        "logprobs": logprobs,
+                    },
+                ),
+                prompts,
+            )
+        )
 
 
 def _prefix_counts(servers: list[Server]) -> tuple[float, float]:
-    return (sum(s.metric("pagedllm:prefix_cache_hits_total") for s in servers),
-            sum(s.metric("pagedllm:prefix_cache_queries_total") for s in servers))
+    return (
+        sum(s.metric("pagedllm:prefix_cache_hits_total") for s in servers),
+        sum(s.metric("pagedllm:prefix_cache_queries_total") for s in servers),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +141,13 @@ def test_killing_a_backend_mid_run_still_completes_every_request(tiny_model_fact
     try:
         prompts = _workload("kill")[:40]
         with ThreadPoolExecutor(1) as killer:
+
             def kill_soon() -> None:  # mid-run at any machine speed: once backend 1 has answered about two
                 deadline = time.monotonic() + 60  # requests (a fixed 1 s was past 30 of the 40 on a fast day)
                 while servers[1].metric("pagedllm:generation_tokens_total") < 48 and time.monotonic() < deadline:
                     time.sleep(0.02)
                 servers[1].proc.kill()
+
             killer.submit(kill_soon)
             responses = _send(router.url, prompts, max_tokens=24, concurrency=6)
         assert servers[1].proc.poll() is not None, "the backend was not killed during the run"
@@ -184,8 +214,19 @@ def test_an_answer_cut_off_before_its_body_is_retried_on_another_backend(backend
 
 
 def test_replica_argv_drops_the_front_flags() -> None:
-    argv = ["--log-level", "INFO", "serve", "m", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0",
-            "--max-num-seqs", "4"]
+    argv = [
+        "--log-level",
+        "INFO",
+        "serve",
+        "m",
+        "--data-parallel-size",
+        "2",
+        "--port=9000",
+        "--host",
+        "0.0.0.0",
+        "--max-num-seqs",
+        "4",
+    ]
     assert replica_argv(argv) == ["--log-level", "INFO", "serve", "m", "--max-num-seqs", "4"]
 
 
@@ -195,8 +236,10 @@ def test_data_parallel_serve_runs_two_engine_processes_with_single_process_outpu
     model = str(tiny_model_factory("qwen2"))
     prompts = [f"Story number {i}: once upon a time" for i in range(12)]
     llm = LLM(model, max_model_len=256, num_gpu_blocks_override=128)
-    ref = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=1),
-                                               use_tqdm=False)]
+    ref = [
+        o.outputs[0]
+        for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=1), use_tqdm=False)
+    ]
     server = Server(model, "--data-parallel-size", "2")
     try:
         deadline = time.time() + 120
@@ -212,8 +255,12 @@ def test_data_parallel_serve_runs_two_engine_processes_with_single_process_outpu
             assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
         used = {r.headers["x-pagedllm-backend"] for r in responses}
         assert len(used) == 2  # both replicas served
-        replica_pids = [int(line) for line in subprocess.run(["pgrep", "-P", str(server.proc.pid)],
-                                                             capture_output=True, text=True).stdout.split()]
+        replica_pids = [
+            int(line)
+            for line in subprocess.run(
+                ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True
+            ).stdout.split()
+        ]
         assert len(replica_pids) == 2
     finally:
         assert server.stop() == 0
@@ -239,8 +286,12 @@ def test_blue_green_restart_behind_the_router_drops_nothing(tiny_model_factory) 
         with httpx.Client(timeout=120) as c:
             i = k
             while not stop.is_set():
-                results.append(c.post(f"{router.url}/v1/completions", json={
-                    "model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 16, "temperature": 0}))
+                results.append(
+                    c.post(
+                        f"{router.url}/v1/completions",
+                        json={"model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 16, "temperature": 0},
+                    )
+                )
                 i += 4
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
@@ -274,14 +325,19 @@ def test_router_refuses_hostile_bodies_and_keeps_routing(backends) -> None:
     router = RouterProc([s.url for s in backends], "round-robin")
     try:
         with httpx.Client(base_url=router.url, timeout=60) as c:
-            huge = c.post("/v1/completions", content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}',
-                          headers={"content-type": "application/json"})
+            huge = c.post(
+                "/v1/completions",
+                content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}',
+                headers={"content-type": "application/json"},
+            )
             assert huge.status_code == 413
             deep = c.post("/v1/completions", content=b"[" * 100_000, headers={"content-type": "application/json"})
             assert deep.status_code == 400 and "nested" in deep.text
             assert c.post("/v1/completions", json=[1, 2]).status_code == 400
-            assert c.post("/v1/completions", content=b"\xff{", headers={"content-type": "application/json"}
-                          ).status_code == 400
+            assert (
+                c.post("/v1/completions", content=b"\xff{", headers={"content-type": "application/json"}).status_code
+                == 400
+            )
             unknown = c.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 1})
             assert unknown.status_code == 404  # the backend's own answer, passed through
             ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})

@@ -10,14 +10,32 @@ import torch
 from pagedllm.sample.sampler import Sampler, SamplingBatch, apply_top_k_top_p
 
 
-def _batch(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, logprobs=None,
-           stop_masks=None):
+def _batch(
+    n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, logprobs=None, stop_masks=None
+):
     def col(v, dtype):
         return torch.tensor(v if isinstance(v, list) else [v] * n, dtype=dtype)
-    t, k, p, m = col(temperature, torch.float32), col(top_k, torch.long), col(top_p, torch.float32), col(min_p, torch.float32)
-    return SamplingBatch(t, k, p, m, seeds or list(range(n)), positions or [0] * n, stop_masks or [None] * n,
-                         logprobs or [None] * n, all_greedy=bool((t == 0).all()), no_top_k=bool((k == 0).all()),
-                         no_top_p=bool((p >= 1).all()), no_min_p=bool((m == 0).all()))
+
+    t, k, p, m = (
+        col(temperature, torch.float32),
+        col(top_k, torch.long),
+        col(top_p, torch.float32),
+        col(min_p, torch.float32),
+    )
+    return SamplingBatch(
+        t,
+        k,
+        p,
+        m,
+        seeds or list(range(n)),
+        positions or [0] * n,
+        stop_masks or [None] * n,
+        logprobs or [None] * n,
+        all_greedy=bool((t == 0).all()),
+        no_top_k=bool((k == 0).all()),
+        no_top_p=bool((p >= 1).all()),
+        no_min_p=bool((m == 0).all()),
+    )
 
 
 def _reference_probs(logits, temperature, top_k, top_p, min_p):
@@ -49,16 +67,23 @@ def test_top_k_top_p_mask_matches_reference(top_k, top_p):
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(temperature=0.7), dict(temperature=1.3, top_k=4), dict(temperature=1.0, top_p=0.7),
-    dict(temperature=1.0, min_p=0.2), dict(temperature=0.9, top_k=5, top_p=0.9, min_p=0.05),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.3, top_k=4),
+        dict(temperature=1.0, top_p=0.7),
+        dict(temperature=1.0, min_p=0.2),
+        dict(temperature=0.9, top_k=5, top_p=0.9, min_p=0.05),
+    ],
+)
 def test_sampled_distribution_equals_processed_distribution(cfg):
     """Chi-square goodness of fit over many seeded draws on an 8-token vocabulary."""
     torch.manual_seed(1)
     logits = torch.randn(8) * 1.5
-    expected = _reference_probs(logits, cfg.get("temperature", 1.0), cfg.get("top_k", 0), cfg.get("top_p", 1.0),
-                                cfg.get("min_p", 0.0))
+    expected = _reference_probs(
+        logits, cfg.get("temperature", 1.0), cfg.get("top_k", 0), cfg.get("top_p", 1.0), cfg.get("min_p", 0.0)
+    )
     n = 4000
     batch = _batch(n, **cfg, seeds=[17] * n, positions=list(range(n)))
     tokens = Sampler()(logits.repeat(n, 1), batch).token_ids
@@ -117,8 +142,10 @@ def _penalty_reference(logits, prompt, output, presence, frequency, repetition):
     return out
 
 
-@pytest.mark.parametrize("presence, frequency, repetition", [(0.5, 0.0, 1.0), (0.0, 0.7, 1.0), (0.0, 0.0, 1.3),
-                                                             (-0.4, 0.3, 0.8), (1.0, 1.0, 2.0)])
+@pytest.mark.parametrize(
+    "presence, frequency, repetition",
+    [(0.5, 0.0, 1.0), (0.0, 0.7, 1.0), (0.0, 0.0, 1.3), (-0.4, 0.3, 0.8), (1.0, 1.0, 2.0)],
+)
 def test_penalties_match_reference(presence, frequency, repetition):
     from pagedllm.sample.sampler import Penalties, apply_penalties
 
@@ -132,8 +159,9 @@ def test_penalties_match_reference(presence, frequency, repetition):
         for t in outputs[i]:
             counts[i, t] += 1
         mask[i, prompts[i]] = True
-    pen = Penalties(torch.tensor([presence] * 2), torch.tensor([frequency] * 2), torch.tensor([repetition] * 2),
-                    counts, mask)
+    pen = Penalties(
+        torch.tensor([presence] * 2), torch.tensor([frequency] * 2), torch.tensor([repetition] * 2), counts, mask
+    )
     got = apply_penalties(logits, pen)
     for i in range(2):
         ref = _penalty_reference(logits[i], prompts[i], outputs[i], presence, frequency, repetition)
@@ -146,8 +174,15 @@ def test_bias_bans_and_biases_before_sampling_but_not_raw_logprobs():
     bias = torch.zeros(1, 10)
     bias[0, logits[0].argmax()] = float("-inf")  # ban the favourite
     bias[0, 3] += 50.0
-    out = Sampler()(logits.clone(), _batch(1, temperature=0.0, logprobs=[2]).__class__(
-        **{**{f: getattr(_batch(1, temperature=0.0, logprobs=[2]), f) for f in SamplingBatch.__slots__}, "bias": bias}))
+    out = Sampler()(
+        logits.clone(),
+        _batch(1, temperature=0.0, logprobs=[2]).__class__(
+            **{
+                **{f: getattr(_batch(1, temperature=0.0, logprobs=[2]), f) for f in SamplingBatch.__slots__},
+                "bias": bias,
+            }
+        ),
+    )
     assert out.token_ids[0] == 3
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprobs[0, 0].item() == pytest.approx(raw[0, 3].item())  # raw distribution, not the biased one

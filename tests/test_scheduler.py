@@ -15,9 +15,9 @@ import pytest
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.runner_output import ModelRunnerOutput
 
 BS = 4
 
@@ -32,8 +32,11 @@ class FakeRunner:
         for rid in so.finished_req_ids:
             self.state.pop(rid, None)
         for new in so.new_reqs:
-            self.state[new.req_id] = {"tokens": new.prompt_token_ids + new.output_token_ids,
-                                      "blocks": list(new.block_ids), "computed": new.num_computed_tokens}
+            self.state[new.req_id] = {
+                "tokens": new.prompt_token_ids + new.output_token_ids,
+                "blocks": list(new.block_ids),
+                "computed": new.num_computed_tokens,
+            }
         for c in so.cached_reqs:
             st = self.state[c.req_id]
             st["blocks"] += c.new_block_ids
@@ -56,16 +59,41 @@ class FakeRunner:
         return ModelRunnerOutput(sampled)
 
 
-def run(prompts, *, num_blocks=64, budget=64, chunked=True, caching=True, max_seqs=16, max_tokens=12,
-        policy="fcfs", priorities=None, max_model_len=256, check=True):
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                      enable_chunked_prefill=chunked, scheduling_policy=policy),
-                      CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks, max_model_len)
+def run(
+    prompts,
+    *,
+    num_blocks=64,
+    budget=64,
+    chunked=True,
+    caching=True,
+    max_seqs=16,
+    max_tokens=12,
+    policy="fcfs",
+    priorities=None,
+    max_model_len=256,
+    check=True,
+):
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=chunked,
+            scheduling_policy=policy,
+        ),
+        CacheConfig(block_size=BS, enable_prefix_caching=caching),
+        num_blocks,
+        max_model_len,
+    )
     runner = FakeRunner(num_blocks)
     reqs = []
     for i, p in enumerate(prompts):
-        r = Request(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens), max_tokens,
-                    priority=(priorities or [0] * len(prompts))[i])
+        r = Request(
+            f"r{i}",
+            list(p),
+            SamplingParams(max_tokens=max_tokens),
+            max_tokens,
+            priority=(priorities or [0] * len(prompts))[i],
+        )
         r.sampling_params.bind_eos(frozenset())
         sched.add_request(r)
         reqs.append(r)
@@ -133,8 +161,9 @@ def test_preemption_under_tiny_cache_finishes_every_request():
 
 def test_priority_policy_preempts_the_least_important_request():
     prompts = [[1] * 20, [2] * 20, [3] * 20]
-    out, sched, _, reqs = run(prompts, num_blocks=16, policy="priority", priorities=[5, 0, 9],
-                              max_tokens=30, max_model_len=64)
+    out, sched, _, reqs = run(
+        prompts, num_blocks=16, policy="priority", priorities=[5, 0, 9], max_tokens=30, max_model_len=64
+    )
     assert sched.num_preemptions > 0
     # the most important request (priority 0) is never the victim
     assert reqs[1].num_preemptions == 0
@@ -154,8 +183,7 @@ def test_max_num_seqs_caps_the_running_set():
 
 
 def test_abort_frees_blocks_of_running_and_waiting_requests():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8),
-                      CacheConfig(block_size=BS), 16, 64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8), CacheConfig(block_size=BS), 16, 64)
     reqs = [Request(f"r{i}", [i] * 10, SamplingParams(max_tokens=5), 5) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
@@ -174,11 +202,9 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
 
 def test_aborted_waiting_requests_leave_the_queue_without_a_scan():
     """Aborting queued requests is O(1) each: they leave the count at once and are never scheduled."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64),
-                      CacheConfig(block_size=BS), 64, 64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), CacheConfig(block_size=BS), 64, 64)
     leader = Request("p0", [1] * 6, SamplingParams(max_tokens=3), 3)
-    leader.pending_children = [Request(f"p{i}", [1] * 6, SamplingParams(max_tokens=3), 3, index=i)
-                               for i in range(1, 4)]
+    leader.pending_children = [Request(f"p{i}", [1] * 6, SamplingParams(max_tokens=3), 3, index=i) for i in range(1, 4)]
     queued = [Request(f"q{i}", [i] * 6, SamplingParams(max_tokens=3), 3) for i in range(500)]
     for r in [leader, *queued]:
         sched.add_request(r)
@@ -215,8 +241,12 @@ def test_fcfs_serves_request_groups_in_turn():
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_aborted_waiting_requests_do_not_pile_up_behind_a_blocked_head(policy):
     """Lazy removal still lets go of removed requests: the queue is compacted as they accumulate."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy=policy),
-                      CacheConfig(block_size=BS), 64, 64)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy=policy),
+        CacheConfig(block_size=BS),
+        64,
+        64,
+    )
     head = Request("head", [1] * 6, SamplingParams(max_tokens=3), 3)
     sched.add_request(head)
     for i in range(2000):  # a client that queues and vanishes, over and over, behind a head that never moves
@@ -233,6 +263,12 @@ def test_random_workloads_match_the_unconstrained_run(seed):
     rng = random.Random(seed)
     prompts = _prompts(seed=seed, n=rng.randint(2, 14), shared_prefix=rng.choice([0, 5, 16]))
     ref, *_ = run(prompts, num_blocks=400, budget=1000, caching=False, max_model_len=14 * BS)
-    out, *_ = run(prompts, num_blocks=rng.randint(14, 40), budget=rng.randint(1, 48),
-                  caching=rng.random() < 0.5, max_seqs=rng.randint(1, 8), max_model_len=14 * BS)
+    out, *_ = run(
+        prompts,
+        num_blocks=rng.randint(14, 40),
+        budget=rng.randint(1, 48),
+        caching=rng.random() < 0.5,
+        max_seqs=rng.randint(1, 8),
+        max_model_len=14 * BS,
+    )
     assert out == ref

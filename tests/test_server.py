@@ -44,6 +44,7 @@ def _headers():
 
 # -- happy paths ----------------------------------------------------------------------
 
+
 def test_ready_line_is_logged_once_health_answers(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     deadline = time.time() + 10
@@ -59,8 +60,7 @@ def test_models_lists_the_served_name(client):
 
 
 def test_completion_streamed_text_equals_non_streamed(client):
-    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
     assert full.usage.completion_tokens == 20
     assert full.usage.total_tokens == full.usage.prompt_tokens + 20
@@ -73,11 +73,13 @@ def test_completion_streamed_text_equals_non_streamed(client):
 
 def test_chat_streamed_text_equals_non_streamed(client):
     msgs = [{"role": "user", "content": "Say something"}]
-    full = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert full.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == full.choices[0].message.content
     assert full.usage.completion_tokens == 16
@@ -89,29 +91,43 @@ def test_completion_matches_offline_generate(client, model_dir):
     prompts = ["Hello there", "Once upon a time", "1 2 3 4"]
     llm = LLM(model=model_dir, max_model_len=256, num_gpu_blocks_override=128)
     offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    online = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    online = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in sorted(online.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in offline]
 
 
 def test_logprobs_echo_stop_and_seed(client):
-    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0, logprobs=3,
-                                    echo=True, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=5, temperature=0, logprobs=3, echo=True, extra_body={"ignore_eos": True}
+    )
     c = out.choices[0]
     assert c.text.startswith("abc")
     assert len(c.logprobs.tokens) == 5 and all(len(t) == 3 for t in c.logprobs.top_logprobs)
     assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert len(chat.choices[0].logprobs.content) == 4
     assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
-    full = client.completions.create(model=MODEL, prompt="xyz", max_tokens=20, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        client.completions.create(
+            model=MODEL, prompt="xyz", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = full[6:8]
-    cut = client.completions.create(model=MODEL, prompt="xyz", max_tokens=20, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
-    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    cut = client.completions.create(
+        model=MODEL, prompt="xyz", max_tokens=20, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
     a = client.completions.create(model=MODEL, prompt="seed", max_tokens=10, temperature=1.0, seed=7)
     b = client.completions.create(model=MODEL, prompt="seed", max_tokens=10, temperature=1.0, seed=7)
     assert a.choices[0].text == b.choices[0].text
@@ -132,8 +148,9 @@ def test_64_concurrent_streams_all_complete_and_match_offline(server, model_dir)
     prompts = [f"Request number {i}: tell me about {i * 7}" for i in range(64)]
 
     async def one(aclient, p):
-        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def main():
@@ -148,17 +165,21 @@ def test_64_concurrent_streams_all_complete_and_match_offline(server, model_dir)
 
 def test_client_disconnect_aborts_and_frees_kv_blocks(server):
     before = _generated_tokens(server.url)
-    with httpx.Client(timeout=30) as h:
-        with h.stream("POST", f"{server.url}/v1/completions", headers=_headers(),
-                      json={"model": MODEL, "prompt": "a long story", "max_tokens": 200, "stream": True,
-                            "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data:"))
-            assert server.metric("pagedllm:num_requests_running") >= 0
+    with (
+        httpx.Client(timeout=30) as h,
+        h.stream(
+            "POST",
+            f"{server.url}/v1/completions",
+            headers=_headers(),
+            json={"model": MODEL, "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True},
+        ) as r,
+    ):
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        assert server.metric("pagedllm:num_requests_running") >= 0
     t0 = time.time()
     while time.time() - t0 < 10:
-        if (server.metric("pagedllm:num_requests_running") == 0
-                and server.metric("pagedllm:kv_cache_usage_perc") == 0):
+        if server.metric("pagedllm:num_requests_running") == 0 and server.metric("pagedllm:kv_cache_usage_perc") == 0:
             break
         time.sleep(0.1)
     assert server.metric("pagedllm:kv_cache_usage_perc") == 0
@@ -171,6 +192,7 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(server):
 
 # -- errors ------------------------------------------------------------------------------
 
+
 def _err(r: httpx.Response, status: int, param: str | None = None) -> dict:
     assert r.status_code == status, r.text
     body = r.json()
@@ -181,42 +203,66 @@ def _err(r: httpx.Response, status: int, param: str | None = None) -> dict:
     return body["error"]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"), ({"bogus_field": 1}, "bogus_field"),
-    ({"prompt": []}, "prompt"), ({"prompt": [10**9]}, "prompt_token_ids"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"bogus_field": 1}, "bogus_field"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [10**9]}, "prompt_token_ids"),
+    ],
+)
 def test_invalid_parameters_get_400_in_openai_shape(server, body, param):
-    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
-                   json={"model": MODEL, "prompt": "hi", **body})
+    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(), json={"model": MODEL, "prompt": "hi", **body})
     err = _err(r, 400)
     assert param in (err["param"] or "") or param in err["message"]
 
 
 def test_prompt_over_context_says_both_numbers(server):
-    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
-                   json={"model": MODEL, "prompt": [5] * 300, "max_tokens": 4})
+    r = httpx.post(
+        f"{server.url}/v1/completions", headers=_headers(), json={"model": MODEL, "prompt": [5] * 300, "max_tokens": 4}
+    )
     assert re.search(r"300.*256", _err(r, 400)["message"])
 
 
 def test_max_tokens_beyond_the_context_is_400_not_cut(server, client):
     """OpenAI's and vLLM's rule: prompt + max_tokens must fit max_model_len (256 here); offline cuts instead."""
-    for path, extra in (("completions", {"prompt": [5] * 250}),
-                        ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 150}]})):
-        r = httpx.post(f"{server.url}/v1/{path}", headers=_headers(),
-                       json={"model": MODEL, "max_tokens": 1000, "stream": True, **extra})
+    for path, extra in (
+        ("completions", {"prompt": [5] * 250}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 150}]}),
+    ):
+        r = httpx.post(
+            f"{server.url}/v1/{path}",
+            headers=_headers(),
+            json={"model": MODEL, "max_tokens": 1000, "stream": True, **extra},
+        )
         err = _err(r, 400, "max_tokens")
         assert re.search(r"1000.*256", err["message"]), err
-    fits = client.completions.create(model=MODEL, prompt=[5] * 250, max_tokens=6, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    fits = client.completions.create(
+        model=MODEL, prompt=[5] * 250, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert fits.usage.completion_tokens == 6 and fits.choices[0].finish_reason == "length"
-    assert _err(httpx.post(f"{server.url}/v1/completions", headers=_headers(),
-                           json={"model": MODEL, "prompt": [5] * 250, "max_tokens": 7}), 400, "max_tokens")
+    assert _err(
+        httpx.post(
+            f"{server.url}/v1/completions",
+            headers=_headers(),
+            json={"model": MODEL, "prompt": [5] * 250, "max_tokens": 7},
+        ),
+        400,
+        "max_tokens",
+    )
 
 
 def test_malformed_json_is_400(server):
-    r = httpx.post(f"{server.url}/v1/chat/completions", headers={**_headers(), "Content-Type": "application/json"},
-                   content=b"{not json")
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers={**_headers(), "Content-Type": "application/json"},
+        content=b"{not json",
+    )
     _err(r, 400)
 
 
@@ -233,18 +279,29 @@ def test_unknown_model_is_404(server):
 
 
 def test_oversized_body_is_413(server):
-    r = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
-                   json={"model": MODEL, "prompt": "x" * (17 << 20)})
+    r = httpx.post(
+        f"{server.url}/v1/completions", headers=_headers(), json={"model": MODEL, "prompt": "x" * (17 << 20)}
+    )
     _err(r, 413)
 
 
 def test_bad_requests_do_not_disturb_others(server, client):
-    ok = client.completions.create(model=MODEL, prompt="steady", max_tokens=6, temperature=0,
-                                   extra_body={"ignore_eos": True}).choices[0].text
+    ok = (
+        client.completions.create(
+            model=MODEL, prompt="steady", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     for body in ({"temperature": -1}, {"prompt": [5] * 300}, {"stop_token_ids": [10**9]}):
         httpx.post(f"{server.url}/v1/completions", headers=_headers(), json={"model": MODEL, "prompt": "hi", **body})
-    again = client.completions.create(model=MODEL, prompt="steady", max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True}).choices[0].text
+    again = (
+        client.completions.create(
+            model=MODEL, prompt="steady", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert again == ok
 
 
@@ -260,13 +317,18 @@ def test_full_queue_gets_503_with_retry_after(model_dir):
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
     s = Server(model_dir)
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", f"{s.url}/v1/completions",
-                      json={"model": MODEL, "prompt": "go", "max_tokens": 60, "stream": True, "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data:"))
-            s.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data:")]
+    with (
+        httpx.Client(timeout=60) as h,
+        h.stream(
+            "POST",
+            f"{s.url}/v1/completions",
+            json={"model": MODEL, "prompt": "go", "max_tokens": 60, "stream": True, "ignore_eos": True},
+        ) as r,
+    ):
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data:")]
     assert rest[-1] == "data: [DONE]"
     chunks = [json.loads(x[5:]) for x in [first] + rest[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -277,9 +339,25 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
 def test_schemathesis_finds_no_server_errors(server):
     """Fuzz every operation of the server's own OpenAPI schema; any 5xx fails."""
     st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
-    r = subprocess.run([st, "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
-                        "--max-examples", "20", "--generation-deterministic", "--request-timeout", "60",
-                        "-H", f"Authorization: Bearer {API_KEY}"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            st,
+            "run",
+            f"{server.url}/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "20",
+            "--generation-deterministic",
+            "--request-timeout",
+            "60",
+            "-H",
+            f"Authorization: Bearer {API_KEY}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-4000:]
     assert re.search(r"[1-9]\d* generated, [1-9]\d* passed", r.stdout), r.stdout[-2000:]
 
@@ -292,11 +370,38 @@ def _generated_tokens(url: str) -> float:
 def test_bench_serve_reports_vllm_metrics(server, tmp_path):
     out = tmp_path / "bench.json"
     before = _generated_tokens(server.url)
-    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
-                        "--api-key", API_KEY, "--num-prompts", "6", "--random-input-len", "40",
-                        "--random-output-len", "5", "--max-concurrency", "3", "--request-rate", "50",
-                        "--num-warmups", "2", "--goodput", "ttft:100000", "--result-file", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "40",
+            "--random-output-len",
+            "5",
+            "--max-concurrency",
+            "3",
+            "--request-rate",
+            "50",
+            "--num-warmups",
+            "2",
+            "--goodput",
+            "ttft:100000",
+            "--result-file",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
     assert report["completed"] == 6 and report["failed"] == 0 and report["num_warmups"] == 2
@@ -306,19 +411,41 @@ def test_bench_serve_reports_vllm_metrics(server, tmp_path):
     while _generated_tokens(server.url) - before < 8 * 5 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _generated_tokens(server.url) - before == 8 * 5
-    bad = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
-                          "--num-warmups", "-1"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--num-warmups",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--num-warmups must be 0 or more" in bad.stderr
     assert report["total_output_tokens"] == 30
-    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput",
-                "output_throughput", "request_goodput"):
+    for key in (
+        "mean_ttft_ms",
+        "median_tpot_ms",
+        "p99_itl_ms",
+        "mean_e2el_ms",
+        "request_throughput",
+        "output_throughput",
+        "request_goodput",
+    ):
         assert report[key] > 0, key
     assert report["model"] == MODEL
 
 
 def test_grafana_dashboard_uses_only_exported_metrics(server):
-    dash = json.loads(open(os.path.join(os.path.dirname(__file__), "..", "deploy", "grafana",
-                                        "pagedllm-dashboard.json")).read())
+    dash = json.loads(
+        open(os.path.join(os.path.dirname(__file__), "..", "deploy", "grafana", "pagedllm-dashboard.json")).read()
+    )
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"pagedllm:[a-z0-9_]+", e)}
     exported = set(re.findall(r"^(pagedllm:[a-z0-9_]+)", httpx.get(f"{server.url}/metrics").text, re.M))
@@ -326,8 +453,15 @@ def test_grafana_dashboard_uses_only_exported_metrics(server):
 
 
 def test_n_completions_streamed_and_not(client):
-    kw = dict(model=MODEL, prompt=["first prompt", "second"], max_tokens=8, temperature=1.0, n=3, seed=11,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt=["first prompt", "second"],
+        max_tokens=8,
+        temperature=1.0,
+        n=3,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**kw)
     assert sorted(c.index for c in full.choices) == list(range(6))
     assert full.usage.completion_tokens == 6 * 8
@@ -338,12 +472,26 @@ def test_n_completions_streamed_and_not(client):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == by_index
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
-                                          max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in chat.choices] == [0, 1]
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
-                                            max_tokens=6, temperature=1.0, seed=3, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     texts = {0: "", 1: ""}
     for chunk in stream:
         for c in chunk.choices:
@@ -352,17 +500,34 @@ def test_n_completions_streamed_and_not(client):
 
 
 def test_logit_bias_and_allowed_tokens_over_http(client):
-    tok_resp = httpx.post(f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/tokenize",
-                          json={"prompt": " banana", "add_special_tokens": False}).json()
+    tok_resp = httpx.post(
+        f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/tokenize",
+        json={"prompt": " banana", "add_special_tokens": False},
+    ).json()
     target = tok_resp["tokens"][0]
-    out = client.completions.create(model=MODEL, prompt="Fruit:", max_tokens=3, temperature=0,
-                                    logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Fruit:",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(target): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].text == " banana" * 3
-    only = client.completions.create(model=MODEL, prompt="Fruit:", max_tokens=4, temperature=1.0, seed=1,
-                                     extra_body={"ignore_eos": True, "allowed_token_ids": [target]})
+    only = client.completions.create(
+        model=MODEL,
+        prompt="Fruit:",
+        max_tokens=4,
+        temperature=1.0,
+        seed=1,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [target]},
+    )
     assert only.choices[0].text == " banana" * 4
-    r = httpx.post(f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/v1/completions",
-                   headers=_headers(), json={"model": MODEL, "prompt": "x", "logit_bias": {"999999999": 5}})
+    r = httpx.post(
+        f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/v1/completions",
+        headers=_headers(),
+        json={"model": MODEL, "prompt": "x", "logit_bias": {"999999999": 5}},
+    )
     _err(r, 400, "logit_bias")
 
 
@@ -370,43 +535,71 @@ def test_structured_outputs_over_http(client, server):
     """response_format json_schema / json_object and extra_body structured_outputs, streamed and not."""
     import jsonschema
 
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["name", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["name", "n"],
+    }
     msgs = [{"role": "user", "content": "A user as JSON"}]
     rf = {"type": "json_schema", "json_schema": {"name": "user", "schema": schema}}
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0, response_format=rf)
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0,
-                                            response_format=rf, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=80, temperature=0, response_format=rf, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0.9, seed=1,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=80, temperature=0.9, seed=1, response_format={"type": "json_object"}
+    )
     text = r.choices[0].message.content  # a random model's free-form object may not close within max_tokens
     assert text.startswith('{"') and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
-    r = client.completions.create(model=MODEL, prompt="Label:", max_tokens=8, temperature=1.0, seed=2, n=3,
-                                  extra_body={"structured_outputs": {"choice": ["spam", "ham"]}})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Label:",
+        max_tokens=8,
+        temperature=1.0,
+        seed=2,
+        n=3,
+        extra_body={"structured_outputs": {"choice": ["spam", "ham"]}},
+    )
     assert {c.text for c in r.choices} <= {"spam", "ham"}
     assert server.metric("pagedllm:structured_output_requests_total") >= 4
     assert server.metric("pagedllm:grammar_compile_seconds_count") >= 3  # three specs, compiled cold once each
     assert server.metric("pagedllm:grammar_compile_cache_hits_total") >= 1  # the streamed repeat
-    for body, param in [({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
-                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
-                         "response_format.json_schema"),
-                        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice")]:
-        resp = httpx.post(f"{server.url}/v1/completions", headers=_headers(),
-                          json={"model": MODEL, "prompt": "hi", **body})
+    for body, param in [
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format.json_schema"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ]:
+        resp = httpx.post(
+            f"{server.url}/v1/completions", headers=_headers(), json={"model": MODEL, "prompt": "hi", **body}
+        )
         assert _err(resp, 400)["param"] == param
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}},
-                                       "required": ["tz"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]},
+    },
+}
 
 
 def _check_call(call, tools=(WEATHER, TIME)):
@@ -421,13 +614,27 @@ def test_named_and_required_tool_calls_validate(client):
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(3):
-        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named,
-                                           max_tokens=120, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            tools=[WEATHER, TIME],
+            tool_choice=named,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
         _check_call(call)
-        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
-                                           max_tokens=200, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
         calls = r.choices[0].message.tool_calls
         assert calls and r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
         for call in calls:
@@ -435,52 +642,77 @@ def test_named_and_required_tool_calls_validate(client):
     # streamed: the named call's arguments arrive as deltas and add up to the non-streamed answer
     kw = dict(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named, max_tokens=120, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
-    deltas = [c.choices[0].delta.tool_calls[0] for c in client.chat.completions.create(**kw, stream=True)
-              if c.choices and c.choices[0].delta.tool_calls]
+    deltas = [
+        c.choices[0].delta.tool_calls[0]
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices and c.choices[0].delta.tool_calls
+    ]
     assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
     kw["tool_choice"] = "required"
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
-    streamed = [d for c in client.chat.completions.create(**kw, stream=True) if c.choices
-                for d in c.choices[0].delta.tool_calls or []]
-    assert [(d.function.name, d.function.arguments) for d in streamed] == \
-        [(c.function.name, c.function.arguments) for c in whole]
+    streamed = [
+        d
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices
+        for d in c.choices[0].delta.tool_calls or []
+    ]
+    assert [(d.function.name, d.function.arguments) for d in streamed] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
 
 
 def test_auto_tool_choice_with_the_hermes_parser(client):
     """The model's own text carries a hermes tool call (here forced by a regex, as a tiny random model would
     not write one): the parser lifts it into tool_calls, streamed and not."""
     rx = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TIME],
-              max_tokens=80, temperature=0, extra_body={"structured_outputs": {"regex": rx}})
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER, TIME],
+        max_tokens=80,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": rx}},
+    )
     r = client.chat.completions.create(**kw)  # tool_choice defaults to auto when tools are given
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
     (call,) = msg.tool_calls
     assert call.function.name == "get_weather"
     _check_call(call)
-    streamed = [d for c in client.chat.completions.create(**kw, stream=True) if c.choices
-                for d in c.choices[0].delta.tool_calls or []]
+    streamed = [
+        d
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices
+        for d in c.choices[0].delta.tool_calls or []
+    ]
     assert [(d.function.name, d.function.arguments) for d in streamed] == [("get_weather", call.function.arguments)]
     # a plain answer stays content
-    r = client.chat.completions.create(model=MODEL, messages=kw["messages"], tools=[WEATHER], max_tokens=8,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=kw["messages"], tools=[WEATHER], max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.tool_calls == [] and r.choices[0].message.content
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tool_choice": "required"}, "tool_choice"),  # no tools
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
-    ({"structured_outputs": {"json": "false"}}, "structured_outputs.json"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": [WEATHER] * 200, "tool_choice": "required"}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+        ({"structured_outputs": {"json": "false"}}, "structured_outputs.json"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [WEATHER] * 200, "tool_choice": "required"}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ],
+)
 def test_bad_tool_requests_get_400(server, body, param):
-    r = httpx.post(f"{server.url}/v1/chat/completions", headers=_headers(),
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers=_headers(),
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body},
+    )
     assert param in (_err(r, 400)["param"] or "")
 
 
@@ -491,8 +723,15 @@ def test_engine_state_snapshot(server, client):
     idle = httpx.get(f"{server.url}/v1/engine/state", headers=_headers()).json()
     assert idle["num_blocks"] == len(idle["block_map"]) == sum(idle["blocks"].values())
     assert idle["blocks"]["used"] == idle["blocks"]["shared"] == 0 and idle["running"] == []
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 20, max_tokens=150, temperature=0,
-                                       stream=True, n=2, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time " * 20,
+        max_tokens=150,
+        temperature=0,
+        stream=True,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(stream))  # running now
     busy = httpx.get(f"{server.url}/v1/engine/state", headers=_headers()).json()
     stream.close()
@@ -514,14 +753,18 @@ def test_trace_file_is_a_chrome_trace_of_steps_and_requests(model_dir, tmp_path)
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
         c.completions.create(model=MODEL, prompt="Hello there", max_tokens=8, temperature=0)
         c.completions.create(model=MODEL, prompt="A river town", max_tokens=6, temperature=0.5, seed=1, n=2)
-        list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                       stream=True))
+        list(
+            c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True
+            )
+        )
     finally:
         assert s.stop() == 0
     events = json.loads(path.read_text())  # closed at shutdown: strict JSON
     steps = [e for e in events if e.get("name") == "step"]
-    assert steps and all(e["ph"] == "X" and e["dur"] >= 0 and e["args"]["decode_tokens"] + e["args"]["prefill_tokens"]
-                         for e in steps)
+    assert steps and all(
+        e["ph"] == "X" and e["dur"] >= 0 and e["args"]["decode_tokens"] + e["args"]["prefill_tokens"] for e in steps
+    )
     begins = {e["id"] for e in events if e.get("cat") == "request" and e["ph"] == "b"}
     ends = {e["id"]: e for e in events if e.get("cat") == "request" and e["ph"] == "e"}
     firsts = {e["id"] for e in events if e.get("name") == "first token"}

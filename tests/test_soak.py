@@ -15,8 +15,9 @@ def test_three_minute_soak_loses_and_leaks_nothing(tiny_model_factory):
     # oneDNN's primitive caches, small: at the engine's 128 entries each they are still filling (a bounded
     # growth, one primitive per new batch row count) after three minutes on a slow or busy machine, which
     # reads as a leak; the 30-minute `pagedllm bench soak` measures them at their default size
-    config = SoakConfig(minutes=minutes, seed=0, clients=8, burst_every_s=min(30.0, minutes * 60 / 5),
-                        onednn_cache_capacity=8)
+    config = SoakConfig(
+        minutes=minutes, seed=0, clients=8, burst_every_s=min(30.0, minutes * 60 / 5), onednn_cache_capacity=8
+    )
     report = soak(str(tiny_model_factory("llama")), config)
     print(json.dumps(report, indent=2))
     assert report["problems"] == [], json.dumps(report, indent=2)

@@ -23,30 +23,46 @@ from pagedllm.spec_decode.ngram import find_continuation
 
 SELF_INT8 = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
 
-COPY = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
-        "def mul(a, b):\n    return a * b\n\n")
+COPY = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n\n"
 
 
 def _mixed_params() -> list[SamplingParams]:
     """Greedy, seeded top-p, penalties + min_tokens + bad words, a stop string, logprobs: one batch."""
-    return [SamplingParams(max_tokens=40, temperature=0, logprobs=3),
-            SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=11),
-            SamplingParams(max_tokens=40, temperature=1.0, top_k=20, seed=5, repetition_penalty=1.3,
-                           frequency_penalty=0.5, min_tokens=8),
-            SamplingParams(max_tokens=40, temperature=0, stop=["b"], bad_words=["return"]),
-            SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=3)]
+    return [
+        SamplingParams(max_tokens=40, temperature=0, logprobs=3),
+        SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=11),
+        SamplingParams(
+            max_tokens=40,
+            temperature=1.0,
+            top_k=20,
+            seed=5,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            min_tokens=8,
+        ),
+        SamplingParams(max_tokens=40, temperature=0, stop=["b"], bad_words=["return"]),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=3),
+    ]
 
 
 def _prompts() -> list[str]:
-    return [COPY * 2, COPY + "def add", "Repeat: one two three one two three one two",
-            COPY[:60], COPY * 2 + "def"]
+    return [COPY * 2, COPY + "def add", "Repeat: one two three one two three one two", COPY[:60], COPY * 2 + "def"]
 
 
 def _generate(llm: LLM, prompts, params) -> list[list[tuple]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [[(c.text, c.token_ids, c.finish_reason,
-              [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in c.logprobs] if c.logprobs else None)
-             for c in o.outputs] for o in outs]
+    return [
+        [
+            (
+                c.text,
+                c.token_ids,
+                c.finish_reason,
+                [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in c.logprobs] if c.logprobs else None,
+            )
+            for c in o.outputs
+        ]
+        for o in outs
+    ]
 
 
 def _spec_stats(llm: LLM):
@@ -94,8 +110,16 @@ def test_other_families_with_a_different_draft_model(tiny_model_factory, family)
     prompts = [COPY * 2, "The river town", COPY]
     params = SamplingParams(max_tokens=32, temperature=0)
     want = _generate(LLM(str(target), **kw), prompts, params)
-    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
-                                               "num_speculative_tokens": 3, "backoff_after_rejections": 0}, **kw)
+    llm = LLM(
+        str(target),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(draft),
+            "num_speculative_tokens": 3,
+            "backoff_after_rejections": 0,
+        },
+        **kw,
+    )
     assert _generate(llm, prompts, params) == want
     stats = _spec_stats(llm)
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # rejections happened and were rolled back
@@ -122,12 +146,15 @@ def test_smollm2_ngram_identical_and_mostly_accepted(setting):
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw)
     tok = base.get_tokenizer()
     code = "def area(w, h):\n    return w * h\n\nprint(area(3, 4))\n" * 3
-    copy = tok.apply_chat_template([{"role": "user", "content": f"Repeat this code exactly:\n{code}"}],
-                                   add_generation_prompt=True, tokenize=False)
+    copy = tok.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this code exactly:\n{code}"}], add_generation_prompt=True, tokenize=False
+    )
     prompts = [copy, "The quick brown fox jumps over the lazy dog. The quick brown fox", copy + "def"]
-    params = [SamplingParams(max_tokens=80, temperature=0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=42, n=2),
-              SamplingParams(max_tokens=40, temperature=0, stop=["print"], frequency_penalty=0.3)]
+    params = [
+        SamplingParams(max_tokens=80, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=42, n=2),
+        SamplingParams(max_tokens=40, temperature=0, stop=["print"], frequency_penalty=0.3),
+    ]
     assert _generate(llm, prompts, params) == _generate(base, prompts, params)
     stats = _spec_stats(llm)
     assert stats.num_accepted_tokens >= 0.3 * stats.num_draft_tokens > 0  # the copy is drafted well, the rest not
@@ -144,17 +171,29 @@ def test_backoff_stops_drafting_when_nothing_is_accepted(tiny_model_factory):
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     counts = {}
     for backoff in (0, 2):
-        llm = LLM(str(target), max_model_len=256, num_gpu_blocks_override=64,
-                  speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
-                                      "backoff_after_rejections": backoff})
+        llm = LLM(
+            str(target),
+            max_model_len=256,
+            num_gpu_blocks_override=64,
+            speculative_config={
+                "method": "draft_model",
+                "model": str(draft),
+                "num_speculative_tokens": 2,
+                "backoff_after_rejections": backoff,
+            },
+        )
         llm.generate(["The river town"], params, use_tqdm=False)
         counts[backoff] = _spec_stats(llm).num_drafts
     assert counts[2] < counts[0] / 2
 
 
 def test_disable_by_batch_size(tiny_dir):
-    llm = LLM(str(tiny_dir), max_model_len=256, num_gpu_blocks_override=128,
-              speculative_config={**SELF_INT8, "disable_by_batch_size": 2})
+    llm = LLM(
+        str(tiny_dir),
+        max_model_len=256,
+        num_gpu_blocks_override=128,
+        speculative_config={**SELF_INT8, "disable_by_batch_size": 2},
+    )
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     llm.generate(["a b c", "d e f", "g h i"], params, use_tqdm=False)  # 3 running > 2: never drafts
     assert _spec_stats(llm).num_drafts == 0
@@ -169,10 +208,20 @@ V = 8
 
 def _batch(n: int, temperature: float, top_p: float, seed: int, pos0: int) -> SamplingBatch:
     return SamplingBatch(
-        temperature=torch.full((n,), temperature), top_k=torch.zeros(n, dtype=torch.long),
-        top_p=torch.full((n,), top_p), min_p=torch.zeros(n), seeds=[seed] * n,
-        positions=list(range(pos0, pos0 + n)), stop_masks=[None] * n, num_logprobs=[None] * n,
-        all_greedy=temperature == 0, no_top_k=True, no_top_p=top_p >= 1.0, no_min_p=True, want_probs=True)
+        temperature=torch.full((n,), temperature),
+        top_k=torch.zeros(n, dtype=torch.long),
+        top_p=torch.full((n,), top_p),
+        min_p=torch.zeros(n),
+        seeds=[seed] * n,
+        positions=list(range(pos0, pos0 + n)),
+        stop_masks=[None] * n,
+        num_logprobs=[None] * n,
+        all_greedy=temperature == 0,
+        no_top_k=True,
+        no_top_p=top_p >= 1.0,
+        no_min_p=True,
+        want_probs=True,
+    )
 
 
 def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
@@ -217,10 +266,16 @@ def test_rejection_sampling_is_exact_in_distribution(temperature, top_p, propose
                 for j in range(k):
                     q[j, int(ref[pos + j].argmin())] = 0.7
                 drafts = [int(rng.choice(V, p=q[j].numpy() / q[j].sum().item())) for j in range(k)]
-            rows = logits[pos:pos + k + 1].clone()
+            rows = logits[pos : pos + k + 1].clone()
             s = sampler(rows, _batch(k + 1, temperature, top_p, seed, pos))
-            out += verify(drafts, s.token_ids.tolist(), draft_probs=q, probs=s.probs[:k] if q is not None else None,
-                          seed=seed, position=pos)
+            out += verify(
+                drafts,
+                s.token_ids.tolist(),
+                draft_probs=q,
+                probs=s.probs[:k] if q is not None else None,
+                seed=seed,
+                position=pos,
+            )
         for j in range(num_pos):
             counts[j, out[j]] += 1
     for j in range(num_pos):
@@ -240,6 +295,7 @@ def test_one_hot_verification_reproduces_the_non_speculative_draws():
 
 # -- the n-gram lookup ---------------------------------------------------------------------------------
 
+
 def test_find_continuation_longest_then_most_recent():
     a = np.array([1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3])
     # "1 2 3" occurred at 0..2 (followed by 9 9 2 3) — longer than the later "2 3" match
@@ -254,17 +310,21 @@ def test_find_continuation_longest_then_most_recent():
 
 # -- bad input -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cfg,field", [
-    ({"method": "magic", "num_speculative_tokens": 2}, "method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram"}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "model"),  # a head needs its directory
-    ({"method": "medusa", "num_speculative_tokens": 2, "model": "/x", "quantization": "int8"}, "quantization"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
-    ("{not json", "speculative_config"),
-])
+
+@pytest.mark.parametrize(
+    "cfg,field",
+    [
+        ({"method": "magic", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "model"),  # a head needs its directory
+        ({"method": "medusa", "num_speculative_tokens": 2, "model": "/x", "quantization": "int8"}, "quantization"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
+        ("{not json", "speculative_config"),
+    ],
+)
 def test_bad_speculative_config_is_refused_naming_the_field(cfg, field):
     from pagedllm.config import EngineConfig
 
@@ -276,8 +336,11 @@ def test_bad_speculative_config_is_refused_naming_the_field(cfg, field):
 def test_draft_with_another_vocabulary_is_refused_at_startup(tiny_model_factory):
     target, draft = tiny_model_factory("llama"), tiny_model_factory("llama", vocab_size=1000)
     with pytest.raises(InvalidParameterError, match="vocabulary"):
-        LLM(str(target), num_gpu_blocks_override=16,
-            speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+        LLM(
+            str(target),
+            num_gpu_blocks_override=16,
+            speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+        )
 
 
 def test_server_flag_and_metrics(tiny_dir):
@@ -285,6 +348,7 @@ def test_server_flag_and_metrics(tiny_dir):
     import json
 
     import httpx
+
     from utils import Server
 
     body = {"model": "tiny", "prompt": COPY, "max_tokens": 24, "temperature": 0}

@@ -17,31 +17,41 @@ import json
 import pytest
 import torch
 from test_spec_decode import _generate, _mixed_params, _spec_stats
-from utils import build_spec_head
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError
 
-PROMPTS = ["The river town", "def add(a, b):\n    return a + b\n" * 3, "one two three four five six seven",
-           "A" * 40, "def add(a, b):\n    return a + b\n" * 3 + "def"]
+from utils import build_spec_head
+
+PROMPTS = [
+    "The river town",
+    "def add(a, b):\n    return a + b\n" * 3,
+    "one two three four five six seven",
+    "A" * 40,
+    "def add(a, b):\n    return a + b\n" * 3 + "def",
+]
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_model_factory):
     """A one-layer eagle_friendly target (for the EAGLE head that copies its layer) and a four-layer one
     (EAGLE-3 reads the inputs of its layers 2, 2 and 1: vLLM's default 2, L/2, L-3)."""
-    return {"eagle": tiny_model_factory("llama", num_hidden_layers=1, eagle_friendly=True),
-            "eagle3": tiny_model_factory("llama", num_hidden_layers=4),
-            "medusa": tiny_model_factory("llama", num_hidden_layers=4)}
+    return {
+        "eagle": tiny_model_factory("llama", num_hidden_layers=1, eagle_friendly=True),
+        "eagle3": tiny_model_factory("llama", num_hidden_layers=4),
+        "medusa": tiny_model_factory("llama", num_hidden_layers=4),
+    }
 
 
 @pytest.fixture(scope="module")
 def heads(targets, tmp_path_factory):
     root = tmp_path_factory.mktemp("heads")
-    return {"eagle": build_spec_head(root / "eagle", "eagle", targets["eagle"], noise=0.005),
-            "eagle_random": build_spec_head(root / "eagle_random", "eagle", targets["eagle"], noise=0.2, fmt="bin"),
-            "eagle3": build_spec_head(root / "eagle3", "eagle3", targets["eagle3"]),
-            "medusa": build_spec_head(root / "medusa", "medusa", targets["medusa"])}
+    return {
+        "eagle": build_spec_head(root / "eagle", "eagle", targets["eagle"], noise=0.005),
+        "eagle_random": build_spec_head(root / "eagle_random", "eagle", targets["eagle"], noise=0.2, fmt="bin"),
+        "eagle3": build_spec_head(root / "eagle3", "eagle3", targets["eagle3"]),
+        "medusa": build_spec_head(root / "medusa", "medusa", targets["medusa"]),
+    }
 
 
 def _spec(method: str, head, k: int = 3) -> dict:
@@ -55,10 +65,18 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("method,setting", [("eagle", "default"), ("eagle", "chunked_small_budget"),
-                                            ("eagle", "small_cache_preemption"), ("eagle3", "chunked_small_budget"),
-                                            ("eagle3", "small_cache_preemption"), ("medusa", "default"),
-                                            ("medusa", "small_cache_preemption")])
+@pytest.mark.parametrize(
+    "method,setting",
+    [
+        ("eagle", "default"),
+        ("eagle", "chunked_small_budget"),
+        ("eagle", "small_cache_preemption"),
+        ("eagle3", "chunked_small_budget"),
+        ("eagle3", "small_cache_preemption"),
+        ("medusa", "default"),
+        ("medusa", "small_cache_preemption"),
+    ],
+)
 def test_outputs_identical_with_a_head_drafting(targets, heads, method, setting):
     target = targets[method]
     kw = {"max_model_len": 256, "num_gpu_blocks_override": 128, **SETTINGS[setting]}
@@ -93,8 +111,9 @@ def test_other_families_with_heads(tiny_model_factory, tmp_path, family):
         assert _spec_stats(llm).num_draft_tokens > 0
 
 
-SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-               intermediate_size=1536)
+SMOLLM2 = dict(
+    hidden_size=576, vocab_size=49152, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536
+)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa"])
@@ -114,14 +133,19 @@ def test_smollm2_outputs_identical_with_a_head(tmp_path, method):
 
 # -- the drafts themselves, against a dense reference --------------------------------------
 
+
 class _DenseHead:
     """EAGLE / EAGLE-3 / MEDUSA recomputed densely from the checkpoint files with transformers' modules."""
 
     def __init__(self, method: str, head_dir, target_dir):
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM, LlamaConfig
-        from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, LlamaRMSNorm,
-                                                              LlamaRotaryEmbedding)
+        from transformers.models.llama.modeling_llama import (
+            LlamaAttention,
+            LlamaMLP,
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
+        )
 
         self.method = method
         self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -146,8 +170,9 @@ class _DenseHead:
             self.in_norm.weight.data = sd[p + "input_layernorm.weight"]
             self.hid_norm.weight.data = sd[p + "hidden_norm.weight"]
             self.norm.weight.data = sd["norm.weight"]
-        self.attn.load_state_dict({k.removeprefix(p + "self_attn."): v for k, v in sd.items()
-                                   if k.startswith(p + "self_attn.")})
+        self.attn.load_state_dict(
+            {k.removeprefix(p + "self_attn."): v for k, v in sd.items() if k.startswith(p + "self_attn.")}
+        )
         self.mlp.load_state_dict({k.removeprefix(p + "mlp."): v for k, v in sd.items() if k.startswith(p + "mlp.")})
         self.post_norm.weight.data = sd[p + "post_attention_layernorm.weight"]
         self.aux_layers = (2, 2, 1)
@@ -156,9 +181,16 @@ class _DenseHead:
     def features(self, ids: list[int]) -> torch.Tensor:
         """The target's features at each position: its final hidden state, or EAGLE-3's fused aux states."""
         seen = {}
-        hooks = [self.target.model.layers[i].register_forward_pre_hook(
-            lambda mod, args, i=i: seen.__setitem__(i, args[0][0])) for i in (2, 1)] \
-            if self.method == "eagle3" else []
+        hooks = (
+            [
+                self.target.model.layers[i].register_forward_pre_hook(
+                    lambda mod, args, i=i: seen.__setitem__(i, args[0][0])
+                )
+                for i in (2, 1)
+            ]
+            if self.method == "eagle3"
+            else []
+        )
         final = self.target.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
         for hook in hooks:
             hook.remove()
@@ -197,11 +229,12 @@ class _DenseHead:
             out = []
             for i in range(k):
                 x = feats[-1]
-                x = x + torch.nn.functional.silu(x @ self.sd[f"blocks.{i}.layers.0.weight"].T
-                                                 + self.sd[f"blocks.{i}.layers.0.bias"])
+                x = x + torch.nn.functional.silu(
+                    x @ self.sd[f"blocks.{i}.layers.0.weight"].T + self.sd[f"blocks.{i}.layers.0.bias"]
+                )
                 out.append(int((x @ self.sd[f"lm_heads.{i}.weight"].T).argmax()))
             return out
-        nxt = list(tokens[1:c + 1])
+        nxt = list(tokens[1 : c + 1])
         out = []
         for _ in range(k):
             for_logits, hidden = self._run(nxt, feats)
@@ -217,8 +250,14 @@ def test_drafts_match_a_dense_reference(targets, heads, method):
     the engine makes equals the dense head's for the same tokens."""
     base = method.removesuffix("_random")
     k = 3
-    llm = LLM(str(targets[base]), max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=16,
-              enable_prefix_caching=False, speculative_config=_spec(base, heads[method], k))
+    llm = LLM(
+        str(targets[base]),
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        speculative_config=_spec(base, heads[method], k),
+    )
     proposer = llm.llm_engine.core.runner.proposer
     seen: list[tuple[list[int], list[int]]] = []
     original = proposer.propose
@@ -241,6 +280,7 @@ def test_drafts_match_a_dense_reference(targets, heads, method):
 
 # -- loading and bad input --------------------------------------------------------------
 
+
 def test_medusa_original_layout_loads_the_same_heads(targets, tmp_path):
     from pagedllm.models.spec_heads import load_spec_head
 
@@ -260,14 +300,17 @@ def _edit_config(path, **changes):
     return path
 
 
-@pytest.mark.parametrize("case,field", [
-    ("eagle_hidden", "speculative_config.model"),
-    ("eagle3_target_hidden", "speculative_config.model"),
-    ("medusa_hidden", "speculative_config.model"),
-    ("medusa_too_many_tokens", "speculative_config.num_speculative_tokens"),
-    ("eagle3_aux_layers", "speculative_config.model"),
-    ("no_model", "speculative_config.model"),
-])
+@pytest.mark.parametrize(
+    "case,field",
+    [
+        ("eagle_hidden", "speculative_config.model"),
+        ("eagle3_target_hidden", "speculative_config.model"),
+        ("medusa_hidden", "speculative_config.model"),
+        ("medusa_too_many_tokens", "speculative_config.num_speculative_tokens"),
+        ("eagle3_aux_layers", "speculative_config.model"),
+        ("no_model", "speculative_config.model"),
+    ],
+)
 def test_bad_heads_are_refused_at_startup(targets, tmp_path, case, field):
     method = case.split("_")[0] if case != "no_model" else "eagle"
     target = targets["eagle3" if method == "eagle3" else method if method != "no" else "eagle"]
@@ -293,10 +336,13 @@ def test_bad_heads_are_refused_at_startup(targets, tmp_path, case, field):
 
 def test_seeded_sampling_reproduces_with_a_head(targets, heads):
     target = targets["eagle"]
-    params = [SamplingParams(max_tokens=32, temperature=0.9, top_p=0.9, seed=7),
-              SamplingParams(max_tokens=32, temperature=0.5, top_k=40, seed=8, n=2)]
+    params = [
+        SamplingParams(max_tokens=32, temperature=0.9, top_p=0.9, seed=7),
+        SamplingParams(max_tokens=32, temperature=0.5, top_k=40, seed=8, n=2),
+    ]
     want = _generate(LLM(str(target), max_model_len=128, num_gpu_blocks_override=32), PROMPTS[:2], params)
-    llm = LLM(str(target), max_model_len=128, num_gpu_blocks_override=32,
-              speculative_config=_spec("eagle", heads["eagle"]))
+    llm = LLM(
+        str(target), max_model_len=128, num_gpu_blocks_override=32, speculative_config=_spec("eagle", heads["eagle"])
+    )
     assert _generate(llm, PROMPTS[:2], params) == want
     assert _spec_stats(llm).num_accepted_tokens > 0

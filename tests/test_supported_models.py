@@ -12,20 +12,28 @@ import pytest
 import torch
 
 from pagedllm import LLM, ModelRegistry, SamplingParams
+
 from utils import TINY_MODELS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 # the tiny model (tests/utils.py) that stands for each decoder architecture
-TINY_FOR = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-            "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3"}
+TINY_FOR = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
+}
 
 
 def _rows() -> dict[str, str]:
     """architecture -> runner, from the table after the README's `<!-- architectures -->` marker."""
     text = README.read_text()
-    table = text[text.index("<!-- architectures -->"):].split("\n\n")[0]
+    table = text[text.index("<!-- architectures -->") :].split("\n\n")[0]
     rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| (\w+) \|", table, re.M)
     assert rows, "the README's architecture table went missing"
     return dict(rows)
@@ -43,8 +51,11 @@ def test_each_decoder_row_runs(arch, tiny_model_factory):
     model = tiny_model_factory(name)
     assert arch in json.loads((model / "config.json").read_text())["architectures"]
     llm = LLM(str(model), max_model_len=128, num_gpu_blocks_override=32)
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4,
-                                                                              ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7, 8]}],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -69,8 +80,16 @@ def test_each_family_checks_its_mlp_activation():
     from pagedllm.models.gemma3 import Gemma3ForCausalLM
     from pagedllm.models.llama import LlamaForCausalLM
 
-    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    small = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu' is not supported; only silu"):
         LlamaForCausalLM(LlamaConfig(**small, hidden_act="gelu"))
     gemma = Gemma3TextConfig(**small)

@@ -11,12 +11,16 @@ from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, forced_schema, 
 
 def test_hermes_extracts_calls_and_keeps_the_content_before_them():
     p = TOOL_PARSERS["hermes"]()
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-            '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>'
+    )
     content, calls = p.extract(text)
     assert content == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}),
-                                                                  ("get_time", {"tz": "CET"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {"tz": "CET"}),
+    ]
     assert p.extract("no calls here") == ("no calls here", [])
     broken = "<tool_call>{not json}</tool_call>"
     assert p.extract(broken) == (broken, [])  # not a call after all: the text stays content
@@ -40,12 +44,22 @@ def test_llama3_json_reads_one_or_more_calls():
 def test_forced_schemas_and_their_answers(choice):
     import jsonschema
 
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}},
-        {"type": "function", "function": {"name": "g"}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+            },
+        },
+        {"type": "function", "function": {"name": "g"}},
+    ]
     schema = forced_schema(tools, choice)
-    answer = '{"q": "x"}' if isinstance(choice, dict) else '[{"name": "f", "parameters": {"q": "x"}}, ' \
-                                                          '{"name": "g", "parameters": {}}]'
+    answer = (
+        '{"q": "x"}'
+        if isinstance(choice, dict)
+        else '[{"name": "f", "parameters": {"q": "x"}}, {"name": "g", "parameters": {}}]'
+    )
     jsonschema.validate(json.loads(answer), schema)
     calls = parse_forced(answer, choice)
     assert calls[0].name == "f" and json.loads(calls[0].arguments) == {"q": "x"}

@@ -9,9 +9,10 @@ import sys
 import threading
 
 import pytest
-from utils import Server
 
 from pagedllm import LLM, SamplingParams
+
+from utils import Server
 
 pytest.importorskip("opentelemetry.sdk")
 
@@ -31,8 +32,11 @@ def test_one_span_per_request_with_chunks_preemptions_and_first_token(model_dir)
     engine = llm.llm_engine
     tracer = OtelRequestTracer(None, "tiny", exporter=exporter)
     prompts = ["The river town " * 8, "Hello", "One two three four five six seven eight nine ten"]
-    params = [SamplingParams(max_tokens=60, temperature=0), SamplingParams(max_tokens=50, n=2, seed=1),
-              SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=2)]
+    params = [
+        SamplingParams(max_tokens=60, temperature=0),
+        SamplingParams(max_tokens=50, n=2, seed=1),
+        SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=2),
+    ]
     ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished_requests():
         tracer.on_step(engine, engine.step())
@@ -41,7 +45,10 @@ def test_one_span_per_request_with_chunks_preemptions_and_first_token(model_dir)
     assert set(spans) == set(ids) and all(s.name == "llm_request" for s in spans.values())
     long = spans[ids[0]]
     chunks = [e for e in long.events if e.name == "prefill_chunk"]
-    assert len(chunks) >= 2 and sum(e.attributes["tokens"] for e in chunks) >= long.attributes["gen_ai.usage.prompt_tokens"]
+    assert (
+        len(chunks) >= 2
+        and sum(e.attributes["tokens"] for e in chunks) >= long.attributes["gen_ai.usage.prompt_tokens"]
+    )
     assert sum(s.attributes["pagedllm.num_preemptions"] for s in spans.values()) > 0
     for rid, s in spans.items():
         a = s.attributes
@@ -64,7 +71,7 @@ class Collector:
         received = self.spans = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 req = ExportTraceServiceRequest()
                 req.ParseFromString(body)
@@ -93,9 +100,10 @@ def test_server_exports_spans_over_otlp_http(model_dir):
         import openai
 
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
-        ids = {c.completions.create(model="tiny", prompt="Hi there", max_tokens=5).id,
-               c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                         max_tokens=4).id}
+        ids = {
+            c.completions.create(model="tiny", prompt="Hi there", max_tokens=5).id,
+            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4).id,
+        }
     finally:
         assert s.stop() == 0  # shutdown flushes the batch processor
         collector.stop()
@@ -114,9 +122,32 @@ def test_bench_serve_trace_links_the_slowest_requests_to_their_spans(model_dir, 
     result = tmp_path / "bench.json"
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", s.url,
-             "--num-prompts", "8", "--random-input-len", "24", "--random-output-len", "6", "--max-concurrency", "4",
-             "--trace", "--slowest", "3", "--result-file", str(result)], capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.entrypoints.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                s.url,
+                "--num-prompts",
+                "8",
+                "--random-input-len",
+                "24",
+                "--random-output-len",
+                "6",
+                "--max-concurrency",
+                "4",
+                "--trace",
+                "--slowest",
+                "3",
+                "--result-file",
+                str(result),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
     finally:
         assert s.stop() == 0  # flushes the spans

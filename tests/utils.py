@@ -29,7 +29,6 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-
 # -- tiny random-weight models ---------------------------------------------------------
 
 TINY_VOCAB_SIZE = 49152  # SmolLM2's tokenizer
@@ -52,31 +51,69 @@ _COMMON = dict(
 # name -> (transformers config class name, config fields on top of _COMMON)
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(head_dim=32, tie_word_embeddings=False)),
-    "llama3_rope": ("LlamaConfig", dict(
-        head_dim=16, tie_word_embeddings=True,
-        # original context 64: wavelengths span all three llama3 bands (kept, smoothed, divided by factor)
-        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            head_dim=16,
+            tie_word_embeddings=True,
+            # original context 64: wavelengths span all three llama3 bands (kept, smoothed, divided by factor)
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=32, tie_word_embeddings=False)),
     # Mixture of Experts: 8 experts, 2 per token (renormalised); Qwen2-MoE with a shared expert and raw
     # top-k weights; Qwen3-MoE renormalised, with a dense layer 0 (mlp_only_layers)
-    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
-                                      tie_word_embeddings=False)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=64, norm_topk_prob=False,
-                                         tie_word_embeddings=False)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=True)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            tie_word_embeddings=True,
+        ),
+    ),
     # Gemma 3: a local (sliding, own RoPE base) and a global layer, query_pre_attn_scalar != head_dim, soft-capped
     # logits; its norms scale by 1 + weight, and the random weights above are that weight
-    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=32, query_pre_attn_scalar=20,
-                                        layer_types=["sliding_attention", "full_attention"],
-                                        final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=32,
+            sliding_window=32,
+            query_pre_attn_scalar=20,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 TINY_MODEL_NAMES = list(TINY_MODELS)
-
 
 
 def make_tiny_model(name: str, seed: int = 0, **config_overrides: Any) -> Any:
@@ -97,9 +134,15 @@ def make_tiny_model(name: str, seed: int = 0, **config_overrides: Any) -> Any:
     return model
 
 
-def build_tiny_model(path: Path, name: str, tokenizer_dir: Path | None = None, seed: int = 0,
-                     max_shard_size: str | None = None, eagle_friendly: bool = False,
-                     **config_overrides: Any) -> Path:
+def build_tiny_model(
+    path: Path,
+    name: str,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    eagle_friendly: bool = False,
+    **config_overrides: Any,
+) -> Path:
     """Write tiny random model ``name`` to ``path``: config, fp32 safetensors (sharded if asked), tokenizer.
 
     ``eagle_friendly``: embedding rows scaled to RMS 1 and the RMSNorm weights set to 1, so a one-layer
@@ -117,12 +160,12 @@ def build_tiny_model(path: Path, name: str, tokenizer_dir: Path | None = None, s
             for pname, p in model.named_parameters():
                 if pname.endswith("layernorm.weight") or pname == "model.norm.weight":
                     p.fill_(1.0)
-    model.save_pretrained(path, safe_serialization=True,
-                          **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    model.save_pretrained(
+        path, safe_serialization=True, **({"max_shard_size": max_shard_size} if max_shard_size else {})
+    )
     if tokenizer_dir is not None:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return path
-
 
 
 class GreedyResult(NamedTuple):
@@ -136,8 +179,9 @@ class _Generation(Protocol):
 
 
 @torch.inference_mode()
-def hf_greedy(model: Any, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int,
-              topk: int = 5) -> list[GreedyResult]:
+def hf_greedy(
+    model: Any, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int, topk: int = 5
+) -> list[GreedyResult]:
     """transformers greedy decoding, never stopping at EOS, with raw top-``topk`` logprobs per step.
 
     ``model`` is a loaded ``PreTrainedModel`` or a directory to load one from (float32).
@@ -164,8 +208,12 @@ def hf_greedy(model: Any, prompts_token_ids: Sequence[Sequence[int]], max_new_to
             tokens.append(token)
             steps.append(entry)
             if step + 1 < max_new_tokens:
-                out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
-                            use_cache=True, logits_to_keep=1)
+                out = model(
+                    input_ids=torch.tensor([[token]], device=device),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         results.append(GreedyResult(tokens, steps))
     return results
 
@@ -191,10 +239,16 @@ def _top_k_ids(step: Mapping[int, Any], k: int) -> set[int]:
     return {t for t, _ in sorted(step.items(), key=lambda kv: -_lp(kv[1]))[:k]}
 
 
-def check_greedy_close(ref: Sequence[_Generation], ours: Sequence[_Generation], topk: int, *,
-                       logprob_atol: float = 1e-3, min_exact_fraction: float = 0.5,
-                       max_divergence_gap: float | None = None,
-                       names: tuple[str, str] = ("ref", "ours")) -> GreedyComparison:
+def check_greedy_close(
+    ref: Sequence[_Generation],
+    ours: Sequence[_Generation],
+    topk: int,
+    *,
+    logprob_atol: float = 1e-3,
+    min_exact_fraction: float = 0.5,
+    max_divergence_gap: float | None = None,
+    names: tuple[str, str] = ("ref", "ours"),
+) -> GreedyComparison:
     """Assert two greedy runs agree, allowing a divergence only where the two tokens are near-tied.
 
     Per sequence, positions are compared in order:
@@ -218,8 +272,9 @@ def check_greedy_close(ref: Sequence[_Generation], ours: Sequence[_Generation], 
         a_ids, b_ids = list(a.token_ids), list(b.token_ids)
         if a.logprobs is None or b.logprobs is None:
             raise AssertionError(f"sequence {i}: both sides need per-token logprobs (SamplingParams(logprobs=k))")
-        assert len(a.logprobs) == len(a_ids) and len(b.logprobs) == len(b_ids), \
+        assert len(a.logprobs) == len(a_ids) and len(b.logprobs) == len(b_ids), (
             f"sequence {i}: one logprobs dict per generated token is required"
+        )
         diverged_at = None
         for pos, (ta, tb) in enumerate(zip(a_ids, b_ids)):
             la, lb = a.logprobs[pos], b.logprobs[pos]
@@ -231,12 +286,16 @@ def check_greedy_close(ref: Sequence[_Generation], ours: Sequence[_Generation], 
                 diff = abs(_lp(la[ta]) - _lp(lb[tb]))
                 max_diff = max(max_diff, diff)
                 if not diff <= logprob_atol:  # `not <=` also catches NaN
-                    failures.append(f"sequence {i} pos {pos}: token {ta} logprob {ref_name}={_lp(la[ta]):.6f} "
-                                    f"{our_name}={_lp(lb[tb]):.6f} (|diff| {diff:.2e} > {logprob_atol:g})")
+                    failures.append(
+                        f"sequence {i} pos {pos}: token {ta} logprob {ref_name}={_lp(la[ta]):.6f} "
+                        f"{our_name}={_lp(lb[tb]):.6f} (|diff| {diff:.2e} > {logprob_atol:g})"
+                    )
                 continue
             diverged_at = pos
-            context = (f"sequence {i} diverges at pos {pos}: {ref_name} chose {ta}, {our_name} chose {tb}; "
-                       f"{ref_name} top-{topk} {_fmt(la)}, {our_name} top-{topk} {_fmt(lb)}")
+            context = (
+                f"sequence {i} diverges at pos {pos}: {ref_name} chose {ta}, {our_name} chose {tb}; "
+                f"{ref_name} top-{topk} {_fmt(la)}, {our_name} top-{topk} {_fmt(lb)}"
+            )
             if tb not in _top_k_ids(la, topk) or ta not in _top_k_ids(lb, topk):
                 failures.append(context + ": each token must be in the other side's top-k")
             elif max_divergence_gap is not None:
@@ -251,8 +310,10 @@ def check_greedy_close(ref: Sequence[_Generation], ours: Sequence[_Generation], 
     result = GreedyComparison(divergence, max_diff)
     needed = math.ceil(min_exact_fraction * len(ref))
     if result.num_exact < needed:
-        failures.append(f"only {result.num_exact}/{len(ref)} sequences match exactly, need {needed} "
-                        f"(first divergences: {divergence})")
+        failures.append(
+            f"only {result.num_exact}/{len(ref)} sequences match exactly, need {needed} "
+            f"(first divergences: {divergence})"
+        )
     assert not failures, "\n".join(failures)
     return result
 
@@ -295,9 +356,24 @@ class Server:
     def __init__(self, model_dir: str, *extra: str, port: int | None = None):
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model_dir, "--port", str(self.port),
-               "--served-model-name", MODEL, "--max-model-len", "256", "--num-gpu-blocks-override", "128",
-               "--uvicorn-log-level", "warning", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "serve",
+            model_dir,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL,
+            "--max-model-len",
+            "256",
+            "--num-gpu-blocks-override",
+            "128",
+            "--uvicorn-log-level",
+            "warning",
+            *extra,
+        ]
         # a file, not a pipe: a pipe nobody reads would block the server once its logs fill it
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
@@ -335,8 +411,17 @@ class Server:
 
 # -- speculative-decoding heads in their published layouts ------------------------------
 
-def build_spec_head(path: Path, kind: str, target_dir: Path | None, seed: int = 0, noise: float = 0.2,
-                    layout: str = "vllm", fmt: str = "safetensors", target_cfg: dict | None = None) -> Path:
+
+def build_spec_head(
+    path: Path,
+    kind: str,
+    target_dir: Path | None,
+    seed: int = 0,
+    noise: float = 0.2,
+    layout: str = "vllm",
+    fmt: str = "safetensors",
+    target_cfg: dict | None = None,
+) -> Path:
     """A tiny random head for the tiny target in ``target_dir``, written as the published checkpoints are.
 
     ``kind``: ``eagle`` (SafeAILab EAGLE: ``fc`` + ``layers.0`` without input norm), ``eagle3``
@@ -361,13 +446,27 @@ def build_spec_head(path: Path, kind: str, target_dir: Path | None, seed: int = 
     path.mkdir(parents=True, exist_ok=True)
     w: dict[str, torch.Tensor] = {}
     if kind in ("eagle", "eagle3"):
-        heads, kv_heads, hd, inter = (target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"],
-                                      target_cfg.get("head_dim") or h // target_cfg["num_attention_heads"],
-                                      target_cfg["intermediate_size"])
-        cfg = dict(architectures=["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
-                   model_type="llama", hidden_size=h, intermediate_size=inter, num_hidden_layers=1,
-                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd, vocab_size=v,
-                   rms_norm_eps=1e-5, max_position_embeddings=512, rope_theta=10000.0, hidden_act="silu")
+        heads, kv_heads, hd, inter = (
+            target_cfg["num_attention_heads"],
+            target_cfg["num_key_value_heads"],
+            target_cfg.get("head_dim") or h // target_cfg["num_attention_heads"],
+            target_cfg["intermediate_size"],
+        )
+        cfg = dict(
+            architectures=["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
+            model_type="llama",
+            hidden_size=h,
+            intermediate_size=inter,
+            num_hidden_layers=1,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hd,
+            vocab_size=v,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            rope_theta=10000.0,
+            hidden_act="silu",
+        )
         p = "layers.0." if kind == "eagle" else "midlayer."
         width = h if kind == "eagle" else 2 * h
         w[p + "self_attn.q_proj.weight"] = rnd(heads * hd, width)
@@ -394,10 +493,17 @@ def build_spec_head(path: Path, kind: str, target_dir: Path | None, seed: int = 
             kept = torch.randperm(v, generator=g)[:draft_vocab].sort().values
             t2d = torch.zeros(v, dtype=torch.bool)
             t2d[kept] = True
-            w.update({"fc.weight": rnd(h, 3 * h), "midlayer.input_layernorm.weight": 1 + rnd(h, std=0.1),
-                      "midlayer.hidden_norm.weight": 1 + rnd(h, std=0.1), "norm.weight": 1 + rnd(h, std=0.1),
-                      "lm_head.weight": rnd(draft_vocab, h, std=1.0),
-                      "d2t": kept - torch.arange(draft_vocab), "t2d": t2d})
+            w.update(
+                {
+                    "fc.weight": rnd(h, 3 * h),
+                    "midlayer.input_layernorm.weight": 1 + rnd(h, std=0.1),
+                    "midlayer.hidden_norm.weight": 1 + rnd(h, std=0.1),
+                    "norm.weight": 1 + rnd(h, std=0.1),
+                    "lm_head.weight": rnd(draft_vocab, h, std=1.0),
+                    "d2t": kept - torch.arange(draft_vocab),
+                    "t2d": t2d,
+                }
+            )
     elif kind == "medusa":
         num_heads, num_layers = 4, 1
         for i in range(num_heads):
@@ -406,12 +512,20 @@ def build_spec_head(path: Path, kind: str, target_dir: Path | None, seed: int = 
                 blk = f"{i}.{j}." if layout == "original" else f"blocks.{i}.layers.{j}."
                 w[f"{blk}{lin}weight"] = rnd(h, h, std=noise / 4)
                 w[f"{blk}{lin}bias"] = rnd(h, std=noise / 4)
-            w[f"{i}.{num_layers}.weight" if layout == "original" else f"lm_heads.{i}.weight"] = \
-                rnd(v, h, std=1.0)
-        cfg = (dict(medusa_num_heads=num_heads, medusa_num_layers=num_layers, base_model_name_or_path="tiny")
-               if layout == "original" else
-               dict(architectures=["MedusaModel"], model_type="medusa", hidden_size=h, vocab_size=v,
-                    num_heads=num_heads, num_hidden_layers=num_layers, truncated_vocab_size=None))
+            w[f"{i}.{num_layers}.weight" if layout == "original" else f"lm_heads.{i}.weight"] = rnd(v, h, std=1.0)
+        cfg = (
+            dict(medusa_num_heads=num_heads, medusa_num_layers=num_layers, base_model_name_or_path="tiny")
+            if layout == "original"
+            else dict(
+                architectures=["MedusaModel"],
+                model_type="medusa",
+                hidden_size=h,
+                vocab_size=v,
+                num_heads=num_heads,
+                num_hidden_layers=num_layers,
+                truncated_vocab_size=None,
+            )
+        )
     else:
         raise ValueError(kind)
     (path / "config.json").write_text(json.dumps(cfg))

@@ -23,14 +23,22 @@ from pagedllm.attention.interface import AttentionMetadata
 
 def kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     _, _, bs, kvh, d = kv_cache.shape
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and kv_cache.dtype in kernels.KV_DTYPES
-            and kv_cache.is_contiguous() and q.stride(-1) == 1 and q.stride(-2) == d
-            and q.shape[1] // kvh <= kernels.MAX_GROUP and bs <= kernels.MAX_BLOCK_SIZE
-            and d <= kernels.MAX_HEAD_DIM)
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and kv_cache.dtype in kernels.KV_DTYPES
+        and kv_cache.is_contiguous()
+        and q.stride(-1) == 1
+        and q.stride(-2) == d
+        and q.shape[1] // kvh <= kernels.MAX_GROUP
+        and bs <= kernels.MAX_BLOCK_SIZE
+        and d <= kernels.MAX_HEAD_DIM
+    )
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+) -> torch.Tensor:
     if not kernel_applies(q, kv_cache):
         return torch_ref._decode(q, kv_cache, meta, scale, sliding_window)
     nd = q.shape[0]
@@ -40,12 +48,22 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         lens = meta.seq_lens[:nd]
         starts = torch.zeros_like(lens) if sliding_window is None else (lens - sliding_window).clamp(min=0)
         meta.scratch[key] = starts
-    return kernels.load().paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens[:nd].contiguous(),
-                                                 starts, scale)
+    return kernels.load().paged_decode_attention(
+        q, kv_cache, meta.block_tables, meta.seq_lens[:nd].contiguous(), starts, scale
+    )
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor,
-             ctx_len: int, scale: float, sliding_window: int | None, out: torch.Tensor) -> bool:
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> bool:
     """One request's prefill (chunk) through the kernel; False where the reference path must run it."""
     if not kernel_applies(q, kv_cache) or out.stride(-1) != 1 or out.stride(-2) != q.shape[-1]:
         return False

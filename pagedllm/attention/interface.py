@@ -34,11 +34,19 @@ class AttentionMetadata:
     scratch: dict = field(default_factory=dict)
     # sliding-window layers with block tables of their own (pagedllm.core.kv_groups): group g's slot mapping
     # and tables are groups[g - 1]'s, the rest as here; None without such groups
-    groups: list["AttentionMetadata"] | None = None
+    groups: list[AttentionMetadata] | None = None
 
 
 class AttentionBackend(Protocol):
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; returns [T, H, D]."""
         ...

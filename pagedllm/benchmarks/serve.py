@@ -38,8 +38,9 @@ class RequestResult:
     trace_id: str = ""  # with --trace: the W3C trace id sent in traceparent
 
 
-def random_dataset(num: int, input_len: int, output_len: int, input_ratio: float, output_ratio: float, vocab: int,
-                   seed: int) -> list[tuple[list[int], int]]:
+def random_dataset(
+    num: int, input_len: int, output_len: int, input_ratio: float, output_ratio: float, vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     lo_in, hi_in = int(input_len * (1 - input_ratio)), int(input_len * (1 + input_ratio))
     lo_out, hi_out = int(output_len * (1 - output_ratio)), int(output_len * (1 + output_ratio))
@@ -50,14 +51,28 @@ def random_dataset(num: int, input_len: int, output_len: int, input_ratio: float
     return out
 
 
-async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool,
-               headers: dict, trace_rng: random.Random | None = None) -> RequestResult:
+async def _one(
+    client,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    ignore_eos: bool,
+    headers: dict,
+    trace_rng: random.Random | None = None,
+) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
     if trace_rng is not None:  # a trace of our own for this request, the server's span its child
         res.trace_id = f"{trace_rng.getrandbits(128) or 1:032x}"
         headers = {**headers, "traceparent": f"00-{res.trace_id}-{trace_rng.getrandbits(64) or 1:016x}-01"}
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
@@ -95,8 +110,11 @@ def _stats(values: list[float], prefix: str, percentiles: list[float]) -> dict:
     if not values:
         return {}
     ms = sorted(v * 1000 for v in values)
-    out = {f"mean_{prefix}_ms": statistics.fmean(ms), f"median_{prefix}_ms": statistics.median(ms),
-           f"std_{prefix}_ms": statistics.pstdev(ms)}
+    out = {
+        f"mean_{prefix}_ms": statistics.fmean(ms),
+        f"median_{prefix}_ms": statistics.median(ms),
+        f"std_{prefix}_ms": statistics.pstdev(ms),
+    }
     for p in percentiles:
         k = min(len(ms) - 1, max(0, round(p / 100 * (len(ms) - 1))))
         out[f"p{p:g}_{prefix}_ms"] = ms[k]
@@ -106,8 +124,15 @@ def _stats(values: list[float], prefix: str, percentiles: list[float]) -> dict:
 async def run(args: argparse.Namespace) -> dict:
     import httpx
 
-    data = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
-                          args.random_range_ratio, args.random_output_range_ratio, args.vocab_size, args.seed)
+    data = random_dataset(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        args.random_output_range_ratio,
+        args.vocab_size,
+        args.seed,
+    )
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
@@ -118,6 +143,7 @@ async def run(args: argparse.Namespace) -> dict:
 
     bar = tqdm(total=len(data), desc="requests", unit="req")
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+
         async def limited(p, n):
             try:
                 if sem is None:
@@ -128,12 +154,22 @@ async def run(args: argparse.Namespace) -> dict:
                 bar.update(1)
 
         if args.num_warmups:  # not timed, not reported: first-use costs (page faults, kernel set-up) come first
-            warm = random_dataset(args.num_warmups, args.random_input_len, args.random_output_len,
-                                  args.random_range_ratio, args.random_output_range_ratio, args.vocab_size,
-                                  args.seed + 1)  # other prompts than the timed ones: no prefix-cache hits
-            failed = [r.error for r in await asyncio.gather(
-                *(_one(client, url, args.model, p, n, args.ignore_eos, headers, None) for p, n in warm))
-                if not r.ok]
+            warm = random_dataset(
+                args.num_warmups,
+                args.random_input_len,
+                args.random_output_len,
+                args.random_range_ratio,
+                args.random_output_range_ratio,
+                args.vocab_size,
+                args.seed + 1,
+            )  # other prompts than the timed ones: no prefix-cache hits
+            failed = [
+                r.error
+                for r in await asyncio.gather(
+                    *(_one(client, url, args.model, p, n, args.ignore_eos, headers, None) for p, n in warm)
+                )
+                if not r.ok
+            ]
             if failed:
                 raise RuntimeError(f"warm-up request failed: {failed[0]}")
         start = time.perf_counter()
@@ -152,14 +188,24 @@ async def run(args: argparse.Namespace) -> dict:
     in_tokens = sum(r.prompt_len for r in ok)
     pct = [float(x) for x in args.metric_percentiles.split(",")]
     report = {
-        "base_url": args.base_url, "model": args.model, "num_prompts": args.num_prompts,
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "base_url": args.base_url,
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "num_warmups": args.num_warmups,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        **_stats([r.ttft for r in ok], "ttft", pct), **_stats(tpots, "tpot", pct),
-        **_stats([x for r in ok for x in r.itl], "itl", pct), **_stats([r.e2el for r in ok], "e2el", pct),
+        **_stats([r.ttft for r in ok], "ttft", pct),
+        **_stats(tpots, "tpot", pct),
+        **_stats([x for r in ok for x in r.itl], "itl", pct),
+        **_stats([r.e2el for r in ok], "e2el", pct),
     }
     if args.goodput:
         slos = dict(item.split(":") for item in args.goodput)
@@ -169,11 +215,18 @@ async def run(args: argparse.Namespace) -> dict:
             good += all(vals[k] * 1000 <= float(v) for k, v in slos.items())
         report["request_goodput"] = good / duration
         report["goodput_slos_ms"] = slos
-    slowest = sorted(ok, key=lambda r: r.e2el, reverse=True)[:args.slowest]
+    slowest = sorted(ok, key=lambda r: r.e2el, reverse=True)[: args.slowest]
     report["slowest_requests"] = [
-        {"request_id": r.request_id, **({"trace_id": r.trace_id} if r.trace_id else {}),
-         "e2el_ms": r.e2el * 1000, "ttft_ms": r.ttft * 1000, "prompt_tokens": r.prompt_len,
-         "output_tokens": r.output_tokens} for r in slowest]
+        {
+            "request_id": r.request_id,
+            **({"trace_id": r.trace_id} if r.trace_id else {}),
+            "e2el_ms": r.e2el * 1000,
+            "ttft_ms": r.ttft * 1000,
+            "prompt_tokens": r.prompt_len,
+            "output_tokens": r.output_tokens,
+        }
+        for r in slowest
+    ]
     errors = [r.error for r in results if not r.ok][:5]
     if errors:
         report["first_errors"] = errors
@@ -191,27 +244,44 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     p.add_argument("--random-input-len", type=int, default=272, help="mean input length in tokens")
     p.add_argument("--random-output-len", type=int, default=128, help="mean output length in tokens")
-    p.add_argument("--random-range-ratio", type=float, default=0.88,
-                   help="input lengths are uniform in len * (1 +- ratio)")
-    p.add_argument("--random-output-range-ratio", type=float, default=0.0,
-                   help="output lengths are uniform in len * (1 +- ratio)")
+    p.add_argument(
+        "--random-range-ratio", type=float, default=0.88, help="input lengths are uniform in len * (1 +- ratio)"
+    )
+    p.add_argument(
+        "--random-output-range-ratio", type=float, default=0.0, help="output lengths are uniform in len * (1 +- ratio)"
+    )
     p.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this")
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s); inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight; default: no limit")
-    p.add_argument("--num-warmups", type=int, default=0,
-                   help="requests sent at once before the timed run (other random prompts of the same lengths); "
-                        "not counted in the report")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask the server to generate every requested token")
+    p.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="requests sent at once before the timed run (other random prompts of the same lengths); "
+        "not counted in the report",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask the server to generate every requested token",
+    )
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs as ttft:MS tpot:MS e2el:MS")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles to report")
     p.add_argument("--result-file", default=None, help="write the JSON report here")
-    p.add_argument("--trace", action="store_true",
-                   help="send each request a W3C traceparent, so the server's spans (--otlp-traces-endpoint) "
-                        "join the bench's traces; slowest_requests then gives each one's trace id")
-    p.add_argument("--slowest", type=int, default=5, help="how many of the slowest requests to list, with "
-                   "their request ids (and trace ids with --trace)")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="send each request a W3C traceparent, so the server's spans (--otlp-traces-endpoint) "
+        "join the bench's traces; slowest_requests then gives each one's trace id",
+    )
+    p.add_argument(
+        "--slowest",
+        type=int,
+        default=5,
+        help="how many of the slowest requests to list, with their request ids (and trace ids with --trace)",
+    )
     p.set_defaults(func=main)
 
 

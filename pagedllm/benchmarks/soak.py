@@ -39,12 +39,64 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WORDS = ("the river town market old bridge morning light quiet street bakery window children garden "
-         "story about a small dog who learned to read letters from the sea captain evening rain "
-         "mountain path winter fire kitchen table song friend journey home lantern harbour").split()
+WORDS = [
+    "the",
+    "river",
+    "town",
+    "market",
+    "old",
+    "bridge",
+    "morning",
+    "light",
+    "quiet",
+    "street",
+    "bakery",
+    "window",
+    "children",
+    "garden",
+    "story",
+    "about",
+    "a",
+    "small",
+    "dog",
+    "who",
+    "learned",
+    "to",
+    "read",
+    "letters",
+    "from",
+    "the",
+    "sea",
+    "captain",
+    "evening",
+    "rain",
+    "mountain",
+    "path",
+    "winter",
+    "fire",
+    "kitchen",
+    "table",
+    "song",
+    "friend",
+    "journey",
+    "home",
+    "lantern",
+    "harbour",
+]
 STOPS = ["\n", " the", "."]
-HOSTILE = ("huge_max_tokens", "huge_logprobs", "nan", "huge_body", "deep_json", "unknown_field", "invalid_utf8",
-           "long_prompt", "huge_n", "negative_temperature", "unknown_model")
+HOSTILE = (
+    "huge_max_tokens",
+    "huge_logprobs",
+    "nan",
+    "huge_body",
+    "deep_json",
+    "unknown_field",
+    "invalid_utf8",
+    "long_prompt",
+    "huge_n",
+    "negative_temperature",
+    "unknown_model",
+)
 # the other hostile requests get 400 (a max_tokens of 10**18 too: the context has no room for it, as in vLLM)
 _EXPECTED = {"huge_body": {413}, "unknown_model": {404}}
 
@@ -97,8 +149,12 @@ class Soak:
     # -- one request of each kind ------------------------------------------------------------------
     async def _good(self, client, rng: random.Random, kind: str) -> None:
         chat = rng.random() < 0.4
-        body: dict = {"model": self.model, "max_tokens": rng.randint(1, self.c.max_tokens),
-                      "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1 << 30)}
+        body: dict = {
+            "model": self.model,
+            "max_tokens": rng.randint(1, self.c.max_tokens),
+            "temperature": rng.choice([0.0, 0.7, 1.0]),
+            "seed": rng.randrange(1 << 30),
+        }
         if chat:
             body["messages"] = [{"role": "user", "content": _prompt(rng)}]
         else:
@@ -162,8 +218,14 @@ class Soak:
             self.tally.outcomes[(kind, "200")] += 1
 
     async def _disconnect(self, client, rng: random.Random) -> None:
-        body = {"model": self.model, "prompt": _prompt(rng), "max_tokens": self.c.max_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0.8}
+        body = {
+            "model": self.model,
+            "prompt": _prompt(rng),
+            "max_tokens": self.c.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.8,
+        }
         after = rng.randint(1, 5)
         async with client.stream("POST", self.url + "/v1/completions", json=body, headers=self.headers) as r:
             if not self._status_ok("disconnect", r):
@@ -204,8 +266,9 @@ class Soak:
             raw = json.dumps({**base, "temperature": -1}).encode()
         else:
             raw = json.dumps({**base, "model": "no-such-model"}).encode()
-        r = await client.post(self.url + "/v1/completions", content=raw,
-                              headers={**self.headers, "content-type": "application/json"})
+        r = await client.post(
+            self.url + "/v1/completions", content=raw, headers={**self.headers, "content-type": "application/json"}
+        )
         want = _EXPECTED.get(what, {400})
         if r.status_code in want:
             self.tally.outcomes[("hostile", what)] += 1
@@ -218,8 +281,19 @@ class Soak:
         """One request of ``kind`` (drawn from the mix when None), its failure recorded, never raised."""
         if kind is None:
             x = rng.random()
-            kind = ("hostile" if x < 0.05 else "disconnect" if x < 0.15 else "n_stop" if x < 0.30
-                    else "stream" if x < 0.55 else "chat" if x < 0.70 else "complete")
+            kind = (
+                "hostile"
+                if x < 0.05
+                else "disconnect"
+                if x < 0.15
+                else "n_stop"
+                if x < 0.30
+                else "stream"
+                if x < 0.55
+                else "chat"
+                if x < 0.70
+                else "complete"
+            )
         try:
             if kind == "hostile":
                 await self._hostile(client, rng)
@@ -227,7 +301,7 @@ class Soak:
                 await self._disconnect(client, rng)
             else:
                 await self._good(client, rng, kind)
-        except Exception as e:  # noqa: BLE001 -- a reset, a timeout (a hang), a malformed answer
+        except Exception as e:
             import httpx
 
             if isinstance(e, httpx.TimeoutException):  # we hung up: the server aborts it (still a problem)
@@ -273,6 +347,7 @@ class Soak:
 
 
 # -- the server process and what it holds ---------------------------------------------------------------
+
 
 def proc_stats(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
@@ -323,7 +398,7 @@ def wait_idle(url: str, headers: dict, timeout: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         state = httpx.get(url + "/v1/engine/state", params={"check": "true"}, headers=headers, timeout=30).json()
-        if state["num_running"] == 0 and state["num_waiting"] == 0 or time.monotonic() > deadline:
+        if (state["num_running"] == 0 and state["num_waiting"] == 0) or time.monotonic() > deadline:
             return state
         time.sleep(0.5)
 
@@ -339,10 +414,27 @@ def start_server(model: str, config: SoakConfig, extra: list[str], log) -> tuple
     # the KV cache resident from the start (--kv-cache-prefault), so RSS measures everything else: without
     # it, pages of the cache become resident as the free queue first hands out each block, which looks
     # like steady growth until the whole cache has been used once
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port),
-           "--max-num-seqs", str(config.max_num_seqs), "--max-queue-len", str(config.max_queue_len),
-           "--max-model-len", str(config.max_model_len), "--kv-cache-memory", str(config.kv_cache_bytes),
-           "--kv-cache-prefault", "--uvicorn-log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-queue-len",
+        str(config.max_queue_len),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--kv-cache-memory",
+        str(config.kv_cache_bytes),
+        "--kv-cache-prefault",
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
     env = dict(os.environ)
     if config.onednn_cache_capacity is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = str(config.onednn_cache_capacity)
@@ -388,8 +480,9 @@ def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str
         time.sleep(config.idle_settle_s)
         idle_after = proc_stats(proc.pid)
         finished_after = _finished_counts(url)
-        final = httpx.post(url + "/v1/completions", json={"model": served_name, "prompt": "still there?",
-                                                          "max_tokens": 4}, timeout=60)
+        final = httpx.post(
+            url + "/v1/completions", json={"model": served_name, "prompt": "still there?", "max_tokens": 4}, timeout=60
+        )
     finally:
         proc.terminate()
         try:
@@ -408,8 +501,9 @@ def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str
         problems.append(f"the server aborted {done['abort']} requests, the clients dropped {t.client_aborted}")
     leaked = state["blocks"]["used"] + state["blocks"]["shared"]
     if state["num_running"] or state["num_waiting"] or leaked or state["kv_cache_usage"] != 0:
-        problems.append(f"not idle at the end: {state['num_running']} running, {state['num_waiting']} waiting, "
-                        f"{leaked} blocks held")
+        problems.append(
+            f"not idle at the end: {state['num_running']} running, {state['num_waiting']} waiting, {leaked} blocks held"
+        )
     if state.get("invariants") != "ok":
         problems.append(f"block pool invariants: {state.get('invariants')}")
     rss = [s["rss_mib"] for _, s in sampler.samples]
@@ -430,16 +524,26 @@ def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str
         problems.append("no burst was refused with 503: the bursts did not exceed the server's capacity")
     five_xx = sum(v for (kind, what), v in t.outcomes.items() if kind == "problem" and "HTTP 5" in what)
     return {
-        "minutes": config.minutes, "seed": config.seed, "clients": config.clients,
+        "minutes": config.minutes,
+        "seed": config.seed,
+        "clients": config.clients,
         "requests": sum(v for (kind, _), v in t.outcomes.items() if kind != "problem") + len(t.problems),
-        "completed": t.completed, "client_aborted": t.client_aborted, "rejected_503": t.rejected_503,
-        "server_finished_main_phase": done, "unexpected_5xx": five_xx,
+        "completed": t.completed,
+        "client_aborted": t.client_aborted,
+        "rejected_503": t.rejected_503,
+        "server_finished_main_phase": done,
+        "unexpected_5xx": five_xx,
         "outcomes": {f"{k}/{v}": n for (k, v), n in sorted(t.outcomes.items())},
-        "rss_mib": {"idle_after_warmup": idle_before["rss_mib"], "peak": peak_rss,
-                    "idle_at_end": idle_after["rss_mib"], "timeline": timeline},
+        "rss_mib": {
+            "idle_after_warmup": idle_before["rss_mib"],
+            "peak": peak_rss,
+            "idle_at_end": idle_after["rss_mib"],
+            "timeline": timeline,
+        },
         "fds": {"before": idle_before["fds"], "after": idle_after["fds"]},
         "threads": {"before": idle_before["threads"], "after": idle_after["threads"]},
-        "leaked_blocks": leaked, "invariants": state.get("invariants"),
+        "leaked_blocks": leaked,
+        "invariants": state.get("invariants"),
         "main_phase_s": round(time.monotonic() - t_main, 1),
         "problems": problems,
     }
@@ -471,9 +575,15 @@ def main(args: argparse.Namespace) -> int:
         from pagedllm.model_loader.resolve import default_model_path
 
         model = default_model_path()
-    config = SoakConfig(minutes=args.minutes, seed=args.seed, clients=args.clients, burst_every_s=args.burst_every,
-                        max_num_seqs=args.max_num_seqs, max_queue_len=args.max_queue_len,
-                        max_model_len=args.max_model_len)
+    config = SoakConfig(
+        minutes=args.minutes,
+        seed=args.seed,
+        clients=args.clients,
+        burst_every_s=args.burst_every,
+        max_num_seqs=args.max_num_seqs,
+        max_queue_len=args.max_queue_len,
+        max_model_len=args.max_model_len,
+    )
     report = soak(model, config, args.server_arg)
     text = json.dumps(report, indent=2)
     print(text)

@@ -93,8 +93,11 @@ def run_startup(model: str | None, runs: int, backend: str) -> dict:
                     bar.update(1)
     for name, reports in samples.items():
         times = [r["first_token_s"] for r in reports]
-        results[name] = {"first_token_s": statistics.median(times), "first_token_s_runs": times,
-                         **{k: v for k, v in reports[len(reports) // 2].items() if k != "first_token_s"}}
+        results[name] = {
+            "first_token_s": statistics.median(times),
+            "first_token_s_runs": times,
+            **{k: v for k, v in reports[len(reports) // 2].items() if k != "first_token_s"},
+        }
     if "pagedllm_cold" in results and "transformers" in results:
         hf = results["transformers"]["first_token_s"]
         results["cold_vs_transformers"] = results["pagedllm_cold"]["first_token_s"] / hf
@@ -107,8 +110,12 @@ def add_parser(sub) -> None:
 
     p = add_command(sub, "startup", help="process start to first token, cold and warm, beside transformers")
     p.add_argument("--model", default=None, help="model path or cached repo id; default: the embedded SmolLM2")
-    p.add_argument("--backend", choices=["pagedllm", "transformers", "both"], default="both",
-                   help="both: pagedllm cold and warm, and transformers, with the ratios")
+    p.add_argument(
+        "--backend",
+        choices=["pagedllm", "transformers", "both"],
+        default="both",
+        help="both: pagedllm cold and warm, and transformers, with the ratios",
+    )
     p.add_argument("--runs", type=int, default=1, help="runs of each; the report gives medians")
     p.add_argument("--output-json", default=None, help="also write the JSON report here")
     p.set_defaults(func=_cmd_startup)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int):
         self.block_id = block_id

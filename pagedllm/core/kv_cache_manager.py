@@ -32,7 +32,7 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # prompt tokens found
 
-    def reset(self) -> "PrefixCacheStats":
+    def reset(self) -> PrefixCacheStats:
         old = PrefixCacheStats(self.queries, self.hits)
         self.queries = self.hits = 0
         return old
@@ -55,8 +55,7 @@ class _Group:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 groups: KVGroups | None = None):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, groups: KVGroups | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -81,7 +80,7 @@ class KVCacheManager:
             i = len(hashes)
             # an adapter's KV differs from the base model's for the same tokens: its id is in every hash
             extra = request.lora_int_id.to_bytes(8, "little") if request.lora_int_id else b""
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], extra))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock | None]], int]:
         """Longest cached prefix of the request, as (each group's blocks, number of tokens)."""
@@ -122,10 +121,14 @@ class KVCacheManager:
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[list[KVCacheBlock | None]] | None = None,
-                       num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> list[list[KVCacheBlock]] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[list[KVCacheBlock | None]] | None = None,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> list[list[KVCacheBlock]] | None:
         """Make room for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` slots after them, which a
         speculative proposer writes its own KV into); returns each group's new blocks, or None (and no
         change but local groups' freeing) if blocks run short.
@@ -170,8 +173,9 @@ class KVCacheManager:
         g.num_freed[rid] = end
         self.pool.free_blocks(reversed(freed))
 
-    def _cache_full_blocks(self, g: _Group, request: Request, blocks: list[KVCacheBlock | None],
-                           num_tokens: int) -> None:
+    def _cache_full_blocks(
+        self, g: _Group, request: Request, blocks: list[KVCacheBlock | None], num_tokens: int
+    ) -> None:
         if not self.enable_caching:
             return
         self.update_block_hashes(request)
@@ -229,7 +233,7 @@ class KVCacheManager:
         for g in self.groups:
             for rid, blocks in g.req_blocks.items():
                 assert rid in self.req_blocks, f"{rid} holds blocks in a local group only"
-                assert all(b is None for b in blocks[:g.num_freed.get(rid, 0)]), f"{rid}: a freed block is held"
+                assert all(b is None for b in blocks[: g.num_freed.get(rid, 0)]), f"{rid}: a freed block is held"
                 for b in blocks:
                     if b is not None:
                         held[b.block_id] = held.get(b.block_id, 0) + 1

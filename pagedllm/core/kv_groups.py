@@ -36,7 +36,7 @@ class KVGroups:
         return max(self.layer_slot) + 1
 
     @classmethod
-    def plan(cls, layer_windows: list[int | None]) -> "KVGroups | None":
+    def plan(cls, layer_windows: list[int | None]) -> KVGroups | None:
         """The groups for layers with these windows (None: full attention); None where one table serves them
         all (no local layers, or no full-attention ones)."""
         full = [i for i, w in enumerate(layer_windows) if w is None]
@@ -52,7 +52,7 @@ class KVGroups:
             layers = [i for i in local if layer_windows[i] == window]
             for start in range(0, len(layers), size):
                 windows.append(window)
-                for s, i in enumerate(layers[start:start + size]):
+                for s, i in enumerate(layers[start : start + size]):
                     group[i], slot[i] = len(windows) - 1, s
         return cls(tuple(windows), tuple(group), tuple(slot))
 

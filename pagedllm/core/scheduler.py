@@ -19,18 +19,20 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+
 # the runner's results (torch-free); SampleLogprobs is imported for those who import it from here
 from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs  # noqa: F401
 
 if TYPE_CHECKING:
+    from pagedllm.core.kv_groups import KVGroups
     from pagedllm.kv_transfer import KVConnectorMetadata, KVConnectorStats
     from pagedllm.kv_transfer.offload import OffloadScheduler
-    from pagedllm.core.kv_groups import KVGroups
 
 
 @dataclass(slots=True)
 class NewRequestData:
     """Everything the model runner needs to start (or restart after preemption) a request."""
+
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -45,6 +47,7 @@ class NewRequestData:
 @dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already knows: what changed since the last step."""
+
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
@@ -65,7 +68,7 @@ class SchedulerOutput:
     # that samples this step; filled by the engine core's StructuredOutputManager
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
     # KV connector: the copies every rank makes before this step's forward (None: nothing to copy)
-    kv_connector_meta: "KVConnectorMetadata | None" = None
+    kv_connector_meta: KVConnectorMetadata | None = None
 
 
 @dataclass(slots=True)
@@ -75,8 +78,8 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions: int  # since the last stats call
     prefix_cache: PrefixCacheStats
-    spec_decode: "SpecDecodeStats | None" = None  # since the last stats call; None without speculation
-    kv_connector: "KVConnectorStats | None" = None  # since the last stats call; None without a connector
+    spec_decode: SpecDecodeStats | None = None  # since the last stats call; None without speculation
+    kv_connector: KVConnectorStats | None = None  # since the last stats call; None without a connector
 
 
 @dataclass(slots=True)
@@ -97,10 +100,19 @@ class SpecDecodeStats:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 num_lookahead_tokens: int = 0, speculative: bool = False, max_loras: int = 1,
-                 kv_connector: "OffloadScheduler | None" = None, kv_groups: "KVGroups | None" = None,
-                 pooling_needs_kv: bool = True):
+    def __init__(
+        self,
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_lookahead_tokens: int = 0,
+        speculative: bool = False,
+        max_loras: int = 1,
+        kv_connector: OffloadScheduler | None = None,
+        kv_groups: KVGroups | None = None,
+        pooling_needs_kv: bool = True,
+    ):
         self.config = sched
         # a pooling request of a decoder writes its K/V somewhere during its one pass; an encoder's needs no block
         self.pooling_needs_kv = pooling_needs_kv
@@ -145,8 +157,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Also true while a KV connector has copies to send (a finished request's blocks to save): one more
         step, empty but for them, carries them to the workers."""
-        return bool(self.running) or len(self.waiting) > 0 or (self.connector is not None
-                                                               and self.connector.has_pending())
+        return (
+            bool(self.running) or len(self.waiting) > 0 or (self.connector is not None and self.connector.has_pending())
+        )
 
     def num_waiting_requests(self) -> int:
         """Requests not running yet, unforked n>1 siblings included; O(1)."""
@@ -180,7 +193,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if spec and n == req.num_tokens - req.num_computed_tokens:
                 room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-                spec = spec[:max(0, min(room, budget - n))]
+                spec = spec[: max(0, min(room, budget - n))]
                 n += len(spec)
             else:
                 spec = []
@@ -206,17 +219,27 @@ class Scheduler:
                 self._unsent.discard(req.request_id)
                 new_reqs.append(self._new_request_data(req))
             else:
-                cached_reqs.append(CachedRequestData(req.request_id, [b.block_id for b in new_blocks[0]],
-                                                     req.num_computed_tokens,
-                                                     [[b.block_id for b in g] for g in new_blocks[1:]]))
+                cached_reqs.append(
+                    CachedRequestData(
+                        req.request_id,
+                        [b.block_id for b in new_blocks[0]],
+                        req.num_computed_tokens,
+                        [[b.block_id for b in g] for g in new_blocks[1:]],
+                    )
+                )
             budget -= n
             i += 1
 
         # admit waiting requests, unless we just had to preempt (no room anyway)
         adapters = {r.lora_int_id for r in self.running} - {0}
         skipped: list[Request] = []  # waiting for an adapter slot: others are admitted meanwhile
-        while (not preempted_now and len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs and len(num_scheduled) < cap):
+        while (
+            not preempted_now
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < cap
+        ):
             req = self.waiting.peek()
             if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.pop())
@@ -238,8 +261,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             if self.connector is not None:
-                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
-                                                        num_hit_tokens, ext)
+                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_hit_tokens, ext)
             self.waiting.pop()
             if req.num_computed_tokens == 0 and not pooling:
                 self.kv.record_lookup(req, num_hit_tokens)
@@ -258,8 +280,15 @@ class Scheduler:
         for req in reversed(skipped):
             self.waiting.push_front(req)
 
-        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
-                              self.finished_req_ids, self._pending_copies, scheduled_spec)
+        out = SchedulerOutput(
+            new_reqs,
+            cached_reqs,
+            num_scheduled,
+            sum(num_scheduled.values()),
+            self.finished_req_ids,
+            self._pending_copies,
+            scheduled_spec,
+        )
         self.finished_req_ids = set()
         self._pending_copies = []
         for rid, n in num_scheduled.items():
@@ -280,12 +309,21 @@ class Scheduler:
         return self.kv.allocate_slots(req, n, hits, num_hit_tokens, lookahead)
 
     def _new_request_data(self, req: Request) -> NewRequestData:
-        return NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                              self.kv.get_block_ids(req.request_id), req.num_computed_tokens, req.lora_request,
-                              self.kv.get_group_block_ids(req.request_id), req.pooling_params)
+        return NewRequestData(
+            req.request_id,
+            req.prompt_token_ids,
+            list(req.output_token_ids),
+            req.sampling_params,
+            self.kv.get_block_ids(req.request_id),
+            req.num_computed_tokens,
+            req.lora_request,
+            self.kv.get_group_block_ids(req.request_id),
+            req.pooling_params,
+        )
 
-    def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: ModelRunnerOutput) -> list[tuple[Request, int]]:
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[tuple[Request, int]]:
         """Append sampled tokens, apply stop conditions; return the requests that got new tokens, each with
         how many it kept (tokens after a stop are dropped)."""
         now = time.monotonic()
@@ -338,8 +376,13 @@ class Scheduler:
             self.connector.on_load_failed([b.block_hash for b in blocks[bad:] if b.block_id in failed])
             for b in blocks[bad:]:
                 self.kv.pool.uncache(b)
-            for out in (runner_out.sampled, runner_out.logprobs, runner_out.spec_token_ids,
-                        runner_out.prompt_logprobs, runner_out.pooler_output):
+            for out in (
+                runner_out.sampled,
+                runner_out.logprobs,
+                runner_out.spec_token_ids,
+                runner_out.prompt_logprobs,
+                runner_out.pooler_output,
+            ):
                 out.pop(req.request_id, None)
             self._preempt(req)
 
@@ -439,9 +482,15 @@ class Scheduler:
         spec = self.spec_stats
         if spec is not None:
             self.spec_stats = SpecDecodeStats()
-        return SchedulerStats(len(self.running), self.num_waiting_requests(), self.kv.usage(),
-                              new_preemptions, self.kv.stats.reset(), spec,
-                              self.connector.stats.take() if self.connector is not None else None)
+        return SchedulerStats(
+            len(self.running),
+            self.num_waiting_requests(),
+            self.kv.usage(),
+            new_preemptions,
+            self.kv.stats.reset(),
+            spec,
+            self.connector.stats.take() if self.connector is not None else None,
+        )
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

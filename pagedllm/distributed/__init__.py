@@ -15,5 +15,11 @@ from the :class:`ParallelState` it was given; nothing here is a global.
 from pagedllm.distributed.parallel_state import ParallelState, destroy_distributed, get_open_port, init_distributed
 from pagedllm.distributed.partition import check_parallel_fits, stage_layers
 
-__all__ = ["ParallelState", "check_parallel_fits", "destroy_distributed", "get_open_port", "init_distributed",
-           "stage_layers"]
+__all__ = [
+    "ParallelState",
+    "check_parallel_fits",
+    "destroy_distributed",
+    "get_open_port",
+    "init_distributed",
+    "stage_layers",
+]

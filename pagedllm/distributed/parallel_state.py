@@ -13,6 +13,7 @@ import torch
 @dataclass(slots=True)
 class ParallelState:
     """Where this process sits: its TP rank within its stage, its stage, and the groups to talk over."""
+
     tp_size: int = 1
     pp_size: int = 1
     rank: int = 0
@@ -90,15 +91,17 @@ class ParallelState:
         return out
 
 
-def init_distributed(tp_size: int, pp_size: int, rank: int, init_method: str, device: torch.device,
-                     timeout_s: float = 600.0) -> ParallelState:
+def init_distributed(
+    tp_size: int, pp_size: int, rank: int, init_method: str, device: torch.device, timeout_s: float = 600.0
+) -> ParallelState:
     """Join the process group (``init_method`` is ``tcp://host:port`` of rank 0) and build the TP groups."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     world = tp_size * pp_size
-    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method=init_method, world_size=world, rank=rank, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     tp_group = None
     for stage in range(pp_size):  # every rank must create every group, in the same order
         ranks = list(range(stage * tp_size, (stage + 1) * tp_size))

@@ -20,25 +20,34 @@ def check_parallel_fits(hf_config: Any, tp_size: int, pp_size: int, expert_paral
     if experts and tp_size > 1 and not expert_parallel:
         raise InvalidParameterError(
             f"tensor parallelism of a Mixture-of-Experts model needs enable_expert_parallel "
-            f"(--enable-expert-parallel): its {experts} experts are shared out whole", "enable_expert_parallel")
+            f"(--enable-expert-parallel): its {experts} experts are shared out whole",
+            "enable_expert_parallel",
+        )
     if experts and experts % tp_size:
-        raise InvalidParameterError(f"tensor_parallel_size={tp_size} does not divide the model's {experts} experts",
-                                    "tensor_parallel_size")
+        raise InvalidParameterError(
+            f"tensor_parallel_size={tp_size} does not divide the model's {experts} experts", "tensor_parallel_size"
+        )
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     layers = hf_config.num_hidden_layers
     if heads % tp_size:
         raise InvalidParameterError(
             f"tensor_parallel_size={tp_size} does not divide the model's {heads} attention heads; "
-            f"choose one of {[d for d in range(1, heads + 1) if heads % d == 0]}", "tensor_parallel_size")
+            f"choose one of {[d for d in range(1, heads + 1) if heads % d == 0]}",
+            "tensor_parallel_size",
+        )
     if kv_heads % tp_size and tp_size % kv_heads:
         raise InvalidParameterError(
             f"tensor_parallel_size={tp_size} neither divides nor is a multiple of the model's {kv_heads} "
-            "key/value heads", "tensor_parallel_size")
+            "key/value heads",
+            "tensor_parallel_size",
+        )
     if hf_config.intermediate_size % tp_size:
         raise InvalidParameterError(
             f"tensor_parallel_size={tp_size} does not divide the MLP size {hf_config.intermediate_size}",
-            "tensor_parallel_size")
+            "tensor_parallel_size",
+        )
     if pp_size > layers:
         raise InvalidParameterError(
-            f"pipeline_parallel_size={pp_size} is more than the model's {layers} layers", "pipeline_parallel_size")
+            f"pipeline_parallel_size={pp_size} is more than the model's {layers} layers", "pipeline_parallel_size"
+        )

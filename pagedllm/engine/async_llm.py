@@ -49,11 +49,11 @@ class RequestStream:
     so a request that is never read is still aborted and its blocks freed.
     """
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, q: asyncio.Queue):
+    def __init__(self, owner: AsyncLLM, request_id: str, q: asyncio.Queue):
         self.owner, self.request_id, self._q = owner, request_id, q
         self._done = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -80,8 +80,12 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None,
-                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queue_len: int | None = None,
+        on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+    ):
         self.engine = engine
         self.max_queue_len = max_queue_len
         self.on_step = on_step  # e.g. metrics; runs in the engine thread after each step
@@ -105,7 +109,7 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_kwargs(cls, max_queue_len: int | None = None, **kwargs: Any) -> "AsyncLLM":
+    def from_kwargs(cls, max_queue_len: int | None = None, **kwargs: Any) -> AsyncLLM:
         return cls(LLMEngine(EngineConfig.from_kwargs(**kwargs)), max_queue_len)
 
     @property
@@ -130,10 +134,16 @@ class AsyncLLM:
         """Run tokenizer-bound work (chat templates, tokenization) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
-    async def add_requests(self, prompts: Sequence[PromptType], params: SamplingParams, request_id: str | None = None,
-                           priority: int = 0, lora_request: Any = None,
-                           trace_headers: dict[str, str] | None = None,
-                           max_tokens_must_fit: bool = False) -> list[RequestStream]:
+    async def add_requests(
+        self,
+        prompts: Sequence[PromptType],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: Any = None,
+        trace_headers: dict[str, str] | None = None,
+        max_tokens_must_fit: bool = False,
+    ) -> list[RequestStream]:
         """Admit one user request of one or more prompts, all or nothing; a stream per prompt.
 
         ``max_tokens_must_fit``: refuse a max_tokens beyond a prompt's room in the context
@@ -148,14 +158,30 @@ class AsyncLLM:
         size = len(prompts) * params.n
         self._check_room(size)  # a full queue answers before any tokenization
         prepared: list[PreparedRequest] = await self.prepare(
-            lambda: [self.engine.make_request(rid, p, params, priority, group=request_id, lora_request=lora_request,
-                                              trace_headers=trace_headers, max_tokens_must_fit=max_tokens_must_fit)
-                     for rid, p in zip(ids, prompts)])
+            lambda: [
+                self.engine.make_request(
+                    rid,
+                    p,
+                    params,
+                    priority,
+                    group=request_id,
+                    lora_request=lora_request,
+                    trace_headers=trace_headers,
+                    max_tokens_must_fit=max_tokens_must_fit,
+                )
+                for rid, p in zip(ids, prompts)
+            ]
+        )
         return self._register(ids, prepared, size)
 
-    async def encode(self, prompts: Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
-                     request_id: str | None = None, priority: int = 0,
-                     trace_headers: dict[str, str] | None = None) -> list["EmbeddingRequestOutput"]:
+    async def encode(
+        self,
+        prompts: Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        trace_headers: dict[str, str] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
         """Embed one user request's prompts on a pooling model; one output per prompt, in order. They join the
         engine's steps like generation's requests (batched with other clients', under max_queue_len); raises
         at once on invalid input or a full queue. Cancelling aborts the prompts not yet computed."""
@@ -163,8 +189,11 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self._check_room(len(prompts))
-        prepared = await self.prepare(lambda: self.engine.make_pooling_requests(
-            ids, list(prompts), pooling_params, priority, group=request_id, trace_headers=trace_headers))
+        prepared = await self.prepare(
+            lambda: self.engine.make_pooling_requests(
+                ids, list(prompts), pooling_params, priority, group=request_id, trace_headers=trace_headers
+            )
+        )
         streams = self._register(ids, prepared, len(prompts))
         outs = []
         try:
@@ -194,8 +223,9 @@ class AsyncLLM:
         self._commands.put(("add", prepared))
         return streams
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0):
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ):
         """Yield cumulative outputs of one prompt until it finishes. Raises at once on invalid input."""
         (stream,) = await self.add_requests([prompt], sampling_params, request_id, priority)
         try:
@@ -236,11 +266,16 @@ class AsyncLLM:
         if 0 < limit < size:  # could never be admitted: the client must split it, not retry
             raise InvalidParameterError(
                 f"this request asks for {size} sequences (prompts x n), more than the server's queue holds "
-                f"(max_queue_len={limit})", "n")
+                f"(max_queue_len={limit})",
+                "n",
+            )
         queued = self.num_queued()
         if queued + size > limit:
-            raise QueueFullError(f"the request queue is full ({queued} sequences waiting, this request adds "
-                                 f"{size}, max_queue_len={limit}); retry later", "max_queue_len")
+            raise QueueFullError(
+                f"the request queue is full ({queued} sequences waiting, this request adds "
+                f"{size}, max_queue_len={limit}); retry later",
+                "max_queue_len",
+            )
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

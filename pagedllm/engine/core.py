@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 from pagedllm.request import Request, RequestStatus
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 
 if TYPE_CHECKING:
     from pagedllm.executor import Executor
     from pagedllm.kv_transfer.offload import OffloadScheduler
-    from pagedllm.worker.model_runner import ModelRunner
     from pagedllm.structured_output import StructuredOutputManager
+    from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -25,6 +25,7 @@ logger = logging.getLogger("pagedllm")
 @dataclass(slots=True)
 class EngineCoreOutput:
     """What happened to one request in one step."""
+
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[SampleLogprobs] = field(default_factory=list)
@@ -39,15 +40,24 @@ class EngineCoreOutput:
 @dataclass(slots=True)
 class _Step:
     """A scheduled step on its way through the workers."""
+
     t0: float  # monotonic time it was scheduled
     sched_out: SchedulerOutput
     decode: int  # of its tokens, those of requests already decoding (the rest are prompt tokens)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: "Executor", num_blocks: int, max_model_len: int,
-                 structured: "StructuredOutputManager | None" = None, kv_connector: "OffloadScheduler | None" = None,
-                 kv_groups: "KVGroups | None" = None, pooling_needs_kv: bool = True):
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        num_blocks: int,
+        max_model_len: int,
+        structured: StructuredOutputManager | None = None,
+        kv_connector: OffloadScheduler | None = None,
+        kv_groups: KVGroups | None = None,
+        pooling_needs_kv: bool = True,
+    ):
         self.config = config
         self.structured = structured
         self._grammar_wait: list[Request] = []  # WAITING_FOR_GRAMMAR: outside the scheduler until compiled
@@ -56,18 +66,25 @@ class EngineCore:
         self.last_scheduled: dict[str, int] = {}  # the last step's tokens per (child) request, for tracers
         self.executor = executor
         spec = config.speculative_config
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, max_model_len,
-                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
-                                   speculative=spec is not None, max_loras=config.lora_config.max_loras,
-                                   kv_connector=kv_connector, kv_groups=kv_groups,
-                                   pooling_needs_kv=pooling_needs_kv)
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            num_blocks,
+            max_model_len,
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+            speculative=spec is not None,
+            max_loras=config.lora_config.max_loras,
+            kv_connector=kv_connector,
+            kv_groups=kv_groups,
+            pooling_needs_kv=pooling_needs_kv,
+        )
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
         self.max_in_flight = config.parallel_config.pipeline_parallel_size
         self._in_flight: deque[_Step] = deque()
 
     @property
-    def runner(self) -> "ModelRunner":
+    def runner(self) -> ModelRunner:
         """The model runner of a single-process engine (for tests and tools)."""
         return self.executor.runner
 
@@ -83,7 +100,9 @@ class EngineCore:
 
     def abort_requests(self, req_ids: list[str]) -> None:
         wanted = set(req_ids)
-        for req in [r for r in self._grammar_wait if wanted & {r.request_id, *(c.request_id for c in r.pending_children)}]:
+        for req in [
+            r for r in self._grammar_wait if wanted & {r.request_id, *(c.request_id for c in r.pending_children)}
+        ]:
             self._drop_waiting_for_grammar(req)
         self._aborted.extend(self.scheduler.abort_requests(req_ids))
 
@@ -140,7 +159,7 @@ class EngineCore:
             return self._complete(None, None)
         return self._complete(self._in_flight.popleft(), self.executor.collect())
 
-    def _schedule(self, max_seqs: int | None = None) -> "_Step":
+    def _schedule(self, max_seqs: int | None = None) -> _Step:
         t0 = time.monotonic()
         if self._grammar_wait:
             self._admit_compiled()
@@ -154,7 +173,7 @@ class EngineCore:
         decode = sum(n for rid, n in sched_out.num_scheduled_tokens.items() if reqs[rid].output_token_ids)
         return _Step(t0, sched_out, decode)
 
-    def _complete(self, step: "_Step | None", runner_out: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
+    def _complete(self, step: _Step | None, runner_out: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
         """Apply a finished step's output (None: no step finished now) and report what changed."""
         touched: list[tuple[Request, int]] = []
         plp: dict = {}
@@ -176,13 +195,22 @@ class EngineCore:
                 stats.load_seconds += runner_out.kv_transfer_seconds[1]
             plp = runner_out.prompt_logprobs
             pooled = runner_out.pooler_output
-        outputs = [EngineCoreOutput(r, r.output_token_ids[-n:] if n else [],
-                                    runner_out.logprobs.get(r.request_id, [])[:n], plp.get(r.request_id),
-                                    pooled.get(r.request_id))
-                   for r, n in touched]
+        outputs = [
+            EngineCoreOutput(
+                r,
+                r.output_token_ids[-n:] if n else [],
+                runner_out.logprobs.get(r.request_id, [])[:n],
+                plp.get(r.request_id),
+                pooled.get(r.request_id),
+            )
+            for r, n in touched
+        ]
         seen = {r.request_id for r, _ in touched}
-        outputs += [EngineCoreOutput(self.scheduler.requests[rid], [], [], entries)  # a prefill chunk's share
-                    for rid, entries in plp.items() if rid not in seen and rid in self.scheduler.requests]
+        outputs += [
+            EngineCoreOutput(self.scheduler.requests[rid], [], [], entries)  # a prefill chunk's share
+            for rid, entries in plp.items()
+            if rid not in seen and rid in self.scheduler.requests
+        ]
         outputs += [EngineCoreOutput(r, []) for r in self._aborted]
         self._aborted = []
         for o in outputs:
@@ -200,8 +228,12 @@ class EngineCore:
         return any(r.request_id == req_id for r in self._grammar_wait)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._aborted) or bool(self._grammar_wait)
-                or bool(self._in_flight))
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._aborted)
+            or bool(self._grammar_wait)
+            or bool(self._in_flight)
+        )
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -221,14 +253,21 @@ class EngineCore:
         block_map = "".join(codes)
 
         def info(r: Request) -> dict:
-            return {"id": r.request_id, "status": r.status.name.lower(), "prompt_tokens": r.num_prompt_tokens,
-                    "computed_tokens": r.num_computed_tokens, "output_tokens": r.num_output_tokens,
-                    "max_tokens": r.max_tokens, "preemptions": r.num_preemptions,
-                    "waited_s": round(time.monotonic() - r.arrival_time, 3)}
+            return {
+                "id": r.request_id,
+                "status": r.status.name.lower(),
+                "prompt_tokens": r.num_prompt_tokens,
+                "computed_tokens": r.num_computed_tokens,
+                "output_tokens": r.num_output_tokens,
+                "max_tokens": r.max_tokens,
+                "preemptions": r.num_preemptions,
+                "waited_s": round(time.monotonic() - r.arrival_time, 3),
+            }
 
-        waiting = sorted((r for r in s.requests.values() if r.status in (RequestStatus.WAITING,
-                                                                           RequestStatus.PREEMPTED)),
-                         key=lambda r: r.arrival_time)
+        waiting = sorted(
+            (r for r in s.requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)),
+            key=lambda r: r.arrival_time,
+        )
         sc = self.config.scheduler_config
         wall = time.time() - time.monotonic()
         extra = {}
@@ -238,19 +277,29 @@ class EngineCore:
                 extra["invariants"] = "ok"
             except AssertionError as e:
                 extra["invariants"] = f"broken: {e}"
-        return {**extra,
+        return {
+            **extra,
             "time": time.time(),
-            "num_blocks": len(block_map), "block_size": s.kv.block_size,
-            "blocks": {"free": block_map.count("."), "cached": block_map.count("c"),
-                       "used": block_map.count("u"), "shared": block_map.count("s")},
+            "num_blocks": len(block_map),
+            "block_size": s.kv.block_size,
+            "blocks": {
+                "free": block_map.count("."),
+                "cached": block_map.count("c"),
+                "used": block_map.count("u"),
+                "shared": block_map.count("s"),
+            },
             "block_map": block_map,
             "kv_cache_usage": s.kv.usage(),
-            "num_running": len(s.running), "num_waiting": s.num_waiting_requests(),
+            "num_running": len(s.running),
+            "num_waiting": s.num_waiting_requests(),
             "num_waiting_for_grammar": self.num_waiting_for_grammar(),
             "running": [info(r) for r in s.running[:max_requests]],
             "waiting": [info(r) for r in waiting[:max_requests]],
             "num_preemptions": s.num_preemptions,
-            "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
-            "steps": [{"time": t + wall, "seconds": round(dt, 6), "decode_tokens": d, "prefill_tokens": p}
-                      for t, dt, d, p in self.step_history],
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_num_seqs": sc.max_num_seqs,
+            "steps": [
+                {"time": t + wall, "seconds": round(dt, 6), "decode_tokens": d, "prefill_tokens": p}
+                for t, dt, d, p in self.step_history
+            ],
         }

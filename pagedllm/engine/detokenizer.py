@@ -16,13 +16,19 @@ _PROMPT_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         # only matters when special tokens are kept in the text
-        self.special = set(tokenizer.all_special_ids) if not skip_special_tokens and spaces_between_special_tokens \
-            else set()
+        self.special = (
+            set(tokenizer.all_special_ids) if not skip_special_tokens and spaces_between_special_tokens else set()
+        )
         self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -35,11 +41,11 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the newly completed text (on ``final``, flush whatever is left)."""
         self.ids.extend(new_token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""
 
 

@@ -63,12 +63,15 @@ class LLMEngine:
         if pc.data_parallel_size > 1:
             raise InvalidParameterError(
                 f"data_parallel_size={pc.data_parallel_size}: one engine runs one replica; `pagedllm serve "
-                "--data-parallel-size N` runs N of them behind one API server", "data_parallel_size")
+                "--data-parallel-size N` runs N of them behind one API server",
+                "data_parallel_size",
+            )
         if pc.world_size > 1:
             from pagedllm.distributed import check_parallel_fits
 
-            check_parallel_fits(self.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-                                pc.enable_expert_parallel)
+            check_parallel_fits(
+                self.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.enable_expert_parallel
+            )
         self.lora_cache = self._lora_cache()
         self._lora_ids: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path): one adapter per id
         self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages, self.lora_cache)
@@ -80,17 +83,22 @@ class LLMEngine:
             if self.kv_groups is not None and config.cache_config.num_gpu_blocks_override is None:
                 # a block holds only a group's layers: the same memory holds that many times more of them
                 num_blocks = num_blocks * len(self.kv_groups.layer_group) // self.kv_groups.num_slots
-            self.max_model_len = self._pooling_max_model_len(num_blocks) if self.is_pooling \
-                else self._resolve_max_model_len(num_blocks)
+            self.max_model_len = (
+                self._pooling_max_model_len(num_blocks) if self.is_pooling else self._resolve_max_model_len(num_blocks)
+            )
             offload_slots, block_bytes, disk = 0, 0, None
             if config.cache_config.kv_offloading_size is not None or config.kv_transfer_config is not None:
                 layouts = self.executor.collective_rpc("kv_block_layout")  # per rank: one block's shape, dtype
                 block_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in layouts)
                 offload_slots = self._offload_slots(block_bytes)
                 disk = self._disk_tier(layouts, block_bytes)
-            self.executor.init_cache(num_blocks, self.max_model_len, offload_slots,
-                                     None if disk is None else (str(disk.root.parent), disk.fingerprint),
-                                     self.kv_groups)
+            self.executor.init_cache(
+                num_blocks,
+                self.max_model_len,
+                offload_slots,
+                None if disk is None else (str(disk.root.parent), disk.fingerprint),
+                self.kv_groups,
+            )
         except BaseException:
             self.executor.shutdown()
             raise
@@ -99,30 +107,47 @@ class LLMEngine:
         if self.is_pooling and sc.max_num_batched_tokens < self.max_model_len:
             # a pooling prompt is computed whole in one step: the longest must fit the step's budget
             config = self.config = dataclasses.replace(
-                config, scheduler_config=dataclasses.replace(sc, max_num_batched_tokens=self.max_model_len))
+                config, scheduler_config=dataclasses.replace(sc, max_num_batched_tokens=self.max_model_len)
+            )
         from pagedllm.structured_output import StructuredOutputManager
 
         so_cfg = config.structured_outputs_config
         eos = self._eos_token_ids()
         self.structured = StructuredOutputManager(  # the grammar library loads with the first constrained request
-            self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"]))
+            self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"])
+        )
         connector = None
         if offload_slots or disk is not None:
             from pagedllm.kv_transfer.offload import OffloadScheduler
 
-            connector = OffloadScheduler(offload_slots, config.cache_config.block_size, block_bytes,
-                                         swap=config.scheduler_config.preemption_mode == "swap", disk=disk)
-        self.core = EngineCore(config, self.executor, num_blocks, self.max_model_len, self.structured, connector,
-                               self.kv_groups, pooling_needs_kv=not self.pooling_encoder)
-        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
-                                   mc.max_logprobs, eos)
+            connector = OffloadScheduler(
+                offload_slots,
+                config.cache_config.block_size,
+                block_bytes,
+                swap=config.scheduler_config.preemption_mode == "swap",
+                disk=disk,
+            )
+        self.core = EngineCore(
+            config,
+            self.executor,
+            num_blocks,
+            self.max_model_len,
+            self.structured,
+            connector,
+            self.kv_groups,
+            pooling_needs_kv=not self.pooling_encoder,
+        )
+        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len, mc.max_logprobs, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("engine ready in %.1fs (%s)", self.startup_seconds,
-                    ", ".join(f"{name} {sec:.1f}s" for name, sec in self.startup_stages.items()))
+        logger.info(
+            "engine ready in %.1fs (%s)",
+            self.startup_seconds,
+            ", ".join(f"{name} {sec:.1f}s" for name, sec in self.startup_stages.items()),
+        )
 
-    def _pooling_runner(self) -> "PoolingConfig | None":
+    def _pooling_runner(self) -> PoolingConfig | None:
         """How this engine pools (``runner='pooling'``, or 'auto' on an encoder), or None when it generates."""
         from pagedllm.engine.pooling import pooling_mode, read_pooling_config
         from pagedllm.models.registry import ModelRegistry
@@ -141,13 +166,18 @@ class LLMEngine:
             raise InvalidParameterError(
                 "encoder pooling models (BertModel) run in one process: tensor_parallel_size and "
                 f"pipeline_parallel_size must be 1 (got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}); "
-                "Llama-family decoders pool under both", "tensor_parallel_size")
+                "Llama-family decoders pool under both",
+                "tensor_parallel_size",
+            )
         if cc.kv_offloading_size is not None or config.kv_transfer_config is not None:
-            raise InvalidParameterError("pooling models keep no KV cache: kv_offloading_size and "
-                                        "kv_transfer_config do not apply to them", "kv_offloading_size")
+            raise InvalidParameterError(
+                "pooling models keep no KV cache: kv_offloading_size and kv_transfer_config do not apply to them",
+                "kv_offloading_size",
+            )
         if config.speculative_config is not None:
-            raise InvalidParameterError("pooling models sample nothing: speculative_config does not apply to them",
-                                        "speculative_config")
+            raise InvalidParameterError(
+                "pooling models sample nothing: speculative_config does not apply to them", "speculative_config"
+            )
         if config.lora_config.enable_lora:
             raise InvalidParameterError("LoRA adapters are not supported for pooling models", "enable_lora")
         return dataclasses.replace(config, cache_config=dataclasses.replace(cc, enable_prefix_caching=False))
@@ -155,8 +185,11 @@ class LLMEngine:
     def _pooling_max_model_len(self, num_blocks: int) -> int:
         """The longest pooling prompt: max_model_len, the sentence-transformers max_seq_length and the model's
         positions, whichever is least (a decoder's must also fit its KV cache, as for generation)."""
-        limits = [self.config.model_config.max_model_len, self.pooling.max_seq_length,
-                  getattr(self.hf_config, "max_position_embeddings", None)]
+        limits = [
+            self.config.model_config.max_model_len,
+            self.pooling.max_seq_length,
+            getattr(self.hf_config, "max_position_embeddings", None),
+        ]
         if not self.pooling_encoder:
             limits.append(self._resolve_max_model_len(num_blocks))
         return min(x for x in limits if x)
@@ -166,19 +199,23 @@ class LLMEngine:
         """The size of a pooling model's vectors."""
         return self.hf_config.hidden_size
 
-    def _lora_cache(self) -> "AdapterCache | None":
+    def _lora_cache(self) -> AdapterCache | None:
         lc = self.config.lora_config
         if not lc.enable_lora:
             return None
         from pagedllm.lora.adapter import AdapterCache, load_adapter
         from pagedllm.lora.manager import part_shapes
 
-        loader = functools.partial(load_adapter, max_rank=lc.max_lora_rank,
-                                   num_layers=self.hf_config.num_hidden_layers,
-                                   part_shapes=part_shapes(self.hf_config), base_model=self.source.name)
+        loader = functools.partial(
+            load_adapter,
+            max_rank=lc.max_lora_rank,
+            num_layers=self.hf_config.num_hidden_layers,
+            part_shapes=part_shapes(self.hf_config),
+            base_model=self.source.name,
+        )
         return AdapterCache(lc.max_cpu_loras or lc.max_loras, loader)
 
-    def check_lora(self, lora_request: "LoRARequest | None") -> None:
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
         """A request's adapter: enabled, one meaning per id, and loadable (it is loaded here, into the CPU
         cache, so a bad adapter fails its own request with the reason)."""
         if lora_request is None:
@@ -186,16 +223,18 @@ class LLMEngine:
         from pagedllm.lora import LoRARequest
 
         if not isinstance(lora_request, LoRARequest):
-            raise InvalidParameterError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
-                                        "lora_request")
+            raise InvalidParameterError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}", "lora_request"
+            )
         if self.lora_cache is None:
-            raise InvalidParameterError("lora_request needs an engine started with enable_lora=True",
-                                        "lora_request")
+            raise InvalidParameterError("lora_request needs an engine started with enable_lora=True", "lora_request")
         known = self._lora_ids.setdefault(lora_request.lora_int_id, (lora_request.lora_name, lora_request.lora_path))
         if known[1] != lora_request.lora_path:
             raise InvalidParameterError(
                 f"lora_int_id {lora_request.lora_int_id} already names adapter {known[0]!r} at {known[1]}; "
-                "give each adapter its own id", "lora_request.lora_int_id")
+                "give each adapter its own id",
+                "lora_request.lora_int_id",
+            )
         try:
             self.lora_cache.get(lora_request)
         except BaseException:
@@ -210,12 +249,14 @@ class LLMEngine:
             return 0
         slots = int(size * (1 << 30)) // block_bytes
         if slots < 1:
-            raise InvalidParameterError(f"kv_offloading_size={size} GiB holds no KV block (one block is "
-                                        f"{block_bytes} bytes)", "kv_offloading_size")
+            raise InvalidParameterError(
+                f"kv_offloading_size={size} GiB holds no KV block (one block is {block_bytes} bytes)",
+                "kv_offloading_size",
+            )
         logger.info("KV offload tier: %d blocks (%.2f GiB of RAM)", slots, slots * block_bytes / (1 << 30))
         return slots
 
-    def _disk_tier(self, layouts: list[tuple["torch.Size", "torch.dtype"]], block_bytes: int) -> "DiskIndex | None":
+    def _disk_tier(self, layouts: list[tuple[torch.Size, torch.dtype]], block_bytes: int) -> DiskIndex | None:
         kt = self.config.kv_transfer_config
         if kt is None:
             return None
@@ -223,19 +264,34 @@ class LLMEngine:
 
         path, max_gb = kt.disk_options()
         mc, cc, pc = self.config.model_config, self.config.cache_config, self.config.parallel_config
-        identity = {"dtype": str(self.dtype), "kv": [str(d) for _, d in layouts], "q": mc.quantization,
-                    "block_size": cc.block_size, "tp": pc.tensor_parallel_size, "pp": pc.pipeline_parallel_size,
-                    "ep": pc.enable_expert_parallel}
+        identity = {
+            "dtype": str(self.dtype),
+            "kv": [str(d) for _, d in layouts],
+            "q": mc.quantization,
+            "block_size": cc.block_size,
+            "tp": pc.tensor_parallel_size,
+            "pp": pc.pipeline_parallel_size,
+            "ep": pc.enable_expert_parallel,
+        }
         try:
-            disk = DiskIndex(path, model_fingerprint(self.source.path, identity), len(layouts), block_bytes,
-                             int(max_gb * (1 << 30)), [(list(s), d) for s, d in layouts], kt.kv_role)
+            disk = DiskIndex(
+                path,
+                model_fingerprint(self.source.path, identity),
+                len(layouts),
+                block_bytes,
+                int(max_gb * (1 << 30)),
+                [(list(s), d) for s, d in layouts],
+                kt.kv_role,
+            )
         except OSError as e:
-            raise InvalidParameterError(f"kv_transfer_config: DiskConnector cannot use {path!r}: {e}",
-                                        "kv_transfer_config.kv_connector_extra_config.path") from None
+            raise InvalidParameterError(
+                f"kv_transfer_config: DiskConnector cannot use {path!r}: {e}",
+                "kv_transfer_config.kv_connector_extra_config.path",
+            ) from None
         logger.info("KV disk tier: %s, up to %d blocks", disk.root, disk.max_blocks)
         return disk
 
-    def _kv_groups(self) -> "KVGroups | None":
+    def _kv_groups(self) -> KVGroups | None:
         """Block tables of their own for sliding-window layers (:mod:`pagedllm.core.kv_groups`), where the model
         has both kinds and nothing that knows only one table is on."""
         from pagedllm.core.kv_groups import KVGroups
@@ -245,17 +301,25 @@ class LLMEngine:
         if groups is None:
             return None
         cfg, spec = self.config, self.config.speculative_config
-        off = [why for why, on in (
-            ("disable_hybrid_kv_cache_manager", cfg.scheduler_config.disable_hybrid_kv_cache_manager),
-            ("pipeline parallelism", cfg.parallel_config.pipeline_parallel_size > 1),
-            ("a KV offload tier", cfg.cache_config.kv_offloading_size is not None),
-            ("a KV connector", cfg.kv_transfer_config is not None),
-            ("a draft model's speculative decoding", spec is not None and spec.needs_draft_kv)) if on]
+        off = [
+            why
+            for why, on in (
+                ("disable_hybrid_kv_cache_manager", cfg.scheduler_config.disable_hybrid_kv_cache_manager),
+                ("pipeline parallelism", cfg.parallel_config.pipeline_parallel_size > 1),
+                ("a KV offload tier", cfg.cache_config.kv_offloading_size is not None),
+                ("a KV connector", cfg.kv_transfer_config is not None),
+                ("a draft model's speculative decoding", spec is not None and spec.needs_draft_kv),
+            )
+            if on
+        ]
         if off:
             logger.info("sliding-window layers keep all their KV blocks (%s)", off[0])
             return None
-        logger.info("sliding-window layers free the KV blocks behind their window (%d groups of %d layers)",
-                    len(groups.windows), groups.num_slots)
+        logger.info(
+            "sliding-window layers free the KV blocks behind their window (%d groups of %d layers)",
+            len(groups.windows),
+            groups.num_slots,
+        )
         return groups
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
@@ -263,22 +327,28 @@ class LLMEngine:
         asked = self.config.model_config.max_model_len
         if asked is not None and asked > model_max:
             raise InvalidParameterError(
-                f"max_model_len={asked} exceeds the model's max_position_embeddings ({model_max})", "max_model_len")
+                f"max_model_len={asked} exceeds the model's max_position_embeddings ({model_max})", "max_model_len"
+            )
         capacity = num_blocks * self.config.cache_config.block_size
         if self.kv_groups is not None:  # the longest request whose blocks in every group fit at once
             sc = self.config.scheduler_config
-            capacity = self.kv_groups.max_tokens(num_blocks, self.config.cache_config.block_size,
-                                                 sc.max_num_batched_tokens if sc.enable_chunked_prefill else None)
+            capacity = self.kv_groups.max_tokens(
+                num_blocks,
+                self.config.cache_config.block_size,
+                sc.max_num_batched_tokens if sc.enable_chunked_prefill else None,
+            )
         if capacity < 2:
             raise InvalidParameterError(
                 f"the KV cache has room for {capacity} tokens: raise kv_cache_memory or num_gpu_blocks_override",
-                "kv_cache_memory")
+                "kv_cache_memory",
+            )
         if asked is not None and asked > capacity:
             # a single request must always fit on its own, or preemption could never make progress
             raise InvalidParameterError(
                 f"max_model_len={asked} is larger than the KV cache can hold ({capacity} tokens in "
                 f"{num_blocks} blocks{self._groups_note()}); lower max_model_len or give the cache more memory",
-                "max_model_len")
+                "max_model_len",
+            )
         resolved = asked or min(model_max, capacity)
         if asked is None and capacity < model_max:
             logger.warning("max_model_len lowered to %d to fit the KV cache", resolved)
@@ -288,8 +358,10 @@ class LLMEngine:
         g = self.kv_groups
         if g is None:
             return ""
-        return (f", each of {g.num_slots} of the {len(g.layer_group)} layers, a request holding blocks in each of "
-                f"{len(g.windows)} groups: see disable_hybrid_kv_cache_manager")
+        return (
+            f", each of {g.num_slots} of the {len(g.layer_group)} layers, a request holding blocks in each of "
+            f"{len(g.windows)} groups: see disable_hybrid_kv_cache_manager"
+        )
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -300,6 +372,7 @@ class LLMEngine:
                 ids.update(int(x) for x in src)
         if self.source.kind == "hf_dir":
             from transformers import GenerationConfig
+
             try:
                 gen = GenerationConfig.from_pretrained(self.source.path).eos_token_id
             except OSError:  # no generation_config.json
@@ -314,8 +387,14 @@ class LLMEngine:
         return frozenset(ids)
 
     # -- requests ---------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, lora_request: "LoRARequest | None" = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.scheduler.requests or self.core.is_waiting_for_grammar(request_id):
             raise InvalidParameterError(f"request id {request_id!r} is already in use", "request_id")
@@ -323,11 +402,17 @@ class LLMEngine:
         self.add_prepared_request(prepared)
         return request_id
 
-    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     priority: int = 0, group: str | None = None,
-                     lora_request: "LoRARequest | None" = None,
-                     trace_headers: dict[str, str] | None = None,
-                     max_tokens_must_fit: bool = False) -> "PreparedRequest":
+    def make_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        group: str | None = None,
+        lora_request: LoRARequest | None = None,
+        trace_headers: dict[str, str] | None = None,
+        max_tokens_must_fit: bool = False,
+    ) -> PreparedRequest:
         """Tokenize and validate, touching no engine state (safe from another thread).
 
         ``max_tokens_must_fit`` refuses a max_tokens the context has no room for instead of
@@ -341,8 +426,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"expected SamplingParams, got {type(params).__name__}", "sampling_params")
         if self.is_pooling:
-            raise InvalidParameterError("this is a pooling model (runner='pooling'): use embed or score, "
-                                        "not generation", "runner")
+            raise InvalidParameterError(
+                "this is a pooling model (runner='pooling'): use embed or score, not generation", "runner"
+            )
         text, ids = self.processor.tokenize(prompt)
         ids = self.processor.truncate(ids, params)
         if params.structured_outputs is not None:
@@ -354,26 +440,47 @@ class LLMEngine:
             raise InvalidParameterError("priority needs scheduling_policy='priority'", "priority")
         children = []
         for i in range(params.n):
-            child_params = _copy_params(params) if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_params = (
+                _copy_params(params)
+                if params.n == 1
+                else dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            )
             max_tokens = self.processor.check(ids, child_params, max_tokens_must_fit)
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(Request(rid, ids, child_params, max_tokens, priority=priority,
-                                    parent_id=request_id, index=i, group=group, lora_request=lora_request,
-                                    trace_headers=trace_headers))
+            children.append(
+                Request(
+                    rid,
+                    ids,
+                    child_params,
+                    max_tokens,
+                    priority=priority,
+                    parent_id=request_id,
+                    index=i,
+                    group=group,
+                    lora_request=lora_request,
+                    trace_headers=trace_headers,
+                )
+            )
         children[0].pending_children = children[1:]
         return PreparedRequest(request_id, children, text)
 
-    def make_pooling_requests(self, request_ids: list[str], prompts: list[PromptType],
-                              params: "PoolingParams | None" = None, priority: int = 0, group: str | None = None,
-                              trace_headers: dict[str, str] | None = None) -> list["PreparedRequest"]:
+    def make_pooling_requests(
+        self,
+        request_ids: list[str],
+        prompts: list[PromptType],
+        params: PoolingParams | None = None,
+        priority: int = 0,
+        group: str | None = None,
+        trace_headers: dict[str, str] | None = None,
+    ) -> list[PreparedRequest]:
         """``make_request`` for pooling (embeddings): tokenize (the texts in one tokenizer call), truncate and
         validate every prompt, touching no engine state; all or nothing."""
         from pagedllm.pooling_params import PoolingParams
 
         if not self.is_pooling:
-            raise InvalidParameterError("embed and score need a pooling model (runner='pooling'); this LLM "
-                                        "generates text", "runner")
+            raise InvalidParameterError(
+                "embed and score need a pooling model (runner='pooling'); this LLM generates text", "runner"
+            )
         params = params if params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise InvalidParameterError(f"expected PoolingParams, got {type(params).__name__}", "pooling_params")
@@ -385,12 +492,21 @@ class LLMEngine:
         for rid, (text, ids) in zip(request_ids, self.processor.tokenize_many(prompts)):
             ids = self.processor.check_pooling(ids, params.truncate_prompt_tokens)
             # SamplingParams only so the shared code paths read defaults; a pooling request samples nothing
-            req = Request(rid, ids, SamplingParams(max_tokens=1, detokenize=False), 0, priority=priority,
-                          parent_id=rid, group=group, trace_headers=trace_headers, pooling_params=params)
+            req = Request(
+                rid,
+                ids,
+                SamplingParams(max_tokens=1, detokenize=False),
+                0,
+                priority=priority,
+                parent_id=rid,
+                group=group,
+                trace_headers=trace_headers,
+                pooling_params=params,
+            )
             out.append(PreparedRequest(rid, [req], text))
         return out
 
-    def add_prepared_request(self, prepared: "PreparedRequest") -> None:
+    def add_prepared_request(self, prepared: PreparedRequest) -> None:
         self.output_processor.add_request(prepared.request_id, prepared.children, prepared.prompt)
         self.core.add_request(prepared.children[0])
 
@@ -427,4 +543,3 @@ def _copy_params(params: SamplingParams) -> SamplingParams:
     import copy
 
     return copy.copy(params)
-

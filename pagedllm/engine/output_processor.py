@@ -59,19 +59,34 @@ class OutputProcessor:
             return
         for req in children:
             sp = req.sampling_params
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens,
-                                           sp.spaces_between_special_tokens) if sp.detokenize else None
+            detok = (
+                IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens, sp.spaces_between_special_tokens
+                )
+                if sp.detokenize
+                else None
+            )
             track_lp = sp.logprobs is not None
-            self.children[req.request_id] = _ChildState(request_id, req.index, detok,
-                                                        cumulative_logprob=0.0 if track_lp else None,
-                                                        logprobs=[] if track_lp else None)
+            self.children[req.request_id] = _ChildState(
+                request_id,
+                req.index,
+                detok,
+                cumulative_logprob=0.0 if track_lp else None,
+                logprobs=[] if track_lp else None,
+            )
         empty = [CompletionOutput(i, "", [], None, None) for i in range(len(children))]
         leader = children[0]
         self.parents[request_id] = _ParentState(
-            prompt, leader, list(children), [c.request_id for c in children], empty,
+            prompt,
+            leader,
+            list(children),
+            [c.request_id for c in children],
+            empty,
             prompt_logprobs=[None] * leader.num_prompt_tokens
-            if leader.sampling_params.prompt_logprobs is not None else None,
-            kind=leader.sampling_params.output_kind)
+            if leader.sampling_params.prompt_logprobs is not None
+            else None,
+            kind=leader.sampling_params.output_kind,
+        )
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -149,21 +164,32 @@ class OutputProcessor:
     def _pooling_output(out: EngineCoreOutput, prompt: str | None, now: float) -> EmbeddingRequestOutput:
         req = out.request
         metrics = RequestMetrics(
-            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=None,
-            last_token_time=None, finished_time=now,
-            time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=None,
+            last_token_time=None,
+            finished_time=now,
+            time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None,
+        )
         vector = out.pooling_output
-        return EmbeddingRequestOutput(req.request_id, req.prompt_token_ids,
-                                      None if vector is None else EmbeddingOutput(vector), True,
-                                      metrics, prompt)
+        return EmbeddingRequestOutput(
+            req.request_id,
+            req.prompt_token_ids,
+            None if vector is None else EmbeddingOutput(vector),
+            True,
+            metrics,
+            prompt,
+        )
 
     def _tok_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
     def _logprob_entry(self, lp) -> dict[int, Logprob]:
         """Top-N by rank first, then the chosen token (if it is not among them) with its own rank."""
-        entry = {tid: Logprob(val, rank, self._tok_text(tid))
-                 for rank, (tid, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1)}
+        entry = {
+            tid: Logprob(val, rank, self._tok_text(tid))
+            for rank, (tid, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1)
+        }
         entry.setdefault(lp.token_ids[0], Logprob(lp.logprobs[0], lp.sampled_rank, self._tok_text(lp.token_ids[0])))
         return entry
 
@@ -177,19 +203,28 @@ class OutputProcessor:
         stops = req.sampling_params.stop
         if stops and not finished:
             # hold back what could be the start of a stop string, so streamed text never has to shrink
-            text = text[:max(0, len(text) - (max(map(len, stops)) - 1))]
-        return CompletionOutput(st.index, text, req.output_token_ids[:st.num_tokens], st.cumulative_logprob,
-                                list(st.logprobs) if st.logprobs is not None else None,
-                                finish_reason if finished else None, stop_reason if finished else None)
+            text = text[: max(0, len(text) - (max(map(len, stops)) - 1))]
+        return CompletionOutput(
+            st.index,
+            text,
+            req.output_token_ids[: st.num_tokens],
+            st.cumulative_logprob,
+            list(st.logprobs) if st.logprobs is not None else None,
+            finish_reason if finished else None,
+            stop_reason if finished else None,
+        )
 
     @staticmethod
     def _request_output(request_id: str, parent: _ParentState, finished: bool, now: float) -> RequestOutput:
         req = parent.leader
         metrics = RequestMetrics(
-            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time, last_token_time=parent.last_token_time,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            last_token_time=parent.last_token_time,
             finished_time=now if finished else None,
-            time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None)
+            time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None,
+        )
         if any(r.num_draft_tokens for r in parent.requests):
             metrics.spec_num_draft_tokens = sum(r.num_draft_tokens for r in parent.requests)
             metrics.spec_num_accepted_tokens = sum(r.num_accepted_tokens for r in parent.requests)
@@ -200,13 +235,27 @@ class OutputProcessor:
             if parent.emitted:
                 plp = None  # prompt logprobs travel with the first delta only
         parent.emitted = True
-        return RequestOutput(request_id, parent.prompt, req.prompt_token_ids, completions, finished,
-                             max(req.num_cached_tokens, 0), metrics, plp)
+        return RequestOutput(
+            request_id,
+            parent.prompt,
+            req.prompt_token_ids,
+            completions,
+            finished,
+            max(req.num_cached_tokens, 0),
+            metrics,
+            plp,
+        )
 
     @staticmethod
     def _delta(parent: _ParentState, c: CompletionOutput) -> CompletionOutput:
         chars, tokens = parent.sent.get(c.index, (0, 0))
         parent.sent[c.index] = (len(c.text), len(c.token_ids))
-        return CompletionOutput(c.index, c.text[chars:], c.token_ids[tokens:], c.cumulative_logprob,
-                                c.logprobs[tokens:] if c.logprobs is not None else None,
-                                c.finish_reason, c.stop_reason)
+        return CompletionOutput(
+            c.index,
+            c.text[chars:],
+            c.token_ids[tokens:],
+            c.cumulative_logprob,
+            c.logprobs[tokens:] if c.logprobs is not None else None,
+            c.finish_reason,
+            c.stop_reason,
+        )

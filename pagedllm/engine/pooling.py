@@ -73,11 +73,12 @@ class EmbeddingOutput:
 @dataclass(slots=True)
 class EmbeddingRequestOutput:
     """vLLM's shape: ``outputs.embedding`` (``outputs`` is None for a request aborted before its step)."""
+
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput | None
     finished: bool = True
-    metrics: "RequestMetrics | None" = None
+    metrics: RequestMetrics | None = None
     prompt: str | None = None
     num_cached_tokens: int = 0  # never any: pooling requests skip the prefix cache
 
@@ -103,12 +104,13 @@ def score_texts(text_1: str | list[str], text_2: str | list[str]) -> list[str]:
     if len(first) == 1:
         first = first * len(second)
     if not second or len(first) != len(second):
-        raise InvalidParameterError(f"give one text_1 or as many as text_2; got {len(first)} and {len(second)}",
-                                    "text_1")
+        raise InvalidParameterError(
+            f"give one text_1 or as many as text_2; got {len(first)} and {len(second)}", "text_1"
+        )
     return first + second
 
 
-def pair_scores(vectors: "list[torch.Tensor] | list[list[float]]") -> list[float]:
+def pair_scores(vectors: list[torch.Tensor] | list[list[float]]) -> list[float]:
     """The cosine similarity of each left vector with its right one (as vLLM scores with embedding models)."""
     import torch
 
@@ -117,8 +119,7 @@ def pair_scores(vectors: "list[torch.Tensor] | list[list[float]]") -> list[float
     return torch.nn.functional.cosine_similarity(v[:n], v[n:], dim=-1).tolist()
 
 
-def pool_hidden_states(hidden: "torch.Tensor", seq_lens: list[int], pooling: str,
-                       normalize: list[bool]) -> "torch.Tensor":
+def pool_hidden_states(hidden: torch.Tensor, seq_lens: list[int], pooling: str, normalize: list[bool]) -> torch.Tensor:
     """One vector per sequence of a flattened batch ``hidden`` [T, H] (sequences back to back, ``seq_lens``
     tokens each): its first token's (CLS), its last token's, or the mean of its tokens; each row
     L2-normalised where ``normalize`` says so. Float32."""
@@ -148,7 +149,7 @@ def pooling_architectures() -> list[str]:
     return ["BertModel"]
 
 
-def pooling_mode(config: "EngineConfig", model_cls: type, architectures: Any = None) -> bool:
+def pooling_mode(config: EngineConfig, model_cls: type, architectures: Any = None) -> bool:
     """Whether the engine runs the pooling runner: ``runner='pooling'``, or 'auto' on an encoder model.
     Refuses what pooling cannot run on (a decoder outside the Llama family) and an encoder asked to generate."""
     from pagedllm.models.llama import LlamaForCausalLM
@@ -156,11 +157,16 @@ def pooling_mode(config: "EngineConfig", model_cls: type, architectures: Any = N
     runner = config.model_config.runner
     encoder = bool(getattr(model_cls, "is_pooling_model", False))
     if runner == "generate" and encoder:
-        raise InvalidParameterError(f"{model_cls.__name__} is an encoder: it computes embeddings only "
-                                    "(runner='pooling' or 'auto'), it cannot generate text", "runner")
+        raise InvalidParameterError(
+            f"{model_cls.__name__} is an encoder: it computes embeddings only "
+            "(runner='pooling' or 'auto'), it cannot generate text",
+            "runner",
+        )
     pooling = runner == "pooling" or (runner == "auto" and encoder)
     if pooling and not encoder and not issubclass(model_cls, LlamaForCausalLM):
         raise InvalidParameterError(
             f"runner='pooling' runs encoder models ({', '.join(pooling_architectures())}) and Llama-family "
-            f"decoders; {architectures} is neither", "runner")
+            f"decoders; {architectures} is neither",
+            "runner",
+        )
     return pooling

@@ -12,8 +12,9 @@ PromptType = Union[str, dict[str, Any]]
 
 
 class Processor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_ids: frozenset[int]):
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int, eos_token_ids: frozenset[int]
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -31,8 +32,7 @@ class Processor:
             if text is None and ids is None:
                 raise InvalidParameterError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         else:
-            raise InvalidParameterError(
-                f"a prompt must be a string or a dict, got {type(prompt).__name__}", "prompt")
+            raise InvalidParameterError(f"a prompt must be a string or a dict, got {type(prompt).__name__}", "prompt")
         if ids is None:
             if not isinstance(text, str):
                 raise InvalidParameterError(f"prompt text must be a string, got {type(text).__name__}", "prompt")
@@ -43,7 +43,8 @@ class Processor:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise InvalidParameterError(
-                    f"prompt token id {t!r} is out of range [0, {self.vocab_size})", "prompt_token_ids")
+                    f"prompt token id {t!r} is out of range [0, {self.vocab_size})", "prompt_token_ids"
+                )
         return text, ids
 
     def tokenize_many(self, prompts: list[PromptType]) -> list[tuple[str | None, list[int]]]:
@@ -63,12 +64,15 @@ class Processor:
             truncate = self.max_model_len
         ids = prompt_ids
         if truncate is not None and len(ids) > truncate:
-            ids = ids[:truncate - 1] + ids[-1:] if truncate > 1 else ids[:truncate]  # keep the final [SEP]
+            ids = ids[: truncate - 1] + ids[-1:] if truncate > 1 else ids[:truncate]  # keep the final [SEP]
         if not ids:
             raise InvalidParameterError("the prompt is empty: it must have at least one token", "prompt")
         if len(ids) > self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than this model's {self.max_model_len}"
-                                     " (max_model_len); pass truncate_prompt_tokens to cut it", "prompt")
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, more than this model's {self.max_model_len}"
+                " (max_model_len); pass truncate_prompt_tokens to cut it",
+                "prompt",
+            )
         return ids
 
     def truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
@@ -86,20 +90,25 @@ class Processor:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens, but the model's context length (max_model_len) is "
                 f"{self.max_model_len}: it must be shorter to leave room for at least one output token",
-                "prompt")
+                "prompt",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise InvalidParameterError(
-                    f"{name}={value} exceeds the maximum allowed ({self.max_logprobs}); "
-                    "raise it with max_logprobs", name)
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("logit_bias", list(params.logit_bias or {}))):
+                    f"{name}={value} exceeds the maximum allowed ({self.max_logprobs}); raise it with max_logprobs",
+                    name,
+                )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("logit_bias", list(params.logit_bias or {})),
+        ):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise InvalidParameterError(
-                    f"{name} contains token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})", name)
+                    f"{name} contains token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})", name
+                )
         params.bind_eos(self.eos_token_ids)
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
@@ -108,7 +117,9 @@ class Processor:
             raise InvalidParameterError(
                 f"max_tokens={params.max_tokens} is too large: the model's context length (max_model_len) is "
                 f"{self.max_model_len} tokens and the prompt has {n}, which leaves room for {room} output tokens. "
-                "Ask for fewer tokens or send a shorter prompt", "max_tokens")
+                "Ask for fewer tokens or send a shorter prompt",
+                "max_tokens",
+            )
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:

@@ -39,17 +39,35 @@ class ChromeTraceWriter:
         if core.step_history and core.step_history[-1][0] > self._last_step:
             t, dt, decode, prefill = core.step_history[-1]
             self._last_step = t
-            events.append({"ph": "X", "pid": _PID, "tid": _ENGINE_TID, "name": "step", "ts": _us(t), "dur": _us(dt),
-                           "args": {"decode_tokens": decode, "prefill_tokens": prefill,
-                                    "running": len(core.scheduler.running),
-                                    "waiting": core.scheduler.num_waiting_requests()}})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": _PID,
+                    "tid": _ENGINE_TID,
+                    "name": "step",
+                    "ts": _us(t),
+                    "dur": _us(dt),
+                    "args": {
+                        "decode_tokens": decode,
+                        "prefill_tokens": prefill,
+                        "running": len(core.scheduler.running),
+                        "waiting": core.scheduler.num_waiting_requests(),
+                    },
+                }
+            )
         for out in outputs:
             rid, m = out.request_id, out.metrics
             common = {"pid": _PID, "cat": "request", "id": rid, "name": "request"}
             if rid not in self._seen:
                 self._seen[rid] = False
-                events.append({**common, "ph": "b", "ts": _us(m.arrival_time),
-                               "args": {"request_id": rid, "prompt_tokens": len(out.prompt_token_ids)}})
+                events.append(
+                    {
+                        **common,
+                        "ph": "b",
+                        "ts": _us(m.arrival_time),
+                        "args": {"request_id": rid, "prompt_tokens": len(out.prompt_token_ids)},
+                    }
+                )
                 if m.first_scheduled_time is not None:
                     events.append({**common, "ph": "n", "name": "scheduled", "ts": _us(m.first_scheduled_time)})
             if not self._seen[rid] and m.first_token_time is not None:
@@ -59,10 +77,18 @@ class ChromeTraceWriter:
                 del self._seen[rid]
                 end = m.finished_time or m.last_token_time or m.arrival_time
                 completions = out.outputs if isinstance(out.outputs, list) else []  # a pooling request: none
-                events.append({**common, "ph": "e", "ts": _us(end), "args": {
-                    "finish_reason": [c.finish_reason for c in completions],
-                    "output_tokens": sum(len(c.token_ids) for c in completions),
-                    "cached_prompt_tokens": out.num_cached_tokens}})
+                events.append(
+                    {
+                        **common,
+                        "ph": "e",
+                        "ts": _us(end),
+                        "args": {
+                            "finish_reason": [c.finish_reason for c in completions],
+                            "output_tokens": sum(len(c.token_ids) for c in completions),
+                            "cached_prompt_tokens": out.num_cached_tokens,
+                        },
+                    }
+                )
         if events:
             self._q.put(events)
 
@@ -107,9 +133,11 @@ class OtelRequestTracer:
         except ImportError:
             from pagedllm.errors import InvalidParameterError
 
-            raise InvalidParameterError("--otlp-traces-endpoint needs opentelemetry-sdk and "
-                                        "opentelemetry-exporter-otlp-proto-http: pip install 'pagedllm[otel]'",
-                                        "otlp_traces_endpoint") from None
+            raise InvalidParameterError(
+                "--otlp-traces-endpoint needs opentelemetry-sdk and "
+                "opentelemetry-exporter-otlp-proto-http: pip install 'pagedllm[otel]'",
+                "otlp_traces_endpoint",
+            ) from None
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -169,11 +197,13 @@ class OtelRequestTracer:
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
             context = TraceContextTextMapPropagator().extract(carrier=headers)
-        span = self.tracer.start_span("llm_request", kind=SpanKind.SERVER, start_time=ns(m.arrival_time),
-                                      context=context)
+        span = self.tracer.start_span(
+            "llm_request", kind=SpanKind.SERVER, start_time=ns(m.arrival_time), context=context
+        )
         params = self._params.get(children[0]) if children else None
         attrs = {
-            "gen_ai.request.id": out.request_id, "gen_ai.response.model": self.model_name,
+            "gen_ai.request.id": out.request_id,
+            "gen_ai.response.model": self.model_name,
             "gen_ai.usage.prompt_tokens": len(out.prompt_token_ids),
             "gen_ai.usage.completion_tokens": sum(len(c.token_ids) for c in completions),
             "gen_ai.usage.num_sequences": len(completions),
@@ -183,8 +213,13 @@ class OtelRequestTracer:
             "pagedllm.cached_prompt_tokens": max(out.num_cached_tokens, 0),
         }
         if params is not None:
-            attrs.update({"gen_ai.request.max_tokens": params.max_tokens or 0,
-                          "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p})
+            attrs.update(
+                {
+                    "gen_ai.request.max_tokens": params.max_tokens or 0,
+                    "gen_ai.request.temperature": params.temperature,
+                    "gen_ai.request.top_p": params.top_p,
+                }
+            )
         if m.time_in_queue is not None:
             attrs["gen_ai.latency.time_in_queue"] = m.time_in_queue
         if m.first_token_time is not None:

@@ -1,7 +1,7 @@
 """The `pagedllm` command line. Engine flags are generated from the config dataclasses.
 
-    pagedllm generate "Once upon a time" --max-tokens 64
-    pagedllm generate --model /path/to/model.gguf --chat "Hi!"
+pagedllm generate "Once upon a time" --max-tokens 64
+pagedllm generate --model /path/to/model.gguf --chat "Hi!"
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import sys
 import time
 
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.cli_args import (HelpFormatter, add_command, add_engine_args, add_log_level_flag,
-                                           engine_kwargs)
+from pagedllm.entrypoints.cli_args import HelpFormatter, add_command, add_engine_args, add_log_level_flag, engine_kwargs
 from pagedllm.entrypoints.graceful_server import graceful_server_class
 
 __all__ = ["HelpFormatter", "add_command", "add_engine_args", "build_parser", "engine_kwargs", "main"]
@@ -40,9 +39,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     prompts = args.prompts or [sys.stdin.read()]
     # everything that needs no model is checked before the model loads
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
-                            stop=args.stop)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop,
+    )
     empty = [i for i, p in enumerate(prompts) if not p]
     if empty:
         raise InvalidParameterError(f"prompt {empty[0]} is empty: a prompt must have at least one token", "prompt")
@@ -55,8 +61,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason, "num_cached_tokens": out.num_cached_tokens}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": c.text,
+                        "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                        "num_cached_tokens": out.num_cached_tokens,
+                    }
+                )
+            )
         else:
             print(c.text if args.chat else f"{prompt}{c.text}")
             if len(prompts) > 1:
@@ -100,20 +115,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def ready() -> None:
         while server is None or not server.started:  # the socket is bound, so /health answers 200 now
             time.sleep(0.01)
-        logging.getLogger("pagedllm").info("ready: serving %s at http://%s:%d/v1 (started in %.1fs)", name,
-                                           args.host, args.port, time.monotonic() - _STARTED)
+        logging.getLogger("pagedllm").info(
+            "ready: serving %s at http://%s:%d/v1 (started in %.1fs)",
+            name,
+            args.host,
+            args.port,
+            time.monotonic() - _STARTED,
+        )
 
     if args.engine_state_interval <= 0:
         raise SystemExit("--engine-state-interval must be > 0 seconds")
-    app = build_app(factory, name, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_request_body_bytes, limits=limits,
-                    on_ready=ready, trust_request_chat_template=args.trust_request_chat_template,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    trace_file=args.trace_file, otlp_traces_endpoint=args.otlp_traces_endpoint,
-                    lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                    engine_state_interval=args.engine_state_interval)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                               timeout_graceful_shutdown=args.shutdown_timeout)
+    app = build_app(
+        factory,
+        name,
+        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
+        max_queue_len=args.max_queue_len,
+        max_body_bytes=args.max_request_body_bytes,
+        limits=limits,
+        on_ready=ready,
+        trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        trace_file=args.trace_file,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        engine_state_interval=args.engine_state_interval,
+    )
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
     server = graceful_server_class()(uv_config)
     server.run()
     return 0
@@ -135,34 +169,62 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.router import RouterConfig, run_router
 
     prefill = getattr(args, "prefill", None) or []
-    config = RouterConfig(getattr(args, "decode", None) or args.backend, routing=args.routing,
-                          health_check_interval=args.health_check_interval, block_chars=args.block_chars,
-                          prefix_blocks=args.prefix_blocks, balance_threshold=args.balance_threshold,
-                          prefill=[u.rstrip("/") for u in prefill])
-    run_router(config, args.host, args.port, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-               log_level=args.uvicorn_log_level, max_body_bytes=args.max_request_body_bytes)
+    config = RouterConfig(
+        getattr(args, "decode", None) or args.backend,
+        routing=args.routing,
+        health_check_interval=args.health_check_interval,
+        block_chars=args.block_chars,
+        prefix_blocks=args.prefix_blocks,
+        balance_threshold=args.balance_threshold,
+        prefill=[u.rstrip("/") for u in prefill],
+    )
+    run_router(
+        config,
+        args.host,
+        args.port,
+        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
+        log_level=args.uvicorn_log_level,
+        max_body_bytes=args.max_request_body_bytes,
+    )
     return 0
 
 
 def _router_args(rt: argparse.ArgumentParser) -> None:
     """The options `pagedllm router` and `pagedllm disagg-proxy` share."""
-    rt.add_argument("--routing", default="prefix-aware", choices=["prefix-aware", "least-load", "round-robin"],
-                    help="prefix-aware: prompts that begin alike go to the same backend (its prefix cache), "
-                         "unless it is far busier than the least loaded; least-load: fewest running + waiting "
-                         "requests, from each backend's /metrics; round-robin")
+    rt.add_argument(
+        "--routing",
+        default="prefix-aware",
+        choices=["prefix-aware", "least-load", "round-robin"],
+        help="prefix-aware: prompts that begin alike go to the same backend (its prefix cache), "
+        "unless it is far busier than the least loaded; least-load: fewest running + waiting "
+        "requests, from each backend's /metrics; round-robin",
+    )
     rt.add_argument("--host", default="127.0.0.1", help="address to listen on")
     rt.add_argument("--port", type=int, default=8000, help="port to listen on")
     rt.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (passed on to backends)")
-    rt.add_argument("--health-check-interval", type=float, default=1.0,
-                    help="seconds between polls of each backend's /health and /metrics")
+    rt.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=1.0,
+        help="seconds between polls of each backend's /health and /metrics",
+    )
     rt.add_argument("--prefix-blocks", type=int, default=4, help="prefix-aware: blocks of the prompt hashed")
     rt.add_argument("--block-chars", type=int, default=64, help="prefix-aware: characters per block")
-    rt.add_argument("--balance-threshold", type=int, default=8,
-                    help="prefix-aware: a backend this many requests busier than the least loaded is passed over")
-    rt.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
-                    help="larger bodies get 413 before they are read whole")
-    rt.add_argument("--uvicorn-log-level", default="warning",
-                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    rt.add_argument(
+        "--balance-threshold",
+        type=int,
+        default=8,
+        help="prefix-aware: a backend this many requests busier than the least loaded is passed over",
+    )
+    rt.add_argument(
+        "--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 before they are read whole"
+    )
+    rt.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
+    )
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -170,13 +232,15 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("request limits (a request over one gets a 400 naming the field)")
     for f in dataclasses.fields(RequestLimits):
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=int, default=f.default,
-                           help=f.metadata["help"])
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}", dest=f.name, type=int, default=f.default, help=f.metadata["help"]
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="A small, fast LLM inference engine.",
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="A small, fast LLM inference engine.", formatter_class=HelpFormatter
+    )
     add_log_level_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -184,11 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*", help="prompts (read from stdin when none given)")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens whose "
-                     "probabilities sum to this, in (0, 1]")
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the top tokens whose probabilities sum to this, in (0, 1]",
+    )
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 keeps all")
-    gen.add_argument("--min-p", type=float, default=0.0,
-                     help="drop tokens less likely than this fraction of the top token's probability")
+    gen.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than this fraction of the top token's probability",
+    )
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the requests' sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -200,62 +272,131 @@ def build_parser() -> argparse.ArgumentParser:
     srv = add_command(sub, "serve", help="serve an OpenAI-compatible HTTP API")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
-                                                     "(or set PAGEDLLM_API_KEY)")
-    srv.add_argument("--max-queue-len", type=int, default=1024,
-                     help="most queued sequences (each prompt x n of a request counts); beyond it the server "
-                          "answers 503 with Retry-After")
-    srv.add_argument("--chat-template", default=None, help="chat template (a file or the template text); "
-                                                           "default: the model's own")
-    srv.add_argument("--trust-request-chat-template", action="store_true",
-                     help="let chat requests carry their own `chat_template` (Jinja runs on the server); "
-                          "without it such a request gets a 400")
-    srv.add_argument("--enable-auto-tool-choice", action="store_true",
-                     help='let chat requests use tool_choice "auto": the model answers freely and '
-                          "--tool-call-parser lifts its tool calls out of the text")
-    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                     help="the model's own tool-call format, for --enable-auto-tool-choice")
-    srv.add_argument("--trace-file", default=None, metavar="PATH",
-                     help="write the engine's steps and requests as a Chrome / Perfetto trace (JSON) to PATH")
-    srv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                     help="export one OpenTelemetry span per request over OTLP/HTTP to URL (e.g. "
-                          "http://collector:4318/v1/traces); needs pip install 'pagedllm[otel]'")
-    srv.add_argument("--engine-state-interval", type=float, default=1.0, metavar="SECONDS",
-                     help="how often /v1/engine/state/stream (the /dashboard page's feed) snapshots the engine "
-                          "while anyone watches; one snapshot per interval serves every watcher")
-    srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
-                     help="larger bodies get 413 (parsing JSON holds Python's GIL for ~25 ms per MiB, "
-                          "so this also bounds what one body costs everyone else)")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds SIGTERM waits for in-flight requests before aborting them")
-    srv.add_argument("--uvicorn-log-level", default="info",
-                     choices=["critical", "error", "warning", "info", "debug", "trace"],
-                     help="log level of uvicorn's access and server lines")
-    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                     help="LoRA adapters (PEFT directories) to serve, each selected by its name in a request's "
-                          "`model` field; needs --enable-lora")
-    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
-                     help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    srv.add_argument("--data-parallel-routing", default="least-load", choices=["least-load", "prefix-aware",
-                                                                               "round-robin"],
-                     help="how the API server picks a replica for each request (see `pagedllm router`)")
+    srv.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (or set PAGEDLLM_API_KEY)"
+    )
+    srv.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="most queued sequences (each prompt x n of a request counts); beyond it the server "
+        "answers 503 with Retry-After",
+    )
+    srv.add_argument(
+        "--chat-template", default=None, help="chat template (a file or the template text); default: the model's own"
+    )
+    srv.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let chat requests carry their own `chat_template` (Jinja runs on the server); "
+        "without it such a request gets a 400",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat requests use tool_choice "auto": the model answers freely and '
+        "--tool-call-parser lifts its tool calls out of the text",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json"],
+        help="the model's own tool-call format, for --enable-auto-tool-choice",
+    )
+    srv.add_argument(
+        "--trace-file",
+        default=None,
+        metavar="PATH",
+        help="write the engine's steps and requests as a Chrome / Perfetto trace (JSON) to PATH",
+    )
+    srv.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export one OpenTelemetry span per request over OTLP/HTTP to URL (e.g. "
+        "http://collector:4318/v1/traces); needs pip install 'pagedllm[otel]'",
+    )
+    srv.add_argument(
+        "--engine-state-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often /v1/engine/state/stream (the /dashboard page's feed) snapshots the engine "
+        "while anyone watches; one snapshot per interval serves every watcher",
+    )
+    srv.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger bodies get 413 (parsing JSON holds Python's GIL for ~25 ms per MiB, "
+        "so this also bounds what one body costs everyone else)",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests before aborting them",
+    )
+    srv.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of uvicorn's access and server lines",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve, each selected by its name in a request's "
+        "`model` field; needs --enable-lora",
+    )
+    srv.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    srv.add_argument(
+        "--data-parallel-routing",
+        default="least-load",
+        choices=["least-load", "prefix-aware", "round-robin"],
+        help="how the API server picks a replica for each request (see `pagedllm router`)",
+    )
     _add_limit_args(srv)
     add_engine_args(srv, positional_model=True)
     srv.set_defaults(func=_cmd_serve)
 
     rt = add_command(sub, "router", help="one OpenAI-compatible front door for many pagedllm servers")
-    rt.add_argument("--backend", action="append", required=True, metavar="URL",
-                    help="a backend server's base URL, e.g. http://h1:8000 (repeat for each)")
+    rt.add_argument(
+        "--backend",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a backend server's base URL, e.g. http://h1:8000 (repeat for each)",
+    )
     _router_args(rt)
     rt.set_defaults(func=_cmd_router)
 
-    dp = add_command(sub, "disagg-proxy", help="disaggregated prefill / decode: each request is computed by a "
-                                               "prefill server, then decoded by a decode server")
-    dp.add_argument("--prefill", action="append", required=True, metavar="URL",
-                    help="a prefill server (kv_role kv_producer), e.g. http://127.0.0.1:8100 (repeat for each)")
-    dp.add_argument("--decode", action="append", required=True, metavar="URL",
-                    help="a decode server (kv_role kv_consumer) sharing the prefill servers' KV tier (repeat "
-                         "for each)")
+    dp = add_command(
+        sub,
+        "disagg-proxy",
+        help="disaggregated prefill / decode: each request is computed by a "
+        "prefill server, then decoded by a decode server",
+    )
+    dp.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a prefill server (kv_role kv_producer), e.g. http://127.0.0.1:8100 (repeat for each)",
+    )
+    dp.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a decode server (kv_role kv_consumer) sharing the prefill servers' KV tier (repeat for each)",
+    )
     _router_args(dp)
     dp.set_defaults(func=_cmd_router)
 
@@ -279,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --data-parallel-size` passes it on
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    from pagedllm.logger import set_level
     from pagedllm.errors import PagedLLMError
+    from pagedllm.logger import set_level
 
     set_level(args.log_level)
     try:

@@ -47,11 +47,11 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         if f.name == "model" and positional_model:
             group.add_argument("model_pos", nargs="?", metavar="MODEL", help=help_text)
         if typ is bool:
-            group.add_argument(f"--{name}", dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=help_text)
+            group.add_argument(
+                f"--{name}", dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
         else:
-            group.add_argument(f"--{name}", dest=f.name, type=typ, choices=choices, default=f.default,
-                               help=help_text)
+            group.add_argument(f"--{name}", dest=f.name, type=typ, choices=choices, default=f.default, help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,10 +73,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_log_level_flag(parser: argparse.ArgumentParser, top: bool) -> None:
     # on the top parser it sets the default; on a subcommand it may be repeated after the subcommand's name
-    parser.add_argument("--log-level", default="INFO" if top else argparse.SUPPRESS,
-                        type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                        help="level of pagedllm's log lines (start-up stages, warnings)"
-                        + ("" if top else "; also accepted before the subcommand (default: INFO)"))
+    parser.add_argument(
+        "--log-level",
+        default="INFO" if top else argparse.SUPPRESS,
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="level of pagedllm's log lines (start-up stages, warnings)"
+        + ("" if top else "; also accepted before the subcommand (default: INFO)"),
+    )
 
 
 def add_command(sub: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:

@@ -51,16 +51,27 @@ def serve_data_parallel(args: Any, argv: list[str]) -> int:
     ports = [get_open_port() for _ in range(n)]
     env = dict(os.environ, OMP_NUM_THREADS=str(worker_threads(n)))
     base = replica_argv(argv)
-    procs = [subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", *base, "--host", "127.0.0.1",
-                               "--port", str(port)], env=env,
-                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-             for port in ports]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", *base, "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        for port in ports
+    ]
     logger.info("data parallel: %d engine replicas on ports %s, %s threads each", n, ports, env["OMP_NUM_THREADS"])
-    config = RouterConfig([f"http://127.0.0.1:{p}" for p in ports], routing=args.data_parallel_routing,
-                          health_check_interval=0.5)
+    config = RouterConfig(
+        [f"http://127.0.0.1:{p}" for p in ports], routing=args.data_parallel_routing, health_check_interval=0.5
+    )
     try:
-        run_router(config, args.host, args.port, api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                   log_level=args.uvicorn_log_level, max_body_bytes=args.max_request_body_bytes)
+        run_router(
+            config,
+            args.host,
+            args.port,
+            api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
+            log_level=args.uvicorn_log_level,
+            max_body_bytes=args.max_request_body_bytes,
+        )
     finally:
         for p in procs:
             if p.poll() is None:

@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.config import EngineConfig
 from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -38,12 +38,18 @@ class LLM:
 
     def _generator(self) -> LLMEngine:
         if self.llm_engine.is_pooling:
-            raise InvalidParameterError("this is a pooling model (runner='pooling'): use embed or score, "
-                                        "not generation", "runner")
+            raise InvalidParameterError(
+                "this is a pooling model (runner='pooling'): use embed or score, not generation", "runner"
+            )
         return self.llm_engine
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = False, pooling_params: "PoolingParams | None" = None) -> list[Any]:
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[Any]:
         """One ``EmbeddingRequestOutput`` per prompt (``.outputs.embedding``), in input order. The prompts are
         requests of the engine like generate's: batched in its steps under max_num_batched_tokens."""
         from pagedllm.pooling_params import PoolingParams
@@ -54,8 +60,12 @@ class LLM:
             pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
         return self.encode(prompts, pooling_params, use_tqdm)
 
-    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
-               use_tqdm: bool = False) -> list[Any]:
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[Any]:
         """vLLM's ``LLM.encode``: the pooled output of each prompt (``EmbeddingRequestOutput``), in input order."""
         engine = self.llm_engine
         if isinstance(prompts, (str, dict)):
@@ -69,8 +79,13 @@ class LLM:
             engine.add_prepared_request(p)
         return self._run(ids, use_tqdm)
 
-    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[Any]:
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[Any]:
         """The cosine similarity of each pair (one text against many, or pairwise), as vLLM scores with an
         embedding model; one ``ScoringRequestOutput`` (``.outputs.score``) per pair."""
         from pagedllm.engine.pooling import ScoringOutput, ScoringRequestOutput, pair_scores, score_texts
@@ -81,10 +96,14 @@ class LLM:
         n = len(scores)
         return [ScoringRequestOutput(str(i), ids[i] + ids[n + i], ScoringOutput(s)) for i, s in enumerate(scores)]
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: one adapter for
         every prompt, or one per prompt (None: the base model); needs ``enable_lora=True``."""
         self._generator()
@@ -93,15 +112,15 @@ class LLM:
         prompts = list(prompts)
         params = _broadcast(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
-            raise InvalidParameterError(
-                f"priority has {len(priority)} entries for {len(prompts)} prompts", "priority")
+            raise InvalidParameterError(f"priority has {len(priority)} entries for {len(prompts)} prompts", "priority")
         if lora_request is None or not isinstance(lora_request, (list, tuple)):
             loras = [lora_request] * len(prompts)
         else:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise InvalidParameterError(
-                    f"lora_request has {len(loras)} entries for {len(prompts)} prompts", "lora_request")
+                    f"lora_request has {len(loras)} entries for {len(prompts)} prompts", "lora_request"
+                )
         # offline callers want the finished results only: skip building intermediate outputs
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         engine = self.llm_engine
@@ -115,8 +134,13 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: "BeamSearchParams",
-                    use_tqdm: bool = False, lora_request: "LoRARequest | None" = None) -> list["BeamSearchOutput"]:
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
         """Beam search with transformers' algorithm (see :mod:`pagedllm.beam_search`); best sequences first.
         ``lora_request``: one adapter for every beam."""
         from pagedllm.beam_search import beam_search
@@ -128,33 +152,53 @@ class LLM:
             self.llm_engine.processor.check(ids, SamplingParams(max_tokens=1))
         return beam_search(self.llm_engine, token_prompts, params, lora_request)
 
-    def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, chat_template, add_generation_prompt,
-                                                                 chat_template_kwargs)}
-                   for conv in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": self.apply_chat_template(
+                    conv, chat_template, add_generation_prompt, chat_template_kwargs
+                )
+            }
+            for conv in conversations
+        ]
         outs = self.generate(prompts, sampling_params, use_tqdm)
         tok = self.get_tokenizer()
         for o in outs:
             o.prompt = tok.decode(o.prompt_token_ids, skip_special_tokens=False)
         return outs
 
-    def apply_chat_template(self, conversation: list[ChatMessage], chat_template: str | None = None,
-                            add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        conversation: list[ChatMessage],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         tok = self.get_tokenizer()
         if chat_template is None and getattr(tok, "chat_template", None) is None:
-            raise InvalidParameterError("this model's tokenizer has no chat template; pass chat_template=",
-                                        "chat_template")
+            raise InvalidParameterError(
+                "this model's tokenizer has no chat template; pass chat_template=", "chat_template"
+            )
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m:
                 raise InvalidParameterError(f"each chat message needs a 'role', got {m!r}", "messages")
-        text = tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+        text = tok.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
         # the template already contains the special tokens; don't let encode add a BOS twice
         return tok.encode(text, add_special_tokens=False)
 
@@ -165,6 +209,7 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while len(done) < len(wanted):

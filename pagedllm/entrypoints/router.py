@@ -27,7 +27,6 @@ engines in front: each request first goes to a prefill engine as a one-token req
 then to a decode engine, which finds the blocks there and streams the answer.
 """
 
-
 import asyncio
 import hashlib
 import json
@@ -92,12 +91,13 @@ def prefix_key(body: dict[str, Any], block_chars: int, prefix_blocks: int) -> st
         prompt = body.get("prompt", "")
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     whole = min(len(text) // block_chars, prefix_blocks) * block_chars
-    return text[:whole or len(text)]
+    return text[: whole or len(text)]
 
 
 def rendezvous(key: str, backends: list[Backend]) -> Backend:
     """Highest-random-weight hashing: each key's ranking of backends is fixed, so removing one moves
     only the keys it held."""
+
     def weight(b: Backend) -> bytes:
         return hashlib.blake2b(f"{b.url}\0{key}".encode(), digest_size=8).digest()
 
@@ -118,26 +118,51 @@ class Router:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()
-        self.m_requests = Counter("pagedllm_router:requests", "Requests forwarded, by backend and outcome.",
-                                  ["backend", "outcome"], registry=self.registry)
-        self.m_retries = Counter("pagedllm_router:retries", "Requests retried on another backend because theirs "
-                                 "could not be reached or cut its answer off before the body.", registry=self.registry)
-        self.m_healthy = Gauge("pagedllm_router:backend_healthy", "1 while the backend passes its health check.",
-                               ["backend"], registry=self.registry)
-        self.m_load = Gauge("pagedllm_router:backend_load", "Requests running + waiting on the backend.",
-                            ["backend"], registry=self.registry)
-        self.m_prefills = Counter("pagedllm_router:prefills", "Disaggregated serving: prompts sent to a prefill "
-                                  "engine first, by outcome (a failed one is computed by the decode engine).",
-                                  ["backend", "outcome"], registry=self.registry)
-        self.m_prefill_seconds = Counter("pagedllm_router:prefill_seconds", "Disaggregated serving: time spent "
-                                         "waiting for prefill engines.", registry=self.registry)
+        self.m_requests = Counter(
+            "pagedllm_router:requests",
+            "Requests forwarded, by backend and outcome.",
+            ["backend", "outcome"],
+            registry=self.registry,
+        )
+        self.m_retries = Counter(
+            "pagedllm_router:retries",
+            "Requests retried on another backend because theirs "
+            "could not be reached or cut its answer off before the body.",
+            registry=self.registry,
+        )
+        self.m_healthy = Gauge(
+            "pagedllm_router:backend_healthy",
+            "1 while the backend passes its health check.",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.m_load = Gauge(
+            "pagedllm_router:backend_load",
+            "Requests running + waiting on the backend.",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.m_prefills = Counter(
+            "pagedllm_router:prefills",
+            "Disaggregated serving: prompts sent to a prefill "
+            "engine first, by outcome (a failed one is computed by the decode engine).",
+            ["backend", "outcome"],
+            registry=self.registry,
+        )
+        self.m_prefill_seconds = Counter(
+            "pagedllm_router:prefill_seconds",
+            "Disaggregated serving: time spent waiting for prefill engines.",
+            registry=self.registry,
+        )
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
         import httpx
 
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0),
-                                         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.config.request_timeout, connect=5.0),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+        )
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_forever())
 
@@ -166,11 +191,15 @@ class Router:
                 b.kv_usage = _metric(metrics, "pagedllm:kv_cache_usage_perc")
                 b.sent_since_poll = b.done_since_poll = 0
             b.last_error = None if ok else f"/health answered {health.status_code}"
-        except Exception as e:  # noqa: BLE001 -- unreachable, timed out, malformed: not healthy
+        except Exception as e:
             ok, b.last_error = False, f"{type(e).__name__}: {e}"
         if b.healthy != ok:
-            logger.warning("backend %s is %s%s", b.url, "healthy" if ok else "unhealthy",
-                           f" ({b.last_error})" if b.last_error else "")
+            logger.warning(
+                "backend %s is %s%s",
+                b.url,
+                "healthy" if ok else "unhealthy",
+                f" ({b.last_error})" if b.last_error else "",
+            )
         b.healthy = ok
         self.m_healthy.labels(b.url).set(1 if ok else 0)
         self.m_load.labels(b.url).set(b.running + b.waiting)
@@ -203,7 +232,7 @@ class Router:
         try:
             resp = await self._client.post(f"{url}{path}", json=prefill_body(body), headers=headers)
             outcome = str(resp.status_code)
-        except Exception as e:  # noqa: BLE001 -- the decode engine computes the prompt itself
+        except Exception as e:
             outcome = "unreachable"
             logger.warning("prefill engine %s failed (%s); the decode engine computes the prompt", url, e)
         self.m_prefills.labels(url, outcome).inc()
@@ -240,8 +269,12 @@ class Router:
             self.m_requests.labels(b.url, str(resp.status_code)).inc()
             out_headers = {"x-pagedllm-backend": b.url}
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                return StreamingResponse(self._relay(resp, b), status_code=resp.status_code,
-                                         media_type="text/event-stream", headers=out_headers)
+                return StreamingResponse(
+                    self._relay(resp, b),
+                    status_code=resp.status_code,
+                    media_type="text/event-stream",
+                    headers=out_headers,
+                )
             try:
                 content = await resp.aread()
             except httpx.HTTPError as e:  # died between its headers and its body: the client has
@@ -253,10 +286,19 @@ class Router:
             finally:
                 b.ended()
                 await resp.aclose()
-            return Response(content, status_code=resp.status_code, headers=out_headers,
-                            media_type=resp.headers.get("content-type"))
-        return JSONResponse({"error": {"message": f"no backend could take the request ({last})",
-                                       "type": "ServiceUnavailable", "code": 503}}, status_code=503)
+            return Response(
+                content, status_code=resp.status_code, headers=out_headers, media_type=resp.headers.get("content-type")
+            )
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"no backend could take the request ({last})",
+                    "type": "ServiceUnavailable",
+                    "code": 503,
+                }
+            },
+            status_code=503,
+        )
 
     async def _relay(self, resp: Any, b: Backend) -> AsyncIterator[bytes]:
         import httpx
@@ -274,9 +316,26 @@ class Router:
 
 
 # what a prefill request drops: it returns one token nobody reads, so nothing about the answer matters
-_NOT_FOR_PREFILL = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
-                    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                    "guided_grammar", "min_tokens", "max_completion_tokens", "stop", "stop_token_ids")
+_NOT_FOR_PREFILL = (
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "min_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stop_token_ids",
+)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -321,8 +380,10 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
 
     def unauthorized(request: Request) -> JSONResponse | None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-            return JSONResponse({"error": {"message": "invalid or missing API key", "type": "AuthenticationError",
-                                           "code": 401}}, status_code=401)
+            return JSONResponse(
+                {"error": {"message": "invalid or missing API key", "type": "AuthenticationError", "code": 401}},
+                status_code=401,
+            )
         return None
 
     async def proxy(request: Request, path: str) -> Any:
@@ -334,15 +395,26 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
             if not isinstance(body, dict):
                 raise ValueError("not a JSON object")
         except RecursionError:
-            return JSONResponse({"error": {"message": "the JSON body is nested too deeply",
-                                           "type": "BadRequestError", "code": 400}}, status_code=400)
+            return JSONResponse(
+                {"error": {"message": "the JSON body is nested too deeply", "type": "BadRequestError", "code": 400}},
+                status_code=400,
+            )
         except ValueError as e:
-            return JSONResponse({"error": {"message": f"the request body is not a JSON object: {e}",
-                                           "type": "BadRequestError", "code": 400}}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"the request body is not a JSON object: {e}",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    }
+                },
+                status_code=400,
+            )
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         return await router.forward(path, body, raw, headers)
 
     for path in _FORWARDED:
+
         async def handler(request: Request, _path: str = path) -> Any:
             return await proxy(request, _path)
 
@@ -354,8 +426,10 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
             return denied
         for b in router.backends:
             if b.healthy:
-                resp = await router._client.get(f"{b.url}/v1/models", headers={
-                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+                resp = await router._client.get(
+                    f"{b.url}/v1/models",
+                    headers={k: v for k, v in request.headers.items() if k.lower() == "authorization"},
+                )
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
         return JSONResponse({"error": {"message": "no healthy backend", "code": 503}}, status_code=503)
 
@@ -365,9 +439,18 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
 
     @app.get("/backends")
     async def backends() -> Any:
-        return [{"url": b.url, "healthy": b.healthy, "running": b.running, "waiting": b.waiting,
-                 "kv_cache_usage": b.kv_usage, "in_flight": b.in_flight, "last_error": b.last_error}
-                for b in router.backends]
+        return [
+            {
+                "url": b.url,
+                "healthy": b.healthy,
+                "running": b.running,
+                "waiting": b.waiting,
+                "kv_cache_usage": b.kv_usage,
+                "in_flight": b.in_flight,
+                "last_error": b.last_error,
+            }
+            for b in router.backends
+        ]
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -378,8 +461,14 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
     return app
 
 
-def run_router(config: RouterConfig, host: str, port: int, api_key: str | None = None,
-               log_level: str = "warning", max_body_bytes: int = 4 << 20) -> None:
+def run_router(
+    config: RouterConfig,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    log_level: str = "warning",
+    max_body_bytes: int = 4 << 20,
+) -> None:
     import uvicorn
 
     from pagedllm.entrypoints.graceful_server import graceful_server_class

@@ -20,8 +20,14 @@ class Executor:
         results = self.collective_rpc("load_model")
         return min(n for n, _ in results), results[0][1]
 
-    def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
-                   disk: tuple[str, str] | None = None, kv_groups: Any = None) -> None:
+    def init_cache(
+        self,
+        num_blocks: int,
+        max_model_len: int,
+        num_offload_slots: int = 0,
+        disk: tuple[str, str] | None = None,
+        kv_groups: Any = None,
+    ) -> None:
         self.collective_rpc("init_cache", num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
@@ -89,8 +95,14 @@ class DistributedExecutor(Executor):
             self._early.append(self._collect_step())
         return self._call_all(method, args)
 
-    def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
-                   disk: tuple[str, str] | None = None, kv_groups: Any = None) -> None:
+    def init_cache(
+        self,
+        num_blocks: int,
+        max_model_len: int,
+        num_offload_slots: int = 0,
+        disk: tuple[str, str] | None = None,
+        kv_groups: Any = None,
+    ) -> None:
         super().init_cache(num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
         self._started = True
 

@@ -8,8 +8,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.executor.base import Executor
 
 
-def make_executor(config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float],
-                  lora_cache: Any = None) -> Executor:
+def make_executor(
+    config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float], lora_cache: Any = None
+) -> Executor:
     pc = config.parallel_config
     backend = pc.distributed_executor_backend or ("uniproc" if pc.world_size == 1 else "mp")
     if backend == "uniproc":

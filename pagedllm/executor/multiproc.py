@@ -39,15 +39,23 @@ class MultiprocExecutor(DistributedExecutor):
         for rank in range(self.world_size):
             ours, theirs = socket.socketpair()
             with theirs:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "pagedllm.executor.worker_process", str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),)))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pagedllm.executor.worker_process", str(theirs.fileno())],
+                        pass_fds=(theirs.fileno(),),
+                    )
+                )
             conn = Connection(ours.detach())
             conn.send((config, rank, init_method, threads))
             self.conns.append(conn)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
-        logger.info("started %d worker processes (tp=%d, pp=%d, %d torch threads each)", self.world_size,
-                    pc.tensor_parallel_size, pc.pipeline_parallel_size, threads)
+        logger.info(
+            "started %d worker processes (tp=%d, pp=%d, %d torch threads each)",
+            self.world_size,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+            threads,
+        )
         self._receive(range(self.world_size))  # every Worker built: the process group is up
 
     # -- calls ------------------------------------------------------------------

@@ -56,8 +56,10 @@ class RayExecutor(DistributedExecutor):
         try:
             import ray
         except ImportError:
-            raise InvalidParameterError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'",
-                                        "distributed_executor_backend") from None
+            raise InvalidParameterError(
+                "distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'",
+                "distributed_executor_backend",
+            ) from None
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -68,7 +70,8 @@ class RayExecutor(DistributedExecutor):
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         use_gpu = config.model_config.device == "cuda" or (
-            config.model_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+            config.model_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+        )
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
         have = ray.available_resources()
         for key, amount in bundle.items():
@@ -77,28 +80,45 @@ class RayExecutor(DistributedExecutor):
                     f"the Ray cluster cannot place {self.world_size} workers (tensor_parallel_size x "
                     f"pipeline_parallel_size): they need {amount * self.world_size:g} {key}, one per worker, and the "
                     f"cluster has {have.get(key, 0.0):g} {key} available ({ray.cluster_resources().get(key, 0.0):g} "
-                    "in all)", "tensor_parallel_size")
+                    "in all)",
+                    "tensor_parallel_size",
+                )
         self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(self._pg)
             raise InvalidParameterError(
                 f"the Ray cluster could not place {self.world_size} bundles of {bundle} within "
-                f"{PLACEMENT_TIMEOUT_S:g} s (available: {ray.available_resources()})", "tensor_parallel_size")
+                f"{PLACEMENT_TIMEOUT_S:g} s (available: {ray.available_resources()})",
+                "tensor_parallel_size",
+            )
         self._remove_pg = remove_placement_group
         actor_cls = ray.remote(RayWorker)
-        self.actors = [actor_cls.options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-        ).remote() for rank in range(self.world_size)]
+        self.actors = [
+            actor_cls.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            ).remote()
+            for rank in range(self.world_size)
+        ]
         self.nodes = self._get([a.node.remote() for a in self.actors])
         port = self._get([self.actors[0].open_port.remote()])[0]
         init_method = f"tcp://{self.nodes[0][1]}:{port}"
         per_node = {node_id: sum(n[0] == node_id for n in self.nodes) for node_id, _, _ in self.nodes}
-        self._get([a.start.remote(config, rank, init_method, max(1, cores // per_node[node_id]))
-                   for rank, (a, (node_id, _, cores)) in enumerate(zip(self.actors, self.nodes))])
-        logger.info("started %d Ray workers on %d node(s) (tp=%d, pp=%d)", self.world_size, len(per_node),
-                    pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        self._get(
+            [
+                a.start.remote(config, rank, init_method, max(1, cores // per_node[node_id]))
+                for rank, (a, (node_id, _, cores)) in enumerate(zip(self.actors, self.nodes))
+            ]
+        )
+        logger.info(
+            "started %d Ray workers on %d node(s) (tp=%d, pp=%d)",
+            self.world_size,
+            len(per_node),
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+        )
 
     def _get(self, refs: list[Any]) -> list[Any]:
         """Wait for every call; the first failure (a raised error, a dead actor) stops all and raises."""
@@ -109,7 +129,7 @@ class RayExecutor(DistributedExecutor):
             for ref in ready:
                 try:
                     ray.get(ref)
-                except Exception as e:  # noqa: BLE001 -- RayTaskError or RayActorError: a rank is lost
+                except Exception as e:
                     cause = getattr(e, "cause", None)
                     self._fail(f"a Ray worker failed: {e}", cause if isinstance(cause, BaseException) else e)
         return ray.get(refs)
@@ -119,8 +139,12 @@ class RayExecutor(DistributedExecutor):
 
     def _send_step(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         ref = self._ray.put(so)
-        self._pending.append([a.call.remote("execute_model", ref, None if rank == self.driver else sampled)
-                              for rank, a in enumerate(self.actors)])
+        self._pending.append(
+            [
+                a.call.remote("execute_model", ref, None if rank == self.driver else sampled)
+                for rank, a in enumerate(self.actors)
+            ]
+        )
 
     def _receive_step(self) -> ModelRunnerOutput:
         return self._get(self._pending.popleft())[self.driver]  # each actor runs its calls in order
@@ -132,12 +156,12 @@ class RayExecutor(DistributedExecutor):
         for a in getattr(self, "actors", []):
             try:
                 self._ray.kill(a)
-            except Exception:  # noqa: BLE001 -- already gone
+            except Exception:
                 pass
         self.actors = []
         if getattr(self, "_pg", None) is not None:
             try:
                 self._remove_pg(self._pg)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             self._pg = None

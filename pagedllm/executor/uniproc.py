@@ -13,8 +13,9 @@ from pagedllm.worker.worker import Worker
 
 
 class UniprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float],
-                 lora_cache: Any = None):
+    def __init__(
+        self, config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float], lora_cache: Any = None
+    ):
         self.config = config
         self.worker = Worker(config, source=source, hf_config=hf_config, stages=stages, lora_cache=lora_cache)
         self._pending: deque[SchedulerOutput] = deque()

@@ -34,7 +34,7 @@ def serve(conn: Connection, make_worker: Callable[[], Any]) -> None:
             result = getattr(worker, method)(*args)
             if method != "execute_model" or result is not None:
                 conn.send(("ok", result))
-    except BaseException as e:  # noqa: BLE001 -- every failure goes back to the engine, which stops all ranks
+    except BaseException as e:
         _send_error(conn, e)
     finally:
         destroy_distributed()
@@ -44,7 +44,7 @@ def _send_error(conn: Connection, e: BaseException) -> None:
     text = "".join(traceback.format_exception(e))
     try:
         pickle.dumps(e)
-    except Exception:  # noqa: BLE001 -- an exception that does not pickle goes back as its text
+    except Exception:
         e = RuntimeError(f"{type(e).__name__}: {e}")
     try:
         conn.send(("error", e, text))

@@ -15,5 +15,15 @@ Without a working compiler, attention and the fused ops fall back to plain torch
 from pagedllm.kernels.build import KernelBuildError, build_in_background, for_tensor, load, try_load
 from pagedllm.kernels.ops import KV_DTYPES, MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, Kernels
 
-__all__ = ["KV_DTYPES", "MAX_BLOCK_SIZE", "MAX_GROUP", "MAX_HEAD_DIM", "KernelBuildError", "Kernels",
-           "build_in_background", "for_tensor", "load", "try_load"]
+__all__ = [
+    "KV_DTYPES",
+    "MAX_BLOCK_SIZE",
+    "MAX_GROUP",
+    "MAX_HEAD_DIM",
+    "KernelBuildError",
+    "Kernels",
+    "build_in_background",
+    "for_tensor",
+    "load",
+    "try_load",
+]

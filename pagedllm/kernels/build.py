@@ -49,8 +49,9 @@ def load() -> Kernels:
     with _BUILD_LOCK:  # one build per process: a second caller waits for it (e.g. the background build)
         if not os.path.exists(path):
             if shutil.which(cc) is None:
-                raise KernelBuildError(f"pagedllm's C kernels are compiled on first use, but no C compiler "
-                                       f"({cc!r}; set $CC) was found")
+                raise KernelBuildError(
+                    f"pagedllm's C kernels are compiled on first use, but no C compiler ({cc!r}; set $CC) was found"
+                )
             _build(cc, out_dir, path)
     try:
         return Kernels(ctypes.CDLL(path))
@@ -66,8 +67,12 @@ def _build(cc: str, out_dir: str, path: str) -> None:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         objects = [os.path.join(tmp, os.path.basename(src) + ".o") for src in _SOURCES]
         compile_flags = [f for f in _FLAGS if f != "-shared"]
-        compiles = [subprocess.Popen([cc, *compile_flags, "-c", src, "-o", obj], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True) for src, obj in zip(_SOURCES, objects)]
+        compiles = [
+            subprocess.Popen(
+                [cc, *compile_flags, "-c", src, "-o", obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for src, obj in zip(_SOURCES, objects)
+        ]
         steps = [(proc, proc.communicate()[1]) for proc in compiles]
         so = os.path.join(tmp, "kernels.so")
         if all(proc.returncode == 0 for proc, _ in steps):
@@ -75,8 +80,9 @@ def _build(cc: str, out_dir: str, path: str) -> None:
             steps.append((link, link.stderr))
         failed = [err for proc, err in steps if proc.returncode != 0]
         if failed:
-            raise KernelBuildError(f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n"
-                                   f"{failed[0].strip()}")
+            raise KernelBuildError(
+                f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n{failed[0].strip()}"
+            )
         os.replace(so, path)  # atomic: a concurrent loader sees no file or a whole one
     logger.info("compiled pagedllm's C kernels in %.1fs", time.perf_counter() - t0)
 

@@ -38,8 +38,27 @@ class Kernels:
         (any number of rows); the others must leave batches to the float32 GEMM (see _QuantLinear)."""
         self._attn = lib.paged_decode_attention
         self._prefill_attn = lib.paged_prefill_attention
-        self._prefill_attn.argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64,
-                                       ctypes.c_float, i64, ctypes.c_int, p]
+        self._prefill_attn.argtypes = [
+            p,
+            i64,
+            p,
+            p,
+            i64,
+            i64,
+            p,
+            i64,
+            i64,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            i64,
+            ctypes.c_int,
+            p,
+        ]
         self._prefill_attn.restype = None
         self._norm, self._silu_mul, self._rotary = lib.add_rms_norm, lib.silu_mul, lib.rotary
         self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -51,22 +70,60 @@ class Kernels:
         self._matmul_a8.argtypes = self._matmul8_a8.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
         self._dequant8.argtypes = self._dequant8_g16.argtypes = [p, p, p, p, i64, i64]
         self._matmul8_g16.argtypes = [p, p, p, p, p, i64, i64, i64]
-        self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
-                               ctypes.c_int, p]
+        self._attn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, p]
         self._f32_matmul = lib.f32_matmul
         self._f32_matmul.argtypes = [p, p, p, i64, i64, i64]
         self._f32_matmul.restype = None
         self._decode_layers = lib.decode_layers
-        self._decode_layers.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p, p, p,
-                                        i64, p, i64, ctypes.c_float]
+        self._decode_layers.argtypes = [
+            p,
+            i64,
+            p,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            p,
+            p,
+            p,
+            p,
+            p,
+            i64,
+            p,
+            i64,
+            ctypes.c_float,
+        ]
         self._decode_layers.restype = ctypes.c_int
-        for fn in (self._matmul, self._dequant, self._matmul8, self._dequant8, self._attn, self._norm,
-                   self._silu_mul, self._rotary, self._matmul_a8, self._matmul8_a8, self._quantize_q8,
-                   self._matmul8_g16, self._dequant8_g16):
+        for fn in (
+            self._matmul,
+            self._dequant,
+            self._matmul8,
+            self._dequant8,
+            self._attn,
+            self._norm,
+            self._silu_mul,
+            self._rotary,
+            self._matmul_a8,
+            self._matmul8_a8,
+            self._quantize_q8,
+            self._matmul8_g16,
+            self._dequant8_g16,
+        ):
             fn.restype = None
 
-    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        starts: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """q: [nd, H, D] float32 (rows may be strided, heads and dims contiguous); kv_cache: one layer's
         [2, num_blocks, bs, KVH, D] in a dtype of KV_DTYPES; block_tables [>= nd, M], seq_lens and
         starts [nd] int64."""
@@ -75,13 +132,37 @@ class Kernels:
         code = KV_DTYPES[kv_cache.dtype]
         lut = _fp8_table(kv_cache.dtype) if code == 2 else None
         out = q.new_empty(nd, h, d)
-        self._attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), starts.data_ptr(),
-                   out.data_ptr(), nd, h, kvh, d, bs, scale, code, lut.data_ptr() if lut is not None else None)
+        self._attn(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            starts.data_ptr(),
+            out.data_ptr(),
+            nd,
+            h,
+            kvh,
+            d,
+            bs,
+            scale,
+            code,
+            lut.data_ptr() if lut is not None else None,
+        )
         return out
 
-    def paged_prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, ctx: int,
-                                scale: float, window: int | None, out: torch.Tensor) -> None:
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_row: torch.Tensor,
+        ctx: int,
+        scale: float,
+        window: int | None,
+        out: torch.Tensor,
+    ) -> None:
         """One request's queries q [Q, H, D] float32 (rows may be strided, heads and dims contiguous) at positions
         ctx .. ctx + Q - 1, attending their own and earlier positions (within ``window``) of one layer's
         kv_cache [2, num_blocks, bs, KVH, D] through block_row [>= blocks] int64, into out [Q, H, D] (rows may
@@ -89,39 +170,114 @@ class Kernels:
         _, _, bs, kvh, d = kv_cache.shape
         code = KV_DTYPES[kv_cache.dtype]
         lut = _fp8_table(kv_cache.dtype) if code == 2 else None
-        self._prefill(q, kv_cache[0], kv_cache[1], kvh * d, kvh * d, block_row, ctx, bs, scale, window, out, code,
-                      lut)
+        self._prefill(q, kv_cache[0], kv_cache[1], kvh * d, kvh * d, block_row, ctx, bs, scale, window, out, code, lut)
 
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          window: int | None, out: torch.Tensor) -> None:
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None, out: torch.Tensor
+    ) -> None:
         """As paged_prefill_attention with nothing cached before the queries: their own K / V [Q, KVH, D]
         float32 (rows may be strided; heads and dims contiguous)."""
-        self._prefill(q, k, v, k.stride(0), v.stride(0), _ZERO_ROW, 0, max(q.shape[0], 1), scale, window, out, 0,
-                      None)
+        self._prefill(q, k, v, k.stride(0), v.stride(0), _ZERO_ROW, 0, max(q.shape[0], 1), scale, window, out, 0, None)
 
-    def _prefill(self, q, k, v, k_stride: int, v_stride: int, table: torch.Tensor, ctx: int, bs: int, scale: float,
-                 window: int | None, out: torch.Tensor, code: int, lut: torch.Tensor | None) -> None:
+    def _prefill(
+        self,
+        q,
+        k,
+        v,
+        k_stride: int,
+        v_stride: int,
+        table: torch.Tensor,
+        ctx: int,
+        bs: int,
+        scale: float,
+        window: int | None,
+        out: torch.Tensor,
+        code: int,
+        lut: torch.Tensor | None,
+    ) -> None:
         n, h, d = q.shape
-        self._prefill_attn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k_stride, v_stride,
-                           table.data_ptr(), ctx, n, out.data_ptr(), out.stride(0), h, k.shape[-2], d, bs, scale,
-                           window or 0, code, lut.data_ptr() if lut is not None else None)
+        self._prefill_attn(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            v.data_ptr(),
+            k_stride,
+            v_stride,
+            table.data_ptr(),
+            ctx,
+            n,
+            out.data_ptr(),
+            out.stride(0),
+            h,
+            k.shape[-2],
+            d,
+            bs,
+            scale,
+            window or 0,
+            code,
+            lut.data_ptr() if lut is not None else None,
+        )
 
-    def decode_layers(self, layers, n_layers: int, x: torch.Tensor, out: torch.Tensor, t: int, hidden: int,
-                      heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, final_norm: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, block_size: int, scale: float) -> int:
+    def decode_layers(
+        self,
+        layers,
+        n_layers: int,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        t: int,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        inter: int,
+        eps: float,
+        final_norm: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> int:
         """A decode step's layers (decode_loop.c; ``layers`` a ctypes array of its DecodeLayer). 0 or -1."""
-        return self._decode_layers(ctypes.byref(layers), n_layers, x.data_ptr(), out.data_ptr(), t, hidden, heads,
-                                   kv_heads, head_dim, inter, eps, final_norm.data_ptr(), cos.data_ptr(),
-                                   sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                                   block_tables.stride(0), seq_lens.data_ptr(), block_size, scale)
+        return self._decode_layers(
+            ctypes.byref(layers),
+            n_layers,
+            x.data_ptr(),
+            out.data_ptr(),
+            t,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            inter,
+            eps,
+            final_norm.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            block_size,
+            scale,
+        )
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """x, residual: [T, n] float32 contiguous; x becomes x + residual in place; returns the norm."""
         out = torch.empty_like(x)
-        self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                   out.data_ptr(), x.shape[0], x.shape[1], eps)
+        self._norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+        )
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -139,18 +295,21 @@ class Kernels:
         self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, heads, d)
         return out
 
-    def int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    mins: torch.Tensor) -> torch.Tensor:
+    def int4_matmul(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         """x: [M, K] float32 contiguous; qweight [N, K/2] uint8, scales / mins [N, K/32]; returns [M, N]."""
         return self._quant_matmul(self._matmul, x, qweight, scales, mins)
 
-    def int8_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    mins: torch.Tensor) -> torch.Tensor:
+    def int8_matmul(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         """x: [M, K] float32 contiguous; qweight [N, K] int8, scales / mins [N, K/32]; returns [M, N]."""
         return self._quant_matmul(self._matmul8, x, qweight, scales, mins)
 
-    def int8_matmul_g16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                        mins: torch.Tensor) -> torch.Tensor:
+    def int8_matmul_g16(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         """As int8_matmul with a scale per 16 weights (GGUF's Q6_K): scales [N, K/16], mins [N, K/32]."""
         return self._quant_matmul(self._matmul8_g16, x, qweight, scales, mins)
 
@@ -168,25 +327,29 @@ class Kernels:
         padded = torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, -n % 16))
         return padded.view(-1, 16, k).transpose(1, 2).contiguous()
 
-    def int4_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       mins: torch.Tensor) -> torch.Tensor:
+    def int4_matmul_a8(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         """As int4_matmul, with each row of x first rounded to int8 per group of 32 (GGUF's Q8_0: scale
         max|x| / 127); the mins multiply the groups' exact float sums. Any number of rows."""
         return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins, 1)
 
-    def int8_matmul_a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       mins: torch.Tensor) -> torch.Tensor:
+    def int8_matmul_a8(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         """As int8_matmul, with x rounded to int8 as in int4_matmul_a8."""
         return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins, 1)
 
-    def int4_matmul_a16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                        mins: torch.Tensor) -> torch.Tensor:
+    def int4_matmul_a16(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         """As int4_matmul_a8 with x rounded to int16 per group of 32 (scale max|x| / 32512), multiplied as
         two int8 digits."""
         return self._quant_matmul(self._matmul_a8, x, qweight, scales, mins, 2)
 
-    def int8_matmul_a16(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                        mins: torch.Tensor) -> torch.Tensor:
+    def int8_matmul_a16(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         """As int8_matmul, with x rounded to int16 as in int4_matmul_a16."""
         return self._quant_matmul(self._matmul8_a8, x, qweight, scales, mins, 2)
 
@@ -208,31 +371,45 @@ class Kernels:
         return out
 
     @staticmethod
-    def _quant_matmul(fn, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      mins: torch.Tensor, *digits: int) -> torch.Tensor:
+    def _quant_matmul(
+        fn, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, *digits: int
+    ) -> torch.Tensor:
         y = x.new_empty(x.shape[0], qweight.shape[0])
-        fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), y.data_ptr(), x.shape[0],
-           qweight.shape[0], x.shape[1], *digits)
+        fn(
+            x.data_ptr(),
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            _ptr(mins),
+            y.data_ptr(),
+            x.shape[0],
+            qweight.shape[0],
+            x.shape[1],
+            *digits,
+        )
         return y
 
-    def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+    def int4_dequantize(
+        self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._quant_dequantize(self._dequant, qweight, scales, mins, qweight.shape[1] * 2, out)
 
-    def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+    def int8_dequantize(
+        self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._quant_dequantize(self._dequant8, qweight, scales, mins, qweight.shape[1], out)
 
-    def int8_dequantize_g16(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+    def int8_dequantize_g16(
+        self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._quant_dequantize(self._dequant8_g16, qweight, scales, mins, qweight.shape[1], out)
 
     @staticmethod
-    def _quant_dequantize(fn, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int,
-                          out: torch.Tensor | None) -> torch.Tensor:
+    def _quant_dequantize(
+        fn, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
         """Into ``out`` (float32, at least N * K elements, contiguous) when given, else a new tensor."""
         n = qweight.shape[0]
-        w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[:n * k].view(n, k)
+        w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[: n * k].view(n, k)
         fn(qweight.data_ptr(), scales.data_ptr(), _ptr(mins), w.data_ptr(), n, k)
         return w
 

@@ -59,26 +59,41 @@ def _file(root: Path, block_hash: bytes, rank: int) -> Path:
 
 def encode(fingerprint: str, block_hash: bytes, rank: int, data: torch.Tensor) -> bytes:
     payload = data.contiguous().view(torch.uint8).numpy().tobytes()
-    header = json.dumps({"fingerprint": fingerprint, "hash": block_hash.hex(), "rank": rank,
-                         "shape": list(data.shape), "dtype": str(data.dtype).removeprefix("torch."),
-                         "nbytes": len(payload), "crc32": zlib.crc32(payload)}).encode()
+    header = json.dumps(
+        {
+            "fingerprint": fingerprint,
+            "hash": block_hash.hex(),
+            "rank": rank,
+            "shape": list(data.shape),
+            "dtype": str(data.dtype).removeprefix("torch."),
+            "nbytes": len(payload),
+            "crc32": zlib.crc32(payload),
+        }
+    ).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + payload
 
 
-def decode(raw: bytes, fingerprint: str, block_hash: bytes, rank: int, shape: list[int], dtype: torch.dtype
-           ) -> torch.Tensor | None:
+def decode(
+    raw: bytes, fingerprint: str, block_hash: bytes, rank: int, shape: list[int], dtype: torch.dtype
+) -> torch.Tensor | None:
     """The payload as a tensor, or None if anything about the file is not what this engine would write."""
     if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 4:
         return None
     (n,) = struct.unpack_from("<I", raw, len(MAGIC))
     start = len(MAGIC) + 4 + n
     try:
-        header = json.loads(raw[len(MAGIC) + 4:start])
+        header = json.loads(raw[len(MAGIC) + 4 : start])
     except (ValueError, UnicodeDecodeError):
         return None
     payload = raw[start:]
-    expected = {"fingerprint": fingerprint, "hash": block_hash.hex(), "rank": rank, "shape": list(shape),
-                "dtype": str(dtype).removeprefix("torch."), "nbytes": len(payload)}
+    expected = {
+        "fingerprint": fingerprint,
+        "hash": block_hash.hex(),
+        "rank": rank,
+        "shape": list(shape),
+        "dtype": str(dtype).removeprefix("torch."),
+        "nbytes": len(payload),
+    }
     if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
         return None
     if header.get("crc32") != zlib.crc32(payload):
@@ -89,8 +104,16 @@ def decode(raw: bytes, fingerprint: str, block_hash: bytes, rank: int, shape: li
 class DiskIndex:
     """Scheduler half: which hashes the directory holds (LRU order), and the size bound."""
 
-    def __init__(self, path: str, fingerprint: str, world_size: int, block_bytes: int, max_bytes: int,
-                 layouts: list[tuple[list[int], torch.dtype]], role: str = "kv_both"):
+    def __init__(
+        self,
+        path: str,
+        fingerprint: str,
+        world_size: int,
+        block_bytes: int,
+        max_bytes: int,
+        layouts: list[tuple[list[int], torch.dtype]],
+        role: str = "kv_both",
+    ):
         self.saves = role in ("kv_both", "kv_producer")  # a producer only writes, a consumer only reads
         self.loads = role in ("kv_both", "kv_consumer")
         self.root = Path(path) / fingerprint
@@ -151,8 +174,11 @@ class DiskIndex:
             except OSError:
                 raw = b""
             if decode(raw, self.fingerprint, block_hash, rank, shape, dtype) is None:
-                logger.warning("KV disk tier: block %s (rank %d) is missing, torn or not this model's; "
-                               "recomputing it", block_hash.hex()[:16], rank)
+                logger.warning(
+                    "KV disk tier: block %s (rank %d) is missing, torn or not this model's; recomputing it",
+                    block_hash.hex()[:16],
+                    rank,
+                )
                 self.drop(block_hash)
                 return False
         self.lru[block_hash] = ident

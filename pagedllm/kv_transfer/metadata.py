@@ -11,6 +11,7 @@ class KVConnectorMetadata:
     """What every rank's worker half does around this step's forward. Before it, in this order: deletes, saves
     into RAM (out of primary blocks the step may overwrite), loads (into blocks the step will read). After it:
     disk saves (of the blocks the step filled)."""
+
     saves: list[tuple[int, int]] = field(default_factory=list)  # (primary block id, RAM slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (RAM slot, primary block id)
     disk_deletes: list[bytes] = field(default_factory=list)  # block hashes whose files go
@@ -24,6 +25,7 @@ class KVConnectorMetadata:
 @dataclass(slots=True)
 class KVConnectorStats:
     """Since the last stats call. Tokens are prompt (or, resuming a preempted request, known) tokens."""
+
     queries: int = 0  # tokens looked up in the external tiers (past the primary cache's hit)
     hits: int = 0  # of which found there and loaded instead of computed
     ram_bytes_saved: int = 0
@@ -34,7 +36,7 @@ class KVConnectorStats:
     save_seconds: float = 0.0  # worker time spent copying (the driver rank's)
     load_seconds: float = 0.0
 
-    def take(self) -> "KVConnectorStats":
+    def take(self) -> KVConnectorStats:
         old = KVConnectorStats(*(getattr(self, f) for f in self.__slots__))
         for f in self.__slots__:
             setattr(self, f, type(getattr(self, f))())

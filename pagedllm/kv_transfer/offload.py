@@ -34,14 +34,15 @@ from collections import OrderedDict
 import torch
 
 from pagedllm.core.block_pool import KVCacheBlock
-from pagedllm.kv_transfer.metadata import KVConnectorMetadata, KVConnectorStats
 from pagedllm.kv_transfer.disk import DiskIndex, DiskStore
+from pagedllm.kv_transfer.metadata import KVConnectorMetadata, KVConnectorStats
 from pagedllm.request import Request
 
 
 class OffloadScheduler:
-    def __init__(self, num_slots: int, block_size: int, block_bytes: int, swap: bool = False,
-                 disk: DiskIndex | None = None):
+    def __init__(
+        self, num_slots: int, block_size: int, block_bytes: int, swap: bool = False, disk: DiskIndex | None = None
+    ):
         self.num_slots = num_slots
         self.block_size = block_size
         self.block_bytes = block_bytes  # one block's K and V on every rank together
@@ -89,8 +90,9 @@ class OffloadScheduler:
             return False
         return block_hash in self._pinned_disk or disk.verify(block_hash)  # (pinned: checked this step)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_computed_tokens: int, num_external_tokens: int
+    ) -> None:
         """The request got its blocks (``block_ids``: all of them): load the ones the tiers supply."""
         bs = self.block_size
         first = num_computed_tokens // bs
@@ -212,8 +214,7 @@ class OffloadWorker:
         self.kv_caches = kv_caches
         c = kv_caches[0]
         pin = c.device.type == "cuda" and num_slots > 0
-        self.pool = [torch.empty((2, num_slots, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)
-                     for _ in kv_caches]
+        self.pool = [torch.empty((2, num_slots, *c.shape[2:]), dtype=c.dtype, pin_memory=pin) for _ in kv_caches]
         self.disk = disk
         self.block_shape = [len(kv_caches), 2, *c.shape[2:]]  # one block on disk: every layer's K and V
         self.save_seconds = self.load_seconds = 0.0

@@ -46,13 +46,23 @@ class RouterLinear(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, cfg: Any, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 shared_intermediate: int = 0, ps: ParallelState | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_intermediate: int = 0,
+        ps: ParallelState | None = None,
+    ):
         super().__init__()
         self.ps = ps = ps or ParallelState()
         if ps.tp_size > 1 and not ps.expert_parallel:
-            raise UnsupportedModelError("tensor parallelism of a Mixture-of-Experts model needs "
-                                        "enable_expert_parallel (its experts are shared out whole)")
+            raise UnsupportedModelError(
+                "tensor parallelism of a Mixture-of-Experts model needs "
+                "enable_expert_parallel (its experts are shared out whole)"
+            )
         if not 0 < top_k <= num_experts:
             raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         if num_experts % ps.tp_size:
@@ -63,8 +73,7 @@ class FusedMoE(nn.Module):
         # and one all-reduce sums the ranks' partial outputs. Rank 0 adds the shared expert.
         self.first_expert, self.num_local = local_experts(num_experts, ps)
         self.gate = RouterLinear(cfg.hidden_size, num_experts)
-        self.experts = nn.ModuleList(GatedMLP(cfg, intermediate_size=intermediate_size)
-                                     for _ in range(self.num_local))
+        self.experts = nn.ModuleList(GatedMLP(cfg, intermediate_size=intermediate_size) for _ in range(self.num_local))
         shared_here = shared_intermediate and ps.tp_rank == 0
         self.shared_expert = GatedMLP(cfg, intermediate_size=shared_intermediate) if shared_here else None
         self.shared_expert_gate = RouterLinear(cfg.hidden_size, 1) if shared_here else None
@@ -84,15 +93,15 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         rows = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        mine = counts[self.first_expert:self.first_expert + self.num_local]
-        lo = sum(counts[:self.first_expert])  # this rank's experts' pairs are one contiguous run
-        order, rows = order[lo:lo + sum(mine)], rows[lo:lo + sum(mine)]
+        mine = counts[self.first_expert : self.first_expert + self.num_local]
+        lo = sum(counts[: self.first_expert])  # this rank's experts' pairs are one contiguous run
+        order, rows = order[lo : lo + sum(mine)], rows[lo : lo + sum(mine)]
         gathered = x.index_select(0, rows)
         out = torch.empty_like(gathered)
         start = 0
         for e, n in enumerate(mine):
             if n:
-                out[start:start + n] = self.experts[e](gathered[start:start + n])
+                out[start : start + n] = self.experts[e](gathered[start : start + n])
                 self.expert_calls += 1
                 start += n
         out.mul_(weights.reshape(-1, 1).index_select(0, order))

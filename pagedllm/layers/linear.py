@@ -65,8 +65,9 @@ def gemv_kernels(n: int, k: int):
     if not all(torch.equal(kern.f32_matmul(x[:m], kern.f32_panels(w), n), ref[:m]) for m in (1, 3)):
         import logging
 
-        logging.getLogger("pagedllm").debug("oneDNN sums a [%d, %d] weight's products in another order here: "
-                                            "its decode rows use oneDNN too", n, k)
+        logging.getLogger("pagedllm").debug(
+            "oneDNN sums a [%d, %d] weight's products in another order here: its decode rows use oneDNN too", n, k
+        )
         return None
     return kern
 
@@ -84,12 +85,18 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(plain), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         self._kernels = gemv_kernels(self.out_features, self.in_features) if gemv else None
-        self.register_buffer("panels", None if self._kernels is None else self._kernels.f32_panels(plain),
-                             persistent=False)
+        self.register_buffer(
+            "panels", None if self._kernels is None else self._kernels.f32_panels(plain), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.dtype == torch.float32 \
-                and not x.requires_grad:
+        if (
+            self._kernels is not None
+            and x.dim() == 2
+            and x.shape[0] <= GEMV_ROWS
+            and x.dtype == torch.float32
+            and not x.requires_grad
+        ):
             y = self._kernels.f32_matmul(x.contiguous(), self.panels, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
         return onednn_linear(x, self.packed, self.bias)
@@ -105,6 +112,9 @@ def pack_linears(model: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
                 setattr(module, name, PackedLinear(child.weight, child.bias, gemv=name != "lm_head"))
-    if getattr(model, "tie_word_embeddings", False) and model.lm_head is None \
-            and model.embed_tokens.weight.dtype == torch.float32:
+    if (
+        getattr(model, "tie_word_embeddings", False)
+        and model.lm_head is None
+        and model.embed_tokens.weight.dtype == torch.float32
+    ):
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)

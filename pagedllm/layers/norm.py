@@ -16,9 +16,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         k = kernels.for_tensor(x)
-        if (k is not None and x.dim() == 2 and x.is_contiguous() and self.weight.dtype == torch.float32
-                and (residual is None or (residual.is_contiguous() and residual.shape == x.shape
-                                          and residual.dtype == x.dtype))):
+        if (
+            k is not None
+            and x.dim() == 2
+            and x.is_contiguous()
+            and self.weight.dtype == torch.float32
+            and (
+                residual is None
+                or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype)
+            )
+        ):
             out = k.add_rms_norm(x, residual, self.weight, self.eps)  # one pass; the sum lands in x
             return out if residual is None else (out, x)
         if residual is not None:

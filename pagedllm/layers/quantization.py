@@ -76,8 +76,9 @@ def check_quantization_supported(method: str, device: torch.device) -> None:
     """Can this device run ``method`` (a value EngineConfig has already validated)?"""
     if device.type != "cpu":
         raise InvalidParameterError(
-            f"quantization={method!r} runs on pagedllm's CPU kernels; it is not supported on "
-            f"device {device.type!r}", "quantization")
+            f"quantization={method!r} runs on pagedllm's CPU kernels; it is not supported on device {device.type!r}",
+            "quantization",
+        )
     from pagedllm import kernels
 
     try:
@@ -112,8 +113,14 @@ class _QuantLinear(nn.Module):
 
     bits: int
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
-                 activation_bits: int | None = None):
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bias: torch.Tensor | None,
+        activation_bits: int | None = None,
+    ):
         super().__init__()
         from pagedllm import kernels
 
@@ -132,8 +139,10 @@ class _QuantLinear(nn.Module):
         g16 = self.scales_per_group == 2
         if g16 and (self.bits != 8 or activation_bits):
             raise ValueError("a scale per 16 weights is an int8 layout with float32 activations")
-        self._matmul = getattr(self._kernels, f"int{self.bits}_matmul{f'_a{activation_bits}' if activation_bits else ''}"
-                                              f"{'_g16' if g16 else ''}")
+        self._matmul = getattr(
+            self._kernels,
+            f"int{self.bits}_matmul{f'_a{activation_bits}' if activation_bits else ''}{'_g16' if g16 else ''}",
+        )
         self._dequantize = getattr(self._kernels, f"int{self.bits}_dequantize{'_g16' if g16 else ''}")
         self._small_batch = SMALL_BATCH
         if activation_bits:  # the integer kernels take every batch where they have a GEMM for these weights
@@ -166,8 +175,9 @@ class Int8Linear(_QuantLinear):
     bits = 8
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                   activation_bits: int | None = None) -> "Int8Linear":
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None
+    ) -> Int8Linear:
         return cls(*quantize_int8(weight), bias, activation_bits)
 
 
@@ -181,8 +191,9 @@ class Int4Linear(_QuantLinear):
     bits = 4
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                   activation_bits: int | None = None) -> "Int4Linear":
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None
+    ) -> Int4Linear:
         return cls(*quantize_int4(weight), bias, activation_bits)
 
 
@@ -213,11 +224,12 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """[N, K] values 0..15 -> Int4Linear's packed [N, K/2] uint8 (element j and j + 16 of a group share a byte)."""
     g = q.to(torch.uint8).reshape(q.shape[0], -1, GROUP)
-    return (g[..., :GROUP // 2] | (g[..., GROUP // 2:] << 4)).reshape(q.shape[0], -1).contiguous()
+    return (g[..., : GROUP // 2] | (g[..., GROUP // 2 :] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
-def zero_point_blocks(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, bits: int
-                      ) -> tuple[str, tuple[torch.Tensor, ...]]:
+def zero_point_blocks(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, bits: int
+) -> tuple[str, tuple[torch.Tensor, ...]]:
     """Weights ``W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g]`` (g = k // group, a multiple of 32) in
     the int4 (bits 4, q 0..15) or int8 (bits 8, q 0..255) layout, holding exactly the same values:
     ``("int4" | "int8", (q, scales, mins))`` per group of 32."""
@@ -248,7 +260,7 @@ class Fp8Linear(nn.Module):
         self.bias = _bias(bias)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Fp8Linear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
         w = weight.detach().float()
         scale = w.abs().amax(dim=1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -260,8 +272,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32:
             return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
-        w = self._widened(_scratch(self.out_features * self.in_features)[:self.out_features * self.in_features]
-                          .view(self.out_features, self.in_features))
+        w = self._widened(
+            _scratch(self.out_features * self.in_features)[: self.out_features * self.in_features].view(
+                self.out_features, self.in_features
+            )
+        )
         return (onednn_linear if onednn_available() else F.linear)(x.contiguous(), w, self.bias)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,8 +286,9 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, a scale per row"
 
 
-def quantize_fp8(model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, checkpoint: bool,
-                 from_float: bool = True) -> None:
+def quantize_fp8(
+    model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, checkpoint: bool, from_float: bool = True
+) -> None:
     """``fp8``: each projection with an FP8 block takes it as it is; without a checkpoint's blocks (a float
     model quantized here), each is rounded per row. The logits head stays as it is. ``from_float`` False:
     only the blocks are taken (before the float weights load, which then skip those projections' weights)."""
@@ -287,13 +303,17 @@ def quantize_fp8(model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, 
 
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
     """Every float ``nn.Linear`` but the logits head, as ``(parent, its name there, the linear, full name)``."""
-    return [(module, child_name, child, f"{name}.{child_name}" if name else child_name)
-            for name, module in model.named_modules() for child_name, child in module.named_children()
-            if isinstance(child, nn.Linear) and child_name != "lm_head"]
+    return [
+        (module, child_name, child, f"{name}.{child_name}" if name else child_name)
+        for name, module in model.named_modules()
+        for child_name, child in module.named_children()
+        if isinstance(child, nn.Linear) and child_name != "lm_head"
+    ]
 
 
-def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None,
-                   from_float: bool = True) -> None:
+def quantize_model(
+    model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None, from_float: bool = True
+) -> None:
     """Replace the model's projections (and its logits head) by quantized linears, in place.
 
     ``blocks`` maps a module name (``layers.0.self_attn.qkv_proj``, ``lm_head``) to
@@ -320,8 +340,12 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, tuple[str, t
         return
     model.lm_head = _quantized(head, None, "int8", block, "lm_head", abits)
     ps = getattr(model, "ps", None)
-    if (tied and _uses_block(head, "int8", block, abits) and type(model.lm_head) is Int8Linear
-            and (ps is None or ps.world_size == 1)):
+    if (
+        tied
+        and _uses_block(head, "int8", block, abits)
+        and type(model.lm_head) is Int8Linear
+        and (ps is None or ps.world_size == 1)
+    ):
         # the head holds the embedding's own values: look rows up there, and drop the float32 table
         model.embed_tokens = QuantizedEmbedding(model.lm_head)
 
@@ -361,23 +385,36 @@ def _uses_block(weight: torch.Tensor, bits: str, block: tuple[str, tuple] | None
     return not (activation_bits and block[1][1].shape[1] * GROUP > weight.shape[1])
 
 
-def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: str, block: tuple[str, tuple] | None,
-               name: str, activation_bits: int | None) -> nn.Module:
+def _quantized(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    bits: str,
+    block: tuple[str, tuple] | None,
+    name: str,
+    activation_bits: int | None,
+) -> nn.Module:
     """``bits`` "int8" or "int4": the layer's weight format."""
     if weight.shape[1] % GROUP:
         raise InvalidParameterError(
-            f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization")
+            f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization"
+        )
     cls = Int8Linear if bits == "int8" else Int4Linear
     if _uses_block(weight, bits, block, activation_bits):
         kind, (*tensors,) = block
         order = tensors.pop() if len(tensors) == 4 else None  # an act-order linear's input order, a row a shard
-        layer = cls(*tensors, bias, activation_bits) if kind == bits else \
-            Int8Linear(*widen_int4(*tensors), bias, activation_bits)
+        layer = (
+            cls(*tensors, bias, activation_bits)
+            if kind == bits
+            else Int8Linear(*widen_int4(*tensors), bias, activation_bits)
+        )
         if order is None:
             return layer
         if not (order == order[0]).all():
-            raise InvalidParameterError(f"{name}: its act-order shards take their inputs in different orders, "
-                                        "so they cannot run as one fused linear", "quantization")
+            raise InvalidParameterError(
+                f"{name}: its act-order shards take their inputs in different orders, "
+                "so they cannot run as one fused linear",
+                "quantization",
+            )
         return InputPermuted(layer, order[0])
     return cls.from_float(weight, bias, activation_bits)
 

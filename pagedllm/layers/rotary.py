@@ -49,7 +49,8 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise UnsupportedModelError(
-        f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,15 +65,23 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D/2] tables for this step's positions; computed once per step, shared by every layer."""
-        return (self.cos_cache.index_select(0, positions).unsqueeze(1),
-                self.sin_cache.index_select(0, positions).unsqueeze(1))
+        return (
+            self.cos_cache.index_select(0, positions).unsqueeze(1),
+            self.sin_cache.index_select(0, positions).unsqueeze(1),
+        )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [T, heads, D] by per-token tables (rotate-half layout), in float32."""
     k = kernels.for_tensor(x)
-    if k is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.shape == sin.shape \
-            == (x.shape[0], 1, x.shape[2] // 2) and cos.is_contiguous() and sin.is_contiguous():
+    if (
+        k is not None
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2] // 2)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    ):
         return k.rotary(x, cos, sin)
     dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)  # .float() / .to(): no copies for float32

@@ -17,8 +17,13 @@ from pagedllm.lora.request import LoRARequest
 
 # transformers' projection names we can adapt -> (our fused module, part index within it)
 ADAPTABLE = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
 }
 
 
@@ -26,6 +31,7 @@ ADAPTABLE = {
 class LoRAAdapter:
     """One adapter's weights, keyed by our module (``layers.3.self_attn.qkv_proj``) and part index:
     ``A`` [r, in], ``B`` [out_part, r] already multiplied by the scale (alpha / r, or alpha / sqrt(r))."""
+
     request: LoRARequest
     rank: int
     weights: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
@@ -35,8 +41,13 @@ def _bad(req: LoRARequest, msg: str) -> InvalidParameterError:
     return InvalidParameterError(f"LoRA adapter {req.lora_name!r} ({req.lora_path}): {msg}", "lora_request")
 
 
-def load_adapter(req: LoRARequest, max_rank: int, num_layers: int,
-                 part_shapes: dict[str, list[tuple[int, int]]], base_model: str | None = None) -> LoRAAdapter:
+def load_adapter(
+    req: LoRARequest,
+    max_rank: int,
+    num_layers: int,
+    part_shapes: dict[str, list[tuple[int, int]]],
+    base_model: str | None = None,
+) -> LoRAAdapter:
     """Read and check a PEFT LoRA directory. ``part_shapes`` maps each adaptable module kind
     (``qkv_proj``, ...) to its parts' (out, in) shapes; a module the model lacks, a shape that does not
     fit, a rank above ``max_rank`` or a missing file each raise a clear error."""
@@ -64,8 +75,11 @@ def load_adapter(req: LoRARequest, max_rank: int, num_layers: int,
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     expected = req.base_model_name or base_model
     named = cfg.get("base_model_name_or_path")
-    if req.base_model_name is not None and named and os.path.basename(str(named).rstrip("/")) != \
-            os.path.basename(str(expected).rstrip("/")):
+    if (
+        req.base_model_name is not None
+        and named
+        and os.path.basename(str(named).rstrip("/")) != os.path.basename(str(expected).rstrip("/"))
+    ):
         raise _bad(req, f"it was trained on {named!r}, not on {expected!r}")
     tensors = _read_tensors(req, path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -86,8 +100,11 @@ def load_adapter(req: LoRARequest, max_rank: int, num_layers: int,
             raise _bad(req, f"{module} has {sorted(ab)} but needs lora_A and lora_B")
         parts = module.split(".")
         if len(parts) != 4 or parts[0] != "layers" or parts[-1] not in ADAPTABLE:
-            raise _bad(req, f"module {module!r} is not one this model can adapt (attention and MLP projections: "
-                            f"{', '.join(ADAPTABLE)})")
+            raise _bad(
+                req,
+                f"module {module!r} is not one this model can adapt (attention and MLP projections: "
+                f"{', '.join(ADAPTABLE)})",
+            )
         layer = int(parts[1])
         if layer >= num_layers:
             raise _bad(req, f"module {module!r}: the model has {num_layers} layers")
@@ -97,8 +114,11 @@ def load_adapter(req: LoRARequest, max_rank: int, num_layers: int,
         out_features, in_features = part_shapes[fused][part]
         a, b = ab["lora_A"].float(), ab["lora_B"].float()
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
-            raise _bad(req, f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank {rank} "
-                            f"and the base layer's ({out_features}, {in_features})")
+            raise _bad(
+                req,
+                f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank {rank} "
+                f"and the base layer's ({out_features}, {in_features})",
+            )
         weights[(f"layers.{layer}.{parts[2]}.{fused}", part)] = (a.contiguous(), (b * scale).contiguous())
     if not weights:
         raise _bad(req, "it holds no LoRA weights")

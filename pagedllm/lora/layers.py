@@ -50,13 +50,22 @@ class LoRALinear(nn.Module):
         self.part_sizes = part_sizes
         self.max_rank = max_rank
         weight = next((t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point()), None)
-        dtype = weight.dtype if weight is not None and weight.dtype in (torch.float32, torch.bfloat16,
-                                                                           torch.float16) else torch.float32
+        dtype = (
+            weight.dtype
+            if weight is not None and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            else torch.float32
+        )
         device = weight.device if weight is not None else torch.device("cpu")
-        self.register_buffer("lora_a", torch.zeros(max_loras, len(part_sizes) * max_rank, base.in_features,
-                                                   dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, sum(part_sizes), len(part_sizes) * max_rank,
-                                                   dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "lora_a",
+            torch.zeros(max_loras, len(part_sizes) * max_rank, base.in_features, dtype=dtype, device=device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_b",
+            torch.zeros(max_loras, sum(part_sizes), len(part_sizes) * max_rank, dtype=dtype, device=device),
+            persistent=False,
+        )
 
     @property
     def in_features(self) -> int:
@@ -72,8 +81,8 @@ class LoRALinear(nn.Module):
             if part is not None:
                 a, b = part
                 r = a.shape[0]
-                self.lora_a[slot, j * r_max:j * r_max + r].copy_(a)
-                self.lora_b[slot, offset:offset + size, j * r_max:j * r_max + r].copy_(b)
+                self.lora_a[slot, j * r_max : j * r_max + r].copy_(a)
+                self.lora_b[slot, offset : offset + size, j * r_max : j * r_max + r].copy_(b)
             offset += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.adapter import AdapterCache
 from pagedllm.lora.layers import LoRALinear, LoRAState, Rows
+from pagedllm.lora.request import LoRARequest
 
 
 def part_shapes(hf_config: Any) -> dict[str, list[tuple[int, int]]]:
@@ -20,8 +20,12 @@ def part_shapes(hf_config: Any) -> dict[str, list[tuple[int, int]]]:
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     d = getattr(hf_config, "head_dim", None) or h // heads
     i = hf_config.intermediate_size
-    return {"qkv_proj": [(heads * d, h), (kv * d, h), (kv * d, h)], "o_proj": [(h, heads * d)],
-            "gate_up_proj": [(i, h), (i, h)], "down_proj": [(h, i)]}
+    return {
+        "qkv_proj": [(heads * d, h), (kv * d, h), (kv * d, h)],
+        "o_proj": [(h, heads * d)],
+        "gate_up_proj": [(i, h), (i, h)],
+        "down_proj": [(h, i)],
+    }
 
 
 class LoRAManager:
@@ -36,10 +40,15 @@ class LoRAManager:
         shapes = part_shapes(model.config)
         self.layers: dict[str, LoRALinear] = {}
         for i, layer in enumerate(model.layers):
-            for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-                wrapped = LoRALinear(getattr(owner, attr), [out for out, _ in shapes[attr]], max_loras, max_rank,
-                                     self.state)
+            for owner, attr in (
+                (layer.self_attn, "qkv_proj"),
+                (layer.self_attn, "o_proj"),
+                (layer.mlp, "gate_up_proj"),
+                (layer.mlp, "down_proj"),
+            ):
+                wrapped = LoRALinear(
+                    getattr(owner, attr), [out for out, _ in shapes[attr]], max_loras, max_rank, self.state
+                )
                 setattr(owner, attr, wrapped)
                 self.layers[f"layers.{i}.{'self_attn' if owner is layer.self_attn else 'mlp'}.{attr}"] = wrapped
 

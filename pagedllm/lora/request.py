@@ -11,6 +11,7 @@ from pagedllm.errors import InvalidParameterError
 class LoRARequest:
     """An adapter for a request, with vLLM's field names. ``lora_int_id`` (>= 1) identifies the adapter:
     requests naming the same id share its weights and its prefix-cache entries."""
+
     lora_name: str
     lora_int_id: int
     lora_path: str
@@ -18,7 +19,8 @@ class LoRARequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise InvalidParameterError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}",
-                                        "lora_request.lora_int_id")
+            raise InvalidParameterError(
+                f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}", "lora_request.lora_int_id"
+            )
         if not self.lora_name:
             raise InvalidParameterError("lora_name must not be empty", "lora_request.lora_name")

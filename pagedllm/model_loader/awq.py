@@ -52,14 +52,15 @@ class AWQ(ZeroPointCheckpoint):
         self.group = group
 
     @classmethod
-    def from_config(cls, qc: dict[str, Any]) -> "AWQ":
+    def from_config(cls, qc: dict[str, Any]) -> AWQ:
         bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
         version = str(qc.get("version", "gemm")).lower()
         if bits != 4 or version != "gemm" or not qc.get("zero_point", True) or not group or group % 32:
             raise UnsupportedModelError(
                 f"AWQ with bits={bits}, version={version!r}, zero_point={qc.get('zero_point', True)}, "
                 f"group_size={group} is not supported: pagedllm runs 4-bit GEMM-layout AWQ with zero points and "
-                "groups of a multiple of 32")
+                "groups of a multiple of 32"
+            )
         return cls(int(group))
 
     def unpack(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

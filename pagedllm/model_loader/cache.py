@@ -81,8 +81,12 @@ def load_or_build(
         except Exception as e:  # a broken entry must not break loading the model
             logger.warning("Ignoring unreadable cache entry %s: %s", entry, e)
             return build()
-    logger.info("building the %s cache entry for %s (once; later runs read it from %s)", kind.rstrip("s"),
-                os.path.basename(source_file), os.path.dirname(entry))
+    logger.info(
+        "building the %s cache entry for %s (once; later runs read it from %s)",
+        kind.rstrip("s"),
+        os.path.basename(source_file),
+        os.path.dirname(entry),
+    )
     value = build()
     try:
         _write_atomically(entry, lambda tmp: save(value, tmp))

@@ -34,23 +34,29 @@ class FP8(ZeroPointCheckpoint):
     method = "fp8"  # the engine's quantization for these checkpoints
 
     @classmethod
-    def from_config(cls, qc: dict[str, Any]) -> "FP8":
+    def from_config(cls, qc: dict[str, Any]) -> FP8:
         method = qc.get("quant_method")
         if method == "compressed-tensors":
             fmt = qc.get("format")
             groups = qc.get("config_groups") or {}
             weights = [g.get("weights") or {} for g in groups.values()]
-            bad = [w for w in weights if (w.get("num_bits"), w.get("type"), w.get("strategy"), bool(w.get("dynamic")))
-                   not in ((8, "float", "tensor", False), (8, "float", "channel", False))]
+            bad = [
+                w
+                for w in weights
+                if (w.get("num_bits"), w.get("type"), w.get("strategy"), bool(w.get("dynamic")))
+                not in ((8, "float", "tensor", False), (8, "float", "channel", False))
+            ]
             if fmt != "float-quantized" or not weights or bad:
                 raise UnsupportedModelError(
                     f"compressed-tensors checkpoint with format={fmt!r} and weights {bad or weights} is not "
                     "supported: pagedllm runs its 'float-quantized' 8-bit float weights with 'tensor' or "
-                    "'channel' scales")
+                    "'channel' scales"
+                )
         elif method == "fp8":
             raise UnsupportedModelError(
                 f"FP8 checkpoint with weight_block_size={qc.get('weight_block_size')} is not supported: pagedllm "
-                "runs FP8 weights with per-tensor or per-row scales (compressed-tensors, fbgemm_fp8)")
+                "runs FP8 weights with per-tensor or per-row scales (compressed-tensors, fbgemm_fp8)"
+            )
         return cls()
 
     def _is_quantized_part(self, name: str, part: str, t: torch.Tensor) -> bool:
@@ -64,8 +70,10 @@ class FP8(ZeroPointCheckpoint):
         n = t["weight"].shape[0]
         s = t["weight_scale"].float().reshape(-1)
         if s.numel() not in (1, n):
-            raise UnsupportedModelError(f"FP8 checkpoint: a weight_scale of shape {tuple(t['weight_scale'].shape)} "
-                                        f"for {n} rows (per tensor or per row are supported)")
+            raise UnsupportedModelError(
+                f"FP8 checkpoint: a weight_scale of shape {tuple(t['weight_scale'].shape)} "
+                f"for {n} rows (per tensor or per row are supported)"
+            )
         return s.expand(n).contiguous()
 
     def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:

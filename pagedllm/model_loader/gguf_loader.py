@@ -18,11 +18,11 @@ import contextlib
 import functools
 import json
 import mmap
-import threading
-import types
 import os
 import re
 import struct
+import threading
+import types
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,6 @@ from pagedllm.model_loader import cache
 if TYPE_CHECKING:
     import numpy as np
     import torch
-    import transformers
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # Architectures whose Q/K rows llama.cpp permuted on conversion.
@@ -58,8 +57,12 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 # Gemma 3's sandwich norms: its ffn_norm comes before the MLP, and two more follow attention and MLP.
-_GEMMA3_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_NAMES_BY_ARCH = {"gemma3": _GEMMA3_BLOCK_NAMES}
 # Architectures whose norms llama.cpp stores as 1 + weight.
 _NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
@@ -98,7 +101,17 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 # GGUF metadata value type -> struct format (u8 i8 u16 i16 u32 i32 f32 bool u64 i64 f64).
 _SCALAR_FORMATS = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
 }
 _STRING, _ARRAY = 8, 9
 
@@ -177,9 +190,7 @@ def _read_gguf_header(path: str, mtime_ns: int | None = None, size: int | None =
                 order = ">"
                 (version,) = struct.unpack_from(">I", buf, 4)
             if version not in (2, 3):
-                raise UnsupportedModelError(
-                    f"{path!r} is GGUF version {version}; only versions 2 and 3 are supported."
-                )
+                raise UnsupportedModelError(f"{path!r} is GGUF version {version}; only versions 2 and 3 are supported.")
             cur = _Cursor(buf, order)
             cur.pos = 8
             n_tensors, n_kv = int(cur.scalar("Q")), int(cur.scalar("Q"))
@@ -213,8 +224,9 @@ def _read_gguf_header(path: str, mtime_ns: int | None = None, size: int | None =
         if isinstance(e, UnsupportedModelError):
             raise
         raise UnsupportedModelError(f"Could not read the GGUF header of {path!r}: {e}") from e
-    return GGUFHeader(metadata=metadata, array_lengths=array_lengths, tensor_shapes=shapes,
-                      tensor_types=types, tensor_offsets=offsets)
+    return GGUFHeader(
+        metadata=metadata, array_lengths=array_lengths, tensor_shapes=shapes, tensor_types=types, tensor_offsets=offsets
+    )
 
 
 def check_supported(arch: str, path: str) -> None:
@@ -292,8 +304,9 @@ def gguf_config_dict(metadata: dict[str, Any], tensor_names: tuple[str, ...]) ->
     # transformers tests membership in the list of names: only a file named exactly "mistral"
     updated = "mistral" if "llama" in arch and metadata.get("general.name") == "mistral" else arch
     config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
-    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch)
-                       or {}).items():
+    for key, value in (
+        GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}
+    ).items():
         config.setdefault(key, value)
     for key, value in metadata.items():
         prefix, _, config_key = key.replace(arch, updated).partition(".")
@@ -361,21 +374,24 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
         n_head = int(header.metadata[f"{arch}.attention.head_count"])
         n_head_kv = int(header.metadata.get(f"{arch}.attention.head_count_kv", n_head))
     file = np.memmap(path, dtype=np.uint8, mode="r")
-    plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-             GGMLQuantizationType.F64: np.float64}
+    plain = {
+        GGMLQuantizationType.F32: np.float32,
+        GGMLQuantizationType.F16: np.float16,
+        GGMLQuantizationType.F64: np.float64,
+    }
     for name_in_file, dims in header.tensor_shapes.items():
         try:
             qtype = GGMLQuantizationType(header.tensor_types[name_in_file])
         except ValueError:
             raise UnsupportedModelError(
-                f"GGUF tensor {name_in_file!r} in {path!r} has unknown ggml type "
-                f"{header.tensor_types[name_in_file]}") from None
+                f"GGUF tensor {name_in_file!r} in {path!r} has unknown ggml type {header.tensor_types[name_in_file]}"
+            ) from None
         if name_in_file in _SKIPPED_TENSORS:
             continue
         block, type_size = GGML_QUANT_SIZES[qtype]
         n_bytes = int(np.prod(dims)) * type_size // block
         start = header.tensor_offsets[name_in_file]
-        raw = file[start:start + n_bytes]
+        raw = file[start : start + n_bytes]
         if qtype in plain:  # stored as-is, in PyTorch's (reversed) dim order
             data = raw.view(plain[qtype]).reshape(tuple(reversed(dims)))
         else:  # rows of quantized blocks, as gguf.quants.dequantize expects them
@@ -383,8 +399,7 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
         name = hf_name(name_in_file, arch)
         if name is None:
             raise UnsupportedModelError(
-                f"GGUF tensor {name_in_file!r} in {path!r} has no Hugging Face equivalent for "
-                f"architecture {arch!r}."
+                f"GGUF tensor {name_in_file!r} in {path!r} has no Hugging Face equivalent for architecture {arch!r}."
             )
         heads = 0
         if arch in _PERMUTED_QK_ARCHITECTURES:
@@ -456,8 +471,9 @@ def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor,
     return out
 
 
-def _q_blocks(data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
-              ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+def _q_blocks(
+    data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
+) -> tuple[str, tuple[torch.Tensor, ...]] | None:
     """One quantized tensor's rows of blocks in pagedllm's int4 / int8 layout (groups of 32 with a float32
     scale and min each, ``w = q * scale + min``), exactly the values ``gguf`` dequantizes them to; None for
     types that do not fit (Q2_K / Q3_K, the i-quants): those are dequantized.
@@ -499,17 +515,23 @@ def _q_blocks(data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np
         if qtype == T.Q5_K:  # bit s of byte l is the fifth bit of element l of group s
             qh = blocks[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
             q = q | ((qh & 1).reshape(n, -1, 32) << 4)
-            return "int8", (torch.from_numpy(q.reshape(n, -1).view(np.int8)), torch.from_numpy(scales),
-                            torch.from_numpy(mins))
+            return "int8", (
+                torch.from_numpy(q.reshape(n, -1).view(np.int8)),
+                torch.from_numpy(scales),
+                torch.from_numpy(mins),
+            )
         packed = q[..., :16] | (q[..., 16:] << 4)  # our int4 byte j: element j low, element j + 16 high
-        return "int4", (torch.from_numpy(np.ascontiguousarray(packed).reshape(n, -1)), torch.from_numpy(scales),
-                        torch.from_numpy(mins))
+        return "int4", (
+            torch.from_numpy(np.ascontiguousarray(packed).reshape(n, -1)),
+            torch.from_numpy(scales),
+            torch.from_numpy(mins),
+        )
     if qtype in (T.Q5_0, T.Q5_1):
         head = 2 if qtype == T.Q5_0 else 4
         blocks = rows.reshape(n, -1, head + 20)
         d = f16(blocks[..., 0:2])
-        qh = blocks[..., head:head + 4].copy().view("<u4")  # [n, groups, 1]: bit j is element j's fifth bit
-        qs = blocks[..., head + 4:]
+        qh = blocks[..., head : head + 4].copy().view("<u4")  # [n, groups, 1]: bit j is element j's fifth bit
+        qs = blocks[..., head + 4 :]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
         q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
         if qtype == T.Q5_0:

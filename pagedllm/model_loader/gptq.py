@@ -39,13 +39,14 @@ class GPTQ(ZeroPointCheckpoint):
         self.bits, self.group, self.zero_offset = bits, group, zero_offset
 
     @classmethod
-    def from_config(cls, qc: dict[str, Any]) -> "GPTQ":
+    def from_config(cls, qc: dict[str, Any]) -> GPTQ:
         bits, group = qc.get("bits"), qc.get("group_size", 128)
         fmt = qc.get("checkpoint_format", "gptq")
         if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2") or (group not in (-1, None) and group % 32):
             raise UnsupportedModelError(
                 f"GPTQ with bits={bits}, group_size={group}, checkpoint_format={fmt!r} is not supported: "
-                "pagedllm runs 4- and 8-bit GPTQ in groups of a multiple of 32 (or one group per row)")
+                "pagedllm runs 4- and 8-bit GPTQ in groups of a multiple of 32 (or one group per row)"
+            )
         scheme = cls(bits, None if group in (-1, None) else int(group), 1 if fmt == "gptq" else 0)
         scheme.act_order = bool(qc.get("desc_act"))
         return scheme

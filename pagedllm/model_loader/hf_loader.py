@@ -34,9 +34,7 @@ def safetensors_files(path: str) -> list[str]:
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not os.path.isfile(os.path.join(path, name))]
         if missing:
-            raise ModelNotFoundError(
-                f"{index} lists shard(s) that are not on disk: {', '.join(missing)}."
-            )
+            raise ModelNotFoundError(f"{index} lists shard(s) that are not on disk: {', '.join(missing)}.")
         return [os.path.join(path, name) for name in files]
     if os.path.isfile(os.path.join(path, _SINGLE_FILE)):
         return [os.path.join(path, _SINGLE_FILE)]
@@ -50,9 +48,7 @@ def safetensors_files(path: str) -> list[str]:
             f"({', '.join(torch_files)}); pagedllm only loads *.safetensors. Convert it with "
             "`model.save_pretrained(dir, safe_serialization=True)`."
         )
-    raise ModelNotFoundError(
-        f"The model directory {path!r} has a config.json but no *.safetensors weights."
-    )
+    raise ModelNotFoundError(f"The model directory {path!r} has a config.json but no *.safetensors weights.")
 
 
 def iter_raw(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -74,7 +70,7 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, t.to(torch.float32)
 
 
-def iter_hf_weight_slices(path: str) -> Iterator[tuple[str, "LazyTensor"]]:
+def iter_hf_weight_slices(path: str) -> Iterator[tuple[str, LazyTensor]]:
     """Like :func:`iter_hf_weights`, but each value reads from disk only the part asked for
     (``narrow``): a tensor-parallel rank loads its shard, never the whole tensor."""
     from safetensors import safe_open
@@ -93,7 +89,7 @@ class LazyTensor:
         self._slice = file_slice
         self.shape = tuple(file_slice.get_shape())
 
-    def narrow(self, dim: int, start: int, length: int) -> "torch.Tensor":
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         import torch
 
         index = (slice(None),) * dim + (slice(start, start + length),)

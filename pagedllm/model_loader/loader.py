@@ -9,7 +9,6 @@ from pagedllm.model_loader.resolve import ModelSource
 
 if TYPE_CHECKING:
     import torch
-    import transformers
 
 
 def load_config(src: ModelSource) -> Any:
@@ -24,8 +23,9 @@ def load_config(src: ModelSource) -> Any:
     return load_hf_config(src.path)
 
 
-def iter_weights(src: ModelSource, lazy: bool = False, skip: Collection[str] = ()
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    src: ModelSource, lazy: bool = False, skip: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_parameter_name, float32 tensor)`` one tensor at a time.
 
     Names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``),

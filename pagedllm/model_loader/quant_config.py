@@ -24,6 +24,8 @@ def checkpoint_scheme(hf_config: Any) -> ZeroPointCheckpoint | None:
     formats = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": FP8, "fbgemm_fp8": FP8, "fp8": FP8}
     method = qc.get("quant_method")
     if method not in formats:
-        raise UnsupportedModelError(f"checkpoint quantization {method!r} is not supported yet (AWQ, GPTQ and FP8 "
-                                    "(compressed-tensors, fbgemm_fp8) are)")
+        raise UnsupportedModelError(
+            f"checkpoint quantization {method!r} is not supported yet (AWQ, GPTQ and FP8 "
+            "(compressed-tensors, fbgemm_fp8) are)"
+        )
     return formats[method].from_config(qc)

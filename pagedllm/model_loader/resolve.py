@@ -13,7 +13,6 @@ Only the standard library is imported here, so resolving is cheap.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -98,9 +97,7 @@ def resolve_local(spec: str, what: str = "model") -> ModelSource:
     Used for ``--model`` and for ``--tokenizer`` (which needs no weights).
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise InvalidParameterError(
-            f"The {what} must be a non-empty path or org/name, got {spec!r}.", param=what
-        )
+        raise InvalidParameterError(f"The {what} must be a non-empty path or org/name, got {spec!r}.", param=what)
     path = os.path.abspath(os.path.expanduser(spec))
     if os.path.exists(path):
         return _source_from_path(path, name=spec, what=what)
@@ -135,14 +132,11 @@ def _source_from_path(path: str, name: str, what: str) -> ModelSource:
             f"The {what} directory {name!r} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); "
             "pass the path of the one to load."
         )
-    has_tokenizer = any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    )
+    has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     if what == "tokenizer" and has_tokenizer:
         return ModelSource(kind="hf_dir", path=path, name=name)
     raise ModelNotFoundError(
-        f"The {what} directory {name!r} has neither a config.json (Hugging Face format) "
-        "nor a .gguf file."
+        f"The {what} directory {name!r} has neither a config.json (Hugging Face format) nor a .gguf file."
     )
 
 

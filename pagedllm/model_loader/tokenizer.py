@@ -25,9 +25,7 @@ if TYPE_CHECKING:
     import transformers
 
 
-def load_tokenizer(
-    src: ModelSource, tokenizer: str | None = None
-) -> transformers.PreTrainedTokenizerBase:
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer of ``src``, or of ``tokenizer`` (a path or cached org/name) if given."""
     if tokenizer is not None:
         src = resolve_local(tokenizer, what="tokenizer")

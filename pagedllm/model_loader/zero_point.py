@@ -61,12 +61,15 @@ class ZeroPointCheckpoint:
         order = self.input_order(t)
         return kind, tensors if order is None else (*tensors, order[None, :])
 
-    def read_blocks(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+    def read_blocks(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
         """Each quantized linear's blocks, by weight name (transformers'), never dequantized."""
         return {f"{name}.weight": self.block(value) for name, value in self._modules(weights, plain=False)}
 
-    def iter_float(self, weights: Iterator[tuple[str, torch.Tensor]], skip: Collection[str] = ()
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_float(
+        self, weights: Iterator[tuple[str, torch.Tensor]], skip: Collection[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint as float32 weights by transformers' names, quantized linears dequantized, but
         for those named in ``skip`` (their layers took their blocks already)."""
         for name, value in self._modules(weights):
@@ -94,4 +97,3 @@ class ZeroPointCheckpoint:
             if missing:
                 raise UnsupportedModelError(f"{self.name} checkpoint: {module} lacks {missing}")
             yield module, got
-

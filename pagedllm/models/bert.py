@@ -32,8 +32,9 @@ class BertLayer(nn.Module):
         self.output = nn.Linear(cfg.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, pad_index: torch.Tensor, key_mask: torch.Tensor, shape: tuple[int, int]
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, pad_index: torch.Tensor, key_mask: torch.Tensor, shape: tuple[int, int]
+    ) -> torch.Tensor:
         b, longest = shape
         t, hsize = x.shape
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
@@ -82,10 +83,17 @@ class BertModel(nn.Module):
             x = layer(x, pad_index, key_mask, (b, longest))
         return x
 
-    _RENAME = {"embeddings.word_embeddings": "word_embeddings", "embeddings.position_embeddings": "position_embeddings",
-               "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm",
-               "attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
-               "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "out_norm"}
+    _RENAME = {
+        "embeddings.word_embeddings": "word_embeddings",
+        "embeddings.position_embeddings": "position_embeddings",
+        "embeddings.token_type_embeddings": "token_type_embeddings",
+        "embeddings.LayerNorm": "embed_norm",
+        "attention.output.dense": "attn_out",
+        "attention.output.LayerNorm": "attn_norm",
+        "intermediate.dense": "intermediate",
+        "output.dense": "output",
+        "output.LayerNorm": "out_norm",
+    }
     _QKV = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
@@ -102,7 +110,7 @@ class BertModel(nn.Module):
                 if module in self._QKV:
                     target = f"layers.{idx}.qkv.{kind}"
                     i = self._QKV[module]
-                    params[target].data[i * h:(i + 1) * h].copy_(tensor)
+                    params[target].data[i * h : (i + 1) * h].copy_(tensor)
                     loaded.add(f"{target}#{i}")
                     continue
                 if module not in self._RENAME:
@@ -114,12 +122,14 @@ class BertModel(nn.Module):
                     raise UnsupportedModelError(f"checkpoint has unexpected weight {name!r} for BertModel")
                 target = f"{self._RENAME[module]}.{kind}"
             if params[target].shape != tensor.shape:
-                raise UnsupportedModelError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                            f"expected {tuple(params[target].shape)}")
+                raise UnsupportedModelError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}"
+                )
             params[target].data.copy_(tensor)
             loaded.add(target)
-        expected = [f"{n}#{i}" for n in params if ".qkv." in n for i in range(3)] + \
-                   [n for n in params if ".qkv." not in n]
+        expected = [f"{n}#{i}" for n in params if ".qkv." in n for i in range(3)] + [
+            n for n in params if ".qkv." not in n
+        ]
         missing = [n for n in expected if n not in loaded]
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing weights: {missing[:8]}")

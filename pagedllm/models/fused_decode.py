@@ -27,15 +27,31 @@ from pagedllm.layers.linear import GEMV_ROWS
 
 
 class _QLinear(ctypes.Structure):
-    _fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64)]
+    _fields_ = [
+        ("qweight", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("kind", ctypes.c_int64),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
-                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("sliding_window", ctypes.c_int64),
-                ("kv_dtype", ctypes.c_int64)]
+    _fields_ = [
+        ("qkv", _QLinear),
+        ("o", _QLinear),
+        ("gate_up", _QLinear),
+        ("down", _QLinear),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("sliding_window", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int64),
+    ]
+
 
 # the KV cache dtypes the C loop writes (decode_loop.c's store_kv); it reads them by kernels.KV_DTYPES' codes
 _KV_WRITTEN = (torch.float32, torch.bfloat16)
@@ -47,8 +63,7 @@ def _linear(lin: Any) -> _QLinear:
         return _QLinear(lin.panels.data_ptr(), None, None, bias, lin.out_features, lin.in_features, 4)
     kind = 5 if lin.scales_per_group == 2 else (0 if lin.bits == 4 else 1) + {None: 0, 8: 2, 16: 6}[lin.activation_bits]
     mins = lin.mins.data_ptr() if lin.mins is not None else None  # None: all 0, not kept
-    return _QLinear(lin.qweight.data_ptr(), lin.scales.data_ptr(), mins, bias, lin.out_features,
-                    lin.in_features, kind)
+    return _QLinear(lin.qweight.data_ptr(), lin.scales.data_ptr(), mins, bias, lin.out_features, lin.in_features, kind)
 
 
 def _modules(model: Any) -> list[Any]:
@@ -56,22 +71,38 @@ def _modules(model: Any) -> list[Any]:
     mods: list[Any] = [model.norm, model.rotary]
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        mods += [layer, a, m, a.qkv_proj, a.o_proj, getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None),
-                 layer.input_layernorm, layer.post_attention_layernorm, a.attn]  # an MoE block has no projections
+        mods += [
+            layer,
+            a,
+            m,
+            a.qkv_proj,
+            a.o_proj,
+            getattr(m, "gate_up_proj", None),
+            getattr(m, "down_proj", None),
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            a.attn,
+        ]  # an MoE block has no projections
     return mods
 
 
 def _eligible(model: Any) -> bool:
     """Does the C loop compute exactly this model's forward (given a decode-only step)?"""
     from pagedllm.layers.linear import PackedLinear
+    from pagedllm.layers.mlp import GatedMLP
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.quantization import Int4Linear, Int8Linear
-    from pagedllm.layers.mlp import GatedMLP
     from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
-    if (type(model).forward is not LlamaForCausalLM.forward or model.ps.world_size > 1
-            or model.aux_hidden_state_layers or not len(model.layers) or type(model.norm) is not RMSNorm
-            or model.embed_tokens is None or kernels.try_load() is None):
+    if (
+        type(model).forward is not LlamaForCausalLM.forward
+        or model.ps.world_size > 1
+        or model.aux_hidden_state_layers
+        or not len(model.layers)
+        or type(model.norm) is not RMSNorm
+        or model.embed_tokens is None
+        or kernels.try_load() is None
+    ):
         return False
     eps = model.norm.eps
     for layer in model.layers:
@@ -79,13 +110,19 @@ def _eligible(model: Any) -> bool:
         if type(m) is not GatedMLP:  # an MoE block
             return False
         linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-        if (type(layer).forward is not LlamaDecoderLayer.forward or type(a).forward is not LlamaAttention.forward
-                or a.q_norm is not None or a.attn is not cpu_paged.paged_attention
-                or a.kv_group  # a local layer with a block table of its own (kv_groups)
-                or any(type(lin) not in (Int4Linear, Int8Linear, PackedLinear) for lin in linears)
-                or any(type(lin) is PackedLinear and lin.panels is None for lin in linears)
-                or any(type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
-                       for n in (layer.input_layernorm, layer.post_attention_layernorm))):
+        if (
+            type(layer).forward is not LlamaDecoderLayer.forward
+            or type(a).forward is not LlamaAttention.forward
+            or a.q_norm is not None
+            or a.attn is not cpu_paged.paged_attention
+            or a.kv_group  # a local layer with a block table of its own (kv_groups)
+            or any(type(lin) not in (Int4Linear, Int8Linear, PackedLinear) for lin in linears)
+            or any(type(lin) is PackedLinear and lin.panels is None for lin in linears)
+            or any(
+                type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
+                for n in (layer.input_layernorm, layer.post_attention_layernorm)
+            )
+        ):
             return False
     return True
 
@@ -108,16 +145,24 @@ class FusedDecode:
             return False
         a0 = model.layers[0].self_attn
         for cache in kv_caches:
-            if (cache.dtype not in _KV_WRITTEN or not cache.is_contiguous() or cache.shape[3] != a0.num_kv_heads
-                    or cache.shape[4] != a0.head_dim
-                    or not cpu_paged.kernel_applies(torch.empty(1, a0.num_heads, a0.head_dim), cache)):
+            if (
+                cache.dtype not in _KV_WRITTEN
+                or not cache.is_contiguous()
+                or cache.shape[3] != a0.num_kv_heads
+                or cache.shape[4] != a0.head_dim
+                or not cpu_paged.kernel_applies(torch.empty(1, a0.num_heads, a0.head_dim), cache)
+            ):
                 return False
         layers = (_Layer * len(model.layers))()
         rows = []
         for out, layer, cache in zip(layers, model.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
-            for field, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj),
-                               ("down", m.down_proj)):
+            for field, lin in (
+                ("qkv", a.qkv_proj),
+                ("o", a.o_proj),
+                ("gate_up", m.gate_up_proj),
+                ("down", m.down_proj),
+            ):
                 setattr(out, field, _linear(lin))
                 rows.append(getattr(lin, "_small_batch", GEMV_ROWS))
             out.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -128,15 +173,19 @@ class FusedDecode:
         self._layers, self._max_rows = layers, min(rows)
         return True
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> torch.Tensor | None:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
         """The final hidden states [T, hidden], or None where this step must run the Python loop."""
         t = input_ids.shape[0]
         if meta.num_decodes != t or t == 0:
             return None
-        if (self._mods is None or len(kv_caches) != len(self._caches)
-                or any(a is not b for a, b in zip(kv_caches, self._caches))
-                or any(a is not b for a, b in zip(_modules(self.model), self._mods))):
+        if (
+            self._mods is None
+            or len(kv_caches) != len(self._caches)
+            or any(a is not b for a, b in zip(kv_caches, self._caches))
+            or any(a is not b for a, b in zip(_modules(self.model), self._mods))
+        ):
             self._build(kv_caches)
         if self._layers is None or t > self._max_rows:
             return None
@@ -149,10 +198,26 @@ class FusedDecode:
         out = torch.empty_like(x)
         seq_lens = meta.seq_lens[:t].contiguous()
         rc = kernels.load().decode_layers(
-            self._layers, len(model.layers), x, out, t, x.shape[1], a0.num_heads, a0.num_kv_heads, a0.head_dim,
-            model.layers[0].mlp.intermediate, model.norm.eps, model.norm.weight, cos.contiguous(),
-            sin.contiguous(), meta.slot_mapping.contiguous(), meta.block_tables, seq_lens,
-            kv_caches[0].shape[2], a0.scale)
+            self._layers,
+            len(model.layers),
+            x,
+            out,
+            t,
+            x.shape[1],
+            a0.num_heads,
+            a0.num_kv_heads,
+            a0.head_dim,
+            model.layers[0].mlp.intermediate,
+            model.norm.eps,
+            model.norm.weight,
+            cos.contiguous(),
+            sin.contiguous(),
+            meta.slot_mapping.contiguous(),
+            meta.block_tables,
+            seq_lens,
+            kv_caches[0].shape[2],
+            a0.scale,
+        )
         if rc != 0:
             raise MemoryError("the C decode loop could not allocate its buffers")
         self.steps += 1

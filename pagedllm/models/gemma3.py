@@ -76,7 +76,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary_local = RotaryEmbedding(head_dim, cfg.max_position_embeddings, self._local_rope_parameters(cfg))
         # float32, as transformers keeps it, whatever the weights' dtype
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
     def _layer(self, cfg: Any, i: int, qkv_bias: bool, ps: ParallelState) -> nn.Module:
@@ -94,9 +94,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             return rope_parameters(cfg, "sliding_attention")
         return {"rope_type": "default", "rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         if intermediate is None:
             x = self.embed_tokens(input_ids)
             x, residual = x * self.embed_scale.to(x.dtype), None
@@ -119,6 +124,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Gemma's norms scale by ``1 + weight``: the one is added here, once."""
+
         def plus_one(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
             for name, tensor in pairs:
                 if name.endswith("norm.weight"):

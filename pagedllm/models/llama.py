@@ -22,8 +22,8 @@ from pagedllm.distributed import ParallelState, stage_layers
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 
 LlamaMLP = GatedMLP  # its name before it moved to pagedllm.layers.mlp
 
@@ -33,8 +33,15 @@ class LlamaAttention(nn.Module):
     q|k|v; KV heads replicated where tp > num_kv_heads), and o_proj's matching input columns
     (row-parallel), whose partial products one all-reduce sums."""
 
-    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
-                 ps: ParallelState | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        layer_idx: int,
+        qkv_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
+        ps: ParallelState | None = None,
+    ):
         super().__init__()
         self.ps = ps = ps or ParallelState()
         total_heads = cfg.num_attention_heads
@@ -45,7 +52,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.kv_group = 0  # its block tables: meta's own, or meta.groups[kv_group - 1] (set with the cache)
@@ -58,13 +65,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # rotate q and k heads together: one set of elementwise ops
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
-            q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         if self.kv_group:
             meta = meta.groups[self.kv_group - 1]
@@ -73,8 +80,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
-                 ps: ParallelState | None = None, mlp: nn.Module | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        layer_idx: int,
+        qkv_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
+        ps: ParallelState | None = None,
+        mlp: nn.Module | None = None,
+    ):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, qk_norm, sliding_window, ps)
         self.mlp = mlp if mlp is not None else GatedMLP(cfg, ps)
@@ -95,6 +110,7 @@ class LlamaDecoderLayer(nn.Module):
 @dataclass(slots=True)
 class IntermediateTensors:
     """What a pipeline stage hands the next: the hidden state and the residual stream."""
+
     hidden: torch.Tensor
     residual: torch.Tensor
 
@@ -128,11 +144,14 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
         untied_head = ps.is_last_stage and not self.tie_word_embeddings
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, ps)[1], bias=False) \
-            if untied_head else None
+        self.lm_head = (
+            nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, ps)[1], bias=False) if untied_head else None
+        )
 
     def _layer(self, cfg: Any, i: int, qkv_bias: bool, ps: ParallelState) -> nn.Module:
-        return LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i), ps, self._mlp(cfg, i, ps))
+        return LlamaDecoderLayer(
+            cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i), ps, self._mlp(cfg, i, ps)
+        )
 
     def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward block (the MoE families return their sparse block)."""
@@ -155,9 +174,14 @@ class LlamaForCausalLM(nn.Module):
         a = self.layers[0].self_attn
         return a.num_kv_heads, a.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
         """The final hidden states; on a pipeline stage before the last, what the next stage takes."""
         if self.fused_decode is not None and intermediate is None:
             out = self.fused_decode(input_ids, positions, kv_caches, meta)
@@ -191,8 +215,11 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights --
     _FUSED = {  # transformers' name -> (our fused parameter, shard index)
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def _local_name(self, name: str) -> str | None:
@@ -281,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join(parts[:-2] + [fused, kind])
                 param = params[target]
                 offset, size = self._shard_range(fused, shard, param)
-                param.data[offset:offset + size].copy_(self._take(module, kind, tensor, name))
+                param.data[offset : offset + size].copy_(self._take(module, kind, tensor, name))
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
@@ -290,19 +317,23 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             if module in ("embed_tokens", "lm_head") and self.ps.tp_size > 1:  # the last shard may be padded
                 param.data.zero_()
-                param = param.data[:tensor.shape[0]]
+                param = param.data[: tensor.shape[0]]
             if param.shape != tensor.shape:
                 raise UnsupportedModelError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
             param.data.copy_(tensor)
             loaded.add(name)
         missing = [n for n in self._expected_loads(params) if n not in loaded]
         if missing:
-            raise UnsupportedModelError(f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+            raise UnsupportedModelError(
+                f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}"
+            )
         return loaded
 
-    def quantized_modules(self, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]
-                          ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+    def quantized_modules(
+        self, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]
+    ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
         """Map a checkpoint's quantized blocks, keyed by transformers' weight names as ``(kind, row-aligned
         tensors)``, to our module names: fused projections concatenate their shards' rows (kept only when
         every shard is there, of one layout); a tied embedding also serves as ``lm_head``. Under tensor
@@ -326,8 +357,11 @@ class LlamaForCausalLM(nn.Module):
         for module, got in shards.items():
             n = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
             # one kind, with as many scales a row (Q6_K's scale per 16 does not fuse with a scale per 32)
-            if (len(got) == n and all(t is not None for _, t in got.values())
-                    and len({(kind, t[1].shape[1:]) for kind, t in got.values()}) == 1):
+            if (
+                len(got) == n
+                and all(t is not None for _, t in got.values())
+                and len({(kind, t[1].shape[1:]) for kind, t in got.values()}) == 1
+            ):
                 parts = [got[i][1] for i in range(n)]
                 out[module] = (got[0][0], tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
         return out
@@ -361,8 +395,9 @@ def _materialize(tensor: Any) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
 
 
-def _slice_block(tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | str | None
-                 ) -> tuple[torch.Tensor, ...] | None:
+def _slice_block(
+    tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | str | None
+) -> tuple[torch.Tensor, ...] | None:
     """A quantized block's rows / groups for this rank: rows are whole; columns (row-parallel) are cut in
     groups of 32 (q's bytes, the scales (a 32 or a 16 each) and the mins alike). None where the cut splits a
     group."""
@@ -410,8 +445,9 @@ class _MoEWeights:
             from pagedllm.layers.fused_moe import local_experts
 
             i = parts.index("experts") + 1
-            first, count = local_experts(getattr(self.config, "num_local_experts", None) or self.config.num_experts,
-                                         self.ps)
+            first, count = local_experts(
+                getattr(self.config, "num_local_experts", None) or self.config.num_experts, self.ps
+            )
             e = int(parts[i]) - first
             if not 0 <= e < count:
                 return None
@@ -422,13 +458,15 @@ class _MoEWeights:
 class MixtralForCausalLM(_MoEWeights, LlamaForCausalLM):
     """Every layer a sparse block of ``num_local_experts`` experts, top-``num_experts_per_tok`` routing
     renormalised over the chosen experts."""
+
     sliding_window_by_default = True
 
     def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
         from pagedllm.layers.fused_moe import FusedMoE
 
-        return FusedMoE(cfg, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
-                        renormalize=True, ps=ps)
+        return FusedMoE(
+            cfg, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, renormalize=True, ps=ps
+        )
 
     _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -442,23 +480,35 @@ class MixtralForCausalLM(_MoEWeights, LlamaForCausalLM):
 class Qwen2MoeForCausalLM(_MoEWeights, LlamaForCausalLM):
     """Sparse layers (every ``decoder_sparse_step``-th, except ``mlp_only_layers``) route to
     ``num_experts`` experts and add a shared expert gated by a sigmoid; QKV biases as Qwen2."""
+
     qkv_bias_default = True
     shared_expert = True
 
     def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
         from pagedllm.layers.fused_moe import FusedMoE
 
-        sparse = (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
-                  and cfg.num_experts > 0 and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0)
+        sparse = (
+            layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and cfg.num_experts > 0
+            and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
+        )
         if not sparse:
             return GatedMLP(cfg, ps)
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) if self.shared_expert else 0
-        return FusedMoE(cfg, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                        renormalize=bool(getattr(cfg, "norm_topk_prob", False)), shared_intermediate=shared, ps=ps)
+        return FusedMoE(
+            cfg,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+            shared_intermediate=shared,
+            ps=ps,
+        )
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     """Qwen2-MoE's layout without the shared expert, with Qwen3's q/k norms and no QKV bias."""
+
     qkv_bias_default = False
     qk_norm = True
     shared_expert = False

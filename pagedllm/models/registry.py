@@ -28,10 +28,17 @@ _BUILTIN = {
 
 
 # configs without `architectures` (e.g. built from GGUF metadata) are matched by model_type
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                       "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                       "bert": "BertModel"}
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "bert": "BertModel",
+}
 
 
 class _ModelRegistry:
@@ -61,7 +68,8 @@ class _ModelRegistry:
         raise UnsupportedModelError(
             f"model architecture(s) {architectures} not supported; supported: "
             f"{', '.join(self.get_supported_archs())}. Register your own with "
-            "pagedllm.ModelRegistry.register_model(name, cls)")
+            "pagedllm.ModelRegistry.register_model(name, cls)"
+        )
 
 
 ModelRegistry = _ModelRegistry()

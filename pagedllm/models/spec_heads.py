@@ -55,8 +55,9 @@ class EagleHead(LlamaForCausalLM):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         qkv_bias = bool(getattr(cfg, "attention_bias", False))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, False, None)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, qkv_bias, False, None) for i in range(cfg.num_hidden_layers)
+        )
         first = self.layers[0]
         if eagle3:
             a = first.self_attn
@@ -73,8 +74,14 @@ class EagleHead(LlamaForCausalLM):
         self.fc.bias.data.zero_()  # published heads may lack it: then it is zero
         self.rotary = RotaryEmbedding(first.self_attn.head_dim, max_positions, rope_parameters(cfg))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token p+1's embedding with the features at p (the target's, or this head's own ``next_hidden``)."""
         emb = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
@@ -107,13 +114,17 @@ class EagleHead(LlamaForCausalLM):
         return ids + self.d2t[ids]
 
     def aux_hidden_state_layers(self, num_target_layers: int) -> tuple[int, ...]:
-        ids = getattr(self.config, "eagle_aux_hidden_state_layer_ids", None) \
-            or (getattr(self.config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids") \
+        ids = (
+            getattr(self.config, "eagle_aux_hidden_state_layer_ids", None)
+            or (getattr(self.config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
             or (2, num_target_layers // 2, num_target_layers - 3)
+        )
         ids = tuple(int(i) for i in ids)
         if len(ids) != 3 or not all(0 <= i < num_target_layers for i in ids):
-            raise _bad(f"EAGLE-3 reads the target's hidden states at layers {list(ids)}, but the target has "
-                       f"{num_target_layers} layers; set eagle_aux_hidden_state_layer_ids in the head's config")
+            raise _bad(
+                f"EAGLE-3 reads the target's hidden states at layers {list(ids)}, but the target has "
+                f"{num_target_layers} layers; set eagle_aux_hidden_state_layer_ids in the head's config"
+            )
         return ids
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -161,10 +172,12 @@ class MedusaHead(nn.Module):
         self.config = cfg
         self.num_heads, self.num_layers = cfg.num_heads, cfg.num_hidden_layers
         vocab = cfg.truncated_vocab_size or cfg.vocab_size
-        self.blocks = nn.ModuleList(_ResidualBlock(cfg.hidden_size, cfg.num_hidden_layers)
-                                    for _ in range(cfg.num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(cfg.hidden_size, vocab, bias=False)
-                                      for _ in range(1 if cfg.original_lm_head else cfg.num_heads))
+        self.blocks = nn.ModuleList(
+            _ResidualBlock(cfg.hidden_size, cfg.num_hidden_layers) for _ in range(cfg.num_heads)
+        )
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(cfg.hidden_size, vocab, bias=False) for _ in range(1 if cfg.original_lm_head else cfg.num_heads)
+        )
         for block in self.blocks:  # published heads may lack the biases (medusa_fc_bias false): then zero
             for layer in block.layers:
                 layer.bias.data.zero_()
@@ -172,8 +185,7 @@ class MedusaHead(nn.Module):
 
     def draft_token_ids(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """[T, k]: head i's greedy guess for the token 2+i after each row's position."""
-        cols = [self.lm_heads[min(i, len(self.lm_heads) - 1)](self.blocks[i](hidden)).argmax(dim=-1)
-                for i in range(k)]
+        cols = [self.lm_heads[min(i, len(self.lm_heads) - 1)](self.blocks[i](hidden)).argmax(dim=-1) for i in range(k)]
         return self.token_map[torch.stack(cols, dim=1)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -189,16 +201,18 @@ class MedusaHead(nn.Module):
                 name = "lm_heads.0.weight"
             if name == "token_map":
                 if len(tensor) != len(self.token_map):
-                    raise UnsupportedModelError(f"token_map has {len(tensor)} entries, the heads "
-                                                f"{len(self.token_map)} (truncated_vocab_size)")
+                    raise UnsupportedModelError(
+                        f"token_map has {len(tensor)} entries, the heads {len(self.token_map)} (truncated_vocab_size)"
+                    )
                 self.token_map.copy_(tensor.to(torch.long))
                 loaded.add(name)
                 continue
             if name not in params:
                 raise UnsupportedModelError(f"MEDUSA checkpoint has unexpected weight {name!r}")
             if params[name].shape != tensor.shape:
-                raise UnsupportedModelError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                            f"expected {tuple(params[name].shape)}")
+                raise UnsupportedModelError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                )
             params[name].data.copy_(tensor)
             loaded.add(name)
         missing = [n for n in params if n not in loaded and not n.endswith(".bias")]
@@ -211,6 +225,7 @@ class MedusaHead(nn.Module):
 
 # -- loading -------------------------------------------------------------------------
 
+
 def _medusa_config(raw: dict[str, Any], target_cfg: Any) -> SimpleNamespace:
     """vLLM's MedusaConfig fields, or the original checkpoint's ``medusa_num_heads`` / ``medusa_num_layers``
     (which leave the sizes to the base model)."""
@@ -218,11 +233,14 @@ def _medusa_config(raw: dict[str, Any], target_cfg: Any) -> SimpleNamespace:
     num_layers = raw.get("num_hidden_layers", raw.get("medusa_num_layers", 1))
     if not isinstance(num_heads, int) or num_heads < 1:
         raise _bad("a MEDUSA config.json needs num_heads (or medusa_num_heads) >= 1")
-    return SimpleNamespace(num_heads=num_heads, num_hidden_layers=int(num_layers),
-                           hidden_size=raw.get("hidden_size", target_cfg.hidden_size),
-                           vocab_size=raw.get("vocab_size", target_cfg.vocab_size),
-                           truncated_vocab_size=raw.get("truncated_vocab_size"),
-                           original_lm_head=bool(raw.get("original_lm_head", False)))
+    return SimpleNamespace(
+        num_heads=num_heads,
+        num_hidden_layers=int(num_layers),
+        hidden_size=raw.get("hidden_size", target_cfg.hidden_size),
+        vocab_size=raw.get("vocab_size", target_cfg.vocab_size),
+        truncated_vocab_size=raw.get("truncated_vocab_size"),
+        original_lm_head=bool(raw.get("original_lm_head", False)),
+    )
 
 
 def _iter_head_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -242,15 +260,17 @@ def _iter_head_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor if tensor.dtype in (torch.int64, torch.int32, torch.bool) else tensor.float()
 
 
-def load_spec_head(method: str, model: str | None, target: nn.Module, dtype: torch.dtype,
-                   device: torch.device) -> nn.Module:
+def load_spec_head(
+    method: str, model: str | None, target: nn.Module, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
     """Build, check against ``target`` and load the head of ``method`` ('eagle', 'eagle3', 'medusa')."""
     from pagedllm.model_loader.resolve import resolve_local
     from pagedllm.worker.loader import _no_init
 
     if not model:
-        raise InvalidParameterError(f"speculative_config.model: method {method!r} needs the head's directory",
-                                    "speculative_config.model")
+        raise InvalidParameterError(
+            f"speculative_config.model: method {method!r} needs the head's directory", "speculative_config.model"
+        )
     source = resolve_local(model, what="speculative_config.model")
     if source.kind != "hf_dir":
         raise _bad(f"a {method} head is a directory with config.json, not {source.path!r}")
@@ -264,33 +284,46 @@ def load_spec_head(method: str, model: str | None, target: nn.Module, dtype: tor
         from pagedllm.model_loader.hf_loader import load_hf_config
 
         cfg = load_hf_config(source.path)
-        features = (getattr(cfg, "target_hidden_size", None) or cfg.hidden_size) if method == "eagle3" \
-            else cfg.hidden_size
+        features = (
+            (getattr(cfg, "target_hidden_size", None) or cfg.hidden_size) if method == "eagle3" else cfg.hidden_size
+        )
     if features != tcfg.hidden_size:
-        raise _bad(f"the {method} head reads hidden states of size {features}, but the target's hidden size "
-                   f"is {tcfg.hidden_size}; a head must be trained for this target")
+        raise _bad(
+            f"the {method} head reads hidden states of size {features}, but the target's hidden size "
+            f"is {tcfg.hidden_size}; a head must be trained for this target"
+        )
     if cfg.vocab_size != tcfg.vocab_size:
-        raise _bad(f"the {method} head's vocabulary ({cfg.vocab_size} tokens) differs from the target's "
-                   f"({tcfg.vocab_size})")
+        raise _bad(
+            f"the {method} head's vocabulary ({cfg.vocab_size} tokens) differs from the target's ({tcfg.vocab_size})"
+        )
     with torch.device(device), _no_init():
         if method == "medusa":
             head: nn.Module = MedusaHead(cfg)
         else:
-            head = EagleHead(cfg, method == "eagle3",
-                             max(cfg.max_position_embeddings, getattr(tcfg, "max_position_embeddings", 0) or 0))
+            head = EagleHead(
+                cfg,
+                method == "eagle3",
+                max(cfg.max_position_embeddings, getattr(tcfg, "max_position_embeddings", 0) or 0),
+            )
     loaded = head.load_weights(_iter_head_weights(source.path))
     if isinstance(head, EagleHead):
         if "embed_tokens.weight" not in loaded:
             if cfg.hidden_size != tcfg.hidden_size:
-                raise _bad(f"the head has no embed_tokens and its hidden size ({cfg.hidden_size}) differs from "
-                           f"the target's ({tcfg.hidden_size}), so it cannot share the target's")
+                raise _bad(
+                    f"the head has no embed_tokens and its hidden size ({cfg.hidden_size}) differs from "
+                    f"the target's ({tcfg.hidden_size}), so it cannot share the target's"
+                )
             head.embed_tokens = target.embed_tokens
         if head.eagle3 and "lm_head.weight" not in loaded:
             if head.lm_head.out_features != tcfg.vocab_size:
                 raise _bad("an EAGLE-3 head with a draft vocabulary needs its own lm_head")
             head.lm_head = None  # the target's head gives the logits
-        if head.eagle3 and head.lm_head is not None and head.lm_head.out_features != tcfg.vocab_size \
-                and "d2t" not in loaded:
+        if (
+            head.eagle3
+            and head.lm_head is not None
+            and head.lm_head.out_features != tcfg.vocab_size
+            and "d2t" not in loaded
+        ):
             raise _bad("an EAGLE-3 head with draft_vocab_size < vocab_size needs d2t")
     head.to(dtype=dtype)
     head.eval()

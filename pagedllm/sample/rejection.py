@@ -30,8 +30,15 @@ from pagedllm.sample.sampler import exponentials, uniform
 _ACCEPT_SALT = 0x5EC0DE
 
 
-def verify(drafts: list[int], target: list[int], *, draft_probs: torch.Tensor | None = None,
-           probs: torch.Tensor | None = None, seed: int = 0, position: int = 0) -> list[int]:
+def verify(
+    drafts: list[int],
+    target: list[int],
+    *,
+    draft_probs: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    seed: int = 0,
+    position: int = 0,
+) -> list[int]:
     """The tokens to emit: the accepted drafts and one more.
 
     ``target``: the sampler's token at each of the len(drafts) + 1 rows; ``probs`` [k, V]: the processed
@@ -42,7 +49,7 @@ def verify(drafts: list[int], target: list[int], *, draft_probs: torch.Tensor | 
         a = 0
         while a < len(drafts) and drafts[a] == target[a]:
             a += 1
-        return target[:a + 1]
+        return target[: a + 1]
     out: list[int] = []
     for j, x in enumerate(drafts):
         p, q = probs[j], draft_probs[j]

@@ -40,7 +40,7 @@ class SamplingBatch:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
-    penalties: "Penalties | None" = None
+    penalties: Penalties | None = None
     bias: torch.Tensor | None = None  # [B, V] added to the logits (-inf bans a token)
     grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32: bit t of a row allows token t
     processed_logprobs: bool = False  # logprobs of the processed distribution instead of the raw one
@@ -87,7 +87,8 @@ class Sampler:
         logits = logits.float()
         entry = None  # the logits before any mask, kept only where _grammar_wins may need them
         if batch.grammar_bitmask is not None and (  # only another mask can leave a constrained row no token
-                batch.bias is not None or batch.user_processors or any(batch.stop_masks)):
+            batch.bias is not None or batch.user_processors or any(batch.stop_masks)
+        ):
             entry = logits.clone()
         want_lp = any(n is not None for n in batch.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp and not batch.processed_logprobs else None
@@ -113,8 +114,9 @@ class Sampler:
             if want_lp and batch.processed_logprobs:
                 processed = torch.log_softmax(logits, dim=-1)
         else:
-            tokens, processed, probs = self._sample(logits, batch, want_lp and batch.processed_logprobs,
-                                                    batch.want_probs)
+            tokens, processed, probs = self._sample(
+                logits, batch, want_lp and batch.processed_logprobs, batch.want_probs
+            )
         out = SamplerOutput(tokens)
         if batch.want_probs:
             onehot = torch.zeros_like(logits).scatter_(1, tokens.unsqueeze(1), 1.0)
@@ -124,8 +126,9 @@ class Sampler:
             self.gather_logprobs(out.lp_source, tokens, batch.num_logprobs, out)
         return out
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, want_processed: bool,
-                want_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, want_processed: bool, want_probs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(tokens, processed logprobs if asked, the distribution sampled from if asked)."""
         greedy_rows = batch.temperature == 0
         greedy_tokens = logits.argmax(dim=-1)
@@ -133,14 +136,16 @@ class Sampler:
         temp = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temp.unsqueeze(1)
         if not (batch.no_top_k and batch.no_top_p):
-            logits = apply_top_k_top_p(logits, None if batch.no_top_k else batch.top_k,
-                                       None if batch.no_top_p else batch.top_p)
+            logits = apply_top_k_top_p(
+                logits, None if batch.no_top_k else batch.top_k, None if batch.no_top_p else batch.top_p
+            )
         probs = torch.softmax(logits, dim=-1)
         if not batch.no_min_p:
             top = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
-        q = torch.stack([exponentials(seed, pos, probs.shape[1], probs.device)
-                         for seed, pos in zip(batch.seeds, batch.positions)])
+        q = torch.stack(
+            [exponentials(seed, pos, probs.shape[1], probs.device) for seed, pos in zip(batch.seeds, batch.positions)]
+        )
         sampled = (probs / q).argmax(dim=-1)
         dist = processed = None
         if want_processed or want_probs:  # the distribution actually sampled from, renormalised after min-p
@@ -150,8 +155,9 @@ class Sampler:
         return torch.where(greedy_rows, greedy_tokens, sampled), processed, dist
 
     @staticmethod
-    def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None],
-                        out: SamplerOutput) -> None:
+    def gather_logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None], out: SamplerOutput
+    ) -> None:
         """The logprob of each row's token (and its rank) and the top-N, from ``raw`` [B, V]."""
         max_n = max(n or 0 for n in num_logprobs)
         sampled_lp = raw.gather(1, tokens.unsqueeze(1))
@@ -170,7 +176,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     if rows.numel() == 0:
         return logits
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.index_select(0, rows).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    allowed = ((bitmask.index_select(0, rows).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
     logits[rows] = logits.index_select(0, rows).masked_fill(~allowed, _MASK)
     return logits
 

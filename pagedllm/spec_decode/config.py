@@ -29,7 +29,7 @@ class SpeculativeConfig:
     backoff_after_rejections: int = 2
 
     @staticmethod
-    def from_dict(raw: Any) -> "SpeculativeConfig":
+    def from_dict(raw: Any) -> SpeculativeConfig:
         def bad(msg: str, key: str) -> InvalidParameterError:
             return InvalidParameterError(f"speculative_config.{key}: {msg}", f"speculative_config.{key}")
 
@@ -44,7 +44,8 @@ class SpeculativeConfig:
                 raise InvalidParameterError(f"speculative_config is not valid JSON: {e}", "speculative_config")
         if not isinstance(raw, dict):
             raise InvalidParameterError(
-                f"speculative_config must be a JSON object, got {type(raw).__name__}", "speculative_config")
+                f"speculative_config must be a JSON object, got {type(raw).__name__}", "speculative_config"
+            )
         known = {f.name for f in fields(SpeculativeConfig)}
         for key in raw:
             if key not in known:
@@ -63,10 +64,12 @@ class SpeculativeConfig:
         if cfg.num_speculative_tokens > 16:
             raise bad(f"must be <= 16, got {cfg.num_speculative_tokens}", "num_speculative_tokens")
         if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
-            raise bad(f"({cfg.prompt_lookup_min}) must be <= prompt_lookup_max ({cfg.prompt_lookup_max})",
-                      "prompt_lookup_min")
+            raise bad(
+                f"({cfg.prompt_lookup_min}) must be <= prompt_lookup_max ({cfg.prompt_lookup_max})", "prompt_lookup_min"
+            )
         if cfg.disable_by_batch_size is not None and (
-                not isinstance(cfg.disable_by_batch_size, int) or cfg.disable_by_batch_size < 1):
+            not isinstance(cfg.disable_by_batch_size, int) or cfg.disable_by_batch_size < 1
+        ):
             raise bad(f"must be an integer >= 1, got {cfg.disable_by_batch_size!r}", "disable_by_batch_size")
         if not isinstance(cfg.backoff_after_rejections, int) or cfg.backoff_after_rejections < 0:
             raise bad(f"must be an integer >= 0, got {cfg.backoff_after_rejections!r}", "backoff_after_rejections")

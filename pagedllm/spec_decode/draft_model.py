@@ -26,8 +26,14 @@ from pagedllm.worker.batch import Segment, build_batch
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], num_speculative_tokens: int,
-                 block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        num_speculative_tokens: int,
+        block_size: int,
+        device: torch.device,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.k = num_speculative_tokens
@@ -81,8 +87,12 @@ class DraftModelProposer:
             live = [rid for _, rid in want if ctx.want[rid] > step]
             if not live:
                 break
-            segs = [Segment([drafts[rid][-1]], len(ctx.states[rid].token_ids) + step - 1,
-                            ctx.states[rid].block_ids, split=True) for rid in live]
+            segs = [
+                Segment(
+                    [drafts[rid][-1]], len(ctx.states[rid].token_ids) + step - 1, ctx.states[rid].block_ids, split=True
+                )
+                for rid in live
+            ]
             b = build_batch(segs, self.block_size, self.device)
             h = self.model(b.input_ids, b.positions, self.kv_caches, b.meta)
             for rid, tok in zip(live, self.model.compute_logits(h).argmax(dim=-1).tolist()):

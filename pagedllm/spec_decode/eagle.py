@@ -18,7 +18,8 @@ target's own draw", exact for greedy and sampled requests alike.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,8 +36,15 @@ def _last_kept_rows(ctx: ProposeContext) -> dict[str, int]:
 
 
 class EagleProposer:
-    def __init__(self, head: torch.nn.Module, kv_caches: list[torch.Tensor], num_speculative_tokens: int,
-                 block_size: int, device: torch.device, target_logits: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        num_speculative_tokens: int,
+        block_size: int,
+        device: torch.device,
+        target_logits: Callable[[torch.Tensor], torch.Tensor],
+    ):
         self.head = head
         self.kv_caches = kv_caches
         self.k = num_speculative_tokens
@@ -58,16 +66,18 @@ class EagleProposer:
         for i, rid in enumerate(ctx.scheduled):
             st = ctx.states[rid]
             start, end = ctx.starts[i], st.num_computed_tokens  # kept positions: [start, end)
-            segments.append(Segment(st.token_ids[start + 1:end + 1], start, st.block_ids,
-                                    split=end - start <= 1 + self.k))
+            segments.append(
+                Segment(st.token_ids[start + 1 : end + 1], start, st.block_ids, split=end - start <= 1 + self.k)
+            )
             rows.append(torch.arange(ctx.offsets[i], ctx.offsets[i] + end - start))
             rids.append(rid)
         order = sorted(range(len(segments)), key=lambda j: not segments[j].split)
         segments = [segments[j] for j in order]
         rids = [rids[j] for j in order]
         idx = torch.cat([rows[j] for j in order]).to(self.device)
-        features = self.head.target_features(ctx.hidden.index_select(0, idx),
-                                             None if ctx.aux_hidden is None else ctx.aux_hidden.index_select(0, idx))
+        features = self.head.target_features(
+            ctx.hidden.index_select(0, idx), None if ctx.aux_hidden is None else ctx.aux_hidden.index_select(0, idx)
+        )
         batch = build_batch(segments, self.block_size, self.device)
         for_logits, nxt = self.head(batch.input_ids, batch.positions, features, self.kv_caches, batch.meta)
         want = [(j, rid) for j, rid in enumerate(rids) if rid in ctx.want]
@@ -86,8 +96,15 @@ class EagleProposer:
                 sel = torch.tensor(keep, device=self.device)
                 tokens, nxt = tokens.index_select(0, sel), nxt.index_select(0, sel)
                 live = [live[n] for n in keep]
-            segs = [Segment([drafts[rid][-1]], ctx.states[rid].num_computed_tokens + step - 1,
-                            ctx.states[rid].block_ids, split=True) for rid in live]
+            segs = [
+                Segment(
+                    [drafts[rid][-1]],
+                    ctx.states[rid].num_computed_tokens + step - 1,
+                    ctx.states[rid].block_ids,
+                    split=True,
+                )
+                for rid in live
+            ]
             b = build_batch(segs, self.block_size, self.device)
             for_logits, nxt = self.head(b.input_ids, b.positions, nxt, self.kv_caches, b.meta)
             tokens = self.head.draft_token_ids(for_logits, self.target_logits)
@@ -116,4 +133,4 @@ class MedusaProposer:
         rids = list(ctx.want)
         idx = torch.tensor([last[rid] for rid in rids], device=ctx.hidden.device)
         guesses = self.head.draft_token_ids(ctx.hidden.index_select(0, idx), self.k).tolist()
-        return {rid: g[:ctx.want[rid]] for rid, g in zip(rids, guesses)}
+        return {rid: g[: ctx.want[rid]] for rid, g in zip(rids, guesses)}

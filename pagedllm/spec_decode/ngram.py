@@ -44,9 +44,9 @@ class NgramProposer:
             if buf is not None:
                 grown[:n] = buf[:n]
             buf = grown
-        buf[n:len(token_ids)] = token_ids[n:]
+        buf[n : len(token_ids)] = token_ids[n:]
         self._buffers[rid] = (buf, len(token_ids))
-        return buf[:len(token_ids)]
+        return buf[: len(token_ids)]
 
 
 def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -54,7 +54,7 @@ def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> lis
     length = len(tokens)
     if length < 2:
         return []
-    cand = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])  # ends of 1-gram matches
+    cand = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # ends of 1-gram matches
     n = 1
     while n < n_max and cand.size:
         ext = cand[cand >= n]
@@ -65,4 +65,4 @@ def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> lis
     if n < n_min or not cand.size:
         return []
     i = int(cand[-1])
-    return tokens[i + 1:min(i + 1 + k, length)].tolist()
+    return tokens[i + 1 : min(i + 1 + k, length)].tolist()

@@ -26,11 +26,13 @@ class GuidanceBackend:
         ll, kind = self.ll, so.kind
         try:
             if kind == "json":
-                text = ll.LLMatcher.grammar_from_json_schema(json.dumps(_strict(so.json)),
-                                                             defaults={"whitespace_flexible": False})
+                text = ll.LLMatcher.grammar_from_json_schema(
+                    json.dumps(_strict(so.json)), defaults={"whitespace_flexible": False}
+                )
             elif kind == "json_object":
-                text = ll.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                             defaults={"whitespace_flexible": False})
+                text = ll.LLMatcher.grammar_from_json_schema(
+                    '{"type": "object"}', defaults={"whitespace_flexible": False}
+                )
             elif kind == "regex":
                 text = ll.LLMatcher.grammar_from_regex(so.regex)
             elif kind == "choice":
@@ -80,9 +82,16 @@ def _strict(schema: Any) -> Any:
         return [_strict(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in ("enum", "const", "default", "examples") else
-               {n: _strict(s) for n, s in v.items()} if k in ("properties", "$defs", "definitions") and isinstance(v, dict)
-               else _strict(v)) for k, v in schema.items()}
+    out = {
+        k: (
+            v
+            if k in ("enum", "const", "default", "examples")
+            else {n: _strict(s) for n, s in v.items()}
+            if k in ("properties", "$defs", "definitions") and isinstance(v, dict)
+            else _strict(v)
+        )
+        for k, v in schema.items()
+    }
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

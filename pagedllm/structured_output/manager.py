@@ -16,9 +16,9 @@ from pagedllm.errors import InvalidParameterError
 
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import SchedulerOutput
-    from pagedllm.worker.runner_output import ModelRunnerOutput
     from pagedllm.request import Request
     from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedllm")
 
@@ -43,11 +43,19 @@ _MODULES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], backend: str = "xgrammar",
-                 compile_timeout: float = 30.0):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        backend: str = "xgrammar",
+        compile_timeout: float = 30.0,
+    ):
         if backend not in BACKENDS:
-            raise InvalidParameterError(f"structured outputs backend must be one of {list(BACKENDS)}, got {backend!r}",
-                                        "structured_outputs_config.backend")
+            raise InvalidParameterError(
+                f"structured outputs backend must be one of {list(BACKENDS)}, got {backend!r}",
+                "structured_outputs_config.backend",
+            )
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -80,7 +88,9 @@ class StructuredOutputManager:
                 except ImportError:
                     raise InvalidParameterError(
                         f"structured outputs with the {name} backend need {_MODULES[name]}, which is not installed: "
-                        f"pip install 'pagedllm[structured]'", "structured_outputs") from None
+                        f"pip install 'pagedllm[structured]'",
+                        "structured_outputs",
+                    ) from None
                 if name == "xgrammar":
                     from pagedllm.structured_output.xgrammar_backend import XgrammarBackend as cls
                 else:
@@ -90,7 +100,7 @@ class StructuredOutputManager:
                 self.backend_init_seconds[name] = time.perf_counter() - t0
             return self._backends[name]
 
-    def _parse(self, so: "StructuredOutputsParams") -> tuple[Any, Any]:
+    def _parse(self, so: StructuredOutputsParams) -> tuple[Any, Any]:
         """(backend, grammar) for a spec; ``auto`` tries xgrammar, then llguidance."""
         if self.backend_name != "auto":
             backend = self._backend(self.backend_name)
@@ -106,15 +116,15 @@ class StructuredOutputManager:
                 raise first from None
 
     # -- before the engine: validation (400 on a bad spec) ----------------------------------
-    def validate(self, so: "StructuredOutputsParams") -> None:
+    def validate(self, so: StructuredOutputsParams) -> None:
         """Parse the spec into a grammar (no tokenizer work): a bad schema, regex or grammar raises here.
         Specs seen recently are not parsed again (a batch of prompts shares one)."""
         key = so.cache_key()
         with self._lock:
             if key not in self._compiled and self._num_compiling() >= MAX_PENDING_COMPILES:
                 raise InvalidParameterError(  # checked here, on the request's thread: never in the engine loop
-                    f"{MAX_PENDING_COMPILES} distinct grammars are compiling already; retry later",
-                    "structured_outputs")
+                    f"{MAX_PENDING_COMPILES} distinct grammars are compiling already; retry later", "structured_outputs"
+                )
             if key in self._validated:
                 self._validated.move_to_end(key)
                 return
@@ -125,7 +135,7 @@ class StructuredOutputManager:
                 self._validated.popitem(last=False)
 
     # -- compiling, off the engine loop --------------------------------------------------------
-    def submit(self, request: "Request") -> None:
+    def submit(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs
         key = so.cache_key()
         t0 = time.perf_counter()
@@ -158,14 +168,14 @@ class StructuredOutputManager:
             events.append(self._events.popleft())
         return sum(e is None for e in events), [e for e in events if e is not None]
 
-    def _compile(self, so: "StructuredOutputsParams") -> tuple[Any, Any]:
+    def _compile(self, so: StructuredOutputsParams) -> tuple[Any, Any]:
         t0 = time.perf_counter()
         backend, grammar = self._parse(so)
         compiled = backend.compile(grammar)
         self._record((time.perf_counter() - t0, False))
         return backend, compiled
 
-    def poll(self, request: "Request") -> str:
+    def poll(self, request: Request) -> str:
         """``"ready"`` (a matcher made for it and its n>1 siblings), ``"waiting"``, or an error message (the
         compile failed or timed out)."""
         rid = request.request_id
@@ -196,7 +206,7 @@ class StructuredOutputManager:
         return sum(not f.done() for f in self._compiled.values())
 
     # -- every step ------------------------------------------------------------------------
-    def bitmasks(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> dict[str, torch.Tensor]:
+    def bitmasks(self, so: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
         """[1 + drafts, words] allowed-token bits for each constrained request that samples this step."""
         out = {}
         for rid in so.num_scheduled_tokens:
@@ -220,18 +230,18 @@ class StructuredOutputManager:
         accepted = 0
         for j, tok in enumerate(drafts):
             if not backend.accept(matcher, tok):
-                mask[j + 1:] = 0  # unreachable: the drafts were validated; allow nothing rather than anything
+                mask[j + 1 :] = 0  # unreachable: the drafts were validated; allow nothing rather than anything
                 break
             accepted += 1
             if backend.terminated(matcher):
-                allow_only(mask[j + 1:], self.eos_token_ids)
+                allow_only(mask[j + 1 :], self.eos_token_ids)
                 break
             backend.fill_row(matcher, mask, j + 1)
         if accepted:
             backend.rollback(matcher, accepted)
         return mask
 
-    def update(self, runner_out: "ModelRunnerOutput") -> None:
+    def update(self, runner_out: ModelRunnerOutput) -> None:
         """Advance the matchers with the kept tokens; cut new drafts where the grammar would refuse them."""
         for rid, tokens in runner_out.sampled.items():
             entry = self.matchers.get(rid)
@@ -248,8 +258,10 @@ class StructuredOutputManager:
             entry = self.matchers.get(rid)
             if entry is not None and drafts:
                 backend, m = entry
-                runner_out.spec_token_ids[rid] = drafts[:backend.valid_prefix(m, drafts)]
+                runner_out.spec_token_ids[rid] = drafts[: backend.valid_prefix(m, drafts)]
 
     def make_stats(self) -> dict[str, Any]:
-        return {"num_constrained_requests": self.num_constrained_requests,
-                "compile_seconds": list(self.compile_seconds)}
+        return {
+            "num_constrained_requests": self.num_constrained_requests,
+            "compile_seconds": list(self.compile_seconds),
+        }

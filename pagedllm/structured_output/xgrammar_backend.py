@@ -30,7 +30,9 @@ class XgrammarBackend:
             if unsupported:
                 raise InvalidParameterError(
                     f"structured_outputs.json: the schema uses {', '.join(sorted(unsupported))}, which the xgrammar "
-                    "backend cannot enforce", "structured_outputs.json")
+                    "backend cannot enforce",
+                    "structured_outputs.json",
+                )
         try:
             if kind == "json":
                 return xgr.Grammar.from_json_schema(json.dumps(so.json), any_whitespace=False)
@@ -43,8 +45,9 @@ class XgrammarBackend:
             return xgr.Grammar.from_ebnf(so.grammar)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own errors, with the reason
             reason = [_LOG_PREFIX.sub("", line) for line in str(e).strip().splitlines()]
-            raise InvalidParameterError(f"structured_outputs.{kind}: {' '.join(reason)[:500] or type(e).__name__}",
-                                        f"structured_outputs.{kind}") from None
+            raise InvalidParameterError(
+                f"structured_outputs.{kind}: {' '.join(reason)[:500] or type(e).__name__}", f"structured_outputs.{kind}"
+            ) from None
 
     def compile(self, grammar: Any) -> Any:
         return self.compiler.compile_grammar(grammar)
@@ -86,9 +89,23 @@ def _ebnf_literal(text: str) -> str:
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before the reason
 
 # JSON-schema keywords xgrammar accepts but does not enforce: refused, so no output silently breaks them
-_UNENFORCED = {"multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "propertyNames",
-               "patternProperties", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-               "unevaluatedProperties", "unevaluatedItems"}
+_UNENFORCED = {
+    "multipleOf",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "propertyNames",
+    "patternProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+}
 
 
 def _unenforced_keywords(schema: Any) -> set[str]:

@@ -72,16 +72,22 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             a, b = offsets[i], offsets[i + 1]
             bids = np.asarray(ids, dtype=np.int64)
             slots[a:b] = bids[positions[a:b] // block_size] * block_size + positions[a:b] % block_size
-            tables[i, :len(ids)] = ids
+            tables[i, : len(ids)] = ids
         if len(row_seg) != len(segments):
             tables = tables[row_seg]
         return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(device), block_tables=torch.from_numpy(tables).to(device),
-            seq_lens=seq_lens_t, num_decodes=num_decodes, query_start_loc=qsl, seq_lens_cpu=seq_lens,
-            block_size=block_size)
+            slot_mapping=torch.from_numpy(slots).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
+            seq_lens=seq_lens_t,
+            num_decodes=num_decodes,
+            query_start_loc=qsl,
+            seq_lens_cpu=seq_lens,
+            block_size=block_size,
+        )
 
     meta = metadata([s.block_ids for s in segments])
     if segments and segments[0].group_block_ids:
-        meta.groups = [metadata([s.group_block_ids[g] for s in segments])
-                       for g in range(len(segments[0].group_block_ids))]
+        meta.groups = [
+            metadata([s.group_block_ids[g] for s in segments]) for g in range(len(segments[0].group_block_ids))
+        ]
     return Batch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta, offsets)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from pagedllm.config import GiB, CacheConfig
+from pagedllm.config import CacheConfig, GiB
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker.loader import DTYPES
 
@@ -27,8 +27,9 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def num_blocks_for_budget(cache: CacheConfig, device: torch.device, per_block: int,
-                          profiled_peak_bytes: int | None = None) -> int:
+def num_blocks_for_budget(
+    cache: CacheConfig, device: torch.device, per_block: int, profiled_peak_bytes: int | None = None
+) -> int:
     """How many blocks the budget allows: kv_cache_memory on CPU, gpu_memory_utilization on CUDA."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
@@ -40,8 +41,16 @@ def num_blocks_for_budget(cache: CacheConfig, device: torch.device, per_block: i
     return max(budget // per_block, 0)
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device, prefault: bool = False) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    prefault: bool = False,
+) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, kv_heads, head_dim] view per layer into a single zeroed buffer.
 
     On CPU a large buffer is an anonymous memory mapping of its own: the kernel
@@ -68,7 +77,9 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     except (OSError, OverflowError, RuntimeError) as e:  # more than the machine maps or holds
         raise InvalidParameterError(
             f"the KV cache ({numel * itemsize / GiB:,.1f} GiB in {num_blocks} blocks) could not be allocated on "
-            f"{device} ({e}); lower kv_cache_memory (or gpu_memory_utilization)", "kv_cache_memory") from e
+            f"{device} ({e}); lower kv_cache_memory (or gpu_memory_utilization)",
+            "kv_cache_memory",
+        ) from e
     return list(buf.unbind(0))
 
 

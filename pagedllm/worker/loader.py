@@ -25,6 +25,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         from pagedllm.errors import InvalidParameterError
+
         raise InvalidParameterError("device='cuda' was asked for but no CUDA device is available", "device")
     return torch.device(name)
 
@@ -40,9 +41,15 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None, stages: dict[str, float] | None = None,
-               parallel: ParallelState | None = None) -> torch.nn.Module:
+def load_model(
+    source: Any,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    stages: dict[str, float] | None = None,
+    parallel: ParallelState | None = None,
+) -> torch.nn.Module:
     """Build and load the model (this rank's shard of it under ``parallel``); ``stages`` (if given)
     receives the seconds spent on weights and packing."""
     from pagedllm.model_loader import iter_weights
@@ -69,13 +76,16 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     if sharded and getattr(scheme, "act_order", False):
         from pagedllm.errors import InvalidParameterError
 
-        raise InvalidParameterError("GPTQ act-order (desc_act) checkpoints do not run under tensor or pipeline "
-                                    "parallelism yet", "tensor_parallel_size")
+        raise InvalidParameterError(
+            "GPTQ act-order (desc_act) checkpoints do not run under tensor or pipeline parallelism yet",
+            "tensor_parallel_size",
+        )
     if sharded and not getattr(model_cls, "supports_parallel", False):
         from pagedllm.errors import InvalidParameterError
 
-        raise InvalidParameterError(f"{model_cls.__name__} does not support tensor or pipeline parallelism",
-                                    "tensor_parallel_size")
+        raise InvalidParameterError(
+            f"{model_cls.__name__} does not support tensor or pipeline parallelism", "tensor_parallel_size"
+        )
     with torch.device(device), _no_init() if skip_init else contextlib.nullcontext():
         model = model_cls(hf_config, parallel=parallel) if sharded else model_cls(hf_config)
     model.to(dtype=dtype)  # before loading: the checkpoint's float32 values are copied in as dtype
@@ -102,8 +112,15 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     t2 = time.perf_counter()
     if stages is not None:
         stages["weights"], stages["pack"] = t1 - t0, t2 - t1
-    logger.info("loaded %s (%.1fM params, %s%s, %s) in %.1fs", model_cls.__name__, n_params / 1e6, dtype,
-                f", weights {quantization}" if quantization else "", device, t2 - t0)
+    logger.info(
+        "loaded %s (%.1fM params, %s%s, %s) in %.1fs",
+        model_cls.__name__,
+        n_params / 1e6,
+        dtype,
+        f", weights {quantization}" if quantization else "",
+        device,
+        t2 - t0,
+    )
     trim_heap()
     return model
 
@@ -138,8 +155,11 @@ def _no_init() -> Iterator[None]:
     models, and a lock keeps two builds from interleaving."""
     init = torch.nn.init
     with _NO_INIT_LOCK:  # two engines built at once must not save each other's no-ops as the originals
-        saved = {name: getattr(init, name) for name in dir(init)
-                 if name.endswith("_") and not name.startswith("_") and callable(getattr(init, name))}
+        saved = {
+            name: getattr(init, name)
+            for name in dir(init)
+            if name.endswith("_") and not name.startswith("_") and callable(getattr(init, name))
+        }
         for name in saved:
             setattr(init, name, _return_tensor)
         try:
@@ -153,8 +173,9 @@ def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return tensor
 
 
-def _take_blocks(model: torch.nn.Module, source: Any, method: str, scheme: Any
-                 ) -> tuple[dict[str, Any] | None, set[str]]:
+def _take_blocks(
+    model: torch.nn.Module, source: Any, method: str, scheme: Any
+) -> tuple[dict[str, Any] | None, set[str]]:
     """Give the layers that can take them the checkpoint's own quantized blocks (a GGUF's Q4 / Q8 groups,
     an AWQ / GPTQ / FP8 checkpoint's), read as they are: no float32 copy of those weights is ever made.
     Returns the blocks by module, and the checkpoint weights the loading then skips."""
@@ -175,8 +196,9 @@ def _take_blocks(model: torch.nn.Module, source: Any, method: str, scheme: Any
     return blocks, {name for name in raw if model.weight_target(name) not in params}
 
 
-def _quantize(model: torch.nn.Module, method: str, blocks: dict[str, Any] | None, scheme: Any = None,
-              from_float: bool = True) -> None:
+def _quantize(
+    model: torch.nn.Module, method: str, blocks: dict[str, Any] | None, scheme: Any = None, from_float: bool = True
+) -> None:
     from pagedllm.layers.quantization import quantize_fp8, quantize_model
 
     if method == "fp8":

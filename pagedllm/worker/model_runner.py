@@ -60,12 +60,22 @@ class _ReqState:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, default_seed: int = 0, processed_logprobs: bool = False,
-                 proposer: "Proposer | None" = None, spec_config: "SpeculativeConfig | None" = None,
-                 max_model_len: int | None = None, parallel: ParallelState | None = None,
-                 lora: "LoRAManager | None" = None, kv_connector: "OffloadWorker | None" = None,
-                 pooling: "PoolingConfig | None" = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        default_seed: int = 0,
+        processed_logprobs: bool = False,
+        proposer: Proposer | None = None,
+        spec_config: SpeculativeConfig | None = None,
+        max_model_len: int | None = None,
+        parallel: ParallelState | None = None,
+        lora: LoRAManager | None = None,
+        kv_connector: OffloadWorker | None = None,
+        pooling: PoolingConfig | None = None,
+    ):
         self.model = model
         self.pooling = pooling  # set: a pooling runner (pools hidden states, samples nothing)
         self.kv_connector = kv_connector
@@ -98,10 +108,16 @@ class ModelRunner:
                 self.proposer.remove(rid)
         for new in so.new_reqs:
             self.states[new.req_id] = _ReqState(
-                new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
-                new.sampling_params, self._seed_for(new.req_id, new.sampling_params), new.num_computed_tokens,
-                lora=new.lora_request, group_block_ids=[list(ids) for ids in new.group_block_ids],
-                pooling_params=new.pooling_params)
+                new.prompt_token_ids + new.output_token_ids,
+                len(new.prompt_token_ids),
+                list(new.block_ids),
+                new.sampling_params,
+                self._seed_for(new.req_id, new.sampling_params),
+                new.num_computed_tokens,
+                lora=new.lora_request,
+                group_block_ids=[list(ids) for ids in new.group_block_ids],
+                pooling_params=new.pooling_params,
+            )
             if self.proposer is not None:
                 self.proposer.add(new.req_id, new.num_computed_tokens)
         for c in so.cached_reqs:
@@ -156,8 +172,9 @@ class ModelRunner:
         # one-token rows first (decodes, and every token of a request verifying drafts), then prefill chunks
         # (with LoRA, each adapter's rows side by side within each group: its LoRA term runs on whole slices)
         with_lora = self.lora is not None
-        order = sorted(num, key=lambda r: (not (num[r] == 1 or r in spec),
-                                           self.states[r].lora_int_id if with_lora else 0))
+        order = sorted(
+            num, key=lambda r: (not (num[r] == 1 or r in spec), self.states[r].lora_int_id if with_lora else 0)
+        )
         segments: list[Segment] = []
         row_starts: list[int] = []
         for rid in order:
@@ -165,14 +182,22 @@ class ModelRunner:
             drafts = spec.get(rid, [])
             start = st.num_computed_tokens
             row_starts.append(start)
-            tokens = st.token_ids[start:start + num[rid] - len(drafts)]
-            segments.append(Segment(tokens + drafts if drafts else tokens, start, st.block_ids,
-                                    split=bool(drafts), group_block_ids=st.group_block_ids))
+            tokens = st.token_ids[start : start + num[rid] - len(drafts)]
+            segments.append(
+                Segment(
+                    tokens + drafts if drafts else tokens,
+                    start,
+                    st.block_ids,
+                    split=bool(drafts),
+                    group_block_ids=st.group_block_ids,
+                )
+            )
         batch = build_batch(segments, self.block_size, self.device)
         step_lora = contextlib.nullcontext()
         if with_lora:
-            lora_rows = self.lora.segments([(self.states[rid].lora, batch.offsets[i], batch.offsets[i + 1])
-                                            for i, rid in enumerate(order)])
+            lora_rows = self.lora.segments(
+                [(self.states[rid].lora, batch.offsets[i], batch.offsets[i + 1]) for i, rid in enumerate(order)]
+            )
             if lora_rows:
                 step_lora = self.lora.state.active(lora_rows)
         with step_lora:
@@ -230,8 +255,9 @@ class ModelRunner:
             positions = torch.cat([torch.arange(n, device=dev) for n in lens])
             hidden = self.model(ids, positions, lens)
         else:  # causal, through the paged cache: its K/V go to the request's blocks, freed after this step
-            batch = build_batch([Segment(st.token_ids, 0, st.block_ids, split=False) for st in states],
-                                self.block_size, self.device)
+            batch = build_batch(
+                [Segment(st.token_ids, 0, st.block_ids, split=False) for st in states], self.block_size, self.device
+            )
             hidden = self._forward(batch)
         self.num_tokens_computed += so.total_num_scheduled_tokens
         for rid, st in zip(order, states):
@@ -239,14 +265,25 @@ class ModelRunner:
         if not self.ps.is_driver:  # the driver's output is the step's
             return ModelRunnerOutput({})
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        normalize = [self.pooling.normalize if st.pooling_params is None or st.pooling_params.normalize is None
-                     else st.pooling_params.normalize for st in states]
+        normalize = [
+            self.pooling.normalize
+            if st.pooling_params is None or st.pooling_params.normalize is None
+            else st.pooling_params.normalize
+            for st in states
+        ]
         # plain floats: a tensor would travel between processes (the mp executor) as a shared-memory handle
         pooled = pool_hidden_states(hidden, lens, self.pooling.pooling, normalize).tolist()
         return ModelRunnerOutput({}, pooler_output=dict(zip(order, pooled)))
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[_ReqState, list[int]]], sampled: list[str],
-                spec: dict[str, list[int]], result: ModelRunnerOutput, grammar: dict[str, torch.Tensor]) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[tuple[_ReqState, list[int]]],
+        sampled: list[str],
+        spec: dict[str, list[int]],
+        result: ModelRunnerOutput,
+        grammar: dict[str, torch.Tensor],
+    ) -> None:
         sts = [self.states[rid] for rid in sampled]
         batch = self._sampling_batch(rows)
         if grammar:
@@ -254,21 +291,29 @@ class ModelRunner:
         batch.want_probs = any(st.draft_probs is not None for st in sts)
         out = self.sampler(logits, batch)
         target = out.token_ids.tolist()
-        lp = (out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()) \
-            if out.logprobs is not None else None
+        lp = (
+            (out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist())
+            if out.logprobs is not None
+            else None
+        )
         r = 0
         for rid, st in zip(sampled, sts):
             drafts = spec.get(rid, [])
             m = len(drafts) + 1
             if drafts:
-                q = st.draft_probs[:len(drafts)] if st.draft_probs is not None else None
-                emitted = verify(drafts, target[r:r + m], draft_probs=q,
-                                 probs=out.probs[r:r + len(drafts)] if q is not None else None,
-                                 seed=st.seed, position=len(st.token_ids) - st.num_prompt_tokens)
+                q = st.draft_probs[: len(drafts)] if st.draft_probs is not None else None
+                emitted = verify(
+                    drafts,
+                    target[r : r + m],
+                    draft_probs=q,
+                    probs=out.probs[r : r + len(drafts)] if q is not None else None,
+                    seed=st.seed,
+                    position=len(st.token_ids) - st.num_prompt_tokens,
+                )
                 st.num_computed_tokens -= len(drafts) - (len(emitted) - 1)  # the scheduler does the same
                 self._backoff(st, len(drafts), len(emitted) - 1)
             else:
-                emitted = target[r:r + 1]
+                emitted = target[r : r + 1]
             st.draft_probs = None
             result.sampled[rid] = emitted
             n = st.params.logprobs
@@ -277,18 +322,22 @@ class ModelRunner:
                 for j, tok in enumerate(emitted):
                     row = r + j
                     if tok == target[row]:
-                        entries.append(SampleLogprobs(lp[0][row][:n + 1], lp[1][row][:n + 1], lp[2][row]))
+                        entries.append(SampleLogprobs(lp[0][row][: n + 1], lp[1][row][: n + 1], lp[2][row]))
                     else:  # a token resampled from the residual: read its own logprob
                         one = SamplerOutput(torch.tensor([tok]))
-                        Sampler.gather_logprobs(out.lp_source[row:row + 1], one.token_ids, [n], one)
-                        entries.append(SampleLogprobs(one.logprob_token_ids[0].tolist(),
-                                                      one.logprobs[0].tolist(), int(one.sampled_ranks[0])))
+                        Sampler.gather_logprobs(out.lp_source[row : row + 1], one.token_ids, [n], one)
+                        entries.append(
+                            SampleLogprobs(
+                                one.logprob_token_ids[0].tolist(), one.logprobs[0].tolist(), int(one.sampled_ranks[0])
+                            )
+                        )
                 result.logprobs[rid] = entries
             st.token_ids.extend(emitted)
             r += m
 
-    def _grammar_rows(self, sampled: list[str], spec: dict[str, list[int]],
-                      grammar: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _grammar_rows(
+        self, sampled: list[str], spec: dict[str, list[int]], grammar: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """The step's bitmask, row for row with the sampling batch (all ones for unconstrained rows)."""
         words = next(iter(grammar.values())).shape[1]
         parts = []
@@ -309,8 +358,15 @@ class ModelRunner:
             st.spec_skip = st.spec_pause
             st.spec_failures = 0
 
-    def _propose(self, order: list[str], sampled: list[str], hidden: torch.Tensor, aux: torch.Tensor | None,
-                 offsets: list[int], starts: list[int]) -> dict[str, list[int]]:
+    def _propose(
+        self,
+        order: list[str],
+        sampled: list[str],
+        hidden: torch.Tensor,
+        aux: torch.Tensor | None,
+        offsets: list[int],
+        starts: list[int],
+    ) -> dict[str, list[int]]:
         cfg = self.spec_config
         busy = cfg.disable_by_batch_size is not None and len(order) > cfg.disable_by_batch_size
         want: dict[str, int] = {}
@@ -331,8 +387,9 @@ class ModelRunner:
 
     _PROMPT_LOGITS_ROWS = 512  # bound the [rows, vocab] logits of long prompt chunks
 
-    def _prompt_logprobs(self, order: list[str], row_starts: list[int], qsl: list[int],
-                         hidden: torch.Tensor) -> dict[str, tuple[int, list[SampleLogprobs]]]:
+    def _prompt_logprobs(
+        self, order: list[str], row_starts: list[int], qsl: list[int], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[SampleLogprobs]]]:
         """Raw logprobs of each prompt token given its prefix, for this step's chunk of each asking request."""
         out: dict[str, tuple[int, list[SampleLogprobs]]] = {}
         for i, rid in enumerate(order):
@@ -350,7 +407,7 @@ class ModelRunner:
                 if logits is None:  # not the driver: it takes part in the gather only
                     continue
                 lp = torch.log_softmax(logits, dim=-1)
-                target = torch.tensor(st.token_ids[a + 1:b + 1], device=self.device).unsqueeze(1)
+                target = torch.tensor(st.token_ids[a + 1 : b + 1], device=self.device).unsqueeze(1)
                 t_lp = lp.gather(1, target)
                 ranks = ((lp > t_lp).sum(dim=-1) + 1).tolist()
                 top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], target[:, :0])
@@ -383,14 +440,19 @@ class ModelRunner:
             num_logprobs=[p.logprobs for p in ps],
             all_greedy=all(t == 0.0 for t in temps),
             processed_logprobs=self.processed_logprobs,
-            user_processors=[(i, st.params, st.token_ids[:st.num_prompt_tokens], _output(st, extra))
-                             for i, (st, extra) in enumerate(rows) if st.params.logits_processors] or None,
+            user_processors=[
+                (i, st.params, st.token_ids[: st.num_prompt_tokens], _output(st, extra))
+                for i, (st, extra) in enumerate(rows)
+                if st.params.logits_processors
+            ]
+            or None,
             no_top_k=all(p.top_k == 0 for p in ps),
             no_top_p=all(p.top_p >= 1.0 for p in ps),
             no_min_p=all(p.min_p == 0.0 for p in ps),
             penalties=self._penalties(rows) if any(p.has_penalties for p in ps) else None,
-            bias=self._bias(rows) if any(p.logit_bias or p.allowed_token_ids is not None
-                                         or p._bad_words_token_ids for p in ps) else None,
+            bias=self._bias(rows)
+            if any(p.logit_bias or p.allowed_token_ids is not None or p._bad_words_token_ids for p in ps)
+            else None,
         )
 
     def _penalties(self, rows: list[tuple[_ReqState, list[int]]]) -> Penalties:
@@ -401,11 +463,15 @@ class ModelRunner:
             if st.params.has_penalties:
                 out = torch.tensor(_output(st, extra), dtype=torch.long, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-                prompt_mask[i, torch.tensor(st.token_ids[:st.num_prompt_tokens], device=dev)] = True
+                prompt_mask[i, torch.tensor(st.token_ids[: st.num_prompt_tokens], device=dev)] = True
         ps = [st.params for st, _ in rows]
-        return Penalties(torch.tensor([p.presence_penalty for p in ps], device=dev),
-                         torch.tensor([p.frequency_penalty for p in ps], device=dev),
-                         torch.tensor([p.repetition_penalty for p in ps], device=dev), counts, prompt_mask)
+        return Penalties(
+            torch.tensor([p.presence_penalty for p in ps], device=dev),
+            torch.tensor([p.frequency_penalty for p in ps], device=dev),
+            torch.tensor([p.repetition_penalty for p in ps], device=dev),
+            counts,
+            prompt_mask,
+        )
 
     def _bias(self, rows: list[tuple[_ReqState, list[int]]]) -> torch.Tensor:
         bias = torch.zeros(len(rows), self.vocab_size, device=self.device)
@@ -420,12 +486,12 @@ class ModelRunner:
                 output = _output(st, extra)
                 for word in p._bad_words_token_ids:
                     prefix = word[:-1]
-                    if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+                    if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix):
                         bias[i, word[-1]] = float("-inf")
         return bias
 
 
 def _output(st: _ReqState, extra: list[int]) -> list[int]:
     """The request's output tokens, followed by ``extra`` (the drafts before a verification row)."""
-    out = st.token_ids[st.num_prompt_tokens:]
+    out = st.token_ids[st.num_prompt_tokens :]
     return out + extra if extra else out

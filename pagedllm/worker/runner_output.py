@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 class ModelRunnerOutput:
     """The new tokens (and optional logprobs, one entry per token) of every request that reached the end of
     its known tokens: one sampled token, or with speculative decoding the accepted drafts and one more."""
+
     sampled: dict[str, list[int]]
-    logprobs: dict[str, list["SampleLogprobs"]] = field(default_factory=dict)
+    logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
     # prompt logprobs computed this step: request id -> (first prompt position they predict, one per position)
-    prompt_logprobs: dict[str, tuple[int, list["SampleLogprobs"]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = field(default_factory=dict)
     # the drafts proposed for each request's next step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # KV connector: seconds the driver rank spent saving and loading blocks this step

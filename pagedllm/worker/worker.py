@@ -16,20 +16,28 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.distributed import ParallelState, init_distributed
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker import kv_cache
 from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype, timed_stage
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedllm")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
-                 num_threads: int | None = None, source: Any = None, hf_config: Any = None,
-                 stages: dict[str, float] | None = None, lora_cache: Any = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        init_method: str | None = None,
+        num_threads: int | None = None,
+        source: Any = None,
+        hf_config: Any = None,
+        stages: dict[str, float] | None = None,
+        lora_cache: Any = None,
+    ):
         from pagedllm.model_loader import load_config, resolve_model
 
         if num_threads:
@@ -53,8 +61,11 @@ class Worker:
 
         # a pooling runner: how it pools (None: it generates); an encoder has no KV cache at all
         model_cls = ModelRegistry.resolve_for_config(self.hf_config)
-        self.pooling = read_pooling_config(self.source.path, decoder=not getattr(model_cls, "is_pooling_model", False)) \
-            if pooling_mode(config, model_cls) else None
+        self.pooling = (
+            read_pooling_config(self.source.path, decoder=not getattr(model_cls, "is_pooling_model", False))
+            if pooling_mode(config, model_cls)
+            else None
+        )
         self.encoder = bool(getattr(model_cls, "is_pooling_model", False))
 
     def load_model(self) -> tuple[int, dict[str, float]]:
@@ -66,8 +77,9 @@ class Worker:
 
             with timed_stage(self.stages, "kernels"):
                 kernels.try_load()  # waits for a background build, if one is still compiling
-        self.model = load_model(self.source, self.hf_config, self.dtype, self.device, mc.quantization,
-                                stages=self.stages, parallel=self.ps)
+        self.model = load_model(
+            self.source, self.hf_config, self.dtype, self.device, mc.quantization, stages=self.stages, parallel=self.ps
+        )
         if self.encoder:
             return 0, self.stages  # no KV cache: attention sees only the sequence itself
         if self.device.type == "cpu" and not mc.enforce_eager and hasattr(self.model, "fused_decode"):
@@ -80,8 +92,10 @@ class Worker:
                 self.draft = self._load_draft_model(spec, self.model)
         with timed_stage(self.stages, "kv_cache"):
             self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
-            self.per_block = sum(kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer,
-                                                          self.kv_cache_dtype) for m in self._kv_models())
+            self.per_block = sum(
+                kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer, self.kv_cache_dtype)
+                for m in self._kv_models()
+            )
             peak = self._profile_peak(self.model) if self.device.type == "cuda" else None
             num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak)
         return num_blocks, self.stages
@@ -94,15 +108,22 @@ class Worker:
     def kv_block_layout(self) -> tuple[torch.Size, torch.dtype]:
         """Shape and dtype of one KV block on this rank: [layers, 2, block_size, kv heads, head dim]."""
         m = self.model
-        return torch.Size([len(m.layers), 2, self.config.cache_config.block_size, *m.kv_cache_shape_per_layer]), \
-            self.kv_cache_dtype
+        return torch.Size(
+            [len(m.layers), 2, self.config.cache_config.block_size, *m.kv_cache_shape_per_layer]
+        ), self.kv_cache_dtype
 
     def layer_windows(self) -> list[int | None]:
         """Each of this rank's layers' sliding window (None: full attention)."""
         return [layer.self_attn.sliding_window for layer in self.model.layers]
 
-    def init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int = 0,
-                   disk: tuple[str, str] | None = None, kv_groups: Any = None) -> None:
+    def init_cache(
+        self,
+        num_blocks: int,
+        max_model_len: int,
+        num_offload_slots: int = 0,
+        disk: tuple[str, str] | None = None,
+        kv_groups: Any = None,
+    ) -> None:
         """Allocate the KV cache (``num_blocks``, the smallest any rank allows) and, with an offload tier, its
         RAM pool of ``num_offload_slots`` blocks, and with a disk tier its (path, model fingerprint); build the
         runner. With ``kv_groups`` (:class:`~pagedllm.core.kv_groups.KVGroups`) a block holds one group's layers:
@@ -110,17 +131,27 @@ class Worker:
         with timed_stage(self.stages, "kv_cache"):
             self._init_cache(num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
 
-    def _init_cache(self, num_blocks: int, max_model_len: int, num_offload_slots: int,
-                    disk: tuple[str, str] | None, kv_groups: Any) -> None:
+    def _init_cache(
+        self, num_blocks: int, max_model_len: int, num_offload_slots: int, disk: tuple[str, str] | None, kv_groups: Any
+    ) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         if self.encoder:
-            self.runner = ModelRunner(self.model, [], cc.block_size, self.device, mc.seed, parallel=self.ps,
-                                      pooling=self.pooling)
+            self.runner = ModelRunner(
+                self.model, [], cc.block_size, self.device, mc.seed, parallel=self.ps, pooling=self.pooling
+            )
             return
-        caches = [kv_cache.allocate_kv_caches(len(m.layers) if kv_groups is None else kv_groups.num_slots,
-                                              num_blocks, cc.block_size, *m.kv_cache_shape_per_layer,
-                                              self.kv_cache_dtype, self.device, prefault=cc.kv_cache_prefault)
-                  for m in self._kv_models()]
+        caches = [
+            kv_cache.allocate_kv_caches(
+                len(m.layers) if kv_groups is None else kv_groups.num_slots,
+                num_blocks,
+                cc.block_size,
+                *m.kv_cache_shape_per_layer,
+                self.kv_cache_dtype,
+                self.device,
+                prefault=cc.kv_cache_prefault,
+            )
+            for m in self._kv_models()
+        ]
         per_block, full_requests = self.per_block, num_blocks * cc.block_size / max_model_len
         if kv_groups is not None:
             slots, caches[0] = caches[0], [caches[0][s] for s in kv_groups.layer_slot]
@@ -129,20 +160,28 @@ class Worker:
             per_block = per_block * len(slots) // len(caches[0])
             sc = self.config.scheduler_config  # requests of max_model_len tokens, each holding blocks in every group
             full_requests = num_blocks / kv_groups.blocks_for(
-                max_model_len, cc.block_size, sc.max_num_batched_tokens if sc.enable_chunked_prefill else None)
+                max_model_len, cc.block_size, sc.max_num_batched_tokens if sc.enable_chunked_prefill else None
+            )
         if self.ps.rank == 0:
-            logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s%s%s); max_model_len %d; max concurrency %.1fx",
-                        num_blocks, cc.block_size, num_blocks * per_block / 2**30, self.kv_cache_dtype,
-                        ", prefaulted" if cc.kv_cache_prefault and self.device.type == "cpu" else "",
-                        f", per rank of {self.ps.world_size}" if self.ps.world_size > 1 else "", max_model_len,
-                        full_requests)
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%.2f GiB, %s%s%s); max_model_len %d; max concurrency %.1fx",
+                num_blocks,
+                cc.block_size,
+                num_blocks * per_block / 2**30,
+                self.kv_cache_dtype,
+                ", prefaulted" if cc.kv_cache_prefault and self.device.type == "cpu" else "",
+                f", per rank of {self.ps.world_size}" if self.ps.world_size > 1 else "",
+                max_model_len,
+                full_requests,
+            )
         spec = self.config.speculative_config
         proposer = None
         if spec is not None and self.ps.is_driver:
             from pagedllm.spec_decode import build_proposer
 
-            proposer = build_proposer(spec, self.draft, caches[1] if len(caches) > 1 else [], cc.block_size,
-                                      self.device, self.model)
+            proposer = build_proposer(
+                spec, self.draft, caches[1] if len(caches) > 1 else [], cc.block_size, self.device, self.model
+            )
             logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
         lora = None
         lc = self.config.lora_config
@@ -157,13 +196,25 @@ class Worker:
 
             store = None if disk is None else DiskStore(disk[0], disk[1], self.ps.rank)
             connector = OffloadWorker(caches[0], num_offload_slots, store)
-        self.runner = ModelRunner(self.model, caches[0], cc.block_size, self.device, mc.seed,
-                                  processed_logprobs=mc.logprobs_mode == "processed_logprobs",
-                                  proposer=proposer, spec_config=spec, max_model_len=max_model_len,
-                                  parallel=self.ps, lora=lora, kv_connector=connector, pooling=self.pooling)
+        self.runner = ModelRunner(
+            self.model,
+            caches[0],
+            cc.block_size,
+            self.device,
+            mc.seed,
+            processed_logprobs=mc.logprobs_mode == "processed_logprobs",
+            proposer=proposer,
+            spec_config=spec,
+            max_model_len=max_model_len,
+            parallel=self.ps,
+            lora=lora,
+            kv_connector=connector,
+            pooling=self.pooling,
+        )
 
-    def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None
-                      ) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None
+    ) -> ModelRunnerOutput | None:
         """One step. ``prev_sampled``: the tokens the driver sampled last step (the other ranks learn them here)."""
         if prev_sampled:
             self.runner.apply_sampled(prev_sampled)
@@ -176,8 +227,10 @@ class Worker:
         failed, connector.failed = connector.failed, []
         if not self.ps.is_driver:
             if failed:  # only the driver's output can say so; garbage on this rank must not be used
-                raise RuntimeError(f"KV disk tier: rank {self.ps.rank} could not load blocks {failed}: their "
-                                   "files were deleted or replaced after the scheduler checked them")
+                raise RuntimeError(
+                    f"KV disk tier: rank {self.ps.rank} could not load blocks {failed}: their "
+                    "files were deleted or replaced after the scheduler checked them"
+                )
             return None
         out.kv_transfer_seconds = connector.take_times()
         out.kv_load_failed = failed
@@ -186,21 +239,31 @@ class Worker:
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank has all-reduced, gathered and sent to the next stage, and tokens it computed."""
         ps = self.ps
-        return {"all_reduce": ps.bytes_all_reduced, "gather": ps.bytes_gathered, "send": ps.bytes_sent,
-                "tokens": self.runner.num_tokens_computed}
+        return {
+            "all_reduce": ps.bytes_all_reduced,
+            "gather": ps.bytes_gathered,
+            "send": ps.bytes_sent,
+            "tokens": self.runner.num_tokens_computed,
+        }
 
     def shard_info(self) -> dict[str, Any]:
         """What this rank holds: its layers, heads and vocabulary rows (for tests and tools)."""
         m = self.model
         a = m.layers[0].self_attn
         emb = m.embed_tokens
-        return {"rank": self.ps.rank, "tp_rank": self.ps.tp_rank, "pp_rank": self.ps.pp_rank,
-                "layers": [m.start_layer, m.start_layer + len(m.layers)], "num_heads": a.num_heads,
-                "num_kv_heads": a.num_kv_heads, "kv_head_start": a.kv_head_start,
-                "mlp_size": m.layers[0].mlp.intermediate,
-                "vocab_rows": None if emb is None else getattr(emb, "num_embeddings", None) or emb.weight.shape[0],
-                "has_head": m.ps.is_last_stage,
-                "pid": os.getpid()}
+        return {
+            "rank": self.ps.rank,
+            "tp_rank": self.ps.tp_rank,
+            "pp_rank": self.ps.pp_rank,
+            "layers": [m.start_layer, m.start_layer + len(m.layers)],
+            "num_heads": a.num_heads,
+            "num_kv_heads": a.num_kv_heads,
+            "kv_head_start": a.kv_head_start,
+            "mlp_size": m.layers[0].mlp.intermediate,
+            "vocab_rows": None if emb is None else getattr(emb, "num_embeddings", None) or emb.weight.shape[0],
+            "has_head": m.ps.is_last_stage,
+            "pid": os.getpid(),
+        }
 
     def _load_draft_model(self, spec: Any, target: torch.nn.Module) -> torch.nn.Module:
         """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights;
@@ -215,7 +278,9 @@ class Worker:
             if spec.method == "medusa" and spec.num_speculative_tokens > head.num_heads:
                 raise InvalidParameterError(
                     f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} is more than the "
-                    f"MEDUSA checkpoint's {head.num_heads} heads", "speculative_config.num_speculative_tokens")
+                    f"MEDUSA checkpoint's {head.num_heads} heads",
+                    "speculative_config.num_speculative_tokens",
+                )
             if spec.method == "eagle3":
                 target.aux_hidden_state_layers = head.aux_hidden_state_layers(len(target.layers))
             return head
@@ -228,9 +293,9 @@ class Worker:
                 raise InvalidParameterError(
                     f"speculative_config.model: the draft model's vocabulary ({hf_config.vocab_size} tokens) differs "
                     f"from the target's ({self.hf_config.vocab_size}); a draft must share the target's tokenizer",
-                    "speculative_config.model")
-        logger.info("loading the draft model %s%s", source.name,
-                    f" ({spec.quantization})" if spec.quantization else "")
+                    "speculative_config.model",
+                )
+        logger.info("loading the draft model %s%s", source.name, f" ({spec.quantization})" if spec.quantization else "")
         return load_model(source, hf_config, self.dtype, self.device, spec.quantization)
 
     def _profile_peak(self, model: torch.nn.Module) -> int:
@@ -238,12 +303,11 @@ class Worker:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         sc = self.config.scheduler_config
-        hidden = torch.zeros(sc.max_num_batched_tokens, model.config.hidden_size, dtype=self.dtype,
-                             device=self.device)
+        hidden = torch.zeros(sc.max_num_batched_tokens, model.config.hidden_size, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
             for layer in model.layers:  # the MLP is the activation peak; attention needs the cache
                 layer.mlp(hidden)
             if model.ps.is_last_stage:
-                model.compute_logits(hidden[:sc.max_num_seqs])
+                model.compute_logits(hidden[: sc.max_num_seqs])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()

@@ -33,8 +33,11 @@ class _Request(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             limits = self.scope["app"].state.server.limits
-            self._json = (await asyncio.to_thread(_parse_body, body, limits) if len(body) > _OFF_LOOP_JSON_BYTES
-                          else _parse_body(body, limits))
+            self._json = (
+                await asyncio.to_thread(_parse_body, body, limits)
+                if len(body) > _OFF_LOOP_JSON_BYTES
+                else _parse_body(body, limits)
+            )
         return self._json
 
 
@@ -67,8 +70,10 @@ class JSONBodyRoute(APIRoute):
 
 # -- collecting and streaming outputs ---------------------------------------------------
 
+
 async def run_to_end(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
     """Collect final outputs; abort everything if the client goes away meanwhile."""
+
     async def drain(s):
         last = None
         async for out in s:
@@ -99,8 +104,9 @@ def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
             yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
 
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 def sse_event(obj: Any) -> str:
@@ -147,6 +153,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 # -- usage and logprobs -----------------------------------------------------------------
 
+
 def usage_info(finals: list[RequestOutput]) -> P.UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
@@ -174,8 +181,17 @@ def chat_logprobs(c, n: int, start: int = 0) -> P.ChatLogprobs:
     content = []
     for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
         text = entry[tid].decoded_token or ""
-        content.append(P.ChatTokenLogprob(
-            token=text, logprob=entry[tid].logprob, bytes=list(text.encode()),
-            top_logprobs=[P.TopLogprob(token=v.decoded_token or "", logprob=v.logprob,
-                                       bytes=list((v.decoded_token or "").encode())) for v in _top(entry, n)]))
+        content.append(
+            P.ChatTokenLogprob(
+                token=text,
+                logprob=entry[tid].logprob,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    P.TopLogprob(
+                        token=v.decoded_token or "", logprob=v.logprob, bytes=list((v.decoded_token or "").encode())
+                    )
+                    for v in _top(entry, n)
+                ],
+            )
+        )
     return P.ChatLogprobs(content=content)

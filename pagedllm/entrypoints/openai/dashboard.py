@@ -68,7 +68,7 @@ class EngineStateHub:
         while self._watchers and not self.closed:
             try:
                 data = json.dumps(await self._take(), separators=(",", ":"))
-            except Exception as e:  # noqa: BLE001 -- the engine died or is not up: say so to the page
+            except Exception as e:
                 data = json.dumps({"error": f"{type(e).__name__}: {e}"})
             if self.closed:
                 return

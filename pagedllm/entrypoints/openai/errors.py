@@ -11,8 +11,9 @@ from pagedllm.entrypoints.openai import protocol as P
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
@@ -25,8 +26,9 @@ class BodyError(HTTPException):
         self.param = param
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=type_, param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 

@@ -26,7 +26,8 @@ class RequestLimits:
     max_n: int = _f(128, "Most completions per prompt (`n`) a request may ask for.")
     max_prompts_per_request: int = _f(256, "Most prompts in one /v1/completions batch.")
     max_completions_per_request: int = _f(
-        512, "Most completions one request may ask for in all (prompts x n); each is a sequence in the engine.")
+        512, "Most completions one request may ask for in all (prompts x n); each is a sequence in the engine."
+    )
     max_stop: int = _f(64, "Most `stop` strings per request.")
     max_stop_length: int = _f(1024, "Longest `stop` string, in characters.")
     max_stop_token_ids: int = _f(1024, "Most `stop_token_ids` per request.")
@@ -56,25 +57,40 @@ class RequestLimits:
         _at_most("n", n, self.max_n, "max_n", "completions per prompt")
         prompts = _num_prompts(body.get("prompt"))
         _at_most("prompt", prompts, self.max_prompts_per_request, "max_prompts_per_request", "prompts")
-        _at_most("n", prompts * n, self.max_completions_per_request, "max_completions_per_request",
-                 f"completions (prompts x n = {prompts} x {n})")
+        _at_most(
+            "n",
+            prompts * n,
+            self.max_completions_per_request,
+            "max_completions_per_request",
+            f"completions (prompts x n = {prompts} x {n})",
+        )
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
         _at_most("stop", len(stop), self.max_stop, "max_stop", "stop strings")
         _at_most("stop", _longest(stop), self.max_stop_length, "max_stop_length", "characters in a stop string")
-        for name, limit in (("stop_token_ids", "max_stop_token_ids"), ("logit_bias", "max_logit_bias"),
-                            ("allowed_token_ids", "max_allowed_token_ids"), ("bad_words", "max_bad_words"),
-                            ("messages", "max_messages")):
+        for name, limit in (
+            ("stop_token_ids", "max_stop_token_ids"),
+            ("logit_bias", "max_logit_bias"),
+            ("allowed_token_ids", "max_allowed_token_ids"),
+            ("bad_words", "max_bad_words"),
+            ("messages", "max_messages"),
+        ):
             value = body.get(name)
             if isinstance(value, (list, dict)):
                 _at_most(name, len(value), getattr(self, limit), limit)
         for name in ("input", "documents", "text_1", "text_2"):  # the pooling endpoints' batches
-            _at_most(name, _num_prompts(body.get(name)), self.max_prompts_per_request, "max_prompts_per_request",
-                     "inputs")
+            _at_most(
+                name, _num_prompts(body.get(name)), self.max_prompts_per_request, "max_prompts_per_request", "inputs"
+            )
         words = body.get("bad_words")
         if isinstance(words, list):
-            _at_most("bad_words", _longest(words), self.max_bad_word_length, "max_bad_word_length",
-                     "characters in a bad word")
+            _at_most(
+                "bad_words",
+                _longest(words),
+                self.max_bad_word_length,
+                "max_bad_word_length",
+                "characters in a bad word",
+            )
 
 
 def _num_prompts(prompt: Any) -> int:
@@ -91,5 +107,6 @@ def _longest(items: list) -> int:
 def _at_most(param: str, value: int, limit: int, flag: str, what: str | None = None) -> None:
     if value > limit:
         raise InvalidParameterError(
-            f"{param}: {value} {what or 'entries'} exceeds this server's limit of {limit} "
-            f"(--{flag.replace('_', '-')})", param)
+            f"{param}: {value} {what or 'entries'} exceeds this server's limit of {limit} (--{flag.replace('_', '-')})",
+            param,
+        )

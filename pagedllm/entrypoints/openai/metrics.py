@@ -8,8 +8,28 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                    40.0, 80.0, 160.0, 640.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
@@ -36,21 +56,29 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        self.external_queries = counter("external_prefix_cache_queries", "KV tiers (RAM, disk): tokens looked up "
-                                        "past the prefix cache's hit.")
-        self.external_hits = counter("external_prefix_cache_hits", "KV tiers (RAM, disk): tokens found there and "
-                                     "loaded instead of computed.")
-        self.kv_tier_bytes = counter("kv_offload_bytes", "KV tiers: bytes copied, by tier and direction.",
-                                     extra=["tier", "direction"])
-        self.kv_transfer_seconds = counter("kv_transfer_seconds", "KV tiers: worker time spent copying blocks "
-                                           "(the driver rank's), by direction.", extra=["direction"])
+        self.external_queries = counter(
+            "external_prefix_cache_queries", "KV tiers (RAM, disk): tokens looked up past the prefix cache's hit."
+        )
+        self.external_hits = counter(
+            "external_prefix_cache_hits", "KV tiers (RAM, disk): tokens found there and loaded instead of computed."
+        )
+        self.kv_tier_bytes = counter(
+            "kv_offload_bytes", "KV tiers: bytes copied, by tier and direction.", extra=["tier", "direction"]
+        )
+        self.kv_transfer_seconds = counter(
+            "kv_transfer_seconds",
+            "KV tiers: worker time spent copying blocks (the driver rank's), by direction.",
+            extra=["direction"],
+        )
         for tier in ("ram", "disk"):
             for direction in ("save", "load"):
                 self.kv_tier_bytes.labels(m, tier, direction)
         for direction in ("save", "load"):
             self.kv_transfer_seconds.labels(m, direction)
-        self.kv_swaps = counter("kv_preemption_swaps", "Preempted requests whose partial last block was swapped "
-                                "to the RAM tier (preemption_mode='swap').")
+        self.kv_swaps = counter(
+            "kv_preemption_swaps",
+            "Preempted requests whose partial last block was swapped to the RAM tier (preemption_mode='swap').",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens produced.")
         self.success = counter("request_success", "Finished requests.", extra=["finished_reason"])
@@ -59,35 +87,52 @@ class ServerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds", "Time spent waiting before first scheduled.",
-                               _LATENCY_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Time spent waiting before first scheduled.", _LATENCY_BUCKETS
+        )
         self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
         self.req_gen_tokens = hist("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verifications (requests x steps).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
-        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                             "Speculative decoding: draft tokens accepted at each draft position.",
-                                             extra=["position"])
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position.",
+            extra=["position"],
+        )
         self.constrained = counter("structured_output_requests", "Requests with structured outputs (a grammar).")
-        self.grammar_compile = hist("grammar_compile_seconds", "Structured outputs: time to compile a grammar "
-                                    "(cold compiles; cache hits are counted apart).", _LATENCY_BUCKETS)
-        self.grammar_cache_hits = counter("grammar_compile_cache_hits", "Structured outputs: grammars served "
-                                          "from the compile cache.")
-        self.engine_state_snapshots = counter("engine_state_snapshots", "Engine snapshots taken for "
-                                              "/v1/engine/state and its stream (the dashboard).")
+        self.grammar_compile = hist(
+            "grammar_compile_seconds",
+            "Structured outputs: time to compile a grammar (cold compiles; cache hits are counted apart).",
+            _LATENCY_BUCKETS,
+        )
+        self.grammar_cache_hits = counter(
+            "grammar_compile_cache_hits", "Structured outputs: grammars served from the compile cache."
+        )
+        self.engine_state_snapshots = counter(
+            "engine_state_snapshots", "Engine snapshots taken for /v1/engine/state and its stream (the dashboard)."
+        )
         self.lora_requests = counter("lora_requests", "Prompts sent to each LoRA adapter.", extra=["lora_name"])
-        self.lora_info = Gauge("pagedllm:lora_requests_info", "Running and waiting LoRA adapters (the value is the "
-                               "time of the last change), as vLLM reports them.",
-                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.lora_info = Gauge(
+            "pagedllm:lora_requests_info",
+            "Running and waiting LoRA adapters (the value is the time of the last change), as vLLM reports them.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
         self._lora_labels: tuple[str, str, str] | None = None
         self._last_token: dict[str, tuple[float, int]] = {}
         # for the dashboard: the latest latencies (wall time, seconds) and running totals, engine thread only
         self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=512)
         self._recent_itl: deque[tuple[float, float]] = deque(maxlen=512)
-        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
-                        "prefix_cache_hits": 0, "spec_decode_draft_tokens": 0, "spec_decode_accepted_tokens": 0,
-                        "finished_requests": 0}
+        self._totals = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "spec_decode_draft_tokens": 0,
+            "spec_decode_accepted_tokens": 0,
+            "finished_requests": 0,
+        }
 
     def on_step(self, engine: Any, outputs: list) -> None:
         """Called in the engine thread after every step."""
@@ -110,7 +155,8 @@ class ServerMetrics:
             for tier in ("ram", "disk"):
                 for direction, field in (("save", "saved"), ("load", "loaded")):
                     self.kv_tier_bytes.labels(self.model_name, tier, direction).inc(
-                        getattr(kv, f"{tier}_bytes_{field}"))
+                        getattr(kv, f"{tier}_bytes_{field}")
+                    )
             self.kv_transfer_seconds.labels(self.model_name, "save").inc(kv.save_seconds)
             self.kv_transfer_seconds.labels(self.model_name, "load").inc(kv.load_seconds)
             self.kv_swaps.inc(kv.swapped_out)
@@ -180,15 +226,22 @@ class ServerMetrics:
 
     def recent(self) -> dict:
         """The dashboard's latency samples and running totals (call on the engine thread, as on_step)."""
-        return {"totals": dict(self._totals),
-                "ttft": [[round(t, 3), round(v, 5)] for t, v in self._recent_ttft],
-                "itl": [[round(t, 3), round(v, 5)] for t, v in self._recent_itl]}
+        return {
+            "totals": dict(self._totals),
+            "ttft": [[round(t, 3), round(v, 5)] for t, v in self._recent_ttft],
+            "itl": [[round(t, 3), round(v, 5)] for t, v in self._recent_itl],
+        }
 
     def _lora_step(self, engine: Any) -> None:
         s = engine.core.scheduler
         running = sorted({r.lora_request.lora_name for r in s.running if r.lora_request is not None})
-        waiting = sorted({r.lora_request.lora_name for r in s.requests.values()
-                          if r.lora_request is not None and r.status.name in ("WAITING", "PREEMPTED")})
+        waiting = sorted(
+            {
+                r.lora_request.lora_name
+                for r in s.requests.values()
+                if r.lora_request is not None and r.status.name in ("WAITING", "PREEMPTED")
+            }
+        )
         labels = (str(engine.config.lora_config.max_loras), ",".join(running), ",".join(waiting))
         if labels != self._lora_labels:
             if self._lora_labels is not None:

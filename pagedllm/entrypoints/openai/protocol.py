@@ -77,29 +77,41 @@ class _SamplingRequest(BaseModel):
         if kind == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise InvalidParameterError("response_format.json_schema.schema must be a JSON schema object",
-                                            "response_format.json_schema")
+                raise InvalidParameterError(
+                    "response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema"
+                )
             return {"json": spec["schema"]}
-        raise InvalidParameterError(f"response_format.type must be text, json_object or json_schema; got {kind!r}",
-                                    "response_format.type")
+        raise InvalidParameterError(
+            f"response_format.type must be text, json_object or json_schema; got {kind!r}", "response_format.type"
+        )
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, structured: Any = ...) -> SamplingParams:
         defaults = SamplingParams()
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens,
+            n=self.n,
+            max_tokens=max_tokens,
             temperature=defaults.temperature if self.temperature is None else self.temperature,
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
             min_p=defaults.min_p if self.min_p is None else self.min_p,
             presence_penalty=defaults.presence_penalty if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=defaults.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=(defaults.repetition_penalty if self.repetition_penalty is None
-                                else self.repetition_penalty),
-            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self._structured() if structured is ... else structured)
+            repetition_penalty=(
+                defaults.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self._structured() if structured is ... else structured,
+        )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -155,15 +167,17 @@ class ChatCompletionRequest(_SamplingRequest):
         if isinstance(choice, str):
             if choice not in ("none", "auto", "required"):
                 raise InvalidParameterError(
-                    f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice")
+                    f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice"
+                )
             if choice != "none" and not self.tools:
                 raise InvalidParameterError(f"tool_choice {choice!r} needs tools", "tool_choice")
             return choice
         function = choice.get("function")
         name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
         if not isinstance(name, str):
-            raise InvalidParameterError('a named tool_choice is {"type": "function", "function": {"name": ...}}',
-                                        "tool_choice")
+            raise InvalidParameterError(
+                'a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice"
+            )
         if not any(t.function.name == name for t in self.tools or []):
             raise InvalidParameterError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return {"type": "function", "function": {"name": name}}
@@ -177,8 +191,11 @@ class ChatCompletionRequest(_SamplingRequest):
         schema = forced_schema(tools, self.resolved_tool_choice()) if tools else None
         if schema is not None:
             if structured is not None:
-                raise InvalidParameterError("tool_choice 'required' or a named function cannot be combined with "
-                                            "response_format or structured_outputs", "tool_choice")
+                raise InvalidParameterError(
+                    "tool_choice 'required' or a named function cannot be combined with "
+                    "response_format or structured_outputs",
+                    "tool_choice",
+                )
             structured = {"json": schema}
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, structured)
 
@@ -342,8 +359,10 @@ class DetokenizeResponse(BaseModel):
 
 # -- pooling models -------------------------------------------------------------------------
 
+
 class EmbeddingRequest(BaseModel):
     """OpenAI's /v1/embeddings, plus vLLM's ``truncate_prompt_tokens``."""
+
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
@@ -375,6 +394,7 @@ class EmbeddingResponse(BaseModel):
 
 class ScoreRequest(BaseModel):
     """vLLM's /score: one ``text_1`` against each ``text_2``, or pairwise."""
+
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     text_1: str | list[str]
@@ -399,6 +419,7 @@ class ScoreResponse(BaseModel):
 
 class RerankRequest(BaseModel):
     """vLLM's /rerank (Jina / Cohere style): the documents ordered by relevance to the query."""
+
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     query: str

@@ -59,13 +59,16 @@ class BodyLimit:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await error_response(413, f"request body of {int(length)} bytes exceeds the limit of "
-                                             f"{self.max_bytes} bytes", "request_too_large")(scope, receive, send)
+            return await error_response(
+                413,
+                f"request body of {int(length)} bytes exceeds the limit of {self.max_bytes} bytes",
+                "request_too_large",
+            )(scope, receive, send)
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
-            return await error_response(400, f"Content-Type must be application/json, got "
-                                             f"{ctype.decode('latin-1')!r}", "invalid_request_error")(
-                scope, receive, send)
+            return await error_response(
+                400, f"Content-Type must be application/json, got {ctype.decode('latin-1')!r}", "invalid_request_error"
+            )(scope, receive, send)
         seen = 0
 
         async def counted() -> dict:
@@ -94,22 +97,38 @@ class ApiKeyGuard:
             supplied = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(supplied, f"Bearer {key}".encode()):
                 return await error_response(401, "invalid or missing API key", "authentication_error")(
-                    scope, receive, send)
+                    scope, receive, send
+                )
         return await self.app(scope, receive, send)
 
 
-def build_app(engine_factory: Callable[[], Any], served_model_name: str, api_key: str | None = None,
-              max_queue_len: int | None = None, max_body_bytes: int = 4 << 20,
-              limits: RequestLimits | None = None, on_ready: Callable[[], None] | None = None,
-              trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              trace_file: str | None = None, otlp_traces_endpoint: str | None = None,
-              lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False,
-              engine_state_interval: float = 1.0) -> FastAPI:
+def build_app(
+    engine_factory: Callable[[], Any],
+    served_model_name: str,
+    api_key: str | None = None,
+    max_queue_len: int | None = None,
+    max_body_bytes: int = 4 << 20,
+    limits: RequestLimits | None = None,
+    on_ready: Callable[[], None] | None = None,
+    trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
+    trace_file: str | None = None,
+    otlp_traces_endpoint: str | None = None,
+    lora_modules: dict[str, str] | None = None,
+    allow_runtime_lora_updating: bool = False,
+    engine_state_interval: float = 1.0,
+) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
     Chrome / Perfetto trace of the engine's steps and requests."""
-    state = ServerState(served_model_name, api_key, limits or RequestLimits(), trust_request_chat_template,
-                        tool_call_parser, keep_trace_context=bool(otlp_traces_endpoint))
+    state = ServerState(
+        served_model_name,
+        api_key,
+        limits or RequestLimits(),
+        trust_request_chat_template,
+        tool_call_parser,
+        keep_trace_context=bool(otlp_traces_endpoint),
+    )
 
     tracer = None
     if trace_file:
@@ -184,16 +203,18 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(400, json_error_message(exc.body, first), "invalid_request_error")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errs[:5])
+        msg = "; ".join(
+            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errs[:5]
+        )
         return error_response(400, msg or "invalid request", "invalid_request_error", ".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         """Body errors (ours and FastAPI's) and unknown routes, in the OpenAI error shape."""
         type_ = {404: "NotFoundError", 413: "request_too_large"}.get(exc.status_code, "invalid_request_error")
-        return error_response(exc.status_code, str(exc.detail), type_, getattr(exc, "param", None),
-                              getattr(exc, "headers", None))
+        return error_response(
+            exc.status_code, str(exc.detail), type_, getattr(exc, "param", None), getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError):

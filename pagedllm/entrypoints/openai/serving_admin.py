@@ -19,6 +19,7 @@ async def take_state(state: ServerState, check: bool = False) -> dict:
     def take(e: Any) -> dict:  # on the engine thread, between two steps
         state.metrics.engine_state_snapshots.inc()
         return {**e.core.snapshot(check=check), **state.metrics.recent(), "model": state.served_model_name}
+
     return await state.engine().call(take)  # pooling models too
 
 
@@ -42,10 +43,15 @@ async def engine_state_stream(state: ServerStateDep):
     if hub.closed:
         raise APIError(503, "the server is shutting down", "server_overloaded")
     if hub.full:
-        raise APIError(503, f"{hub.max_watchers} clients already watch the engine state", "server_overloaded",
-                       headers={"Retry-After": "5"})
-    return StreamingResponse(hub.stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        raise APIError(
+            503,
+            f"{hub.max_watchers} clients already watch the engine state",
+            "server_overloaded",
+            headers={"Retry-After": "5"},
+        )
+    return StreamingResponse(
+        hub.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 @router.get("/dashboard", response_model=None)

@@ -40,50 +40,87 @@ async def chat(req: P.ChatCompletionRequest, raw: Request, state: ServerStateDep
     return chat_response(rid, model, req, finals, choice, state.tool_parser)
 
 
-async def start_chat(state: ServerState, req: P.ChatCompletionRequest, trace_headers: dict[str, str] | None
-                     ) -> tuple[str, list[RequestStream], Any]:
+async def start_chat(
+    state: ServerState, req: P.ChatCompletionRequest, trace_headers: dict[str, str] | None
+) -> tuple[str, list[RequestStream], Any]:
     """Check the request, apply the chat template and submit it: (request id, its one stream, tool choice)."""
     llm = state.generator()
     lora = state.check_model(req.model)
     if req.chat_template is not None and not state.trust_request_chat_template:
         # a Jinja template runs arbitrary loops and string arithmetic on the server
-        raise APIError(400, "chat_template in a request needs the server flag --trust-request-chat-template",
-                       "invalid_request_error", "chat_template")
+        raise APIError(
+            400,
+            "chat_template in a request needs the server flag --trust-request-chat-template",
+            "invalid_request_error",
+            "chat_template",
+        )
     params = req.to_sampling_params()
     choice = req.resolved_tool_choice()
     if choice == "auto" and state.tool_parser is None:
-        raise APIError(400, 'tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
-                       '--tool-call-parser; or ask for "required" or a named function', "invalid_request_error",
-                       "tool_choice")
+        raise APIError(
+            400,
+            'tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+            '--tool-call-parser; or ask for "required" or a named function',
+            "invalid_request_error",
+            "tool_choice",
+        )
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
-    ids = await llm.prepare(chat_ids, llm.tokenizer, req.messages, req.chat_template,
-                            req.add_generation_prompt, req.chat_template_kwargs, tools)
+    ids = await llm.prepare(
+        chat_ids,
+        llm.tokenizer,
+        req.messages,
+        req.chat_template,
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+        tools,
+    )
     rid = P.random_id("chatcmpl")
-    streams = await llm.add_requests([{"prompt_token_ids": ids}], params, rid, req.priority, lora_request=lora,
-                                     trace_headers=trace_headers, max_tokens_must_fit=True)
+    streams = await llm.add_requests(
+        [{"prompt_token_ids": ids}],
+        params,
+        rid,
+        req.priority,
+        lora_request=lora,
+        trace_headers=trace_headers,
+        max_tokens_must_fit=True,
+    )
     if lora is not None:
         state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc()
     return rid, streams, choice
 
 
-def chat_response(rid: str, model: str, req: P.ChatCompletionRequest, finals: list[RequestOutput], choice: Any,
-                  parser: Any) -> P.ChatCompletionResponse:
+def chat_response(
+    rid: str, model: str, req: P.ChatCompletionRequest, finals: list[RequestOutput], choice: Any, parser: Any
+) -> P.ChatCompletionResponse:
     """The whole answer, from the request's final output."""
     choices = []
     for c in finals[0].outputs:
         content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser)
         message = P.ChatResponseMessage(content=content, tool_calls=[P.ToolCall(**x.to_openai()) for x in calls])
-        choices.append(P.ChatChoice(
-            index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
-            logprobs=chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None))
+        choices.append(
+            P.ChatChoice(
+                index=c.index,
+                message=message,
+                finish_reason=finish,
+                stop_reason=c.stop_reason,
+                logprobs=chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+            )
+        )
     return P.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_info(finals))
 
 
-def chat_ids(tok: Any, messages: list[P.ChatMessage], template: str | None, add_generation_prompt: bool,
-             kwargs: dict | None, tools: list[dict] | None = None) -> list[int]:
+def chat_ids(
+    tok: Any,
+    messages: list[P.ChatMessage],
+    template: str | None,
+    add_generation_prompt: bool,
+    kwargs: dict | None,
+    tools: list[dict] | None = None,
+) -> list[int]:
     if template is None and getattr(tok, "chat_template", None) is None:
-        raise APIError(400, "this model has no chat template; pass `chat_template`", "invalid_request_error",
-                       "chat_template")
+        raise APIError(
+            400, "this model has no chat template; pass `chat_template`", "invalid_request_error", "chat_template"
+        )
     conv = []
     for m in messages:
         content = m.content
@@ -91,14 +128,24 @@ def chat_ids(tok: Any, messages: list[P.ChatMessage], template: str | None, add_
             texts = []
             for part in content:
                 if part.get("type") != "text":
-                    raise APIError(400, f"unsupported content part type {part.get('type')!r}; only 'text'",
-                                   "invalid_request_error", "messages")
+                    raise APIError(
+                        400,
+                        f"unsupported content part type {part.get('type')!r}; only 'text'",
+                        "invalid_request_error",
+                        "messages",
+                    )
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
         conv.append({**m.model_dump(exclude_none=True), "content": content or ""})
     try:
-        text = tok.apply_chat_template(conv, chat_template=template, tokenize=False, tools=tools,
-                                       add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        text = tok.apply_chat_template(
+            conv,
+            chat_template=template,
+            tokenize=False,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **(kwargs or {}),
+        )
     except Exception as e:  # a template error is the request's fault (bad roles, bad template)
         raise APIError(400, f"chat template failed: {e}", "invalid_request_error", "messages") from e
     return tok.encode(text, add_special_tokens=False)
@@ -119,13 +166,21 @@ def tool_answer(text: str, finish_reason: str | None, choice: Any, parser: Any) 
     return content, calls, ("tool_calls" if calls and not named and finish_reason == "stop" else finish_reason)
 
 
-async def chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, choice: Any = "none",
-                      parser: Any = None) -> AsyncIterator[str]:
+async def chat_chunks(
+    rid, model, req: P.ChatCompletionRequest, stream, choice: Any = "none", parser: Any = None
+) -> AsyncIterator[str]:
     """Content deltas as text arrives. With tools: a named function streams its arguments as tool-call
     deltas; ``auto`` streams the text a call cannot begin in and sends the calls, whole, when the answer
     ends; ``required`` sends its calls at the end."""
-    yield sse_event(P.ChatCompletionChunk(id=rid, model=model, choices=[
-        P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")) for j in range(req.n)]))
+    yield sse_event(
+        P.ChatCompletionChunk(
+            id=rid,
+            model=model,
+            choices=[
+                P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")) for j in range(req.n)
+            ],
+        )
+    )
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
@@ -153,23 +208,47 @@ async def chat_chunks(rid, model, req: P.ChatCompletionRequest, stream, choice: 
             if named:
                 first = c.index not in call_ids
                 call_ids.setdefault(c.index, f"chatcmpl-tool-{uuid.uuid4().hex}")
-                message = P.DeltaMessage(tool_calls=[P.DeltaToolCall(
-                    index=0, id=call_ids[c.index] if first else None, type="function" if first else None,
-                    function={"name": named, "arguments": delta} if first else {"arguments": delta})])
+                message = P.DeltaMessage(
+                    tool_calls=[
+                        P.DeltaToolCall(
+                            index=0,
+                            id=call_ids[c.index] if first else None,
+                            type="function" if first else None,
+                            function={"name": named, "arguments": delta} if first else {"arguments": delta},
+                        )
+                    ]
+                )
             elif c.finished() and choice in ("auto", "required"):
                 content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser)
                 if choice == "required":
                     rest = content or ""
                 else:  # the content not yet sent: up to where the calls begin, or all of it
-                    rest = c.text[start:parser.streamable(c.text)].rstrip() if calls else c.text[start:]
-                message = P.DeltaMessage(content=rest or None, tool_calls=[P.DeltaToolCall(
-                    index=i, id=x["id"], type="function", function=x["function"])
-                    for i, x in enumerate(call.to_openai() for call in calls)] or None)
+                    rest = c.text[start : parser.streamable(c.text)].rstrip() if calls else c.text[start:]
+                message = P.DeltaMessage(
+                    content=rest or None,
+                    tool_calls=[
+                        P.DeltaToolCall(index=i, id=x["id"], type="function", function=x["function"])
+                        for i, x in enumerate(call.to_openai() for call in calls)
+                    ]
+                    or None,
+                )
             if c.finished():
                 done.add(c.index)
-            yield sse_event(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
-                index=c.index, delta=message, logprobs=lp, finish_reason=finish if c.finished() else None,
-                stop_reason=c.stop_reason)]))
+            yield sse_event(
+                P.ChatCompletionChunk(
+                    id=rid,
+                    model=model,
+                    choices=[
+                        P.ChatStreamChoice(
+                            index=c.index,
+                            delta=message,
+                            logprobs=lp,
+                            finish_reason=finish if c.finished() else None,
+                            stop_reason=c.stop_reason,
+                        )
+                    ],
+                )
+            )
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:

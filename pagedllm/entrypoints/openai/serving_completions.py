@@ -31,8 +31,15 @@ async def completions(req: P.CompletionRequest, raw: Request, state: ServerState
     prompts = completion_prompts(req.prompt)
     params = req.to_sampling_params()
     rid = P.random_id("cmpl")
-    streams = await llm.add_requests(prompts, params, rid, req.priority, lora_request=lora,
-                                     trace_headers=state.trace_headers(raw), max_tokens_must_fit=True)
+    streams = await llm.add_requests(
+        prompts,
+        params,
+        rid,
+        req.priority,
+        lora_request=lora,
+        trace_headers=state.trace_headers(raw),
+        max_tokens_must_fit=True,
+    )
     if lora is not None:
         state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc(len(prompts))
     tok = llm.tokenizer
@@ -43,13 +50,18 @@ async def completions(req: P.CompletionRequest, raw: Request, state: ServerState
     for i, out in enumerate(finals):
         prefix = (out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)) if req.echo else ""
         for c in out.outputs:
-            choices.append(P.CompletionChoice(
-                index=i * req.n + c.index, text=prefix + c.text, finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=completion_logprobs(c, len(prefix), req.logprobs)
-                if req.logprobs is not None else None))
-    return P.CompletionResponse(id=rid, model=req.model or state.served_model_name, choices=choices,
-                                usage=usage_info(finals))
+            choices.append(
+                P.CompletionChoice(
+                    index=i * req.n + c.index,
+                    text=prefix + c.text,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=completion_logprobs(c, len(prefix), req.logprobs) if req.logprobs is not None else None,
+                )
+            )
+    return P.CompletionResponse(
+        id=rid, model=req.model or state.served_model_name, choices=choices, usage=usage_info(finals)
+    )
 
 
 def completion_prompts(prompt: Any) -> list[Any]:
@@ -80,16 +92,20 @@ async def completion_chunks(rid, model, req: P.CompletionRequest, streams, tok) 
             prefix = ""
             if req.echo and first_chunk:
                 prefix = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
-            delta = c.text[sent_text.get(idx, 0):]
+            delta = c.text[sent_text.get(idx, 0) :]
             if not delta and not prefix and not c.finished():
                 continue
-            lp = (completion_logprobs(c, sent_text.get(idx, 0), req.logprobs, sent_tokens.get(idx, 0))
-                  if req.logprobs is not None else None)
+            lp = (
+                completion_logprobs(c, sent_text.get(idx, 0), req.logprobs, sent_tokens.get(idx, 0))
+                if req.logprobs is not None
+                else None
+            )
             sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
             if c.finished():
                 done.add(idx)
-            choice = P.CompletionChoice(index=idx, text=prefix + delta, logprobs=lp, finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason)
+            choice = P.CompletionChoice(
+                index=idx, text=prefix + delta, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+            )
             yield sse_event(P.CompletionResponse(id=rid, model=model, choices=[choice]))
         if out.finished:
             finals[i] = out

@@ -20,8 +20,11 @@ lora_router = APIRouter(route_class=JSONBodyRoute)
 @router.get("/health")
 async def health(state: ServerStateDep):
     if state.llm is None or state.llm.dead is not None:
-        return error_response(503, "not ready" if state.load_error is None else str(state.load_error),
-                              "model_loading" if state.load_error is None else "engine_dead")
+        return error_response(
+            503,
+            "not ready" if state.load_error is None else str(state.load_error),
+            "model_loading" if state.load_error is None else "engine_dead",
+        )
     return Response(status_code=200)
 
 
@@ -41,8 +44,10 @@ async def version():
 async def models(state: ServerStateDep):
     max_len = state.llm.engine.max_model_len if state.llm else None
     cards = [P.ModelCard(id=state.served_model_name, max_model_len=max_len)]
-    cards += [P.ModelCard(id=name, root=req.lora_path, parent=state.served_model_name, max_model_len=max_len)
-              for name, req in state.loras.items()]
+    cards += [
+        P.ModelCard(id=name, root=req.lora_path, parent=state.served_model_name, max_model_len=max_len)
+        for name, req in state.loras.items()
+    ]
     return P.ModelList(data=cards)
 
 
@@ -75,8 +80,7 @@ async def detokenize(req: P.DetokenizeRequest, state: ServerStateDep):
 async def load_lora_adapter(req: P.LoadLoRAAdapterRequest, state: ServerStateDep):
     llm = state.generator()
     if llm.engine.lora_cache is None:
-        raise APIError(400, "this server was started without --enable-lora", "invalid_request_error",
-                       "lora_name")
+        raise APIError(400, "this server was started without --enable-lora", "invalid_request_error", "lora_name")
     async with state.lora_lock:  # one at a time: the name check and the registration go together
         await llm.prepare(state.add_lora, req.lora_name, req.lora_path)  # reads the files off the loop
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
@@ -86,8 +90,7 @@ async def load_lora_adapter(req: P.LoadLoRAAdapterRequest, state: ServerStateDep
 async def unload_lora_adapter(req: P.UnloadLoRAAdapterRequest, state: ServerStateDep):
     lora = state.loras.pop(req.lora_name, None)
     if lora is None:
-        raise APIError(404, f"no LoRA adapter named `{req.lora_name}` is loaded", "NotFoundError",
-                       "lora_name")
+        raise APIError(404, f"no LoRA adapter named `{req.lora_name}` is loaded", "NotFoundError", "lora_name")
     # requests already running with it finish with it; it leaves the memory cache now
     state.generator().engine.lora_cache.remove(lora.lora_int_id)
     return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")

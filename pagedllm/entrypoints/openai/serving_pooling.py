@@ -36,8 +36,13 @@ async def embeddings(req: P.EmbeddingRequest, state: ServerStateDep):
         raise APIError(400, "input is empty", "invalid_request_error", "input")
     size = llm.engine.hidden_size
     if req.dimensions is not None and req.dimensions != size:
-        raise APIError(400, f"dimensions={req.dimensions}: this model's embeddings have {size} dimensions "
-                       "and it is not a Matryoshka model", "invalid_request_error", "dimensions")
+        raise APIError(
+            400,
+            f"dimensions={req.dimensions}: this model's embeddings have {size} dimensions "
+            "and it is not a Matryoshka model",
+            "invalid_request_error",
+            "dimensions",
+        )
     ids, vectors = await pool(llm, prompts, req.truncate_prompt_tokens)
     data = []
     for i, v in enumerate(vectors):
@@ -51,12 +56,17 @@ async def embeddings(req: P.EmbeddingRequest, state: ServerStateDep):
             emb = v
         data.append(P.EmbeddingData(index=i, embedding=emb))
     n = sum(map(len, ids))
-    return P.EmbeddingResponse(id=P.random_id("embd"), model=req.model or state.served_model_name, data=data,
-                               usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n))
+    return P.EmbeddingResponse(
+        id=P.random_id("embd"),
+        model=req.model or state.served_model_name,
+        data=data,
+        usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n),
+    )
 
 
-async def _similarities(llm: Any, text_1: str | list[str], text_2: str | list[str], truncate: int | None
-                        ) -> tuple[list[float], int]:
+async def _similarities(
+    llm: Any, text_1: str | list[str], text_2: str | list[str], truncate: int | None
+) -> tuple[list[float], int]:
     from pagedllm.engine.pooling import pair_scores, score_texts
 
     ids, vectors = await pool(llm, score_texts(text_1, text_2), truncate)
@@ -68,9 +78,12 @@ async def score(req: P.ScoreRequest, state: ServerStateDep):
     llm = state.pooler()
     state.check_model(req.model)
     scores, n = await _similarities(llm, req.text_1, req.text_2, req.truncate_prompt_tokens)
-    return P.ScoreResponse(id=P.random_id("score"), model=req.model or state.served_model_name,
-                           data=[P.ScoreData(index=i, score=s) for i, s in enumerate(scores)],
-                           usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n))
+    return P.ScoreResponse(
+        id=P.random_id("score"),
+        model=req.model or state.served_model_name,
+        data=[P.ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+        usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n),
+    )
 
 
 @router.post("/rerank", response_model=None)
@@ -79,8 +92,13 @@ async def rerank(req: P.RerankRequest, state: ServerStateDep):
     llm = state.pooler()
     state.check_model(req.model)
     scores, n = await _similarities(llm, req.query, req.documents, req.truncate_prompt_tokens)
-    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or len(scores)]
-    return P.RerankResponse(id=P.random_id("rerank"), model=req.model or state.served_model_name,
-                            usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n),
-                            results=[P.RerankResult(index=i, document=P.RerankDocument(text=req.documents[i]),
-                                                    relevance_score=scores[i]) for i in ranked])
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or len(scores)]
+    return P.RerankResponse(
+        id=P.random_id("rerank"),
+        model=req.model or state.served_model_name,
+        usage=P.PoolingUsage(prompt_tokens=n, total_tokens=n),
+        results=[
+            P.RerankResult(index=i, document=P.RerankDocument(text=req.documents[i]), relevance_score=scores[i])
+            for i in ranked
+        ],
+    )

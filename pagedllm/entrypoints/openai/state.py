@@ -22,9 +22,15 @@ if TYPE_CHECKING:
 class ServerState:
     """What the endpoints share; `llm` is None until the engine has loaded."""
 
-    def __init__(self, served_model_name: str, api_key: str | None, limits: RequestLimits,
-                 trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-                 keep_trace_context: bool = False):
+    def __init__(
+        self,
+        served_model_name: str,
+        api_key: str | None,
+        limits: RequestLimits,
+        trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None,
+        keep_trace_context: bool = False,
+    ):
         from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS
 
         self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
@@ -60,15 +66,24 @@ class ServerState:
     def generator(self) -> AsyncLLM:
         llm = self.engine()
         if llm.engine.is_pooling:
-            raise APIError(400, f"`{self.served_model_name}` is a pooling model: use /v1/embeddings, /score or "
-                           "/rerank", "invalid_request_error", "model")
+            raise APIError(
+                400,
+                f"`{self.served_model_name}` is a pooling model: use /v1/embeddings, /score or /rerank",
+                "invalid_request_error",
+                "model",
+            )
         return llm
 
     def pooler(self) -> AsyncLLM:
         llm = self.engine()
         if not llm.engine.is_pooling:
-            raise APIError(400, f"`{self.served_model_name}` generates text; embeddings and scores need a pooling "
-                           "model (pagedllm serve MODEL --runner pooling)", "invalid_request_error", "model")
+            raise APIError(
+                400,
+                f"`{self.served_model_name}` generates text; embeddings and scores need a pooling "
+                "model (pagedllm serve MODEL --runner pooling)",
+                "invalid_request_error",
+                "model",
+            )
         return llm
 
     def check_model(self, name: str | None) -> LoRARequest | None:
@@ -78,8 +93,7 @@ class ServerState:
         if name in self.loras:
             return self.loras[name]
         served = ", ".join(f"`{n}`" for n in [self.served_model_name, *self.loras])
-        raise APIError(404, f"the model `{name}` does not exist; this server serves {served}", "NotFoundError",
-                       "model")
+        raise APIError(404, f"the model `{name}` does not exist; this server serves {served}", "NotFoundError", "model")
 
     def trace_headers(self, raw: Request) -> dict[str, str] | None:
         """The client's W3C trace context (``traceparent``, ``tracestate``), kept only when spans are exported."""

@@ -29,8 +29,11 @@ class ParsedCall:
     arguments: str  # JSON text
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
@@ -43,10 +46,20 @@ def forced_schema(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, An
         name = tool_choice["function"]["name"]
         return _params_schema(next(t for t in tools if t["function"]["name"] == name))
     if tool_choice == "required":
-        return {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                              "parameters": _params_schema(t)},
-             "required": ["name", "parameters"]} for t in tools]}}
+        return {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"const": t["function"]["name"]}, "parameters": _params_schema(t)},
+                        "required": ["name", "parameters"],
+                    }
+                    for t in tools
+                ]
+            },
+        }
     return None
 
 
@@ -58,8 +71,7 @@ def parse_forced(text: str, tool_choice: Any) -> list[ParsedCall]:
         items = json.loads(text)
     except json.JSONDecodeError:  # cut short by max_tokens
         return []
-    if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c and "parameters" in c
-                                              for c in items):
+    if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c and "parameters" in c for c in items):
         return []
     return [ParsedCall(str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
 
@@ -67,6 +79,7 @@ def parse_forced(text: str, tool_choice: Any) -> list[ParsedCall]:
 class ToolParser:
     """Lifts tool calls out of a free answer. ``streamable(text)`` is how much of a partial answer is
     plain content for sure (a call may still begin after it)."""
+
     name = ""
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -106,7 +119,7 @@ class HermesToolParser(ToolParser):
             if call is None:  # not a well-formed call: leave the text as it is
                 return text, []
             calls.append(call)
-        content = text[:text.index(self.OPEN)].strip()
+        content = text[: text.index(self.OPEN)].strip()
         return content or None, calls
 
     def streamable(self, text: str) -> int:
