@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -95,7 +96,7 @@ def main() -> int:
                     check=True,
                     stdout=subprocess.DEVNULL,
                 )
-                report = json.load(open(out.name))
+                report = json.loads(Path(out.name).read_text())
         finally:
             proc.terminate()
             proc.wait(60)

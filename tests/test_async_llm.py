@@ -26,7 +26,9 @@ def test_streams_match_offline_and_unread_streams_free_their_blocks(model_dir):
     async def main():
         single = [out async for out in llm.generate("Hello there", GREEDY)]
         batch = await llm.add_requests(["one", "two", "three"], GREEDY)
-        finals = [[out async for out in s][-1] for s in batch]
+        finals = []
+        for s in batch:  # (an async comprehension inside a comprehension needs Python 3.11)
+            finals.append([out async for out in s][-1])
         abandoned = await llm.add_requests(["never read"], SamplingParams(max_tokens=200, ignore_eos=True))
         await abandoned[0].aclose()  # before its first output: it must still be aborted
         with pytest.raises(InvalidParameterError, match="max_queue_len=16"):

@@ -109,7 +109,7 @@ def test_max_model_len_larger_than_kv_cache_is_refused(tiny_llama_dir):
 
 
 def test_a_kv_cache_larger_than_the_machine_maps_is_a_clear_error(tiny_llama_dir):
-    with pytest.raises(InvalidParameterError, match="could not be allocated.*lower kv_cache_memory") as e:
+    with pytest.raises(InvalidParameterError, match=r"could not be allocated.*lower kv_cache_memory") as e:
         LLM(model=tiny_llama_dir, kv_cache_memory=10**30)
     assert e.value.param == "kv_cache_memory"
 
@@ -123,7 +123,7 @@ def test_unsupported_architecture_lists_supported_ones(tiny_llama_dir, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["FalconForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM.*LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"FalconForCausalLM.*LlamaForCausalLM"):
         LLM(model=str(d))
 
 

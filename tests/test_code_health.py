@@ -54,7 +54,9 @@ def test_checker_resolves_relative_and_package_imports_and_skips_type_checking(t
         {
             "pkg/__init__.py": "from .sub import thing\n",
             "pkg/sub/__init__.py": "from .impl import thing\n",
-            "pkg/sub/impl.py": "thing = 1\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import sub\n",
+            "pkg/sub/impl.py": (
+                "thing = 1\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import sub\n"
+            ),
             "pkg/x.py": "from pkg.sub import impl\n",
             "pkg/y.py": "from . import x\n",
         },

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pagedllm.engine.core import EngineCoreOutput
@@ -83,7 +85,7 @@ def test_stop_strings_across_token_boundaries(tok, text, stops, include, expect)
     assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason in stops
     assert to_stop and to_stop[0][1] == final.outputs[0].stop_reason
     streamed = [o.outputs[0].text for o in outs]
-    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:])), "a stop string's prefix was streamed"
+    assert all(b.startswith(a) for a, b in itertools.pairwise(streamed)), "a stop string's prefix was streamed"
 
 
 def test_stop_string_spanning_many_tokens_is_never_partially_streamed(tok):
@@ -102,7 +104,7 @@ def test_delta_outputs_concatenate_to_the_cumulative_output(tok):
     cumulative = _run_kind(tok, "cumulative")
     delta = _run_kind(tok, "delta")
     assert "".join(o.outputs[0].text for o in delta) == cumulative[-1].outputs[0].text
-    assert sum((o.outputs[0].token_ids for o in delta), []) == cumulative[-1].outputs[0].token_ids
+    assert [t for o in delta for t in o.outputs[0].token_ids] == cumulative[-1].outputs[0].token_ids
     final_only = _run_kind(tok, "final_only")
     assert len(final_only) == 1 and final_only[0].finished
     assert final_only[0].outputs[0].text == cumulative[-1].outputs[0].text
@@ -114,9 +116,9 @@ def test_delta_outputs_concatenate_to_the_cumulative_output(tok):
 )
 def test_spaces_between_special_tokens(tok, spaces, expect):
     text = "Hi<|im_end|><|im_start|> there"
-    outs, ids, _ = _stream(tok, text, SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces))
+    outs, _, _ = _stream(tok, text, SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces))
     assert outs[-1].outputs[0].text == expect
     streamed = [o.outputs[0].text for o in outs]
-    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(streamed))
     skipped, _, _ = _stream(tok, text, SamplingParams(spaces_between_special_tokens=spaces))
     assert skipped[-1].outputs[0].text == "Hi there"

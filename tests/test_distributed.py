@@ -267,7 +267,7 @@ def test_server_with_a_dead_worker_fails_fast_and_sigterm_stops_every_worker(qwe
     pids = workers(healthy.proc.pid)
     assert len(pids) == 2
     assert healthy.stop() == 0
-    assert all(not os.path.exists(f"/proc/{p}") or "zombie" in open(f"/proc/{p}/status").read() for p in pids)
+    assert all(not os.path.exists(f"/proc/{p}") or "zombie" in Path(f"/proc/{p}/status").read_text() for p in pids)
 
     from pagedllm.model_loader import resolve_model
 

@@ -214,7 +214,7 @@ def test_a_full_disk_skips_saving_and_fails_no_request(model, tmp_path, monkeypa
     monkeypatch.setattr(disk.Path, "write_bytes", full)
     outs, _ = _run(llm, prompts)
     _same(ref, outs)
-    outs, computed = _run(llm, prompts)  # nothing was saved: a lookup finds no file and recomputes
+    outs, _ = _run(llm, prompts)  # nothing was saved: a lookup finds no file and recomputes
     _same(ref, outs)
     assert llm.llm_engine.core.make_stats().kv_connector.hits == 0
     _clean(llm)
@@ -294,7 +294,8 @@ def test_cli_flags_reach_the_engine_config():
 
 
 def test_smollm2_through_every_tier_gives_the_same_tokens(tmp_path):
-    """The embedded model with a 40-block primary cache (3 of these prompts fit, not their outputs): preempted requests swap,
+    """The embedded model with a 40-block primary cache (3 of these prompts fit, not their outputs):
+    preempted requests swap,
     evicted blocks go to RAM, and a restarted engine reads the disk; the tokens never change."""
     rng = random.Random(41)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(200)]} for _ in range(4)]

@@ -180,7 +180,7 @@ def test_bad_adapters_and_requests_get_clear_errors(llm: LLM, base_dir: Path, ad
         LLM(str(base_dir), max_model_len=64, num_gpu_blocks_override=8).generate(
             ["hi"], lora_request=LoRARequest("a", 1, str(adapters["r8_attn"])), use_tqdm=False
         )
-    with pytest.raises(InvalidParameterError, match="no adapter_config.json"):
+    with pytest.raises(InvalidParameterError, match=r"no adapter_config\.json"):
         llm.generate(["hi"], lora_request=LoRARequest("missing", 90, str(tmp_path)), use_tqdm=False)
     small_rank = LLM(str(base_dir), enable_lora=True, max_lora_rank=16, max_model_len=64, num_gpu_blocks_override=8)
     with pytest.raises(InvalidParameterError, match="rank 64 is above max_lora_rank=16"):

@@ -144,7 +144,7 @@ def test_resolve_gguf_file_and_directory_with_one_gguf(tmp_path: Path) -> None:
 def test_resolve_directory_with_two_ggufs_asks_which(tmp_path: Path) -> None:
     (tmp_path / "a.gguf").symlink_to(default_model_path())
     (tmp_path / "b.gguf").symlink_to(default_model_path())
-    with pytest.raises(UnsupportedModelError, match="a.gguf, b.gguf"):
+    with pytest.raises(UnsupportedModelError, match=r"a\.gguf, b\.gguf"):
         resolve_model(str(tmp_path))
 
 
@@ -188,17 +188,17 @@ def test_resolve_repo_id_from_local_hf_cache(isolated_caches: Path) -> None:
 
 
 def test_resolve_directory_without_weights(tmp_path: Path) -> None:
-    with pytest.raises(ModelNotFoundError, match="neither a config.json"):
+    with pytest.raises(ModelNotFoundError, match=r"neither a config\.json"):
         resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
+    with pytest.raises(ModelNotFoundError, match=r"no \*\.safetensors"):
         resolve_model(str(tmp_path))
 
 
 def test_pytorch_bin_only_checkpoint_is_rejected_clearly(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(UnsupportedModelError, match="only loads \\*.safetensors"):
+    with pytest.raises(UnsupportedModelError, match=r"only loads \*\.safetensors"):
         resolve_model(str(tmp_path))
 
 

@@ -127,14 +127,14 @@ def test_chunked_prefill_does_not_change_outputs():
 
 
 def test_unchunked_prompt_waits_for_a_step_with_enough_budget():
-    out, sched, *_ = run([[1] * 30, [2] * 30], budget=40, chunked=False)
+    out, *_ = run([[1] * 30, [2] * 30], budget=40, chunked=False)
     assert all(len(o) == 12 for o in out)
 
 
 def test_prefix_cache_hit_does_not_change_output_and_skips_work():
     prompts = _prompts(shared_prefix=24)
     ref, _, runner_off, _ = run(prompts, caching=False)
-    out, sched, runner_on, reqs = run(prompts, caching=True)
+    out, _, runner_on, reqs = run(prompts, caching=True)
     assert out == ref
     assert sum(r.num_cached_tokens for r in reqs) > 0
     assert runner_on.num_computed_tokens_total < runner_off.num_computed_tokens_total
@@ -143,7 +143,7 @@ def test_prefix_cache_hit_does_not_change_output_and_skips_work():
 def test_prefix_cache_stats_count_each_admitted_prompt_once():
     # unchunked 30-token prompts under a 40-token budget: each waits a step or more, looked up every time
     prompts = [[7] * 24 + [i] * 6 for i in range(6)]
-    out, sched, _, reqs = run(prompts, budget=40, chunked=False)
+    _, sched, _, reqs = run(prompts, budget=40, chunked=False)
     stats = sched.make_stats().prefix_cache
     assert stats.queries == sum(len(p) for p in prompts)
     assert stats.hits == sum(r.num_cached_tokens for r in reqs) == 5 * 24
@@ -161,7 +161,7 @@ def test_preemption_under_tiny_cache_finishes_every_request():
 
 def test_priority_policy_preempts_the_least_important_request():
     prompts = [[1] * 20, [2] * 20, [3] * 20]
-    out, sched, _, reqs = run(
+    _, sched, _, reqs = run(
         prompts, num_blocks=16, policy="priority", priorities=[5, 0, 9], max_tokens=30, max_model_len=64
     )
     assert sched.num_preemptions > 0

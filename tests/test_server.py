@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -444,7 +445,7 @@ def test_bench_serve_reports_vllm_metrics(server, tmp_path):
 
 def test_grafana_dashboard_uses_only_exported_metrics(server):
     dash = json.loads(
-        open(os.path.join(os.path.dirname(__file__), "..", "deploy", "grafana", "pagedllm-dashboard.json")).read()
+        (Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "pagedllm-dashboard.json").read_text()
     )
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"pagedllm:[a-z0-9_]+", e)}

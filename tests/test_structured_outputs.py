@@ -23,7 +23,7 @@ from pagedllm.sampling_params import StructuredOutputsParams as SO
 
 # strings and numbers are bounded: a free integer lets a small model write digits until max_tokens
 S = {"type": "string", "maxLength": 16}
-I = {"type": "integer", "minimum": -999, "maximum": 9999}
+INT = {"type": "integer", "minimum": -999, "maximum": 9999}
 SCHEMAS = [
     {
         "type": "object",
@@ -32,7 +32,7 @@ SCHEMAS = [
     },
     {
         "type": "object",
-        "properties": {"user": {"type": "object", "properties": {"id": I, "email": S}, "required": ["id", "email"]}},
+        "properties": {"user": {"type": "object", "properties": {"id": INT, "email": S}, "required": ["id", "email"]}},
         "required": ["user"],
     },
     {"type": "array", "items": S, "minItems": 1, "maxItems": 3},
@@ -45,19 +45,19 @@ SCHEMAS = [
         "required": ["n"],
     },
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": S}, "required": ["ok"]},
-    {"type": "object", "properties": {"v": {"anyOf": [I, S]}}, "required": ["v"]},
+    {"type": "object", "properties": {"v": {"anyOf": [INT, S]}}, "required": ["v"]},
     {
-        "$defs": {"pt": {"type": "object", "properties": {"x": I, "y": I}, "required": ["x", "y"]}},
+        "$defs": {"pt": {"type": "object", "properties": {"x": INT, "y": INT}, "required": ["x", "y"]}},
         "type": "object",
         "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}},
         "required": ["a", "b"],
     },
     {
         "type": "array",
-        "items": {"type": "object", "properties": {"k": S, "v": I}, "required": ["k", "v"]},
+        "items": {"type": "object", "properties": {"k": S, "v": INT}, "required": ["k", "v"]},
         "maxItems": 2,
     },
-    {"type": "object", "properties": {"kind": {"const": "event"}, "id": I}, "required": ["kind", "id"]},
+    {"type": "object", "properties": {"kind": {"const": "event"}, "id": INT}, "required": ["kind", "id"]},
     {"type": "object", "properties": {"nick": {"type": ["string", "null"], "maxLength": 10}}, "required": ["nick"]},
     {
         "type": "object",
@@ -68,8 +68,8 @@ SCHEMAS = [
         },
         "required": ["title"],
     },
-    {"type": "object", "properties": {"a": I}, "required": ["a"], "additionalProperties": False},
-    {"type": "array", "items": {"type": "array", "items": I, "maxItems": 3}, "maxItems": 2},
+    {"type": "object", "properties": {"a": INT}, "required": ["a"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "array", "items": INT, "maxItems": 3}, "maxItems": 2},
     {
         "type": "object",
         "properties": {"code": {"type": "string", "minLength": 2, "maxLength": 4}},
@@ -83,13 +83,13 @@ SCHEMAS = [
         },
         "required": ["days"],
     },
-    {"type": "array", "prefixItems": [I, S], "items": False, "minItems": 2},
+    {"type": "array", "prefixItems": [INT, S], "items": False, "minItems": 2},
     {
         "type": "object",
         "properties": {
             "l1": {
                 "type": "object",
-                "properties": {"l2": {"type": "object", "properties": {"l3": I}, "required": ["l3"]}},
+                "properties": {"l2": {"type": "object", "properties": {"l3": INT}, "required": ["l3"]}},
                 "required": ["l2"],
             }
         },
@@ -269,7 +269,7 @@ def test_constrained_outputs_unchanged_with_speculation(llm):
     )
     schema = {
         "type": "array",
-        "items": {"type": "object", "properties": {"name": S, "id": I}, "required": ["name", "id"]},
+        "items": {"type": "object", "properties": {"name": S, "id": INT}, "required": ["name", "id"]},
         "minItems": 3,
         "maxItems": 4,
     }

@@ -76,7 +76,10 @@ def test_tools_reach_the_chat_template():
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(None))
-    template = "{% for t in tools or [] %}[TOOL {{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    template = (
+        "{% for t in tools or [] %}[TOOL {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     msgs = [ChatMessage(role="user", content="hi")]
     assert tok.decode(_chat_ids(tok, msgs, template, True, None, tools)) == "[TOOL get_weather]hi"
