@@ -1,4 +1,5 @@
-"""Structure checks: the package has no import cycles (tools/check_imports.py)."""
+"""Code health: the package has no import cycles (tools/check_imports.py), ruff finds nothing to lint or
+reformat, and mypy finds no type error in the package (both configured in pyproject.toml)."""
 
 import importlib.util
 import subprocess
@@ -73,3 +74,24 @@ def test_checker_resolves_relative_and_package_imports_and_skips_type_checking(t
     # the same import outside TYPE_CHECKING closes a cycle
     (pkg / "sub" / "impl.py").write_text("thing = 1\nfrom pkg import sub\n")
     assert [comp for comp, _ in checker.find_cycles(pkg)] == [["pkg.sub", "pkg.sub.impl"]]
+
+
+def _tool(name: str) -> str:
+    """A tool installed beside this interpreter (the test extra pins ruff and mypy)."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def test_ruff_finds_nothing_to_lint_or_reformat():
+    lint = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout[-5000:] + lint.stderr
+    fmt = subprocess.run([_tool("ruff"), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stdout[-5000:] + fmt.stderr
+
+
+def test_mypy_finds_no_type_error_in_the_package(tmp_path):
+    r = subprocess.run(
+        [_tool("mypy"), "--cache-dir", str(tmp_path / "mypy-cache")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr
+    assert "Success: no issues found" in r.stdout
