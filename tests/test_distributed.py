@@ -309,19 +309,39 @@ def test_tensor_parallel_moe_without_expert_parallel_is_refused(tiny_model_facto
         LLM(str(tiny_model_factory("mixtral")), tensor_parallel_size=2)
 
 
-def test_tp2_embeddings_equal_single_process(qwen2_dir: Path) -> None:
-    """runner='pooling' on a decoder under tensor_parallel_size=2 (two worker processes): the same vectors."""
+def test_tp2_embeddings_served_equal_single_process(qwen2_dir: Path) -> None:
+    """`pagedllm serve --runner pooling` on a decoder under tensor_parallel_size=2 (two worker processes):
+    /v1/embeddings gives the single process's vectors, and the requests count in /metrics."""
+    import httpx
     import torch
 
+    from utils import MODEL, Server
+
     texts = [SYSTEM + q for q in QUESTIONS] + ["a"]
-
-    def embed(**kw: Any) -> torch.Tensor:
-        llm = LLM(str(qwen2_dir), runner="pooling", max_model_len=96, max_num_seqs=4, **kw)
-        try:
-            return torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
-        finally:
-            llm.llm_engine.shutdown()
-
-    ref, got = embed(), embed(tensor_parallel_size=2)
+    llm = LLM(str(qwen2_dir), runner="pooling", max_model_len=96, max_num_seqs=4)
+    try:
+        ref = torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in llm.embed(texts))
+    finally:
+        llm.llm_engine.shutdown()
+    server = Server(
+        str(qwen2_dir),
+        "--runner",
+        "pooling",
+        "--max-model-len",
+        "96",
+        "--max-num-seqs",
+        "4",
+        "--tensor-parallel-size",
+        "2",
+    )
+    try:
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": texts}, timeout=120)
+        assert r.status_code == 200, r.text
+        got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+        assert r.json()["usage"]["prompt_tokens"] == prompt_tokens
+        assert server.metric("pagedllm:prompt_tokens_total") == prompt_tokens
+    finally:
+        assert server.stop() == 0
     assert ref.shape == (len(texts), 64)
     assert float((ref - got).abs().max()) < 1e-5
