@@ -21,6 +21,8 @@ from uniform and greedy decoding has clear winners to compare.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,15 +48,21 @@ _ISOLATED = (
 
 @pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made the session's temp-path factory
 def pytest_configure(config: pytest.Config) -> None:
-    root = config._tmp_path_factory.mktemp("isolated", numbered=False)  # type: ignore[attr-defined]
-    home = root / "home"
+    factory = config._tmp_path_factory  # type: ignore[attr-defined]
+    home = factory.mktemp("isolated", numbered=False) / "home"
+    # Ray puts its sockets 70 bytes below its temp dir (ray/session_<date>_<pid>/sockets/plasma_store), and an
+    # AF_UNIX path may not pass 107 bytes: the session's base folder itself, where it is short enough
+    ray = factory.getbasetemp() / "r"
+    if len(str(ray)) > 36:
+        ray = Path(tempfile.mkdtemp(prefix="ray-"))
+        config.add_cleanup(lambda: shutil.rmtree(ray, ignore_errors=True))
     dirs = {
         "HOME": home,
         "XDG_CACHE_HOME": home / ".cache",
         "XDG_CONFIG_HOME": home / ".config",
         "XDG_DATA_HOME": home / ".local" / "share",
         "XDG_STATE_HOME": home / ".local" / "state",
-        "RAY_TMPDIR": root / "ray",  # short: Ray's socket paths under it must stay below 107 bytes
+        "RAY_TMPDIR": ray,
         "PAGEDLLM_CACHE_DIR": home / ".cache" / "pagedllm",
     }
     assert set(dirs) == set(_ISOLATED)
