@@ -17,7 +17,7 @@ import sys
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
@@ -72,7 +72,7 @@ class MultiprocExecutor(DistributedExecutor):
         got: dict[int, Any] = {}
         index = {conn: rank for rank, conn in enumerate(self.conns)}
         while want - got.keys():
-            for conn in wait(self.conns, timeout=1.0):
+            for conn in cast("list[Connection]", wait(self.conns, timeout=1.0)):  # ready ones of those given
                 rank = index[conn]
                 try:
                     reply = conn.recv()

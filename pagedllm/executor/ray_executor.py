@@ -94,7 +94,8 @@ class RayExecutor(DistributedExecutor):
             )
         self._remove_pg = remove_placement_group
         actor_cls = ray.remote(RayWorker)
-        self.actors = [
+        # Ray's ActorHandle exposes the methods as dynamic proxies (.remote) its stubs cannot express
+        self.actors: list[Any] = [
             actor_cls.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),

@@ -28,7 +28,9 @@ class UniprocExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(so)
+        out = self.worker.execute_model(so)
+        assert out is not None  # the one rank is the driver
+        return out
 
     def submit(self, so: SchedulerOutput) -> None:
         self._pending.append(so)

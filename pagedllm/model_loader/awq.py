@@ -17,7 +17,7 @@ weights load into the int4 kernels without a second rounding (see
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,7 +39,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def pack(q: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`unpack` (for writing test checkpoints): [R, C] nibbles -> int32 [R, C/8]."""
     q = q.to(torch.int64).reshape(q.shape[0], -1, 8)[..., list(AWQ_ORDER)]
-    word = sum(q[..., i] << (4 * i) for i in range(8))
+    word = cast(torch.Tensor, sum(q[..., i] << (4 * i) for i in range(8)))  # sum() types its 0 start in
     return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()  # two's complement: bit 31 is the sign
 
 

@@ -66,7 +66,7 @@ def load_or_build(
     kind: str,
     source_file: str,
     build: Callable[[], T],
-    save: Callable[[T, str], None],
+    save: Callable[[T, str], object],  # what it returns is ignored
     load: Callable[[str], T],
 ) -> T:
     """Return ``load(entry)`` on a hit; otherwise ``build()``, save it, and return it.
@@ -95,7 +95,7 @@ def load_or_build(
     return value
 
 
-def _write_atomically(entry: str, fill: Callable[[str], None]) -> None:
+def _write_atomically(entry: str, fill: Callable[[str], object]) -> None:
     parent = os.path.dirname(entry)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(entry)}.", suffix=".tmp", dir=parent)

@@ -25,7 +25,7 @@ import threading
 import types
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_loader import cache
@@ -304,15 +304,17 @@ def gguf_config_dict(metadata: dict[str, Any], tensor_names: tuple[str, ...]) ->
     # transformers tests membership in the list of names: only a file named exactly "mistral"
     updated = "mistral" if "llama" in arch and metadata.get("general.name") == "mistral" else arch
     config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
-    for key, value in (
+    for key, default in (
         GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}
     ).items():
-        config.setdefault(key, value)
+        config.setdefault(key, default)
+    # section -> {its key: the config field}; the values' inferred type is too wide to index
+    mapping = cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING)
     for key, value in metadata.items():
         prefix, _, config_key = key.replace(arch, updated).partition(".")
         if isinstance(value, str) and arch in value:
             value = value.replace(arch, updated)
-        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        renamed = mapping.get(prefix, {}).get(config_key)
         if renamed is not None and renamed != -1:
             config[renamed] = value
     config.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))  # the reader gives its length

@@ -57,7 +57,7 @@ def iter_raw(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118  # safe_open has keys() but is not iterable
                 yield name, f.get_tensor(name)
 
 
@@ -77,7 +77,7 @@ def iter_hf_weight_slices(path: str) -> Iterator[tuple[str, LazyTensor]]:
 
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118  # safe_open has keys() but is not iterable
                 if not name.endswith(_SKIPPED_SUFFIXES):
                     yield name, LazyTensor(f.get_slice(name))
 

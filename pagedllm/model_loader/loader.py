@@ -10,6 +10,8 @@ from pagedllm.model_loader.resolve import ModelSource
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.model_loader.hf_loader import LazyTensor
+
 
 def load_config(src: ModelSource) -> Any:
     """The model's config: transformers' from config.json, or for a GGUF the same fields as plain
@@ -25,13 +27,14 @@ def load_config(src: ModelSource) -> Any:
 
 def iter_weights(
     src: ModelSource, lazy: bool = False, skip: Collection[str] = ()
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     """Yield ``(hf_parameter_name, float32 tensor)`` one tensor at a time.
 
     Names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``),
     linear weights are ``[out_features, in_features]``, and ``lm_head.weight``
-    appears only when the checkpoint stores it (untied head). ``lazy``: safetensors values are read only
-    in the part a tensor-parallel rank narrows them to (GGUF tensors are dequantized one at a time).
+    appears only when the checkpoint stores it (untied head). ``lazy``: safetensors values are
+    :class:`~pagedllm.model_loader.hf_loader.LazyTensor`, read only in the part a tensor-parallel rank narrows
+    them to (GGUF tensors are dequantized one at a time).
     Names in ``skip`` are left out, unread where the format allows.
     """
     if src.kind == "gguf":

@@ -21,7 +21,13 @@ def checkpoint_scheme(hf_config: Any) -> ZeroPointCheckpoint | None:
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    formats = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": FP8, "fbgemm_fp8": FP8, "fp8": FP8}
+    formats: dict[str, type[AWQ] | type[GPTQ] | type[FP8]] = {
+        "awq": AWQ,
+        "gptq": GPTQ,
+        "compressed-tensors": FP8,
+        "fbgemm_fp8": FP8,
+        "fp8": FP8,
+    }
     method = qc.get("quant_method")
     if method not in formats:
         raise UnsupportedModelError(

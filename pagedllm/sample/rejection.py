@@ -50,6 +50,7 @@ def verify(
         while a < len(drafts) and drafts[a] == target[a]:
             a += 1
         return target[: a + 1]
+    assert probs is not None, "probs come with draft_probs"
     out: list[int] = []
     for j, x in enumerate(drafts):
         p, q = probs[j], draft_probs[j]

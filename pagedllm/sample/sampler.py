@@ -106,7 +106,7 @@ class Sampler:
         for i, mask in enumerate(batch.stop_masks):
             if mask:
                 logits[i, mask] = _MASK
-        if entry is not None:
+        if entry is not None and batch.grammar_bitmask is not None:  # (entry is kept only under a bitmask)
             logits = _grammar_wins(logits, entry, batch.grammar_bitmask)
         processed = probs = None
         if batch.all_greedy:
@@ -122,8 +122,9 @@ class Sampler:
             onehot = torch.zeros_like(logits).scatter_(1, tokens.unsqueeze(1), 1.0)
             out.probs = onehot if probs is None else torch.where((batch.temperature == 0).unsqueeze(1), onehot, probs)
         if want_lp:
-            out.lp_source = processed if batch.processed_logprobs else raw_logprobs
-            self.gather_logprobs(out.lp_source, tokens, batch.num_logprobs, out)
+            out.lp_source = lp_source = processed if batch.processed_logprobs else raw_logprobs
+            assert lp_source is not None  # each mode computed its own above
+            self.gather_logprobs(lp_source, tokens, batch.num_logprobs, out)
         return out
 
     def _sample(
@@ -151,6 +152,7 @@ class Sampler:
         if want_processed or want_probs:  # the distribution actually sampled from, renormalised after min-p
             dist = probs / probs.sum(dim=-1, keepdim=True)
         if want_processed:
+            assert greedy_lp is not None and dist is not None
             processed = torch.where(greedy_rows.unsqueeze(1), greedy_lp, torch.log(dist))
         return torch.where(greedy_rows, greedy_tokens, sampled), processed, dist
 

@@ -41,7 +41,7 @@ class SpeculativeConfig:
             try:
                 raw = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise InvalidParameterError(f"speculative_config is not valid JSON: {e}", "speculative_config")
+                raise InvalidParameterError(f"speculative_config is not valid JSON: {e}", "speculative_config") from e
         if not isinstance(raw, dict):
             raise InvalidParameterError(
                 f"speculative_config must be a JSON object, got {type(raw).__name__}", "speculative_config"

@@ -19,16 +19,21 @@ the same tokens with or without speculation.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedllm.spec_decode.proposer import ProposeContext
 from pagedllm.worker.batch import Segment, build_batch
 
+if TYPE_CHECKING:
+    from pagedllm.models.llama import LlamaForCausalLM
+
 
 class DraftModelProposer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         num_speculative_tokens: int,
         block_size: int,
@@ -48,6 +53,11 @@ class DraftModelProposer:
     def remove(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
         self.fed.pop(req_id, None)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None  # the draft runs whole in the driver's process: it holds the full vocabulary
+        return logits
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
@@ -79,7 +89,7 @@ class DraftModelProposer:
         if not want:
             return {}
         idx = torch.tensor([batch.offsets[i + 1] - 1 for i, _ in want], device=self.device)
-        last = self.model.compute_logits(hidden.index_select(0, idx)).argmax(dim=-1).tolist()
+        last = self._logits(hidden.index_select(0, idx)).argmax(dim=-1).tolist()
         drafts = {rid: [tok] for (_, rid), tok in zip(want, last)}
         # 2. k-1 more greedy steps, one token each, for the requests that want them; these write past the
         #    accepted tokens, into the lookahead slots, and are not counted as computed
@@ -95,7 +105,7 @@ class DraftModelProposer:
             ]
             b = build_batch(segs, self.block_size, self.device)
             h = self.model(b.input_ids, b.positions, self.kv_caches, b.meta)
-            for rid, tok in zip(live, self.model.compute_logits(h).argmax(dim=-1).tolist()):
+            for rid, tok in zip(live, self._logits(h).argmax(dim=-1).tolist()):
                 drafts[rid].append(tok)
         for rid, d in drafts.items():
             self.fed[rid] = (len(ctx.states[rid].token_ids), d[:-1])

@@ -19,12 +19,15 @@ target's own draw", exact for greedy and sampled requests alike.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.spec_decode.proposer import ProposeContext
 from pagedllm.worker.batch import Segment, build_batch
+
+if TYPE_CHECKING:
+    from pagedllm.models.spec_heads import EagleHead, MedusaHead
 
 
 def _last_kept_rows(ctx: ProposeContext) -> dict[str, int]:
@@ -38,12 +41,12 @@ def _last_kept_rows(ctx: ProposeContext) -> dict[str, int]:
 class EagleProposer:
     def __init__(
         self,
-        head: torch.nn.Module,
+        head: EagleHead,
         kv_caches: list[torch.Tensor],
         num_speculative_tokens: int,
         block_size: int,
         device: torch.device,
-        target_logits: Callable[[torch.Tensor], torch.Tensor],
+        target_logits: Callable[[torch.Tensor], torch.Tensor | None],
     ):
         self.head = head
         self.kv_caches = kv_caches
@@ -114,7 +117,7 @@ class EagleProposer:
 
 
 class MedusaProposer:
-    def __init__(self, head: Any, num_speculative_tokens: int):
+    def __init__(self, head: MedusaHead, num_speculative_tokens: int):
         self.head = head
         self.k = num_speculative_tokens
         self.kv_caches: list[torch.Tensor] = []

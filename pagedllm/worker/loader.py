@@ -8,12 +8,15 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedllm.distributed import ParallelState
 from pagedllm.models.registry import ModelRegistry
+
+if TYPE_CHECKING:
+    from pagedllm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("pagedllm")
 
@@ -90,7 +93,8 @@ def load_model(
         model = model_cls(hf_config, parallel=parallel) if sharded else model_cls(hf_config)
     model.to(dtype=dtype)  # before loading: the checkpoint's float32 values are copied in as dtype
     n_params = sum(p.numel() for p in model.parameters())
-    blocks, skip = None, set()
+    blocks: dict[str, Any] | None = None
+    skip: set[str] = set()
     if quantization is not None:  # layers that take the checkpoint's own blocks get them before any weight
         blocks, skip = _take_blocks(model, source, quantization, scheme)
     if scheme is not None:
@@ -174,7 +178,7 @@ def _return_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
 
 
 def _take_blocks(
-    model: torch.nn.Module, source: Any, method: str, scheme: Any
+    model: LlamaForCausalLM, source: Any, method: str, scheme: Any
 ) -> tuple[dict[str, Any] | None, set[str]]:
     """Give the layers that can take them the checkpoint's own quantized blocks (a GGUF's Q4 / Q8 groups,
     an AWQ / GPTQ / FP8 checkpoint's), read as they are: no float32 copy of those weights is ever made.

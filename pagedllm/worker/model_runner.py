@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.pooling import PoolingConfig
     from pagedllm.kv_transfer.offload import OffloadWorker
     from pagedllm.lora.manager import LoRAManager
+    from pagedllm.models.llama import LlamaForCausalLM
     from pagedllm.spec_decode.config import SpeculativeConfig
     from pagedllm.spec_decode.proposer import Proposer
 
@@ -86,13 +87,19 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size: int = self._lm.config.vocab_size  # (an encoder's config has one too)
         self.states: dict[str, _ReqState] = {}
         self._default_seed = default_seed
         self.processed_logprobs = processed_logprobs
         self.proposer = proposer
         self.spec_config = spec_config
         self.max_model_len = max_model_len or (1 << 62)
+
+    @property
+    def _lm(self) -> LlamaForCausalLM:
+        """The model as a generating one: each is built as LlamaForCausalLM is (the registry only knows it as a
+        class); a pooling encoder is only called."""
+        return cast("LlamaForCausalLM", self.model)
 
     def _seed_for(self, req_id: str, params: SamplingParams) -> int:
         if params.seed is not None:
@@ -144,8 +151,8 @@ class ModelRunner:
 
         inter = None
         if not ps.is_first_stage:
-            shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
-            dtype = next(self.model.layers[0].parameters()).dtype
+            shape = (batch.input_ids.shape[0], self._lm.config.hidden_size)
+            dtype = next(self._lm.layers[0].parameters()).dtype
             inter = IntermediateTensors(*ps.recv_from_prev_stage([shape, shape], dtype))
         out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, intermediate=inter)
         if not ps.is_last_stage:
@@ -156,6 +163,7 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.kv_connector_meta:  # saves out of blocks this step may overwrite, then loads: before all else
+            assert self.kv_connector is not None, "the scheduler sends connector work only with a KV tier"
             self.kv_connector.execute(so.kv_connector_meta)
         if so.blocks_to_copy:  # copy-on-write for n>1 siblings, before anything writes this step
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
@@ -166,7 +174,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         if self.pooling is not None:
-            return self._execute_pooling(so)
+            return self._execute_pooling(so, self.pooling)
         spec = so.scheduled_spec_tokens
         num = so.num_scheduled_tokens
         # one-token rows first (decodes, and every token of a request verifying drafts), then prefill chunks
@@ -193,8 +201,8 @@ class ModelRunner:
                 )
             )
         batch = build_batch(segments, self.block_size, self.device)
-        step_lora = contextlib.nullcontext()
-        if with_lora:
+        step_lora: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.lora is not None:
             lora_rows = self.lora.segments(
                 [(self.states[rid].lora, batch.offsets[i], batch.offsets[i + 1]) for i, rid in enumerate(order)]
             )
@@ -217,7 +225,7 @@ class ModelRunner:
         sampled: list[str] = []
         for i, rid in enumerate(order):
             st = self.states[rid]
-            drafts = spec.get(rid)
+            drafts = spec.get(rid, [])
             if drafts:
                 rows += [(st, drafts[:j]) for j in range(len(drafts) + 1)]
                 logit_idx += range(offsets[i], offsets[i + 1])
@@ -229,7 +237,7 @@ class ModelRunner:
             sampled.append(rid)
         result = ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         if sampled:
-            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_idx, device=self.device)))
+            logits = self._lm.compute_logits(hidden.index_select(0, torch.tensor(logit_idx, device=self.device)))
             if logits is None:  # a tensor-parallel rank that is not the driver: it only lent its vocab shard
                 return result
             self._sample(logits, rows, sampled, spec, result, so.grammar_bitmask)
@@ -237,7 +245,7 @@ class ModelRunner:
             result.spec_token_ids = self._propose(order, sampled, hidden, aux, offsets, row_starts)
         return result
 
-    def _execute_pooling(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_pooling(self, so: SchedulerOutput, pooling: PoolingConfig) -> ModelRunnerOutput:
         """Every request's whole prompt in one pass (the scheduler never chunks one); one pooled vector each."""
         from pagedllm.engine.pooling import pool_hidden_states
 
@@ -266,13 +274,13 @@ class ModelRunner:
             return ModelRunnerOutput({})
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         normalize = [
-            self.pooling.normalize
+            pooling.normalize
             if st.pooling_params is None or st.pooling_params.normalize is None
             else st.pooling_params.normalize
             for st in states
         ]
         # plain floats: a tensor would travel between processes (the mp executor) as a shared-memory handle
-        pooled = pool_hidden_states(hidden, lens, self.pooling.pooling, normalize).tolist()
+        pooled = pool_hidden_states(hidden, lens, pooling.pooling, normalize).tolist()
         return ModelRunnerOutput({}, pooler_output=dict(zip(order, pooled)))
 
     def _sample(
@@ -291,22 +299,21 @@ class ModelRunner:
         batch.want_probs = any(st.draft_probs is not None for st in sts)
         out = self.sampler(logits, batch)
         target = out.token_ids.tolist()
-        lp = (
-            (out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist())
-            if out.logprobs is not None
-            else None
-        )
+        lp = _logprob_lists(out) if out.logprobs is not None else None
         r = 0
         for rid, st in zip(sampled, sts):
             drafts = spec.get(rid, [])
             m = len(drafts) + 1
             if drafts:
-                q = st.draft_probs[: len(drafts)] if st.draft_probs is not None else None
+                q = p = None
+                if st.draft_probs is not None:  # then the batch wanted probs: the sampler kept them
+                    assert out.probs is not None
+                    q, p = st.draft_probs[: len(drafts)], out.probs[r : r + len(drafts)]
                 emitted = verify(
                     drafts,
                     target[r : r + m],
                     draft_probs=q,
-                    probs=out.probs[r : r + len(drafts)] if q is not None else None,
+                    probs=p,
                     seed=st.seed,
                     position=len(st.token_ids) - st.num_prompt_tokens,
                 )
@@ -325,12 +332,10 @@ class ModelRunner:
                         entries.append(SampleLogprobs(lp[0][row][: n + 1], lp[1][row][: n + 1], lp[2][row]))
                     else:  # a token resampled from the residual: read its own logprob
                         one = SamplerOutput(torch.tensor([tok]))
+                        assert out.lp_source is not None  # logprobs were asked for: the sampler kept their source
                         Sampler.gather_logprobs(out.lp_source[row : row + 1], one.token_ids, [n], one)
-                        entries.append(
-                            SampleLogprobs(
-                                one.logprob_token_ids[0].tolist(), one.logprobs[0].tolist(), int(one.sampled_ranks[0])
-                            )
-                        )
+                        ids, vals, ranks = _logprob_lists(one)
+                        entries.append(SampleLogprobs(ids[0], vals[0], ranks[0]))
                 result.logprobs[rid] = entries
             st.token_ids.extend(emitted)
             r += m
@@ -348,6 +353,7 @@ class ModelRunner:
 
     def _backoff(self, st: _ReqState, num_drafts: int, num_accepted: int) -> None:
         """A request whose drafts keep failing stops drafting for 1, 2, 4, ... (at most 64) steps."""
+        assert self.spec_config is not None, "drafts come only with a speculative config"
         limit = self.spec_config.backoff_after_rejections
         if num_accepted or not limit:
             st.spec_failures = st.spec_pause = 0
@@ -367,7 +373,8 @@ class ModelRunner:
         offsets: list[int],
         starts: list[int],
     ) -> dict[str, list[int]]:
-        cfg = self.spec_config
+        cfg, proposer = self.spec_config, self.proposer
+        assert cfg is not None and proposer is not None, "a runner with a proposer has its speculative config"
         busy = cfg.disable_by_batch_size is not None and len(order) > cfg.disable_by_batch_size
         want: dict[str, int] = {}
         for rid in sampled:
@@ -380,7 +387,7 @@ class ModelRunner:
             if k > 0 and not busy:
                 want[rid] = k
         ctx = ProposeContext(self.states, order, set(sampled), want, hidden, offsets, starts, aux)
-        drafts = self.proposer.propose(ctx)
+        drafts = proposer.propose(ctx)
         for rid, probs in ctx.draft_probs.items():
             self.states[rid].draft_probs = probs
         return drafts
@@ -403,7 +410,7 @@ class ModelRunner:
             for a in range(start, last, self._PROMPT_LOGITS_ROWS):
                 b = min(a + self._PROMPT_LOGITS_ROWS, last)
                 rows = torch.arange(qsl[i] + a - start, qsl[i] + b - start, device=self.device)
-                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                logits = self._lm.compute_logits(hidden.index_select(0, rows))
                 if logits is None:  # not the driver: it takes part in the gather only
                     continue
                 lp = torch.log_softmax(logits, dim=-1)
@@ -489,6 +496,12 @@ class ModelRunner:
                     if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix):
                         bias[i, word[-1]] = float("-inf")
         return bias
+
+
+def _logprob_lists(out: SamplerOutput) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """Per row: the ids of the sampled token then the top-N, their logprobs, and the sampled token's rank."""
+    assert out.logprob_token_ids is not None and out.logprobs is not None and out.sampled_ranks is not None
+    return out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
 
 
 def _output(st: _ReqState, extra: list[int]) -> list[int]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -23,7 +24,23 @@ from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype, ti
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_output import ModelRunnerOutput
 
+if TYPE_CHECKING:
+    from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+    from pagedllm.models.spec_heads import EagleHead, MedusaHead
+    from pagedllm.spec_decode.config import SpeculativeConfig
+
 logger = logging.getLogger("pagedllm")
+
+
+class _DecoderLayer(Protocol):
+    """What the worker reads of a decoder layer (LlamaDecoderLayer, Gemma3DecoderLayer, ...)."""
+
+    self_attn: LlamaAttention
+    mlp: torch.nn.Module
+
+
+def _layers(model: LlamaForCausalLM) -> Sequence[_DecoderLayer]:
+    return cast("Sequence[_DecoderLayer]", model.layers)  # an nn.ModuleList types its items as nn.Module
 
 
 class Worker:
@@ -50,7 +67,11 @@ class Worker:
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         self.stages = stages if stages is not None else {}
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-        self.ps = ParallelState() if tp * pp == 1 else init_distributed(tp, pp, rank, init_method, self.device)
+        if tp * pp == 1:
+            self.ps = ParallelState()
+        else:
+            assert init_method is not None, "the executor gives every rank of a group its rendezvous address"
+            self.ps = init_distributed(tp, pp, rank, init_method, self.device)
         self.ps.expert_parallel = pc.enable_expert_parallel
         self.model: torch.nn.Module | None = None
         self.draft: torch.nn.Module | None = None
@@ -68,6 +89,13 @@ class Worker:
         )
         self.encoder = bool(getattr(model_cls, "is_pooling_model", False))
 
+    @property
+    def _lm(self) -> LlamaForCausalLM:
+        """The loaded model as a generating one: each is built as LlamaForCausalLM is (its layers, KV geometry,
+        logits); the registry only knows it as a class."""
+        assert self.model is not None, "load_model() first"
+        return cast("LlamaForCausalLM", self.model)
+
     def load_model(self) -> tuple[int, dict[str, float]]:
         """Load this rank's weights; returns how many KV blocks its memory budget allows, and the
         seconds of each loading stage."""
@@ -82,39 +110,42 @@ class Worker:
         )
         if self.encoder:
             return 0, self.stages  # no KV cache: attention sees only the sequence itself
-        if self.device.type == "cpu" and not mc.enforce_eager and hasattr(self.model, "fused_decode"):
+        lm = self._lm
+        if self.device.type == "cpu" and not mc.enforce_eager and hasattr(lm, "fused_decode"):
             from pagedllm.models.fused_decode import FusedDecode
 
-            self.model.fused_decode = FusedDecode(self.model)
+            lm.fused_decode = FusedDecode(lm)
         spec = self.config.speculative_config
         if spec is not None and spec.method != "ngram":
             with timed_stage(self.stages, "draft_model"):
-                self.draft = self._load_draft_model(spec, self.model)
+                self.draft = self._load_draft_model(spec, lm)
         with timed_stage(self.stages, "kv_cache"):
             self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
             self.per_block = sum(
                 kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer, self.kv_cache_dtype)
                 for m in self._kv_models()
             )
-            peak = self._profile_peak(self.model) if self.device.type == "cuda" else None
+            peak = self._profile_peak(lm) if self.device.type == "cuda" else None
             num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak)
         return num_blocks, self.stages
 
-    def _kv_models(self) -> list[torch.nn.Module]:
+    def _kv_models(self) -> list[LlamaForCausalLM]:
         # a draft model's cache has as many blocks as the target's: both are indexed by one block table
         spec = self.config.speculative_config
-        return [self.model] + ([self.draft] if spec is not None and spec.needs_draft_kv else [])
+        if spec is None or not spec.needs_draft_kv:
+            return [self._lm]
+        return [self._lm, cast("LlamaForCausalLM", self.draft)]  # a draft model, or an EAGLE head (one such)
 
     def kv_block_layout(self) -> tuple[torch.Size, torch.dtype]:
         """Shape and dtype of one KV block on this rank: [layers, 2, block_size, kv heads, head dim]."""
-        m = self.model
+        m = self._lm
         return torch.Size(
             [len(m.layers), 2, self.config.cache_config.block_size, *m.kv_cache_shape_per_layer]
         ), self.kv_cache_dtype
 
     def layer_windows(self) -> list[int | None]:
         """Each of this rank's layers' sliding window (None: full attention)."""
-        return [layer.self_attn.sliding_window for layer in self.model.layers]
+        return [layer.self_attn.sliding_window for layer in _layers(self._lm)]
 
     def init_cache(
         self,
@@ -136,6 +167,7 @@ class Worker:
     ) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         if self.encoder:
+            assert self.model is not None, "load_model() first"
             self.runner = ModelRunner(
                 self.model, [], cc.block_size, self.device, mc.seed, parallel=self.ps, pooling=self.pooling
             )
@@ -155,7 +187,7 @@ class Worker:
         per_block, full_requests = self.per_block, num_blocks * cc.block_size / max_model_len
         if kv_groups is not None:
             slots, caches[0] = caches[0], [caches[0][s] for s in kv_groups.layer_slot]
-            for layer, group in zip(self.model.layers, kv_groups.layer_group):
+            for layer, group in zip(_layers(self._lm), kv_groups.layer_group):
                 layer.self_attn.kv_group = group
             per_block = per_block * len(slots) // len(caches[0])
             sc = self.config.scheduler_config  # requests of max_model_len tokens, each holding blocks in every group
@@ -180,7 +212,7 @@ class Worker:
             from pagedllm.spec_decode import build_proposer
 
             proposer = build_proposer(
-                spec, self.draft, caches[1] if len(caches) > 1 else [], cc.block_size, self.device, self.model
+                spec, self.draft, caches[1] if len(caches) > 1 else [], cc.block_size, self.device, self._lm
             )
             logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
         lora = None
@@ -188,7 +220,7 @@ class Worker:
         if lc.enable_lora:
             from pagedllm.lora.manager import LoRAManager
 
-            lora = LoRAManager(self.model, lc.max_loras, lc.max_lora_rank, self.lora_cache)
+            lora = LoRAManager(self._lm, lc.max_loras, lc.max_lora_rank, self.lora_cache)
         connector = None
         if num_offload_slots or disk is not None:
             from pagedllm.kv_transfer.disk import DiskStore
@@ -197,7 +229,7 @@ class Worker:
             store = None if disk is None else DiskStore(disk[0], disk[1], self.ps.rank)
             connector = OffloadWorker(caches[0], num_offload_slots, store)
         self.runner = ModelRunner(
-            self.model,
+            self._lm,
             caches[0],
             cc.block_size,
             self.device,
@@ -216,12 +248,15 @@ class Worker:
         self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None
     ) -> ModelRunnerOutput | None:
         """One step. ``prev_sampled``: the tokens the driver sampled last step (the other ranks learn them here)."""
+        runner = self.runner
+        assert runner is not None, "init_cache() first"
         if prev_sampled:
-            self.runner.apply_sampled(prev_sampled)
-        out = self.runner.execute_model(so)
-        connector = self.runner.kv_connector
+            runner.apply_sampled(prev_sampled)
+        out = runner.execute_model(so)
+        connector = runner.kv_connector
         if not so.kv_connector_meta:
             return out if self.ps.is_driver else None
+        assert connector is not None, "the scheduler sends connector work only to a worker with a KV tier"
         if so.kv_connector_meta.disk_saves:
             connector.after_forward(so.kv_connector_meta)
         failed, connector.failed = connector.failed, []
@@ -239,6 +274,7 @@ class Worker:
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank has all-reduced, gathered and sent to the next stage, and tokens it computed."""
         ps = self.ps
+        assert self.runner is not None, "init_cache() first"
         return {
             "all_reduce": ps.bytes_all_reduced,
             "gather": ps.bytes_gathered,
@@ -248,8 +284,8 @@ class Worker:
 
     def shard_info(self) -> dict[str, Any]:
         """What this rank holds: its layers, heads and vocabulary rows (for tests and tools)."""
-        m = self.model
-        a = m.layers[0].self_attn
+        m = self._lm
+        a = _layers(m)[0].self_attn
         emb = m.embed_tokens
         return {
             "rank": self.ps.rank,
@@ -259,13 +295,13 @@ class Worker:
             "num_heads": a.num_heads,
             "num_kv_heads": a.num_kv_heads,
             "kv_head_start": a.kv_head_start,
-            "mlp_size": m.layers[0].mlp.intermediate,
+            "mlp_size": _layers(m)[0].mlp.intermediate,
             "vocab_rows": None if emb is None else getattr(emb, "num_embeddings", None) or emb.weight.shape[0],
             "has_head": m.ps.is_last_stage,
             "pid": os.getpid(),
         }
 
-    def _load_draft_model(self, spec: Any, target: torch.nn.Module) -> torch.nn.Module:
+    def _load_draft_model(self, spec: SpeculativeConfig, target: LlamaForCausalLM) -> torch.nn.Module:
         """The draft: another model with the target's vocabulary, or (no ``model``) the target's own weights;
         or a head (EAGLE, EAGLE-3, MEDUSA) that reads the target's hidden states."""
         from pagedllm.model_loader import load_config, resolve_model
@@ -275,14 +311,15 @@ class Worker:
 
             logger.info("loading the %s head %s", spec.method, spec.model)
             head = load_spec_head(spec.method, spec.model, target, self.dtype, self.device)
-            if spec.method == "medusa" and spec.num_speculative_tokens > head.num_heads:
+            if spec.method == "medusa" and spec.num_speculative_tokens > (n := cast("MedusaHead", head).num_heads):
                 raise InvalidParameterError(
                     f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} is more than the "
-                    f"MEDUSA checkpoint's {head.num_heads} heads",
+                    f"MEDUSA checkpoint's {n} heads",
                     "speculative_config.num_speculative_tokens",
                 )
             if spec.method == "eagle3":
-                target.aux_hidden_state_layers = head.aux_hidden_state_layers(len(target.layers))
+                aux = cast("EagleHead", head).aux_hidden_state_layers(len(target.layers))
+                target.aux_hidden_state_layers = aux
             return head
 
         source, hf_config = self.source, self.hf_config
@@ -298,14 +335,14 @@ class Worker:
         logger.info("loading the draft model %s%s", source.name, f" ({spec.quantization})" if spec.quantization else "")
         return load_model(source, hf_config, self.dtype, self.device, spec.quantization)
 
-    def _profile_peak(self, model: torch.nn.Module) -> int:
+    def _profile_peak(self, model: LlamaForCausalLM) -> int:
         """CUDA: memory in use after the weights plus a worst-case activation pass (no KV cache yet)."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         sc = self.config.scheduler_config
         hidden = torch.zeros(sc.max_num_batched_tokens, model.config.hidden_size, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
-            for layer in model.layers:  # the MLP is the activation peak; attention needs the cache
+            for layer in _layers(model):  # the MLP is the activation peak; attention needs the cache
                 layer.mlp(hidden)
             if model.ps.is_last_stage:
                 model.compute_logits(hidden[: sc.max_num_seqs])
