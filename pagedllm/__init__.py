@@ -26,7 +26,21 @@ _LAZY = {
     "BeamSearchParams": "pagedllm.beam_search",
 }
 
-__all__ = list(_LAZY) + ["__version__"]
+# Spelled out (not built from _LAZY) so linters and type checkers see the TYPE_CHECKING imports below as exports.
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "ModelRegistry",
+    "PoolingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "__version__",
+]
+assert set(__all__) == {*_LAZY, "__version__"}
 
 if TYPE_CHECKING:
     from pagedllm.beam_search import BeamSearchParams

@@ -93,7 +93,7 @@ def beam_search(
         if not live:
             break
         ids: dict[str, tuple[_State, int]] = {}
-        for si, s in enumerate(live):
+        for s in live:
             for bi, (tokens, _) in enumerate(s.running):
                 rid = f"beam-{id(s)}-{bi}"
                 engine.add_request(rid, {"prompt_token_ids": tokens}, step_params, lora_request=lora_request)

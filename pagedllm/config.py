@@ -12,9 +12,13 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pagedllm.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from pagedllm.kv_transfer.config import KVTransferConfig
+    from pagedllm.spec_decode.config import SpeculativeConfig
 
 GiB = 1 << 30
 
@@ -27,7 +31,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ModelConfig:
     model: str | None = _f(
         None,
-        "Path to an HF directory or .gguf file, or an HF repo id already in the local cache. Default: the embedded SmolLM2-135M-Instruct.",
+        "Path to an HF directory or .gguf file, or an HF repo id already in the local cache. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
         positional=True,
     )
     tokenizer: str | None = _f(None, "Tokenizer path; defaults to the model's own.")
@@ -117,7 +122,8 @@ class SchedulerConfig:
     )
     scheduling_policy: Literal["fcfs", "priority"] = _f(
         "fcfs",
-        "Order of admission: arrival (the prompts and completions of one request take turns with other requests), or (priority, arrival) with lower values first.",
+        "Order of admission: arrival (the prompts and completions of one request take turns with other "
+        "requests), or (priority, arrival) with lower values first.",
     )
     disable_hybrid_kv_cache_manager: bool = _f(
         False,
@@ -132,7 +138,8 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = _f(
         1,
-        "Tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, and of the vocabulary (Megatron style, one all-reduce after attention and one after the MLP).",
+        "Tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, and of the vocabulary "
+        "(Megatron style, one all-reduce after attention and one after the MLP).",
     )
     pipeline_parallel_size: int = _f(
         1, "Pipeline stages: each holds a contiguous share of the layers and hands its activations to the next."
@@ -172,29 +179,41 @@ class LoRAConfig:
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeSection:
-    speculative_config: dict | None = _f(
-        None,
-        'Speculative decoding, as vLLM\'s JSON object: {"method": "ngram" | "draft_model" | '
-        '"eagle" | "eagle3" | "medusa", "num_speculative_tokens": k, "model": path, ...}; '
-        "see the README for every key.",
+    speculative_config: dict | None = field(
+        default=None,
+        metadata={
+            "help": (
+                'Speculative decoding, as vLLM\'s JSON object: {"method": "ngram" | "draft_model" | '
+                '"eagle" | "eagle3" | "medusa", "num_speculative_tokens": k, "model": path, ...}; '
+                "see the README for every key."
+            )
+        },
     )
 
 
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsSection:
-    structured_outputs_config: dict | None = _f(
-        None,
-        'Structured outputs, as a JSON object: {"backend": "xgrammar" | "guidance" | "auto", '
-        '"compile_timeout": seconds (30)}.',
+    structured_outputs_config: dict | None = field(
+        default=None,
+        metadata={
+            "help": (
+                'Structured outputs, as a JSON object: {"backend": "xgrammar" | "guidance" | "auto", '
+                '"compile_timeout": seconds (30)}.'
+            )
+        },
     )
 
 
 @dataclass(slots=True, frozen=True)
 class KVTransferSection:
-    kv_transfer_config: dict | None = _f(
-        None,
-        'A KV connector, as vLLM\'s JSON object: {"kv_connector": name, "kv_role": "kv_both" | '
-        '"kv_producer" | "kv_consumer", "kv_connector_extra_config": {...}}; see the README.',
+    kv_transfer_config: dict | None = field(
+        default=None,
+        metadata={
+            "help": (
+                'A KV connector, as vLLM\'s JSON object: {"kv_connector": name, "kv_role": "kv_both" | '
+                '"kv_producer" | "kv_consumer", "kv_connector_extra_config": {...}}; see the README.'
+            )
+        },
     )
 
 

@@ -173,7 +173,7 @@ class SamplingParams:
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
     _finish_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
-    _processor_arities: list[int] = field(default_factory=list, repr=False, compare=False)
+    _processor_arities: list[int | None] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -272,6 +272,7 @@ class SamplingParams:
             _int_at_least("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
             _int_at_least("prompt_logprobs", self.prompt_logprobs, 0)
+        assert isinstance(self.stop, list) and self.stop_token_ids is not None  # normalised by __post_init__
         for tid in self.stop_token_ids:
             _int_at_least("stop_token_ids", tid, 0)
         for s in self.stop:
@@ -292,6 +293,7 @@ class SamplingParams:
         """Called by the engine once the model's EOS ids are known. ``ignore_eos`` lets EOS be generated
         without ending the output, but min_tokens still forbids it (vLLM's rule: ``min_tokens=max_tokens=N,
         ignore_eos=True`` gives N tokens none of which is EOS)."""
+        assert self.stop_token_ids is not None  # normalised by __post_init__
         stop = frozenset(self.stop_token_ids)
         self._all_stop_token_ids = stop | eos_token_ids
         self._finish_token_ids = stop if self.ignore_eos else stop | eos_token_ids
@@ -320,6 +322,7 @@ def _arity(fn: Callable) -> int | None:
 
 
 def apply_logits_processors(params: SamplingParams, prompt_ids: list[int], output_ids: list[int], row: Any) -> Any:
+    assert params.logits_processors is not None  # the sampler calls this only for requests that have some
     for fn, arity in zip(params.logits_processors, params._processor_arities):
         row = fn(prompt_ids, output_ids, row) if arity == 3 else fn(output_ids, row)
     return row

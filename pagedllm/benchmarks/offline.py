@@ -75,7 +75,7 @@ def make_w64(tokenizer, num_prompts: int, min_len: int, max_len: int, seed: int)
     prompts = []
     for i, n in enumerate(lengths):
         start = (i * 37) % len(base)  # a different offset per prompt: no shared prefixes
-        ids = []
+        ids: list[int] = []
         while len(ids) < n:
             ids += base[start:] + base
             start = 0
@@ -290,6 +290,7 @@ def run_latency(
             out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
             outputs.append(out.outputs[0].token_ids)
             m = out.metrics
+            assert m is not None and m.first_token_time is not None and m.last_token_time is not None  # finished
             return m.first_token_time - m.arrival_time, (output_len - 1) / (m.last_token_time - m.first_token_time)
     else:
         model_hf = _load_transformers(model)
@@ -352,9 +353,14 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
     def evaluate(kwargs: dict, continuations: list[list[int]] | None) -> tuple[list[list[int]], float, list]:
         llm = LLM(model=model, enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=32, **kwargs)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=True)]
-        lps = llm.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs[1:]
+        prompt_logprobs = llm.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs
+        assert prompt_logprobs is not None  # asked for by ``scoring``
         ids = text["prompt_token_ids"][1:]
-        nll = -sum(lp[t].logprob for lp, t in zip(lps, ids)) / len(ids)
+        nll = 0.0
+        for lp, t in zip(prompt_logprobs[1:], ids):
+            assert lp is not None  # only the first position has none
+            nll -= lp[t].logprob
+        nll /= len(ids)
         tops = teacher_forced_tops(llm, [p["prompt_token_ids"] for p in prompts], continuations or outs)
         del llm
         gc.collect()
@@ -551,9 +557,11 @@ def add_parsers(sub) -> None:
 def _add_quant_args(parser, reference: str) -> None:
     from pagedllm.config import EngineConfig
 
+    quantizations = EngineConfig.choices("model_config", "quantization")
+    assert quantizations is not None  # a Literal field
     parser.add_argument(
         "--quantization",
-        choices=[c for c in EngineConfig.choices("model_config", "quantization") if c is not None],
+        choices=[c for c in quantizations if c is not None],
         default=None,
         help=f"pagedllm's weight-only quantization ({reference})",
     )

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -351,7 +352,12 @@ class Soak:
 
 def proc_stats(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
-    get = lambda key: int(re.search(rf"^{key}:\s+(\d+)", status, re.M).group(1))  # noqa: E731
+
+    def get(key: str) -> int:
+        found = re.search(rf"^{key}:\s+(\d+)", status, re.M)
+        assert found is not None, f"/proc/{pid}/status has no {key}"
+        return int(found.group(1))
+
     return {"rss_mib": get("VmRSS") / 1024, "threads": get("Threads"), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
@@ -361,7 +367,8 @@ class Sampler:
     def __init__(self, pid: int, every: float = 1.0):
         import threading
 
-        self.pid, self.every, self.samples = pid, every, []
+        self.pid, self.every = pid, every
+        self.samples: list[tuple[float, dict]] = []  # (monotonic time, proc_stats)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -378,9 +385,8 @@ class Sampler:
 def _metric_sum(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -454,12 +460,12 @@ def start_server(model: str, config: SoakConfig, extra: list[str], log) -> tuple
     raise RuntimeError("the server did not become healthy in 600 s")
 
 
-def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str = "soak") -> dict:
+def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name: str = "soak") -> dict:
     """Start a server on ``model``, soak it, stop it; the report (``report["problems"]`` empty when it held)."""
     import httpx
 
-    log = tempfile.TemporaryFile(mode="w+")
-    proc, url = start_server(model, config, ["--served-model-name", served_name, *extra], log)
+    with tempfile.TemporaryFile(mode="w+") as log:  # the server's output; its process keeps its own descriptor
+        proc, url = start_server(model, config, ["--served-model-name", served_name, *extra], log)
     headers: dict = {}
     try:
         soaker = Soak(url, served_name, config, headers)
@@ -485,6 +491,7 @@ def soak(model: str, config: SoakConfig, extra: list[str] = (), served_name: str
         )
     finally:
         proc.terminate()
+        code: int | None
         try:
             code = proc.wait(60)
         except subprocess.TimeoutExpired:

@@ -54,17 +54,20 @@ class FreeBlockQueue:
         block = self._head.next_free
         if block is self._tail:
             raise ValueError("no free blocks")
+        assert block is not None  # the head sentinel always links to a block or the tail
         self.remove(block)
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None  # a queued block sits between two blocks or sentinels
+        prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
+        assert last is not None  # the tail sentinel always links back to a block or the head
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free += 1

@@ -21,6 +21,7 @@ window before the first token it computes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pagedllm.core.kv_groups import KVGroups, cdiv
@@ -60,8 +61,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.groups = [_Group(i, w) for i, w in enumerate(groups.windows if groups is not None else (None,))]
-        # group 0's lists: every consumer that knows of one table (KV connectors, the dashboard) reads these
-        self.req_blocks = self.groups[0].req_blocks
+        # group 0's lists: every consumer that knows of one table (KV connectors, the dashboard) reads these.
+        # Group 0 is full attention: it frees nothing behind a window, so its lists never hold None.
+        self.req_blocks = cast(dict[str, list[KVCacheBlock]], self.groups[0].req_blocks)
         self.stats = PrefixCacheStats()
 
     @property
@@ -98,8 +100,9 @@ class KVCacheManager:
             hits.append(block)
         for k in range(len(hits), 0, -1):  # the longest prefix every local group holds its window of
             local = [self._window_hits(g, request, k) for g in self.groups[1:]]
-            if all(blocks is not None for blocks in local):
-                return [hits[:k], *local], k * self.block_size
+            found = [blocks for blocks in local if blocks is not None]
+            if len(found) == len(local):
+                return [hits[:k], *found], k * self.block_size
         return none, 0
 
     def _window_hits(self, g: _Group, request: Request, k: int) -> list[KVCacheBlock | None] | None:
@@ -182,8 +185,9 @@ class KVCacheManager:
         start = g.num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(start, end):
-            if blocks[i] is not None:
-                self.pool.cache_block(blocks[i], request.block_hashes[i] + g.tag)
+            block = blocks[i]
+            if block is not None:
+                self.pool.cache_block(block, request.block_hashes[i] + g.tag)
         g.num_cached_blocks[request.request_id] = max(start, end)
 
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
@@ -205,7 +209,9 @@ class KVCacheManager:
             g.num_cached_blocks[child.request_id] = min(k, g.num_cached_blocks.get(parent.request_id, 0))
             if parent.request_id in g.num_freed:
                 g.num_freed[child.request_id] = min(k, g.num_freed[parent.request_id])
-            copies.append((blocks[k].block_id, new.block_id))
+            last = blocks[k]
+            assert last is not None  # it holds the last prompt token: inside every window
+            copies.append((last.block_id, new.block_id))
         return copies
 
     def free(self, request: Request) -> None:

@@ -48,7 +48,7 @@ class KVGroups:
         windows: list[int | None] = [None]
         for s, i in enumerate(full):
             slot[i] = s
-        for window in sorted({layer_windows[i] for i in local}):
+        for window in sorted({w for w in layer_windows if w is not None}):
             layers = [i for i in local if layer_windows[i] == window]
             for start in range(0, len(layers), size):
                 windows.append(window)
@@ -63,7 +63,11 @@ class KVGroups:
         full = cdiv(num_tokens, block_size)
         if chunk is None:
             return full * len(self.windows)
-        return full + sum(min(full, cdiv(w + chunk, block_size) + 1) for w in self.windows[1:])
+        total = full
+        for w in self.windows[1:]:
+            assert w is not None  # only group 0 (full attention) has no window
+            total += min(full, cdiv(w + chunk, block_size) + 1)
+        return total
 
     def max_tokens(self, num_blocks: int, block_size: int, chunk: int | None) -> int:
         """The longest request ``num_blocks`` hold (see :meth:`blocks_for`)."""

@@ -342,6 +342,7 @@ class Scheduler:
                 req.num_computed_tokens -= len(spec) - accepted
                 req.num_draft_tokens += len(spec)
                 req.num_accepted_tokens += accepted
+                assert self.spec_stats is not None  # drafts are scheduled only with speculative decoding on
                 self.spec_stats.observe(len(spec), accepted)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -373,6 +374,7 @@ class Scheduler:
             bad = next((i for i, b in enumerate(blocks) if b.block_id in failed), None)
             if bad is None:
                 continue
+            assert self.connector is not None  # only a connector loads blocks
             self.connector.on_load_failed([b.block_hash for b in blocks[bad:] if b.block_id in failed])
             for b in blocks[bad:]:
                 self.kv.pool.uncache(b)
@@ -416,6 +418,7 @@ class Scheduler:
         last = req.output_token_ids[-1]
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens and last in sp._finish_token_ids:
+            assert sp.stop_token_ids is not None  # normalised to a list by SamplingParams
             req.stop_reason = None if last not in sp.stop_token_ids else last
             self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:

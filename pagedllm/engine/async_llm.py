@@ -20,7 +20,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PreparedRequest
@@ -195,11 +195,11 @@ class AsyncLLM:
             )
         )
         streams = self._register(ids, prepared, len(prompts))
-        outs = []
+        outs: list[EmbeddingRequestOutput] = []
         try:
             for stream in streams:
-                async for out in stream:
-                    outs.append(out)
+                async for out in stream:  # a pooling request's stream carries EmbeddingRequestOutputs
+                    outs.append(cast("EmbeddingRequestOutput", out))
         finally:
             for stream in streams:
                 await stream.aclose()

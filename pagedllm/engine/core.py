@@ -14,6 +14,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 
 if TYPE_CHECKING:
+    from pagedllm.core.kv_groups import KVGroups
     from pagedllm.executor import Executor
     from pagedllm.kv_transfer.offload import OffloadScheduler
     from pagedllm.structured_output import StructuredOutputManager
@@ -86,6 +87,9 @@ class EngineCore:
     @property
     def runner(self) -> ModelRunner:
         """The model runner of a single-process engine (for tests and tools)."""
+        from pagedllm.executor.uniproc import UniprocExecutor
+
+        assert isinstance(self.executor, UniprocExecutor), "only a single-process engine holds its runner"
         return self.executor.runner
 
     def add_request(self, request: Request) -> None:
@@ -108,6 +112,7 @@ class EngineCore:
 
     def _drop_waiting_for_grammar(self, req: Request, error: str | None = None) -> None:
         """Abort a request still waiting for its grammar; ``error`` (why) becomes its stop_reason."""
+        assert self.structured is not None  # only constrained requests wait for a grammar
         self._grammar_wait.remove(req)
         for r in [req, *req.pending_children]:
             self.structured.remove(r.request_id)
@@ -117,6 +122,7 @@ class EngineCore:
 
     def _admit_compiled(self) -> None:
         """Hand the requests whose grammar is ready to the scheduler (in arrival order); fail the others."""
+        assert self.structured is not None  # only constrained requests wait for a grammar
         for req in list(self._grammar_wait):
             state = self.structured.poll(req)
             if state == "waiting":
@@ -167,6 +173,7 @@ class EngineCore:
         if self.structured is not None and self.structured.matchers:
             sched_out.grammar_bitmask = self.structured.bitmasks(sched_out, self.scheduler.requests)
         if self._grammar_wait and sched_out.total_num_scheduled_tokens == 0 and not self._in_flight:
+            assert self.structured is not None  # only constrained requests wait for a grammar
             self.structured.wait_any(0.005)  # only compiles pending: do not spin
         # decode tokens, counted now: by the time the step completes its requests may be gone
         reqs = self.scheduler.requests
@@ -178,7 +185,9 @@ class EngineCore:
         touched: list[tuple[Request, int]] = []
         plp: dict = {}
         pooled: dict = {}
+        logprobs: dict[str, list[SampleLogprobs]] = {}
         if step is not None:
+            assert runner_out is not None  # a finished step comes with its output
             sched_out = step.sched_out
             self.last_scheduled = sched_out.num_scheduled_tokens
             total = sched_out.total_num_scheduled_tokens
@@ -190,16 +199,18 @@ class EngineCore:
                 self.structured.update(runner_out)
             touched = self.scheduler.update_from_output(sched_out, runner_out)
             if runner_out.kv_transfer_seconds is not None:
+                assert self.scheduler.connector is not None  # only a connector's transfers are timed
                 stats = self.scheduler.connector.stats
                 stats.save_seconds += runner_out.kv_transfer_seconds[0]
                 stats.load_seconds += runner_out.kv_transfer_seconds[1]
             plp = runner_out.prompt_logprobs
             pooled = runner_out.pooler_output
+            logprobs = runner_out.logprobs
         outputs = [
             EngineCoreOutput(
                 r,
                 r.output_token_ids[-n:] if n else [],
-                runner_out.logprobs.get(r.request_id, [])[:n],
+                logprobs.get(r.request_id, [])[:n],
                 plp.get(r.request_id),
                 pooled.get(r.request_id),
             )

@@ -16,7 +16,7 @@ from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.worker.loader import resolve_device, resolve_dtype, timed_stage
 
 if TYPE_CHECKING:
@@ -185,6 +185,7 @@ class LLMEngine:
     def _pooling_max_model_len(self, num_blocks: int) -> int:
         """The longest pooling prompt: max_model_len, the sentence-transformers max_seq_length and the model's
         positions, whichever is least (a decoder's must also fit its KV cache, as for generation)."""
+        assert self.pooling is not None  # asked only of a pooling runner
         limits = [
             self.config.model_config.max_model_len,
             self.pooling.max_seq_length,
@@ -432,6 +433,7 @@ class LLMEngine:
         text, ids = self.processor.tokenize(prompt)
         ids = self.processor.truncate(ids, params)
         if params.structured_outputs is not None:
+            assert isinstance(params.structured_outputs, StructuredOutputsParams)  # SamplingParams parses a dict
             self.structured.validate(params.structured_outputs)  # a bad schema / regex / grammar: 400 here
         self.check_lora(lora_request)
         if not isinstance(priority, int) or isinstance(priority, bool):

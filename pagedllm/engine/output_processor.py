@@ -76,6 +76,8 @@ class OutputProcessor:
             )
         empty = [CompletionOutput(i, "", [], None, None) for i in range(len(children))]
         leader = children[0]
+        kind = leader.sampling_params.output_kind
+        assert isinstance(kind, RequestOutputKind)  # SamplingParams parses a name into the enum
         self.parents[request_id] = _ParentState(
             prompt,
             leader,
@@ -85,7 +87,7 @@ class OutputProcessor:
             prompt_logprobs=[None] * leader.num_prompt_tokens
             if leader.sampling_params.prompt_logprobs is not None
             else None,
-            kind=leader.sampling_params.output_kind,
+            kind=kind,
         )
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -93,7 +95,8 @@ class OutputProcessor:
         return parent.child_ids if parent is not None else [request_id]
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the request outputs (EmbeddingRequestOutput for pooling requests) and the (child request id, stop string) pairs the core must stop."""
+        """Returns the request outputs (EmbeddingRequestOutput for pooling requests) and the (child request id,
+        stop string) pairs the core must stop."""
         to_stop: list[tuple[str, str]] = []
         touched: dict[str, _ParentState] = {}
         now = time.monotonic()
@@ -121,17 +124,19 @@ class OutputProcessor:
             kept = len(out.new_token_ids)
             if st.detok is not None and st.stop_string is None:
                 sp = req.sampling_params
+                stops = sp.stop
+                assert not isinstance(stops, str)  # SamplingParams makes a lone stop string a list
                 # several tokens in one step (speculative decoding) with stop strings: one at a time, so the
                 # output ends at the token that completed the stop string, exactly as without speculation
                 text_ids = out.new_token_ids
                 if req.status == RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output:
                     text_ids = text_ids[:-1]  # ended by EOS or a stop_token_id: its text is not output (vLLM)
-                steps = [[t] for t in text_ids] if sp.stop and len(text_ids) > 1 else [text_ids]
+                steps = [[t] for t in text_ids] if stops and len(text_ids) > 1 else [text_ids]
                 for j, ids in enumerate(steps):
                     delta = st.detok.step(ids, final=out.finished and j == len(steps) - 1)
                     st.text += delta
-                    if delta and sp.stop:
-                        hit = find_stop_string(st.text, len(delta), sp.stop, sp.include_stop_str_in_output)
+                    if delta and stops:
+                        hit = find_stop_string(st.text, len(delta), stops, sp.include_stop_str_in_output)
                         if hit is not None:
                             st.stop_string, cut = hit
                             st.text = st.text[:cut]
@@ -140,10 +145,14 @@ class OutputProcessor:
                                 kept = j + 1
                                 st.num_tokens = req.num_output_tokens - (len(steps) - kept)
                             break
-            for lp in out.new_logprobs[:kept]:
-                st.cumulative_logprob += lp.logprobs[0]
-                st.logprobs.append(self._logprob_entry(lp))
+            new_logprobs = out.new_logprobs[:kept]
+            if new_logprobs:  # only a request that asked for logprobs gets them
+                assert st.cumulative_logprob is not None and st.logprobs is not None
+                for lp in new_logprobs:
+                    st.cumulative_logprob += lp.logprobs[0]
+                    st.logprobs.append(self._logprob_entry(lp))
             if stopped_here:
+                assert st.stop_string is not None  # stopped_here: a stop string was found above
                 to_stop.append((req.request_id, st.stop_string))
             finished = out.finished or stopped_here
             if finished or parent.kind != RequestOutputKind.FINAL_ONLY:  # nobody reads it otherwise
@@ -195,6 +204,8 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(req: Request, st: _ChildState, finished: bool) -> CompletionOutput:
+        finish_reason: str | None
+        stop_reason: int | str | None
         if st.stop_string is not None:
             finish_reason, stop_reason = "stop", st.stop_string
         else:

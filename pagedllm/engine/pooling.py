@@ -14,6 +14,7 @@ pooling from ``1_Pooling/config.json``, and a ``Normalize`` module), or CLS (enc
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -41,7 +42,8 @@ def read_pooling_config(model_dir: str, decoder: bool = False) -> PoolingConfig:
     if root.is_file() or not (root / "modules.json").exists():
         return PoolingConfig("last") if decoder else PoolingConfig()
     modules = json.loads((root / "modules.json").read_text())
-    pooling, normalize = "cls", False
+    pooling: Literal["mean", "cls", "last"] = "cls"
+    normalize = False
     for m in modules:
         kind = m.get("type", "")
         if kind.endswith("Pooling"):
@@ -96,7 +98,7 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
-def score_texts(text_1: str | list[str], text_2: str | list[str]) -> list[str]:
+def score_texts(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[str]:
     """What to embed to score ``text_1`` against ``text_2`` (one text against each, or pairwise): the n left
     sides, then the n right sides; :func:`pair_scores` turns their vectors into the n scores."""
     first = [text_1] if isinstance(text_1, str) else list(text_1)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from collections.abc import Iterable
+from typing import Any
 
 from pagedllm.errors import InvalidParameterError, PromptTooLongError
 from pagedllm.sampling_params import SamplingParams
 
 # A prompt as vLLM accepts it: text, or a dict with "prompt" text or "prompt_token_ids".
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 
 
 class Processor:
@@ -22,6 +23,8 @@ class Processor:
         self.eos_token_ids = eos_token_ids
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text: str | None  # a dict's values are the user's: checked below
+        ids: Iterable[int] | None
         if isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, dict):
@@ -100,7 +103,7 @@ class Processor:
                     name,
                 )
         for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
+            ("stop_token_ids", params.stop_token_ids or []),
             ("allowed_token_ids", params.allowed_token_ids or []),
             ("logit_bias", list(params.logit_bias or {})),
         ):

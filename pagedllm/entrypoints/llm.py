@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -102,7 +102,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | tuple[LoRARequest | None, ...] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: one adapter for
         every prompt, or one per prompt (None: the base model); needs ``enable_lora=True``."""
@@ -162,7 +162,9 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # one conversation (a list of messages) or several: told apart by the first element
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [cast("list[ChatMessage]", messages)] if single else cast("list[list[ChatMessage]]", messages)
         prompts = [
             {
                 "prompt_token_ids": self.apply_chat_template(

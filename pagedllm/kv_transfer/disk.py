@@ -130,7 +130,7 @@ class DiskIndex:
             if f.name.startswith("."):  # a temporary file a crash left behind
                 f.unlink(missing_ok=True)
                 continue
-            stem, _, rank = f.name.partition(".r")
+            stem = f.name.partition(".r")[0]
             try:
                 h = bytes.fromhex(stem)
             except ValueError:

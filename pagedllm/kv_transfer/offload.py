@@ -105,6 +105,7 @@ class OffloadScheduler:
                 self._meta.loads.append((slot, block_ids[i]))
                 self.stats.ram_bytes_loaded += self.block_bytes
             else:  # verified and pinned by the lookup
+                assert self.disk is not None  # a block not in RAM was found on disk
                 self.disk.touch(h)
                 self._meta.disk_loads.append((h, block_ids[i]))
                 self.stats.disk_bytes_loaded += self.block_bytes
@@ -220,11 +221,16 @@ class OffloadWorker:
         self.save_seconds = self.load_seconds = 0.0
         self.failed: list[int] = []  # blocks this step could not load
 
+    @property
+    def _disk(self) -> DiskStore:
+        assert self.disk is not None  # the scheduler half asks for disk work only with a disk tier
+        return self.disk
+
     def execute(self, meta: KVConnectorMetadata) -> None:
         """Before the forward pass: deletes, saves into RAM, then loads (disk saves wait for the forward)."""
         t0 = time.perf_counter()
         for h in meta.disk_deletes:
-            self.disk.delete(h)
+            self._disk.delete(h)
         dev = self.kv_caches[0].device
         if meta.saves:
             blocks = torch.tensor([b for b, _ in meta.saves], device=dev)
@@ -239,7 +245,7 @@ class OffloadWorker:
             for cache, pool in zip(self.kv_caches, self.pool):
                 cache.index_copy_(1, blocks, pool.index_select(1, slots).to(dev, non_blocking=True))
         for h, block_id in meta.disk_loads:
-            data = self.disk.read(h, self.block_shape, self.kv_caches[0].dtype)
+            data = self._disk.read(h, self.block_shape, self.kv_caches[0].dtype)
             if data is None:  # checked by the scheduler this step: deleted or replaced since, by another engine
                 self.failed.append(block_id)
                 continue
@@ -251,7 +257,7 @@ class OffloadWorker:
         """Write the blocks this step filled to disk."""
         t0 = time.perf_counter()
         for block_id, h in meta.disk_saves:
-            self.disk.write(h, torch.stack([c[:, block_id] for c in self.kv_caches]).cpu())
+            self._disk.write(h, torch.stack([c[:, block_id] for c in self.kv_caches]).cpu())
         self.save_seconds += time.perf_counter() - t0
 
     def take_times(self) -> tuple[float, float]:

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import SchedulerOutput
     from pagedllm.request import Request
-    from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.structured_output.guidance_backend import GuidanceBackend
+    from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
     from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedllm")
@@ -68,7 +70,7 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._compiled: OrderedDict[str, Future] = OrderedDict()  # spec -> compiled grammar, shared; LRU
         self._validated: OrderedDict[str, None] = OrderedDict()  # specs parsed recently (an LRU set)
-        self.matchers: dict[str, Any] = {}
+        self.matchers: dict[str, tuple[Any, Any]] = {}  # request id -> (backend, its matcher)
         self._pending: dict[str, tuple[Future, float]] = {}  # request id -> (compile, submit time)
         # stats: cumulative, and the events not yet taken by a metrics exporter (take_events)
         self.num_constrained_requests = 0
@@ -91,6 +93,7 @@ class StructuredOutputManager:
                         f"pip install 'pagedllm[structured]'",
                         "structured_outputs",
                     ) from None
+                cls: type[XgrammarBackend] | type[GuidanceBackend]
                 if name == "xgrammar":
                     from pagedllm.structured_output.xgrammar_backend import XgrammarBackend as cls
                 else:
@@ -137,18 +140,19 @@ class StructuredOutputManager:
     # -- compiling, off the engine loop --------------------------------------------------------
     def submit(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs
+        assert isinstance(so, StructuredOutputsParams)  # the core submits only constrained requests (dicts parsed)
         key = so.cache_key()
         t0 = time.perf_counter()
         with self._lock:
             fut = self._compiled.get(key)
             hit = fut is not None and not _failed(fut)  # compiled, or compiling
-            if not hit:
+            if fut is not None and hit:
+                self._compiled.move_to_end(key)
+            else:
                 fut = self._pool.submit(self._compile, so)
                 self._compiled[key] = fut
                 if len(self._compiled) > 256:
                     self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(key)
         if hit:
             self._record((time.perf_counter() - t0, True))
         self._pending[request.request_id] = (fut, time.monotonic())

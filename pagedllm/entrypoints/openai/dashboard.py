@@ -26,7 +26,7 @@ class EngineStateHub:
         self._take = take
         self.interval = interval
         self.max_watchers = max_watchers
-        self._watchers: set[asyncio.Queue[str]] = set()
+        self._watchers: set[asyncio.Queue[str | None]] = set()  # None ends a watcher's stream
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False

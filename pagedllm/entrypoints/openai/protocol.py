@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -99,7 +99,7 @@ class _SamplingRequest(BaseModel):
             repetition_penalty=(
                 defaults.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
             ),
-            logit_bias=self.logit_bias,
+            logit_bias=cast("dict[int, float] | None", self.logit_bias),  # SamplingParams parses JSON's str keys
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             seed=self.seed,

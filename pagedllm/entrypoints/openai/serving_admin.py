@@ -40,6 +40,7 @@ async def engine_state_stream(state: ServerStateDep):
     """The same snapshot as Server-Sent Events, one per interval, shared by every watcher."""
     state.engine()  # 503 while loading
     hub = state.hub
+    assert hub is not None  # build_app sets it before serving
     if hub.closed:
         raise APIError(503, "the server is shutting down", "server_overloaded")
     if hub.full:

@@ -109,6 +109,7 @@ async def completion_chunks(rid, model, req: P.CompletionRequest, streams, tok) 
             yield sse_event(P.CompletionResponse(id=rid, model=model, choices=[choice]))
         if out.finished:
             finals[i] = out
-    if req.stream_options and req.stream_options.include_usage and all(finals):
-        yield sse_event(P.CompletionResponse(id=rid, model=model, choices=[], usage=usage_info(finals)))
+    completed = [f for f in finals if f is not None]
+    if req.stream_options and req.stream_options.include_usage and len(completed) == len(finals):
+        yield sse_event(P.CompletionResponse(id=rid, model=model, choices=[], usage=usage_info(completed)))
     yield "data: [DONE]\n\n"

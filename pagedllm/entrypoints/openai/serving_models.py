@@ -92,5 +92,7 @@ async def unload_lora_adapter(req: P.UnloadLoRAAdapterRequest, state: ServerStat
     if lora is None:
         raise APIError(404, f"no LoRA adapter named `{req.lora_name}` is loaded", "NotFoundError", "lora_name")
     # requests already running with it finish with it; it leaves the memory cache now
-    state.generator().engine.lora_cache.remove(lora.lora_int_id)
+    lora_cache = state.generator().engine.lora_cache
+    assert lora_cache is not None  # an adapter was loaded: LoRA is enabled
+    lora_cache.remove(lora.lora_int_id)
     return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")

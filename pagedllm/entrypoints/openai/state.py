@@ -52,6 +52,7 @@ class ServerState:
         if name == self.served_model_name or name in self.loras:
             raise InvalidParameterError(f"a model or adapter named {name!r} is already served", "lora_name")
         req = LoRARequest(name, next(self._lora_ids), path)
+        assert self.llm is not None  # adapters are added through the loaded engine
         self.llm.engine.check_lora(req)
         self.loras[name] = req
         return req
