@@ -3,9 +3,9 @@
 ``quant_matmul.c`` (int4 / int8 weight-only matmuls), ``paged_attention.c``
 (decode and prefill attention read in place from the paged cache) and ``elementwise.c``
 (fused residual add + RMSNorm, SiLU*mul, rotary) and ``decode_loop.c`` (a decode step's layer loop over
-them, :mod:`pagedllm.models.fused_decode`) are built with the system C compiler (``$CC``, default ``cc``) into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of
-sources, flags, compiler, CPU>.so``; later runs load the cached file. The build
-is for this machine (``-march=native``) and uses OpenMP from the libgomp PyTorch
+them, :mod:`pagedllm.models.fused_decode`) are built with the system C compiler (``$CC``, default ``cc``)
+into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of sources, flags, compiler, CPU>.so``; later runs load the cached
+file. The build is for this machine (``-march=native``) and uses OpenMP from the libgomp PyTorch
 has already loaded, so the kernels' threads are PyTorch's.
 
 Without a working compiler, attention and the fused ops fall back to plain torch

@@ -73,7 +73,9 @@ def _build(cc: str, out_dir: str, path: str) -> None:
             )
             for src, obj in zip(_SOURCES, objects)
         ]
-        steps = [(proc, proc.communicate()[1]) for proc in compiles]
+        steps: list[tuple[subprocess.Popen[str] | subprocess.CompletedProcess[str], str]] = [
+            (proc, proc.communicate()[1]) for proc in compiles
+        ]
         so = os.path.join(tmp, "kernels.so")
         if all(proc.returncode == 0 for proc, _ in steps):
             link = subprocess.run([cc, *_FLAGS, *objects, "-o", so], capture_output=True, text=True)

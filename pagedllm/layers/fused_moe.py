@@ -107,5 +107,6 @@ class FusedMoE(nn.Module):
         out.mul_(weights.reshape(-1, 1).index_select(0, order))
         y = torch.zeros_like(x).index_add_(0, rows, out)
         if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # built with the shared expert
             y += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.ps.all_reduce(y)

@@ -78,6 +78,11 @@ class PackedLinear(nn.Module):
     one row of SmolLM2's layers, with the very same sums. The second copy doubles the weight's memory;
     the logits head goes without it (oneDNN is within 1.2x there)."""
 
+    # buffers (register_buffer): typed here, as nn.Module's __getattr__ does not know them
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    panels: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape

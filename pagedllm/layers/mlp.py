@@ -17,7 +17,7 @@ class GatedMLP(nn.Module):
     and (with another activation) Gemma 3's. Column-parallel gate|up, row-parallel down: one all-reduce under
     tensor parallelism."""
 
-    activations = ("silu",)  # the config's hidden_act values this block computes
+    activations: tuple[str, ...] = ("silu",)  # the config's hidden_act values this block computes
 
     def __init__(self, cfg: Any, ps: ParallelState | None = None, intermediate_size: int | None = None):
         super().__init__()

@@ -49,15 +49,16 @@ would overflow its int16 pair sums there): the same function.
   the shared buffer and runs the float32 GEMM. One byte a weight, and the float32 function of
   those weights. The head stays as the checkpoint has it.
 
-The logits head is int8 in the int modes (with the mode's integer activations under ``w4a8`` / ``w4a16``) (llama.cpp also keeps its output layer at
-6-8 bits). Embedding lookups stay in the model dtype: they read one row a token, except that a tied
-head holding the embedding's own values (a GGUF's blocks) serves the lookups too.
+The logits head is int8 in the int modes (with the mode's integer activations under ``w4a8`` / ``w4a16``)
+(llama.cpp also keeps its output layer at 6-8 bits). Embedding lookups stay in the model dtype: they read
+one row a token, except that a tied head holding the embedding's own values (a GGUF's blocks) serves the lookups too.
 Every int-quantized input size must be a multiple of 32.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,7 @@ GROUP = 32
 SMALL_BATCH = 8  # rows at most for the direct kernels; above, unpack once and use the BLAS GEMM
 SMALL_BATCH_A8 = 16  # the same for the integer-activation kernels where they have no GEMM for the weights
 ACTIVATION_BITS = {"w4a8": 8, "w4a16": 16}  # the modes with integer activations
+Block = tuple[str, tuple[torch.Tensor, ...]]  # a checkpoint's own quantized weights: (kind, its tensors)
 
 
 def check_quantization_supported(method: str, device: torch.device) -> None:
@@ -112,6 +114,10 @@ class _QuantLinear(nn.Module):
     Mins that are all 0 (GGUF's Q8_0 / Q5_0 / Q6_K) are not kept (``mins`` None): a bit less a weight."""
 
     bits: int
+    # buffers (register_buffer), typed here, as nn.Module's __getattr__ does not know them
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
 
     def __init__(
         self,
@@ -144,7 +150,7 @@ class _QuantLinear(nn.Module):
             f"int{self.bits}_matmul{f'_a{activation_bits}' if activation_bits else ''}{'_g16' if g16 else ''}",
         )
         self._dequantize = getattr(self._kernels, f"int{self.bits}_dequantize{'_g16' if g16 else ''}")
-        self._small_batch = SMALL_BATCH
+        self._small_batch: float = SMALL_BATCH  # a row count, or inf
         if activation_bits:  # the integer kernels take every batch where they have a GEMM for these weights
             self._small_batch = float("inf") if self.bits in self._kernels.a8_gemm_bits else SMALL_BATCH_A8
 
@@ -241,7 +247,9 @@ def zero_point_blocks(
     return "int8", ((q.to(torch.int32) - 128).to(torch.int8).contiguous(), s, ((128 - z) * s).contiguous())
 
 
-def widen_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def widen_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int4 blocks as int8 ones holding the same values: each nibble becomes a byte."""
     n, half = qweight.shape
     packed = qweight.view(n, half // 16, 16)
@@ -251,6 +259,9 @@ def widen_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) 
 
 class Fp8Linear(nn.Module):
     """y = x @ W.T + b with ``W[n, k] = weight[n, k] * scale[n]``, ``weight`` float8_e4m3fn."""
+
+    weight: torch.Tensor  # buffers (register_buffer), typed for mypy
+    scale: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -286,17 +297,16 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, a scale per row"
 
 
-def quantize_fp8(
-    model: nn.Module, blocks: dict[str, tuple[str, tuple]] | None, checkpoint: bool, from_float: bool = True
-) -> None:
+def quantize_fp8(model: nn.Module, blocks: dict[str, Block] | None, checkpoint: bool, from_float: bool = True) -> None:
     """``fp8``: each projection with an FP8 block takes it as it is; without a checkpoint's blocks (a float
     model quantized here), each is rounded per row. The logits head stays as it is. ``from_float`` False:
     only the blocks are taken (before the float weights load, which then skip those projections' weights)."""
     blocks = blocks or {}
     for module, child_name, child, full in _projections(model):
         block = blocks.get(full)
-        if _takes_block(child.weight, block) and block[0] == "fp8":
-            setattr(module, child_name, Fp8Linear(*block[1], child.bias))
+        if _takes_block(block, child.weight) and block[0] == "fp8":
+            weight, scale = block[1]
+            setattr(module, child_name, Fp8Linear(weight, scale, child.bias))
         elif from_float and not checkpoint:
             setattr(module, child_name, Fp8Linear.from_float(child.weight, child.bias))
 
@@ -312,7 +322,7 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]
 
 
 def quantize_model(
-    model: nn.Module, method: str, blocks: dict[str, tuple[str, tuple]] | None = None, from_float: bool = True
+    model: nn.Module, method: str, blocks: dict[str, Block] | None = None, from_float: bool = True
 ) -> None:
     """Replace the model's projections (and its logits head) by quantized linears, in place.
 
@@ -329,20 +339,20 @@ def quantize_model(
     abits = ACTIVATION_BITS.get(method)  # None: float32 activations
     bits = "int8" if method == "int8" else "int4"
     for module, child_name, child, full in _projections(model):
-        if from_float or _uses_block(child.weight, bits, blocks.get(full), abits):
+        if from_float or _uses_block(blocks.get(full), child.weight, bits, abits):
             setattr(module, child_name, _quantized(child.weight, child.bias, bits, blocks.get(full), full, abits))
     if model.lm_head is not None and not isinstance(model.lm_head, nn.Linear):
         return  # taken from its block already
     tied = model.lm_head is None
-    head = model.embed_tokens.weight if tied else model.lm_head.weight
+    head = cast(torch.Tensor, cast(nn.Module, model.embed_tokens if tied else model.lm_head).weight)
     block = blocks.get("lm_head")
-    if not (from_float or _uses_block(head, "int8", block, abits)):
+    if not (from_float or _uses_block(block, head, "int8", abits)):
         return
     model.lm_head = _quantized(head, None, "int8", block, "lm_head", abits)
     ps = getattr(model, "ps", None)
     if (
         tied
-        and _uses_block(head, "int8", block, abits)
+        and _uses_block(block, head, "int8", abits)
         and type(model.lm_head) is Int8Linear
         and (ps is None or ps.world_size == 1)
     ):
@@ -372,15 +382,15 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the tied head"
 
 
-def _takes_block(weight: torch.Tensor, block: tuple[str, tuple] | None) -> bool:
+def _takes_block(block: Block | None, weight: torch.Tensor) -> TypeGuard[Block]:
     """Is ``block`` (a checkpoint's own groups) used as it is for ``weight``? Not on a padded vocabulary shard."""
     return block is not None and block[1][0].shape[0] == weight.shape[0]
 
 
-def _uses_block(weight: torch.Tensor, bits: str, block: tuple[str, tuple] | None, activation_bits: int | None) -> bool:
+def _uses_block(block: Block | None, weight: torch.Tensor, bits: str, activation_bits: int | None) -> TypeGuard[Block]:
     """Does :func:`_quantized` build the layer from ``block`` (no float weights needed)? int8 blocks with a scale
     per 16 run with float32 activations only."""
-    if not _takes_block(weight, block) or not (block[0] == bits or (block[0], bits) == ("int4", "int8")):
+    if not _takes_block(block, weight) or not (block[0] == bits or (block[0], bits) == ("int4", "int8")):
         return False
     return not (activation_bits and block[1][1].shape[1] * GROUP > weight.shape[1])
 
@@ -389,7 +399,7 @@ def _quantized(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     bits: str,
-    block: tuple[str, tuple] | None,
+    block: Block | None,
     name: str,
     activation_bits: int | None,
 ) -> nn.Module:
@@ -399,13 +409,14 @@ def _quantized(
             f"quantization needs input sizes divisible by {GROUP}; {name} has {weight.shape[1]}", "quantization"
         )
     cls = Int8Linear if bits == "int8" else Int4Linear
-    if _uses_block(weight, bits, block, activation_bits):
-        kind, (*tensors,) = block
-        order = tensors.pop() if len(tensors) == 4 else None  # an act-order linear's input order, a row a shard
+    if _uses_block(block, weight, bits, activation_bits):
+        kind, tensors = block
+        order = tensors[3] if len(tensors) == 4 else None  # an act-order linear's input order, a row a shard
+        q, scales, mins = tensors[:3]
         layer = (
-            cls(*tensors, bias, activation_bits)
+            cls(q, scales, mins, bias, activation_bits)
             if kind == bits
-            else Int8Linear(*widen_int4(*tensors), bias, activation_bits)
+            else Int8Linear(*widen_int4(q, scales, mins), bias, activation_bits)
         )
         if order is None:
             return layer
@@ -422,6 +433,8 @@ def _quantized(
 class InputPermuted(nn.Module):
     """An act-order linear (GPTQ ``desc_act``): its groups run over the inputs in ``order``, so each input
     row is gathered into that order first (exllama's shuffle); ``inner`` holds the columns in that order."""
+
+    order: torch.Tensor  # a buffer (register_buffer), typed for mypy
 
     def __init__(self, inner: nn.Module, order: torch.Tensor):
         super().__init__()

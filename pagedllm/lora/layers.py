@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ class LoRAState:
 
 
 class LoRALinear(nn.Module):
+    lora_a: torch.Tensor  # buffers (register_buffer), typed for mypy
+    lora_b: torch.Tensor
+
     def __init__(self, base: nn.Module, part_sizes: list[int], max_loras: int, max_rank: int, state: LoRAState):
         super().__init__()
         self.base = base
@@ -56,9 +60,10 @@ class LoRALinear(nn.Module):
             else torch.float32
         )
         device = weight.device if weight is not None else torch.device("cpu")
+        in_features = cast(int, base.in_features)  # every linear we wrap has it (float, packed, quantized)
         self.register_buffer(
             "lora_a",
-            torch.zeros(max_loras, len(part_sizes) * max_rank, base.in_features, dtype=dtype, device=device),
+            torch.zeros(max_loras, len(part_sizes) * max_rank, in_features, dtype=dtype, device=device),
             persistent=False,
         )
         self.register_buffer(
@@ -69,7 +74,7 @@ class LoRALinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.base.in_features
+        return cast(int, self.base.in_features)
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Load one adapter's (A, scaled B) per part into ``slot``; None leaves that part unadapted."""

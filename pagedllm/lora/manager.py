@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ class LoRAManager:
         self.free = list(range(max_loras - 1, -1, -1))  # slots holding no adapter
         shapes = part_shapes(model.config)
         self.layers: dict[str, LoRALinear] = {}
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(cast(nn.ModuleList, model.layers)):
             for owner, attr in (
                 (layer.self_attn, "qkv_proj"),
                 (layer.self_attn, "o_proj"),

@@ -10,7 +10,7 @@ Nothing is cached: a pooling request is one forward pass.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,7 @@ class BertModel(nn.Module):
             x = layer(x, pad_index, key_mask, (b, longest))
         return x
 
-    _RENAME = {
+    _RENAME: ClassVar[dict[str, str]] = {
         "embeddings.word_embeddings": "word_embeddings",
         "embeddings.position_embeddings": "position_embeddings",
         "embeddings.token_type_embeddings": "token_type_embeddings",
@@ -94,7 +94,7 @@ class BertModel(nn.Module):
         "output.dense": "output",
         "output.LayerNorm": "out_norm",
     }
-    _QKV = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+    _QKV: ClassVar[dict[str, int]] = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         params = dict(self.named_parameters())

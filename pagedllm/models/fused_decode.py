@@ -182,6 +182,7 @@ class FusedDecode:
             return None
         if (
             self._mods is None
+            or self._caches is None  # set with _mods
             or len(kv_caches) != len(self._caches)
             or any(a is not b for a, b in zip(kv_caches, self._caches))
             or any(a is not b for a, b in zip(_modules(self.model), self._mods))

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +73,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModelError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported")
         super().__init__(cfg, parallel)
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary_local = RotaryEmbedding(head_dim, cfg.max_position_embeddings, self._local_rope_parameters(cfg))
+        self.rotary_local = RotaryEmbedding(
+            self._attention().head_dim, cfg.max_position_embeddings, self._local_rope_parameters(cfg)
+        )
         # float32, as transformers keeps it, whatever the weights' dtype
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
@@ -84,7 +85,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def _sliding_window(self, cfg: Any, i: int) -> int | None:
         if getattr(cfg, "layer_types", None) is None:  # older configs: every pattern-th layer is global
-            pattern = getattr(cfg, "sliding_window_pattern", None) or getattr(cfg, "_sliding_window_pattern", 6)
+            pattern = cast(
+                int, getattr(cfg, "sliding_window_pattern", None) or getattr(cfg, "_sliding_window_pattern", 6)
+            )
             return cfg.sliding_window if (i + 1) % pattern else None
         return super()._sliding_window(cfg, i)
 
@@ -103,6 +106,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         intermediate: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         if intermediate is None:
+            assert self.embed_tokens is not None  # the first stage embeds
             x = self.embed_tokens(input_ids)
             x, residual = x * self.embed_scale.to(x.dtype), None
         else:
@@ -111,7 +115,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, local_cs if layer.is_sliding else global_cs, kv_cache, meta)
         if not self.ps.is_last_stage:
+            assert residual is not None  # every stage holds a layer (check_parallel_fits)
             return IntermediateTensors(x, residual)
+        assert self.norm is not None  # the last stage's
         x, _ = self.norm(x, residual)
         return x
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
+
+if TYPE_CHECKING:
+    from pagedllm.models.fused_decode import FusedDecode
 
 LlamaMLP = GatedMLP  # its name before it moved to pagedllm.layers.mlp
 
@@ -70,10 +73,12 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
+            assert self.k_norm is not None  # built together with q_norm
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         if self.kv_group:
+            assert meta.groups is not None  # a layer gets a kv_group only where the cache has groups
             meta = meta.groups[self.kv_group - 1]
         o = self.attn(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.ps.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
@@ -124,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
     # EAGLE-3 reads the inputs of these layers too: forward then returns (hidden, [T, 3H] aux states)
     aux_hidden_state_layers: tuple[int, ...] = ()
     start_layer = 0  # the first layer this pipeline stage holds (its layers are named from 0 here)
-    fused_decode = None  # a FusedDecode the worker sets (pagedllm.models.fused_decode) unless enforce_eager
+    fused_decode: FusedDecode | None = None  # the worker sets one (pagedllm.models.fused_decode) unless enforce_eager
 
     def __init__(self, cfg: Any, parallel: ParallelState | None = None):
         super().__init__()
@@ -138,11 +143,14 @@ class LlamaForCausalLM(nn.Module):
         self.start_layer, end = stage_layers(cfg.num_hidden_layers, ps.pp_size, ps.pp_rank)
         # the first stage embeds; the last needs the embedding too when it is the (tied) head
         needs_embedding = ps.is_first_stage or (ps.is_last_stage and self.tie_word_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps) if needs_embedding else None
+        # any nn.Module: a draft head's is an nn.Embedding (or the target's), a quantized tied head's may be a
+        # QuantizedEmbedding
+        self.embed_tokens: nn.Module | None = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps) if needs_embedding else None
+        )
         self.layers = nn.ModuleList(self._layer(cfg, i, qkv_bias, ps) for i in range(self.start_layer, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.rotary = RotaryEmbedding(self._attention().head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
         untied_head = ps.is_last_stage and not self.tie_word_embeddings
         self.lm_head = (
             nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, ps)[1], bias=False) if untied_head else None
@@ -152,6 +160,10 @@ class LlamaForCausalLM(nn.Module):
         return LlamaDecoderLayer(
             cfg, i, qkv_bias, self.qk_norm, self._sliding_window(cfg, i), ps, self._mlp(cfg, i, ps)
         )
+
+    def _attention(self, i: int = 0) -> LlamaAttention:
+        """Layer ``i``'s attention (this stage's numbering): every family's layers have a LlamaAttention."""
+        return cast(LlamaAttention, self.layers[i].self_attn)
 
     def _mlp(self, cfg: Any, layer_idx: int, ps: ParallelState) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward block (the MoE families return their sparse block)."""
@@ -171,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
     # -- geometry the runner needs to size the KV cache --
     @property
     def kv_cache_shape_per_layer(self) -> tuple[int, int]:
-        a = self.layers[0].self_attn
+        a = self._attention()
         return a.num_kv_heads, a.head_dim
 
     def forward(
@@ -188,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
             if out is not None:
                 return out
         if intermediate is None:
+            assert self.embed_tokens is not None  # the first stage embeds
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate.hidden, intermediate.residual
@@ -198,7 +211,9 @@ class LlamaForCausalLM(nn.Module):
                 aux[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
         if not self.ps.is_last_stage:
+            assert residual is not None  # every stage holds a layer (check_parallel_fits)
             return IntermediateTensors(x, residual)
+        assert self.norm is not None  # the last stage's
         x, _ = self.norm(x, residual)
         if self.aux_hidden_state_layers:
             return x, torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
@@ -208,13 +223,14 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [T, vocab]; under tensor parallelism only the stage's first rank gets them
         (every rank of the last stage must call this with the same rows)."""
         if self.lm_head is None:  # tied: the embedding is the head
-            local = F.linear(hidden, self.embed_tokens.weight).float()
+            assert self.embed_tokens is not None  # the last stage keeps it when tied
+            local = F.linear(hidden, cast(torch.Tensor, self.embed_tokens.weight)).float()
         else:
             local = self.lm_head(hidden).float()
         return self.ps.gather_vocab(local, self.config.vocab_size) if self.ps.tp_size > 1 else local
 
     # -- weights --
-    _FUSED = {  # transformers' name -> (our fused parameter, shard index)
+    _FUSED: ClassVar[dict[str, tuple[str, int]]] = {  # transformers' name -> (our fused parameter, shard index)
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
@@ -233,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
             return name if getattr(self, module, None) is not None else None
         return name
 
-    def _tp_slice(self, module: str, kind: str, name: str = "") -> tuple[int, int, int] | str | None:
+    def _tp_slice(self, module: str, kind: str, name: str = "") -> tuple[int, int, int] | Literal["rank0"] | None:
         """This rank's part of a checkpoint tensor as ``(dim, start, length)``; ``"rank0"`` for a
         row-parallel bias (added once, after the all-reduce); None where every rank holds all of it.
         ``name`` (this stage's name of the weight) tells a dense MLP's projections from an expert's."""
@@ -242,9 +258,10 @@ class LlamaForCausalLM(nn.Module):
             return None
         if ".experts." in name or ".shared_expert." in name:
             return None  # expert parallelism: an expert lives whole on the rank that holds it
-        a = self.layers[0].self_attn
+        a = self._attention()
         parts = name.split(".")
-        mlp = self.layers[int(parts[1])].mlp if name.startswith("layers.") else self.layers[0].mlp
+        # read only for a dense MLP's projections (an expert's returned above)
+        mlp = cast(GatedMLP, self.layers[int(parts[1]) if name.startswith("layers.") else 0].mlp)
         r = ps.tp_rank
         if module == "q_proj":
             return 0, r * a.q_size, a.q_size
@@ -284,21 +301,21 @@ class LlamaForCausalLM(nn.Module):
     def weight_target(self, name: str) -> str | None:
         """The parameter checkpoint weight ``name`` loads into (a fused projection's, for its shards), None
         where this stage holds no such weight."""
-        name = self._stage_name(name)
-        if name is None:
+        local = self._stage_name(name)
+        if local is None:
             return None
-        parts = name.split(".")
+        parts = local.split(".")
         if len(parts) >= 2 and parts[-2] in self._FUSED:
             return ".".join(parts[:-2] + [self._FUSED[parts[-2]][0], parts[-1]])
-        return name
+        return local
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load ``(hf name, tensor)`` pairs: under tensor parallelism a lazy slice (``narrow``) reads only
         this rank's part; a pipeline stage skips the layers it does not hold."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = self._stage_name(name)
+        for hf_name, tensor in weights:
+            name = self._stage_name(hf_name)
             if name is None:
                 continue
             parts = name.split(".")
@@ -306,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
             if module in self._FUSED:
                 fused, shard = self._FUSED[module]
                 target = ".".join(parts[:-2] + [fused, kind])
-                param = params[target]
+                param: torch.Tensor = params[target]
                 offset, size = self._shard_range(fused, shard, param)
                 param.data[offset : offset + size].copy_(self._take(module, kind, tensor, name))
                 loaded.add(f"{target}#{shard}")
@@ -338,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
         tensors)``, to our module names: fused projections concatenate their shards' rows (kept only when
         every shard is there, of one layout); a tied embedding also serves as ``lm_head``. Under tensor
         parallelism each block is cut to this rank's part first (columns in whole groups of 32)."""
-        shards: dict[str, dict[int, tuple[str, tuple[torch.Tensor, ...]]]] = {}
+        shards: dict[str, dict[int, tuple[str, tuple[torch.Tensor, ...] | None]]] = {}
         for name, (kind, tensors) in blocks.items():
             hf_module = name.removeprefix("model.").removesuffix(".weight")
             local = self._local_name(hf_module + ".weight")
@@ -349,20 +366,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if local is None:
                 continue
-            module = local.removesuffix(".weight").split(".")
+            path = local.removesuffix(".weight").split(".")
             block = (kind, _slice_block(tensors, self._tp_slice(leaf, "weight", local)))
-            fused, shard = self._FUSED.get(module[-1], (module[-1], 0))
-            shards.setdefault(".".join(module[:-1] + [fused]), {})[shard] = block
+            fused, shard = self._FUSED.get(path[-1], (path[-1], 0))
+            shards.setdefault(".".join(path[:-1] + [fused]), {})[shard] = block
         out = {}
         for module, got in shards.items():
             n = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+            if len(got) != n:  # shards 0..n-1, each present
+                continue
+            kinds = {kind for kind, _ in got.values()}
+            parts = [t for _, t in (got[i] for i in range(n)) if t is not None]
             # one kind, with as many scales a row (Q6_K's scale per 16 does not fuse with a scale per 32)
-            if (
-                len(got) == n
-                and all(t is not None for _, t in got.values())
-                and len({(kind, t[1].shape[1:]) for kind, t in got.values()}) == 1
-            ):
-                parts = [got[i][1] for i in range(n)]
+            if len(parts) == n and len(kinds) == 1 and len({p[1].shape[1:] for p in parts}) == 1:
                 out[module] = (got[0][0], tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
         return out
 
@@ -372,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard_range(self, fused: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
         if fused == "qkv_proj":
-            a = self.layers[0].self_attn
+            a = self._attention()
             sizes = [a.q_size, a.kv_size, a.kv_size]
         else:  # gate | up, of whichever MLP (dense, expert or shared expert) this is
             sizes = [param.shape[0] // 2] * 2
@@ -396,7 +412,7 @@ def _materialize(tensor: Any) -> torch.Tensor:
 
 
 def _slice_block(
-    tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | str | None
+    tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | Literal["rank0"] | None
 ) -> tuple[torch.Tensor, ...] | None:
     """A quantized block's rows / groups for this rank: rows are whole; columns (row-parallel) are cut in
     groups of 32 (q's bytes, the scales (a 32 or a 16 each) and the mins alike). None where the cut splits a
@@ -430,17 +446,17 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
-class _MoEWeights:
+class _MoEWeights(LlamaForCausalLM):
     """Under expert parallelism a rank loads only its own experts (renumbered from 0), and only rank 0
     the shared expert."""
 
     def _local_name(self, name: str) -> str | None:
-        name = super()._local_name(name)
-        if name is None or ".mlp." not in name or self.ps.tp_size == 1:
-            return name
-        parts = name.split(".")
+        local = super()._local_name(name)
+        if local is None or ".mlp." not in local or self.ps.tp_size == 1:
+            return local
+        parts = local.split(".")
         if "shared_expert" in parts or "shared_expert_gate" in parts:
-            return name if self.ps.tp_rank == 0 else None
+            return local if self.ps.tp_rank == 0 else None
         if "experts" in parts:
             from pagedllm.layers.fused_moe import local_experts
 
@@ -455,7 +471,7 @@ class _MoEWeights:
         return ".".join(parts)
 
 
-class MixtralForCausalLM(_MoEWeights, LlamaForCausalLM):
+class MixtralForCausalLM(_MoEWeights):
     """Every layer a sparse block of ``num_local_experts`` experts, top-``num_experts_per_tok`` routing
     renormalised over the chosen experts."""
 
@@ -468,7 +484,7 @@ class MixtralForCausalLM(_MoEWeights, LlamaForCausalLM):
             cfg, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, renormalize=True, ps=ps
         )
 
-    _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    _MIXTRAL_NAMES: ClassVar[dict[str, str]] = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
     def _checkpoint_name(self, name: str) -> str:
         parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
@@ -477,7 +493,7 @@ class MixtralForCausalLM(_MoEWeights, LlamaForCausalLM):
         return ".".join(parts)
 
 
-class Qwen2MoeForCausalLM(_MoEWeights, LlamaForCausalLM):
+class Qwen2MoeForCausalLM(_MoEWeights):
     """Sparse layers (every ``decoder_sparse_step``-th, except ``mlp_only_layers``) route to
     ``num_experts`` experts and add a shared expert gated by a sigmoid; QKV biases as Qwen2."""
 

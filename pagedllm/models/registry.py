@@ -54,7 +54,8 @@ class _ModelRegistry:
     def resolve_for_config(self, hf_config: Any) -> type:
         archs = getattr(hf_config, "architectures", None)
         if not archs:
-            archs = [_MODEL_TYPE_TO_ARCH.get(getattr(hf_config, "model_type", None), "<unknown>")]
+            model_type: str = getattr(hf_config, "model_type", "")
+            archs = [_MODEL_TYPE_TO_ARCH.get(model_type, "<unknown>")]
         return self.resolve(archs)
 
     def resolve(self, architectures: list[str] | None) -> type:

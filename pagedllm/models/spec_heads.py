@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
+if TYPE_CHECKING:
+    import transformers
+
 
 def _bad(msg: str) -> InvalidParameterError:
     return InvalidParameterError(f"speculative_config.model: {msg}", "speculative_config.model")
@@ -46,6 +49,7 @@ class EagleHead(LlamaForCausalLM):
     """EAGLE (``eagle3=False``) or EAGLE-3 draft head. ``forward`` returns ``(for_logits, next_hidden)``."""
 
     _OPTIONAL = ("embed_tokens.weight", "fc.bias", "lm_head.weight")  # taken from the target, or zero
+    d2t: torch.Tensor  # EAGLE-3's buffer (register_buffer), typed for mypy
 
     def __init__(self, cfg: Any, eagle3: bool, max_positions: int):
         nn.Module.__init__(self)
@@ -60,7 +64,7 @@ class EagleHead(LlamaForCausalLM):
         )
         first = self.layers[0]
         if eagle3:
-            a = first.self_attn
+            a = self._attention()
             a.qkv_proj = nn.Linear(2 * h, a.q_size + 2 * a.kv_size, bias=qkv_bias)
             first.hidden_norm = RMSNorm(h, eps)
             self.fc = nn.Linear(3 * (getattr(cfg, "target_hidden_size", None) or h), h, bias=True)
@@ -72,9 +76,10 @@ class EagleHead(LlamaForCausalLM):
             first.input_layernorm = nn.Identity()
             self.fc = nn.Linear(2 * h, h, bias=True)
         self.fc.bias.data.zero_()  # published heads may lack it: then it is zero
-        self.rotary = RotaryEmbedding(first.self_attn.head_dim, max_positions, rope_parameters(cfg))
+        self.rotary = RotaryEmbedding(self._attention().head_dim, max_positions, rope_parameters(cfg))
 
-    def forward(
+    # Llama's layers and weight loading, with a forward of its own: a head also takes the target's hidden states
+    def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
@@ -83,11 +88,12 @@ class EagleHead(LlamaForCausalLM):
         meta: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token p+1's embedding with the features at p (the target's, or this head's own ``next_hidden``)."""
+        assert self.embed_tokens is not None  # its own, or the target's
         emb = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
-        first = self.layers[0]
+        first = cast(LlamaDecoderLayer, self.layers[0])
         if self.eagle3:
-            residual = first.hidden_norm(hidden)
+            residual = cast(RMSNorm, first.hidden_norm)(hidden)  # EAGLE-3's, added in __init__
             x = torch.cat([first.input_layernorm(emb), residual], dim=-1)
             if not self.norm_before_residual:
                 residual = hidden
@@ -99,6 +105,7 @@ class EagleHead(LlamaForCausalLM):
         for layer, kv_cache in zip(self.layers[1:], kv_caches[1:]):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
         if self.eagle3:
+            assert self.norm is not None  # EAGLE-3's final norm
             return self.norm(x, residual)
         x = x + residual
         return x, x
@@ -113,7 +120,8 @@ class EagleHead(LlamaForCausalLM):
         ids = self.lm_head(h).argmax(dim=-1)
         return ids + self.d2t[ids]
 
-    def aux_hidden_state_layers(self, num_target_layers: int) -> tuple[int, ...]:
+    # a method here, an attribute on the target: the worker sets the target's attribute from this
+    def aux_hidden_state_layers(self, num_target_layers: int) -> tuple[int, ...]:  # type: ignore[override]
         ids = (
             getattr(self.config, "eagle_aux_hidden_state_layer_ids", None)
             or (getattr(self.config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -156,7 +164,10 @@ class EagleHead(LlamaForCausalLM):
 class _ResidualBlock(nn.Module):
     def __init__(self, hidden: int, num_layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=True) for _ in range(num_layers))
+        linears = [nn.Linear(hidden, hidden, bias=True) for _ in range(num_layers)]
+        for linear in linears:  # published heads may lack the biases (medusa_fc_bias false): then zero
+            linear.bias.data.zero_()
+        self.layers = nn.ModuleList(linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -166,6 +177,7 @@ class _ResidualBlock(nn.Module):
 
 class MedusaHead(nn.Module):
     _ORIGINAL = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")  # FasterDecoding's names
+    token_map: torch.Tensor  # a buffer (register_buffer), typed for mypy
 
     def __init__(self, cfg: Any):
         super().__init__()
@@ -178,9 +190,6 @@ class MedusaHead(nn.Module):
         self.lm_heads = nn.ModuleList(
             nn.Linear(cfg.hidden_size, vocab, bias=False) for _ in range(1 if cfg.original_lm_head else cfg.num_heads)
         )
-        for block in self.blocks:  # published heads may lack the biases (medusa_fc_bias false): then zero
-            for layer in block.layers:
-                layer.bias.data.zero_()
         self.register_buffer("token_map", torch.arange(vocab))
 
     def draft_token_ids(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
@@ -274,7 +283,8 @@ def load_spec_head(
     source = resolve_local(model, what="speculative_config.model")
     if source.kind != "hf_dir":
         raise _bad(f"a {method} head is a directory with config.json, not {source.path!r}")
-    tcfg = target.config
+    tcfg: Any = target.config  # a transformers config (nn.Module's __getattr__ types it as a submodule)
+    cfg: SimpleNamespace | transformers.PretrainedConfig
     with open(os.path.join(source.path, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
     if method == "medusa":
@@ -298,7 +308,7 @@ def load_spec_head(
         )
     with torch.device(device), _no_init():
         if method == "medusa":
-            head: nn.Module = MedusaHead(cfg)
+            head: MedusaHead | EagleHead = MedusaHead(cfg)
         else:
             head = EagleHead(
                 cfg,
@@ -313,8 +323,9 @@ def load_spec_head(
                     f"the head has no embed_tokens and its hidden size ({cfg.hidden_size}) differs from "
                     f"the target's ({tcfg.hidden_size}), so it cannot share the target's"
                 )
-            head.embed_tokens = target.embed_tokens
+            head.embed_tokens = cast(nn.Module, target.embed_tokens)
         if head.eagle3 and "lm_head.weight" not in loaded:
+            assert head.lm_head is not None  # EAGLE-3 builds its own
             if head.lm_head.out_features != tcfg.vocab_size:
                 raise _bad("an EAGLE-3 head with a draft vocabulary needs its own lm_head")
             head.lm_head = None  # the target's head gives the logits
