@@ -296,7 +296,9 @@ class Worker:
             "num_kv_heads": a.num_kv_heads,
             "kv_head_start": a.kv_head_start,
             "mlp_size": _layers(m)[0].mlp.intermediate,
-            "vocab_rows": None if emb is None else getattr(emb, "num_embeddings", None) or emb.weight.shape[0],
+            "vocab_rows": None
+            if emb is None
+            else getattr(emb, "num_embeddings", None) or cast(torch.Tensor, emb.weight).shape[0],
             "has_head": m.ps.is_last_stage,
             "pid": os.getpid(),
         }
