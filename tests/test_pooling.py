@@ -238,3 +238,20 @@ def test_embedding_requests_count_in_metrics_and_the_engine_state(minilm_dir):
         assert sum(step["prefill_tokens"] for step in state["steps"]) == n
     finally:
         assert s.stop() == 0
+
+
+def test_more_inputs_than_the_queue_holds_is_a_400_naming_input(minilm_dir):
+    import httpx
+
+    s = Server(minilm_dir, "--max-queue-len", "4")
+    try:
+        r = httpx.post(f"{s.url}/v1/embeddings", json={"model": "tiny", "input": SENTENCES[:5]}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (
+            err["param"] == "input" and "5 sequences (inputs)" in err["message"] and "max_queue_len=4" in err["message"]
+        )
+        ok = httpx.post(f"{s.url}/v1/embeddings", json={"model": "tiny", "input": SENTENCES[:4]}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["data"]) == 4
+    finally:
+        assert s.stop() == 0

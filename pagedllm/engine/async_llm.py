@@ -188,7 +188,7 @@ class AsyncLLM:
         self._check_alive()
         request_id = request_id or uuid.uuid4().hex
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._check_room(len(prompts))
+        self._check_room(len(prompts), "inputs", "input")
         prepared = await self.prepare(
             lambda: self.engine.make_pooling_requests(
                 ids, list(prompts), pooling_params, priority, group=request_id, trace_headers=trace_headers
@@ -259,15 +259,16 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
 
-    def _check_room(self, size: int) -> None:
+    def _check_room(self, size: int, what: str = "prompts x n", param: str = "n") -> None:
+        """``size`` sequences (``what`` they are, the request field to name) against max_queue_len."""
         limit = self.max_queue_len
         if limit is None:
             return
         if 0 < limit < size:  # could never be admitted: the client must split it, not retry
             raise InvalidParameterError(
-                f"this request asks for {size} sequences (prompts x n), more than the server's queue holds "
+                f"this request asks for {size} sequences ({what}), more than the server's queue holds "
                 f"(max_queue_len={limit})",
-                "n",
+                param,
             )
         queued = self.num_queued()
         if queued + size > limit:

@@ -27,16 +27,16 @@ _OFF_LOOP_JSON_BYTES = 64 << 10
 
 
 class _Request(Request):
-    """Parses JSON and checks the request limits on it, on a worker thread when the body is large."""
+    """Parses JSON and checks the request limits on it, on the server's parsing thread when the body is large."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            limits = self.scope["app"].state.server.limits
+            state = self.scope["app"].state.server
             self._json = (
-                await asyncio.to_thread(_parse_body, body, limits)
+                await asyncio.get_running_loop().run_in_executor(state.json_pool, _parse_body, body, state.limits)
                 if len(body) > _OFF_LOOP_JSON_BYTES
-                else _parse_body(body, limits)
+                else _parse_body(body, state.limits)
             )
         return self._json
 

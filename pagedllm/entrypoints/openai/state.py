@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
@@ -46,6 +47,9 @@ class ServerState:
         self.lora_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
         self.hub: EngineStateHub | None = None  # the dashboards' snapshot stream, set by build_app
+        # large JSON bodies are parsed here, one at a time: the C parser holds the GIL, so more threads would
+        # parse no faster, and a fixed one keeps the server's thread count from growing with concurrency
+        self.json_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-json")
 
     def add_lora(self, name: str, path: str) -> LoRARequest:
         """Register an adapter (checked and loaded by the engine first)."""
