@@ -16,48 +16,11 @@ import json
 import random
 import time
 
-WORDS = [
-    "the",
-    "a",
-    "river",
-    "town",
-    "market",
-    "old",
-    "bridge",
-    "morning",
-    "light",
-    "quiet",
-    "street",
-    "bakery",
-    "window",
-    "children",
-    "garden",
-    "story",
-    "about",
-    "small",
-    "dog",
-    "who",
-    "learned",
-    "read",
-    "letters",
-    "from",
-    "sea",
-    "captain",
-    "evening",
-    "rain",
-    "mountain",
-    "path",
-    "winter",
-    "fire",
-    "kitchen",
-    "table",
-    "song",
-    "friend",
-    "journey",
-    "home",
-    "lantern",
-    "harbour",
-]
+WORDS = (
+    "the a river town market old bridge morning light quiet street bakery window children garden story "
+    "about small dog who learned read letters from sea captain evening rain mountain path winter fire "
+    "kitchen table song friend journey home lantern harbour"
+).split()
 
 
 def sentences(n: int, seed: int) -> list[str]:

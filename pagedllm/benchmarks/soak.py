@@ -40,50 +40,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WORDS = [
-    "the",
-    "river",
-    "town",
-    "market",
-    "old",
-    "bridge",
-    "morning",
-    "light",
-    "quiet",
-    "street",
-    "bakery",
-    "window",
-    "children",
-    "garden",
-    "story",
-    "about",
-    "a",
-    "small",
-    "dog",
-    "who",
-    "learned",
-    "to",
-    "read",
-    "letters",
-    "from",
-    "the",
-    "sea",
-    "captain",
-    "evening",
-    "rain",
-    "mountain",
-    "path",
-    "winter",
-    "fire",
-    "kitchen",
-    "table",
-    "song",
-    "friend",
-    "journey",
-    "home",
-    "lantern",
-    "harbour",
-]
+WORDS = (
+    "the river town market old bridge morning light quiet street bakery window children garden "
+    "story about a small dog who learned to read letters from the sea captain evening rain "
+    "mountain path winter fire kitchen table song friend journey home lantern harbour"
+).split()
 STOPS = ["\n", " the", "."]
 HOSTILE = (
     "huge_max_tokens",
