@@ -62,9 +62,15 @@ class ModelConfig:
         "Run every step through the Python layer loop. By default a decode-only step of a Llama-family "
         "model on CPU (float32 or quantized) runs its layers in one C call (the same kernels, the same result).",
     )
-    quantization: Literal["int8", "int4", "w4a8", "w4a16", "fp8"] | None = _f(
+    quantization: Literal["gguf", "gguf-exact", "int8", "int4", "w4a8", "w4a16", "fp8", "none"] | None = _f(
         None,
-        "Quantization on CPU. Weight-only, float32 activations: 'int8' or 'int4' (groups of 32 with a "
+        "Quantization on CPU. A GGUF file runs as stored by default ('gguf'): each tensor keeps its own "
+        "block type (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K; float tensors stay float), nothing "
+        "is widened, and activations are rounded to int8 per group of 32 for integer dot products, as llama.cpp "
+        "does (float32 activations for Q6_K's scale per 16). 'gguf-exact': the same blocks with float32 "
+        "activations: the float32 function of the dequantized weights (transformers' tokens). 'none': widen "
+        "every weight to --dtype (the old GGUF default; AWQ / GPTQ / FP8 checkpoints are widened too). "
+        "Weight-only, float32 activations: 'int8' or 'int4' (groups of 32 with a "
         "scale and a min; a GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K blocks load without a second "
         "rounding). 'w4a8': int4 "
         "weights with activations rounded to int8 per group of 32 and integer dot products, as llama.cpp "

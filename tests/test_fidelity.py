@@ -100,6 +100,7 @@ def test_tiny_models_greedy_match_transformers(tiny_model_dir: Path) -> None:
         num_gpu_blocks_override=96,
         block_size=16,
         dtype="float32",
+        quantization="gguf-exact",  # the file's blocks, float32 activations: transformers' function
     )
     prompts = _tiny_prompts(llm.get_tokenizer())
     assert len(prompts) == 6 and min(map(len, prompts)) == 1 and max(map(len, prompts)) == 160
@@ -177,6 +178,7 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2_hf_model) -> None:
         num_gpu_blocks_override=160,
         block_size=16,
         dtype="float32",
+        quantization="gguf-exact",  # the file's blocks, float32 activations: transformers' function
     )
     tok = llm.get_tokenizer()
     chat = llm.apply_chat_template([{"role": "user", "content": "What is the boiling point of water?"}])

@@ -14,6 +14,8 @@ from pagedllm import LLM, SamplingParams
 from utils import check_greedy_close, hf_greedy
 
 TOPK = 5
+# the float32 function of the file's blocks, so the reference is transformers' on the same file
+EXACT = "gguf-exact"
 GREEDY = SamplingParams(temperature=0, max_tokens=48, logprobs=TOPK, ignore_eos=True)
 
 _CITIES = [
@@ -71,6 +73,7 @@ def reference(gemma_gguf):
     """Every feature off and room for all prompts at once; the prompts as Gemma's tokenizer reads them."""
     llm = LLM(
         gemma_gguf,
+        quantization=EXACT,
         enable_prefix_caching=False,
         enable_chunked_prefill=False,
         max_num_batched_tokens=4096,
@@ -123,6 +126,7 @@ def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unch
     prompts = [{"prompt_token_ids": p} for p in ids]
     chunked = LLM(
         gemma_gguf,
+        quantization=EXACT,
         enable_prefix_caching=False,
         enable_chunked_prefill=True,
         max_num_batched_tokens=96,
@@ -133,7 +137,9 @@ def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unch
     _clean(chunked)
     del chunked
 
-    cached = LLM(gemma_gguf, enable_prefix_caching=True, max_model_len=1024, num_gpu_blocks_override=512)
+    cached = LLM(
+        gemma_gguf, quantization=EXACT, enable_prefix_caching=True, max_model_len=1024, num_gpu_blocks_override=512
+    )
     cached.generate(prompts, GREEDY, use_tqdm=False)
     again = cached.generate(prompts, GREEDY, use_tqdm=False)
     _same(ref, again)
@@ -147,6 +153,7 @@ def test_gemma3_chunked_prefill_prefix_caching_and_preemption_leave_outputs_unch
     for hybrid, num_blocks in ((True, 300), (False, 60)):
         tight = LLM(
             gemma_gguf,
+            quantization=EXACT,
             enable_prefix_caching=False,
             max_num_batched_tokens=128,
             max_model_len=900,
@@ -168,6 +175,7 @@ def test_gemma3_local_layers_hold_only_their_window(gemma_gguf, reference):
     ids = reference[0][0]
     llm = LLM(
         gemma_gguf,
+        quantization=EXACT,
         enable_prefix_caching=False,
         max_num_batched_tokens=128,
         max_model_len=1024,

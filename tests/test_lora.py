@@ -317,7 +317,9 @@ def test_smollm2_with_a_peft_adapter_matches_transformers(smollm2_hf_model, tmp_
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(tmp_path / "adapter")
-    llm = LLM(enable_lora=True, max_lora_rank=8, max_model_len=256, num_gpu_blocks_override=64)
+    llm = LLM(
+        enable_lora=True, max_lora_rank=8, max_model_len=256, num_gpu_blocks_override=64, quantization="gguf-exact"
+    )
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS[:3]]
     ours = _ours(llm, prompts, LoRARequest("smol", 1, str(tmp_path / "adapter")))

@@ -312,7 +312,8 @@ def test_gguf_blocks_are_taken_without_a_float32_copy(monkeypatch):
         model = load_model(src, load_config(src), torch.float32, torch.device("cpu"), quantization=method)
         assert type(model.layers[3].mlp.gate_up_proj) is cls and isinstance(model.embed_tokens, QuantizedEmbedding)
         assert widened == [], method
-    load_model(src, load_config(src), torch.float32, torch.device("cpu"))  # float32: every tensor widened
+    # float32 (asked for: a GGUF runs as stored by default): every tensor widened
+    load_model(src, load_config(src), torch.float32, torch.device("cpu"), quantization="none")
     assert len(widened) == 30 * 7 + 1
 
 
@@ -556,7 +557,7 @@ def test_quantized_default_model_keeps_float32_greedy_outputs():
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
     prompts = make_w64(load_tokenizer(resolve_model(None)), 4, 32, 200, 1)
-    ref = _greedy(LLM(), prompts, 32)
+    ref = _greedy(LLM(quantization="none"), prompts, 32)
     for method, layer_cls in (("int4", Int4Linear), ("int8", Int8Linear)):
         llm = LLM(quantization=method)
         model = llm.llm_engine.core.runner.model

@@ -66,11 +66,14 @@ from torch import nn
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.layers.linear import onednn_available, onednn_linear
+from pagedllm.layers.vocab_parallel import VocabParallelEmbedding
 
 GROUP = 32
 SMALL_BATCH = 8  # rows at most for the direct kernels; above, unpack once and use the BLAS GEMM
 SMALL_BATCH_A8 = 16  # the same for the integer-activation kernels where they have no GEMM for the weights
 ACTIVATION_BITS = {"w4a8": 8, "w4a16": 16}  # the modes with integer activations
+# A GGUF's blocks as stored, by mode: the activation bits of their integer kernels (None: float32 activations)
+GGUF_MODES: dict[str, int | None] = {"gguf": 8, "gguf-exact": None}
 Block = tuple[str, tuple[torch.Tensor, ...]]  # a checkpoint's own quantized weights: (kind, its tensors)
 
 
@@ -247,6 +250,22 @@ def zero_point_blocks(
     return "int8", ((q.to(torch.int32) - 128).to(torch.int8).contiguous(), s, ((128 - z) * s).contiguous())
 
 
+def common_layout(parts: list[Block]) -> list[Block]:
+    """Blocks of one fused linear's shards in one layout holding exactly their values: int4 becomes int8 where
+    any shard is int8, and a scale per 32 becomes two equal scales per 16 where any shard has a scale per 16
+    (a GGUF's Q4_K_M mixes Q4_K and Q6_K within q/k/v). Blocks with an input order (act-order) stay as they are."""
+    one_kind = len({kind for kind, _ in parts}) == 1
+    if any(len(t) != 3 for _, t in parts) or (one_kind and len({t[1].shape[1:] for _, t in parts}) == 1):
+        return parts
+    int8 = [widen_int4(*t) if kind == "int4" else t for kind, t in parts]
+    per16 = max(t[1].shape[1] * GROUP // t[0].shape[1] for t in int8)  # 2 where any has a scale per 16
+    out: list[Block] = []
+    for q, scales, mins in int8:
+        rep = per16 * q.shape[1] // (scales.shape[1] * GROUP)
+        out.append(("int8", (q, scales.repeat_interleave(rep, 1) if rep > 1 else scales, mins)))
+    return out
+
+
 def widen_int4(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -334,8 +353,14 @@ def quantize_model(
     their block are replaced, before the float weights load, which then skip their
     weights (a bias still loads, into the new layer); a second call with True does
     the rest.
+
+    The GGUF modes (:data:`GGUF_MODES`) take every block as it is stored, int4 or int8, head included, and
+    round nothing: a linear the file holds in float stays float.
     """
     blocks = blocks or {}
+    if method in GGUF_MODES:
+        _take_stored_blocks(model, blocks, GGUF_MODES[method])
+        return
     abits = ACTIVATION_BITS.get(method)  # None: float32 activations
     bits = "int8" if method == "int8" else "int4"
     for module, child_name, child, full in _projections(model):
@@ -360,26 +385,58 @@ def quantize_model(
         model.embed_tokens = QuantizedEmbedding(model.lm_head)
 
 
-class QuantizedEmbedding(nn.Module):
-    """Embedding rows read from a tied int8 head's groups (``q * scale + min``, as the float table had them):
-    a quantized model then keeps its vocabulary once, in 8 bits, instead of also as a float32 table."""
+def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_bits: int | None) -> None:
+    """The GGUF modes: each projection and the head with a block becomes that block's linear (int4 or int8 as
+    stored; ``activation_bits`` where its kernel takes them, float32 activations for a scale per 16, Q6_K's);
+    the embedding reads its rows from its own block (or from the tied head's)."""
 
-    def __init__(self, head: Int8Linear):
+    def stored(block: Block, bias: torch.Tensor | None) -> _QuantLinear:
+        kind, (q, scales, mins) = block[0], block[1][:3]
+        g16 = scales.shape[1] * GROUP > q.shape[1] * (2 if kind == "int4" else 1)  # more scales than groups
+        abits = None if g16 else activation_bits
+        return (Int4Linear if kind == "int4" else Int8Linear)(q, scales, mins, bias, abits)
+
+    for module, child_name, child, full in _projections(model):
+        block = blocks.get(full)
+        if _takes_block(block, child.weight):
+            setattr(module, child_name, stored(block, child.bias))
+    block = blocks.get("lm_head")  # a tied model's is the embedding's block
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    taken = isinstance(model.lm_head, _QuantLinear)
+    if isinstance(head, nn.Module) and not taken and _takes_block(block, cast(torch.Tensor, head.weight)):
+        model.lm_head = stored(block, None)
+    ps = getattr(model, "ps", None)
+    embedding = model.embed_tokens
+    if not isinstance(embedding, VocabParallelEmbedding) or not (ps is None or ps.world_size == 1):
+        return  # a quantized table already, none on this stage, or a vocabulary shard (kept float)
+    own = blocks.get("embed_tokens")
+    if _takes_block(own, embedding.weight):
+        model.embed_tokens = QuantizedEmbedding(stored(own, None))
+    elif getattr(model, "tie_word_embeddings", False) and isinstance(model.lm_head, _QuantLinear):
+        model.embed_tokens = QuantizedEmbedding(model.lm_head)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Embedding rows read from a quantized table's groups (``q * scale + min``: the values the float table
+    would hold), a tied head's or the embedding's own block: only the rows looked up are widened, so the
+    vocabulary is kept once, in its 4 or 8 bits, never as a float32 table."""
+
+    def __init__(self, table: _QuantLinear):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        # plain attributes: the head owns these tensors (no second copy, nothing for .to() to move twice)
-        self.q, self.scales, self.mins = head.qweight, head.scales, head.mins
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        # plain attributes: the table owns these tensors (no second copy, nothing for .to() to move twice)
+        self.q, self.scales, self.mins = table.qweight, table.scales, table.mins
+        self.bits = table.bits
+        self._dequantize = table._dequantize
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        scales = self.scales.index_select(0, ids)
-        rows = self.q.index_select(0, ids).float().view(ids.shape[0], scales.shape[1], -1).mul_(scales[..., None])
-        if self.mins is not None:
-            rows = rows.view(ids.shape[0], -1, GROUP).add_(self.mins.index_select(0, ids)[..., None])
+        mins = None if self.mins is None else self.mins.index_select(0, ids)
+        rows = self._dequantize(self.q.index_select(0, ids), self.scales.index_select(0, ids), mins)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the tied head"
+        return f"{self.num_embeddings}, {self.embedding_dim}, int{self.bits} rows"
 
 
 def _takes_block(block: Block | None, weight: torch.Tensor) -> TypeGuard[Block]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import mmap
 import os
 import re
@@ -348,6 +349,45 @@ def fast_transformers_gguf_metadata(arch: str) -> Iterator[None]:
 # ----------------------------------------------------------------------------
 
 
+# the block types the GGUF modes keep as stored (:func:`_q_blocks`); plain float tensors are taken as they are
+STORED_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def check_gguf_tensors(path: str, as_stored: bool = False) -> None:
+    """Before anything loads: every tensor's data lies within the file (else it is truncated), and, ``as_stored``
+    (the GGUF modes), every tensor's type has a kernel; one error naming the file, the tensor and the setting."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    header = read_gguf_header(path)
+    size = os.path.getsize(path)
+    no_kernel: dict[str, str] = {}
+    for name, dims in header.tensor_shapes.items():
+        try:
+            qtype = GGMLQuantizationType(header.tensor_types[name])
+        except ValueError:
+            raise UnsupportedModelError(
+                f"GGUF tensor {name!r} in {path!r} has unknown ggml type {header.tensor_types[name]}"
+            ) from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        end = header.tensor_offsets[name] + math.prod(dims) // block * type_size
+        if end > size:
+            raise UnsupportedModelError(
+                f"{path!r} is truncated: tensor {name!r} ends at byte {end:,} but the file has {size:,} bytes "
+                "(an interrupted download or copy?)"
+            )
+        if qtype.name not in STORED_BLOCK_TYPES + _PLAIN_TYPES and name not in _SKIPPED_TENSORS:
+            no_kernel[name] = qtype.name
+    if as_stored and no_kernel:
+        first = next(iter(no_kernel))
+        raise UnsupportedModelError(
+            f"{path!r} holds {len(no_kernel)} tensor(s) in block types pagedllm has no kernel for "
+            f"({', '.join(sorted(set(no_kernel.values())))}, e.g. {first!r}); kernels exist for "
+            f"{', '.join(STORED_BLOCK_TYPES)}. Load it with quantization='none' to widen every weight to float, "
+            "or with quantization='int4' / 'int8' to round them again."
+        )
+
+
 def reverse_llama_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of Q/K rows (same as transformers' GGUF loader).
 
@@ -371,11 +411,14 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
     header = read_gguf_header(path)
     arch = header.architecture
     check_supported(arch, path)
+    check_gguf_tensors(path)
     n_head = n_head_kv = 0
     if arch in _PERMUTED_QK_ARCHITECTURES:
         n_head = int(header.metadata[f"{arch}.attention.head_count"])
         n_head_kv = int(header.metadata.get(f"{arch}.attention.head_count_kv", n_head))
-    file = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    file = np.frombuffer(mapping, dtype=np.uint8)
     plain = {
         GGMLQuantizationType.F32: np.float32,
         GGMLQuantizationType.F16: np.float16,
@@ -412,6 +455,17 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
         elif arch in _NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
             fix = _minus_one
         yield name_in_file, name, qtype, data, fix
+        _release(mapping, start, n_bytes)
+
+
+def _release(mapping: mmap.mmap, start: int, n_bytes: int) -> None:
+    """Drop a tensor's pages of the file mapping from this process once its consumer is done with them: its
+    copies hold the values now, and the resident set no longer counts the file on top of them (the page cache
+    keeps the pages; a view still pointing there would read them in again)."""
+    page = mmap.PAGESIZE
+    first, end = -(-start // page) * page, (start + n_bytes) // page * page  # whole pages inside the tensor
+    if end > first and hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -465,12 +519,45 @@ def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor,
     ``("int4", (packed [N, K/2] uint8, scales [N, K/32], mins))`` or
     ``("int8", (int8 [N, K], scales [N, K/32], mins = 0))``.
     """
-    out: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = {}
+    return dict(iter_gguf_blocks(path))
+
+
+def iter_gguf_blocks(path: str) -> Iterator[tuple[str, tuple[str, tuple[torch.Tensor, ...]]]]:
+    """:func:`gguf_quantized_blocks` one tensor at a time, each converted in slices of rows (a 150k-token
+    vocabulary's temporaries stay small)."""
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
-        block = _q_blocks(data, qtype, unpermute)
+        block = _q_blocks_in_slices(data, qtype, unpermute)
         if block is not None:
-            out[name] = block
-    return out
+            yield name, block
+
+
+_SLICE_ROWS = 4096
+
+
+def _q_blocks_in_slices(
+    data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
+) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """:func:`_q_blocks` of ``data`` converted ``_SLICE_ROWS`` rows at a time into tensors allocated once
+    (a row permutation needs the whole tensor: those are the small Q / K projections)."""
+    import torch
+
+    n = data.shape[0]
+    if n <= _SLICE_ROWS or unpermute is not _identity:
+        return _q_blocks(data, qtype, unpermute)
+    first = _q_blocks(data[:_SLICE_ROWS], qtype, unpermute)
+    if first is None:
+        return None
+    kind, parts = first
+    out = tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in parts)
+    for o, t in zip(out, parts, strict=True):
+        o[:_SLICE_ROWS].copy_(t)
+    for start in range(_SLICE_ROWS, n, _SLICE_ROWS):
+        _, piece = cast(
+            "tuple[str, tuple[torch.Tensor, ...]]", _q_blocks(data[start : start + _SLICE_ROWS], qtype, unpermute)
+        )
+        for o, t in zip(out, piece, strict=True):
+            o[start : start + t.shape[0]].copy_(t)
+    return kind, out
 
 
 def _q_blocks(

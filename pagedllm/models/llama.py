@@ -9,7 +9,7 @@ separate tensors into the fused ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
@@ -22,6 +22,7 @@ from pagedllm.distributed import ParallelState, stage_layers
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.quantization import Block, common_layout
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 
@@ -348,38 +349,54 @@ class LlamaForCausalLM(nn.Module):
             )
         return loaded
 
-    def quantized_modules(
-        self, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]
-    ) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+    def quantized_modules(self, blocks: Mapping[str, Block] | Iterable[tuple[str, Block]]) -> dict[str, Block]:
         """Map a checkpoint's quantized blocks, keyed by transformers' weight names as ``(kind, row-aligned
-        tensors)``, to our module names: fused projections concatenate their shards' rows (kept only when
-        every shard is there, of one layout); a tied embedding also serves as ``lm_head``. Under tensor
-        parallelism each block is cut to this rank's part first (columns in whole groups of 32)."""
+        tensors)``, to our module names: fused projections concatenate their shards' rows (in one layout:
+        :func:`~pagedllm.layers.quantization.common_layout`; kept only when every shard is there); a tied
+        embedding also serves as ``lm_head``. Under tensor parallelism each block is cut to this rank's part
+        first (columns in whole groups of 32). ``blocks`` may be an iterator: a fused module's shards are let go
+        as soon as it is complete, so at most one layer's shards are held beside the result."""
         shards: dict[str, dict[int, tuple[str, tuple[torch.Tensor, ...] | None]]] = {}
-        for name, (kind, tensors) in blocks.items():
+        out: dict[str, Block] = {}
+
+        def add(module: str, shard: int, block: tuple[str, tuple[torch.Tensor, ...] | None]) -> None:
+            got = shards.setdefault(module, {})
+            got[shard] = block
+            n = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+            if len(got) < n:  # shards 0..n-1, each present
+                return
+            del shards[module]
+            if any(got[i][1] is None for i in range(n)):
+                return
+            # one layout: int4 shards beside an int8 one widen, a scale per 32 beside one per 16 doubles
+            parts = common_layout([cast(Block, got[i]) for i in range(n)])
+            if len({(kind, t[1].shape[1:], len(t)) for kind, t in parts}) == 1:
+                tensors = (
+                    parts[0][1]
+                    if n == 1
+                    else tuple(torch.cat([t[j] for _, t in parts]) for j in range(len(parts[0][1])))
+                )
+                out[module] = (parts[0][0], tensors)
+
+        for name, (kind, tensors) in blocks.items() if isinstance(blocks, Mapping) else blocks:
             hf_module = name.removeprefix("model.").removesuffix(".weight")
             local = self._local_name(hf_module + ".weight")
             leaf = hf_module.split(".")[-1]
             if hf_module == "embed_tokens":
                 if self.lm_head is None and self.ps.is_last_stage:
-                    shards["lm_head"] = {0: (kind, _slice_block(tensors, self._tp_slice(leaf, "weight")))}
+                    add("lm_head", 0, (kind, _slice_block(tensors, self._tp_slice(leaf, "weight"))))
+                if self.embed_tokens is not None and self.ps.tp_size == 1:  # its own rows, where they are whole
+                    add("embed_tokens", 0, (kind, tensors))
                 continue
             if local is None:
                 continue
             path = local.removesuffix(".weight").split(".")
-            block = (kind, _slice_block(tensors, self._tp_slice(leaf, "weight", local)))
             fused, shard = self._FUSED.get(path[-1], (path[-1], 0))
-            shards.setdefault(".".join(path[:-1] + [fused]), {})[shard] = block
-        out = {}
-        for module, got in shards.items():
-            n = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
-            if len(got) != n:  # shards 0..n-1, each present
-                continue
-            kinds = {kind for kind, _ in got.values()}
-            parts = [t for _, t in (got[i] for i in range(n)) if t is not None]
-            # one kind, with as many scales a row (Q6_K's scale per 16 does not fuse with a scale per 32)
-            if len(parts) == n and len(kinds) == 1 and len({p[1].shape[1:] for p in parts}) == 1:
-                out[module] = (got[0][0], tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
+            add(
+                ".".join(path[:-1] + [fused]),
+                shard,
+                (kind, _slice_block(tensors, self._tp_slice(leaf, "weight", local))),
+            )
         return out
 
     def _checkpoint_name(self, name: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -28,17 +29,66 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 
 def num_blocks_for_budget(
-    cache: CacheConfig, device: torch.device, per_block: int, profiled_peak_bytes: int | None = None
+    cache: CacheConfig,
+    device: torch.device,
+    per_block: int,
+    profiled_peak_bytes: int | None = None,
+    wanted_blocks: int | None = None,
 ) -> int:
-    """How many blocks the budget allows: kv_cache_memory on CPU, gpu_memory_utilization on CUDA."""
+    """How many blocks the budget allows: gpu_memory_utilization on CUDA; on CPU :func:`cpu_kv_cache_bytes`
+    (``wanted_blocks``: what max_num_seqs requests of max_model_len tokens would fill)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
         budget = int(total * cache.gpu_memory_utilization) - (profiled_peak_bytes or 0)
     else:
-        budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        budget = cpu_kv_cache_bytes(cache, per_block, wanted_blocks)
     return max(budget // per_block, 0)
+
+
+def cpu_kv_cache_bytes(cache: CacheConfig, per_block: int, wanted_blocks: int | None = None) -> int:
+    """The CPU KV cache's bytes: ``kv_cache_memory`` where given (else vLLM-CPU's ``VLLM_CPU_KVCACHE_SPACE``, in
+    GiB), refused when more than the memory available; otherwise what ``wanted_blocks`` need, at most 4 GiB
+    (vLLM-CPU's default) and half the memory available now."""
+    asked, setting = cache.kv_cache_memory, "kv_cache_memory"
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if asked is None and env:
+        try:
+            asked, setting = int(float(env) * GiB), "VLLM_CPU_KVCACHE_SPACE"
+        except ValueError:
+            raise InvalidParameterError(
+                f"VLLM_CPU_KVCACHE_SPACE={env!r} is not a number of GiB", "kv_cache_memory"
+            ) from None
+    available = available_memory()
+    if asked is not None:
+        if asked <= 0:
+            raise InvalidParameterError(f"{setting} must be positive, got {asked / GiB:g} GiB", "kv_cache_memory")
+        if available is not None and asked > available:
+            raise InvalidParameterError(
+                f"{setting} asks for a {asked / GiB:,.2f} GiB KV cache, but only {available / GiB:,.2f} GiB of "
+                "memory is available on this machine; lower it (or max_model_len / max_num_seqs)",
+                "kv_cache_memory",
+            )
+        return asked
+    budget = DEFAULT_CPU_KV_CACHE_BYTES
+    if wanted_blocks is not None:
+        budget = min(budget, wanted_blocks * per_block)
+    if available is not None:
+        budget = min(budget, available // 2)
+    return budget
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel could give this process now without swapping (Linux's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def allocate_kv_caches(

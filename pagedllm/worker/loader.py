@@ -7,7 +7,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,8 +59,12 @@ def load_model(
     from pagedllm.model_loader.quant_config import checkpoint_scheme
 
     scheme = checkpoint_scheme(hf_config) if source.kind == "hf_dir" else None  # AWQ, GPTQ
-    if scheme is not None and quantization is None:
-        quantization = scheme.method  # the checkpoint's own 4- or 8-bit groups, as they are
+    quantization = resolve_quantization(quantization, source, scheme, device)
+    if source.kind == "gguf":  # a truncated file, or blocks with no kernel, fail before anything is built
+        from pagedllm.layers.quantization import GGUF_MODES
+        from pagedllm.model_loader.gguf_loader import check_gguf_tensors
+
+        check_gguf_tensors(source.path, as_stored=quantization in GGUF_MODES)
     if quantization is not None:
         from pagedllm.layers.quantization import check_quantization_supported
 
@@ -129,6 +133,27 @@ def load_model(
     return model
 
 
+def resolve_quantization(asked: str | None, source: Any, scheme: Any, device: torch.device) -> str | None:
+    """The weight format a model loads in: what was asked; else an AWQ / GPTQ / FP8 checkpoint's own scheme,
+    and a GGUF's blocks as stored ("gguf") on CPU. "none" widens every weight to the model dtype."""
+    from pagedllm.layers.quantization import GGUF_MODES
+
+    if asked in GGUF_MODES and source.kind != "gguf":
+        from pagedllm.errors import InvalidParameterError
+
+        raise InvalidParameterError(
+            f"quantization={asked!r} runs a GGUF file's blocks as stored, but {source.name!r} is not a GGUF file",
+            "quantization",
+        )
+    if asked == "none":
+        return None
+    if asked is None and scheme is not None:
+        return str(scheme.method)  # the checkpoint's own 4- or 8-bit groups, as they are
+    if asked is None and source.kind == "gguf" and device.type == "cpu":
+        return "gguf"
+    return asked
+
+
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). Loading
     frees its temporaries (dequantized GGUF tensors, float32 weights before packing or quantizing) in
@@ -183,21 +208,27 @@ def _take_blocks(
     """Give the layers that can take them the checkpoint's own quantized blocks (a GGUF's Q4 / Q8 groups,
     an AWQ / GPTQ / FP8 checkpoint's), read as they are: no float32 copy of those weights is ever made.
     Returns the blocks by module, and the checkpoint weights the loading then skips."""
-    if source.kind == "gguf":
-        from pagedllm.model_loader.gguf_loader import gguf_quantized_blocks
+    names: list[str] = []  # the checkpoint weights that came as blocks
 
-        raw = gguf_quantized_blocks(source.path)
+    def noted(raw: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, block in raw:
+            names.append(name)
+            yield name, block
+
+    if source.kind == "gguf":  # one tensor's blocks at a time: each fused module's shards go once it is built
+        from pagedllm.model_loader.gguf_loader import iter_gguf_blocks
+
+        blocks = model.quantized_modules(noted(iter_gguf_blocks(source.path)))
     elif scheme is not None:
         from pagedllm.model_loader.hf_loader import iter_raw
 
-        raw = scheme.read_blocks(iter_raw(source.path))
+        blocks = model.quantized_modules(noted(scheme.read_blocks(iter_raw(source.path)).items()))
     else:
         return None, set()
-    blocks = model.quantized_modules(raw)
     _quantize(model, method, blocks, scheme, from_float=False)
     params = dict(model.named_parameters())
     # a weight whose parameter went with its float layer is held already (or not by this stage at all)
-    return blocks, {name for name in raw if model.weight_target(name) not in params}
+    return blocks, {name for name in names if model.weight_target(name) not in params}
 
 
 def _quantize(

@@ -126,7 +126,10 @@ class Worker:
                 for m in self._kv_models()
             )
             peak = self._profile_peak(lm) if self.device.type == "cuda" else None
-            num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak)
+            # what max_num_seqs requests of max_model_len tokens fill, a block more each for a partial last one
+            max_len = mc.max_model_len or getattr(self.hf_config, "max_position_embeddings", None) or 2048
+            wanted = self.config.scheduler_config.max_num_seqs * (-(-max_len // cc.block_size) + 1)
+            num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak, wanted)
         return num_blocks, self.stages
 
     def _kv_models(self) -> list[LlamaForCausalLM]:
