@@ -49,6 +49,9 @@ _ISOLATED = (
 @pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made the session's temp-path factory
 def pytest_configure(config: pytest.Config) -> None:
     factory = config._tmp_path_factory  # type: ignore[attr-defined]
+    # the real models the test command fetched (benchmarks/real_models.py) are read where they are, never written
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ.setdefault("PAGEDLLM_MODELS_DIR", os.path.join(cache, "pagedllm", "models"))
     home = factory.mktemp("isolated", numbered=False) / "home"
     # Ray puts its sockets 70 bytes below its temp dir (ray/session_<date>_<pid>/sockets/plasma_store), and an
     # AF_UNIX path may not pass 107 bytes: the session's base folder itself, where it is short enough

@@ -20,6 +20,8 @@ from pagedllm.model_loader import default_model_path, load_config, resolve_model
 from pagedllm.model_loader.gguf_loader import read_gguf_header
 from pagedllm.worker.loader import load_model
 
+from utils import check_greedy_close
+
 CPU = torch.device("cpu")
 
 
@@ -69,18 +71,19 @@ def test_exact_mode_is_the_float32_function_of_the_same_weights(smollm2_models):
         torch.testing.assert_close(a(x), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_default_engine_keeps_the_exact_modes_greedy_tokens_mostly():
-    """The default rounds activations to 8 bits (llama.cpp's arithmetic): not float32's function, but near it."""
+def test_default_engine_follows_the_exact_mode_closely():
+    """The default rounds activations to 8 bits (llama.cpp's arithmetic): not float32's function, but near it:
+    where the greedy tokens part, each side's token is in the other's top 5, and logprobs stay close before."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "import numpy as np\n"]
-    sp = SamplingParams(temperature=0, max_tokens=16)
+    sp = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
     outs = {}
     for mode in (None, "gguf-exact"):
         llm = LLM(max_model_len=256, max_num_seqs=4, **({"quantization": mode} if mode else {}))
-        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
         del llm
-    same = sum(a == b for a, b in zip(outs[None], outs["gguf-exact"], strict=True))
-    first = sum(a[0] == b[0] for a, b in zip(outs[None], outs["gguf-exact"], strict=True))
-    assert first == len(prompts) and same >= len(prompts) // 2, outs
+    check_greedy_close(
+        outs["gguf-exact"], outs[None], topk=5, logprob_atol=0.25, min_exact_fraction=0.25, names=("exact", "gguf")
+    )
 
 
 def test_shards_of_different_block_types_fuse_exactly():

