@@ -84,7 +84,11 @@ class ModelConfig:
 @dataclass(slots=True, frozen=True)
 class CacheConfig:
     block_size: int = _f(16, "Tokens per KV cache block.")
-    kv_cache_memory: int | None = _f(None, "Bytes for the KV cache on CPU (default 4 GiB, vLLM's CPU default).")
+    kv_cache_memory: int | None = _f(
+        None,
+        "Bytes for the KV cache on CPU. Default: what max_num_seqs requests of max_model_len tokens fill, at most "
+        "4 GiB (vLLM's CPU default) and half the memory available; VLLM_CPU_KVCACHE_SPACE (GiB) is read when unset.",
+    )
     gpu_memory_utilization: float = _f(
         0.9, "Fraction of GPU memory the engine may use (weights + activations + KV cache)."
     )
