@@ -1,0 +1,184 @@
+"""One stream on a real-size GGUF, side by side in one command: pagedllm's GGUF modes against llama.cpp's
+``llama-bench`` (and optionally transformers) on the same file and the same threads.
+
+    python benchmarks/real_size.py [--model qwen2.5-coder-1.5b-instruct-q4_k_m | FILE.gguf]
+        [--llama-bench PATH] [--modes gguf,gguf-exact] [--transformers] [--threads 2]
+
+Each engine runs in a process of its own, so its peak RSS (the kernel's ``ru_maxrss`` of that process) is its
+own. pagedllm's figures: the start (process start to engine ready, and to the first token of a one-token
+request), TTFT of a 128- and a 512-token prompt and decode tok/s over 128 tokens (the request's own
+timestamps, medians of --iters after a warm-up). llama.cpp's: ``llama-bench -p 128,512 -n 128`` (its pp rate
+turned into a TTFT: prompt tokens / rate), llama.cpp built from the ``llama-cpp-python`` sdist's vendored tree:
+
+    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \\
+        && cmake --build build -j2 --target llama-bench llama-server
+
+Prints a table and JSON. Models named as in ``benchmarks/real_models.py`` are fetched (and checked) first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _model_path(name: str) -> str:
+    if name.endswith(".gguf"):
+        return name
+    sys.path.insert(0, str(HERE))
+    import real_models
+
+    return str(real_models.fetch(name))
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, int]:
+    """Run ``cmd``; its stdout and its own peak RSS in bytes."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{cmd[:4]} … failed with exit code {proc.returncode}")
+    return out, usage.ru_maxrss * 1024
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One pagedllm mode in this process: start, TTFTs, decode rate (JSON on stdout)."""
+    t0 = time.perf_counter()
+    import statistics
+
+    from pagedllm import LLM, SamplingParams
+
+    kw = {} if args.mode == "default" else {"quantization": args.mode}
+    llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=8, enable_prefix_caching=False, **kw)
+    ready = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+    text = " ".join(words[i % len(words)] for i in range(2000))
+    ids = tok.encode(text)
+    first = llm.generate([{"prompt_token_ids": ids[:8]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    first_token = time.perf_counter() - t0
+    del first
+    out: dict[str, float] = {"ready_s": ready, "first_token_s": first_token}
+    for n_in in (128, 512):
+        ttfts = []
+        for i in range(args.iters + 1):
+            sp = SamplingParams(temperature=0, max_tokens=1)
+            o = llm.generate([{"prompt_token_ids": ids[i : i + n_in]}], sp, use_tqdm=False)[0]
+            m = o.metrics
+            assert m is not None and m.first_token_time is not None
+            if i:
+                ttfts.append(m.first_token_time - m.arrival_time)
+        out[f"ttft_{n_in}_ms"] = statistics.median(ttfts) * 1000
+    rates = []
+    for i in range(args.iters + 1):
+        sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        o = llm.generate([{"prompt_token_ids": ids[i : i + 128]}], sp, use_tqdm=False)[0]
+        m = o.metrics
+        assert m is not None and m.first_token_time is not None and m.last_token_time is not None
+        if i:
+            rates.append(127 / (m.last_token_time - m.first_token_time))
+    out["decode_tok_s"] = statistics.median(rates)
+    print(json.dumps(out))
+
+
+def _transformers_child(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=torch.float32
+    ).eval()
+    ready = time.perf_counter() - t0
+    ids = torch.randint(1000, 20000, (1, 512), generator=torch.Generator().manual_seed(0))
+    out: dict[str, float] = {"ready_s": ready}
+    with torch.inference_mode():
+        for n_in in (128, 512):
+            times = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                model(ids[:, :n_in])
+                times.append(time.perf_counter() - t)
+            out[f"ttft_{n_in}_ms"] = statistics.median(times) * 1000
+        t = time.perf_counter()
+        model.generate(ids[:, :128], max_new_tokens=33, min_new_tokens=33, do_sample=False, pad_token_id=0)
+        total = time.perf_counter() - t
+    out["decode_tok_s"] = 32 / (total - out["ttft_128_ms"] / 1000)
+    print(json.dumps(out))
+
+
+def _llama_bench(binary: str, model: str, threads: int, iters: int) -> tuple[dict[str, float], int]:
+    out, rss = _run(
+        [binary, "-m", model, "-t", str(threads), "-p", "128,512", "-n", "128", "-r", str(iters), "-o", "json"]
+    )
+    rows = json.loads(out)
+    got: dict[str, float] = {}
+    for r in rows:
+        if r["n_prompt"] and not r["n_gen"]:
+            got[f"ttft_{r['n_prompt']}_ms"] = r["n_prompt"] / r["avg_ts"] * 1000
+        elif r["n_gen"] and not r["n_prompt"]:
+            got["decode_tok_s"] = r["avg_ts"]
+    return got, rss
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct-q4_k_m")
+    p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    p.add_argument("--modes", default="gguf,gguf-exact", help="pagedllm quantization modes, comma-separated")
+    p.add_argument("--transformers", action="store_true", help="also transformers (float32, dequantized)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="default", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child == "pagedllm":
+        return _child(args)
+    if args.child == "transformers":
+        return _transformers_child(args)
+    model = _model_path(args.model)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    results: dict[str, dict[str, float]] = {}
+    if args.llama_bench:
+        got, rss = _llama_bench(args.llama_bench, model, args.threads, args.iters)
+        results["llama.cpp"] = {**got, "peak_rss_gib": rss / 2**30}
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--child", "pagedllm", "--mode", mode, "--model", model]
+        out, rss = _run([*cmd, "--iters", str(args.iters)], env)
+        results[f"pagedllm {mode}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30}
+    if args.transformers:
+        cmd = [sys.executable, __file__, "--child", "transformers", "--model", model, "--iters", str(args.iters)]
+        out, rss = _run(cmd, env)
+        results["transformers"] = {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30}
+    cols = ("ttft_128_ms", "ttft_512_ms", "decode_tok_s", "peak_rss_gib", "ready_s", "first_token_s")
+    print(f"{os.path.basename(model)}, {args.threads} threads")
+    print("| engine | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, r in results.items():
+        print(f"| {name} | " + " | ".join(f"{r[c]:.2f}" if c in r else "–" for c in cols) + " |")
+    if "llama.cpp" in results:
+        ref = results["llama.cpp"]
+        for name, r in results.items():
+            if name != "llama.cpp":
+                ratio = {c: r[c] / ref[c] for c in cols[:4]}
+                print(
+                    f"{name}: decode {ratio['decode_tok_s']:.2f}x llama.cpp, TTFT 128 {ratio['ttft_128_ms']:.2f}x, "
+                    f"TTFT 512 {ratio['ttft_512_ms']:.2f}x, peak RSS {ratio['peak_rss_gib']:.2f}x"
+                )
+    print(json.dumps({"model": model, "threads": args.threads, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
