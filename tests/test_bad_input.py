@@ -109,8 +109,13 @@ def test_max_model_len_larger_than_kv_cache_is_refused(tiny_llama_dir):
 
 
 def test_a_kv_cache_larger_than_the_machine_maps_is_a_clear_error(tiny_llama_dir):
-    with pytest.raises(InvalidParameterError, match=r"could not be allocated.*lower kv_cache_memory") as e:
+    # more than the memory available: refused before anything is allocated
+    with pytest.raises(InvalidParameterError, match=r"kv_cache_memory asks for .* GiB KV cache, but only") as e:
         LLM(model=tiny_llama_dir, kv_cache_memory=10**30)
+    assert e.value.param == "kv_cache_memory"
+    # a block count that no budget checked: the allocation itself fails, clearly
+    with pytest.raises(InvalidParameterError, match=r"could not be allocated.*lower kv_cache_memory") as e:
+        LLM(model=tiny_llama_dir, num_gpu_blocks_override=10**15)
     assert e.value.param == "kv_cache_memory"
 
 
