@@ -98,7 +98,8 @@ def main() -> None:
     tops: dict[str, list[list[int]]] = {}
     speed: dict[str, dict] = {}
 
-    for name, kwargs in (("float32", {}), ("w4a8", {"quantization": "w4a8"}), ("w4a16", {"quantization": "w4a16"})):
+    modes = (("float32", "gguf-exact"), ("w4a8", "w4a8"), ("w4a16", "w4a16"))  # gguf-exact: float32's function
+    for name, kwargs in ((name, {"quantization": q}) for name, q in modes):
         llm = LLM(model=src.path, enable_prefix_caching=False, max_num_batched_tokens=512, **kwargs)
         greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         outs[name] = [

@@ -366,7 +366,10 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
         gc.collect()
         return outs, math.exp(nll), tops
 
-    ref_outs, ref_ppl, ref_tops = evaluate({}, None)
+    # float32's function of the same weights: a GGUF's blocks with float32 activations (widening them all would
+    # take 16x the file's memory for a K-quant), any other model's float weights
+    exact = "gguf-exact" if resolve_model(model).kind == "gguf" else "none"
+    ref_outs, ref_ppl, ref_tops = evaluate({"quantization": exact}, None)
     outs, ppl, tops = evaluate(engine_kwargs, ref_outs)
     return {
         "config": engine_kwargs,
