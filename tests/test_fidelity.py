@@ -100,7 +100,6 @@ def test_tiny_models_greedy_match_transformers(tiny_model_dir: Path) -> None:
         num_gpu_blocks_override=96,
         block_size=16,
         dtype="float32",
-        quantization="gguf-exact",  # the file's blocks, float32 activations: transformers' function
     )
     prompts = _tiny_prompts(llm.get_tokenizer())
     assert len(prompts) == 6 and min(map(len, prompts)) == 1 and max(map(len, prompts)) == 160
