@@ -120,6 +120,25 @@ static inline void k4_scales(const uint8_t *p, uint64_t *sc, uint64_t *mn) {
     *mn = m_lo | (uint64_t)m_hi << 32;
 }
 
+#ifdef GB_AVX512
+/* a Q6_K super-block's weights q (0..63, unsigned: the -32 not applied) as four vectors of 64 bytes, vector t
+ * holding elements 64t .. 64t + 63 in order */
+static inline __attribute__((always_inline)) void q6k_decode(const uint8_t *b, __m512i w[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    /* qh's shifts for the top bits of ql's low nibbles (bytes 0-31: elements l, 32-63: l + 32) and high ones */
+    const __m512i sh_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i l = _mm512_loadu_si512(b + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        const __m512i top_lo = _mm512_and_si512(_mm512_srlv_epi16(qh, sh_lo), m3);
+        const __m512i top_hi = _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m3);
+        w[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi16(top_lo, 4));
+        w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_slli_epi16(top_hi, 4));
+    }
+}
+#endif
+
 /* ---- dequantization ------------------------------------------------------------------------------ */
 
 /* elements [c * 256, c * 256 + 256) of one row (for the 32-element types: its 8 blocks; K a multiple of 256
@@ -151,6 +170,19 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
         const uint8_t *b = row + c * 210;
         const float d = f16(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192);
+#ifdef GB_AVX512
+        __m512i w[4];
+        q6k_decode(b, w);
+        for (int j = 0; j < 16; j++) {  /* group j of 16: bytes 16 (j % 4) .. of vector j / 4 */
+            const __m128i q = _mm512_extracti32x4_epi32(w[j / 4], 0);
+            const __m128i qj = j % 4 == 0 ? q
+                               : j % 4 == 1 ? _mm512_extracti32x4_epi32(w[j / 4], 1)
+                               : j % 4 == 2 ? _mm512_extracti32x4_epi32(w[j / 4], 2)
+                                            : _mm512_extracti32x4_epi32(w[j / 4], 3);
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(qj), _mm512_set1_epi32(32)));
+            _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[j]), v));
+        }
+#else
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
             for (int l = 0; l < 32; l++) {
@@ -164,6 +196,7 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
                 o[96] = (d * (float)sc[j + 6]) * (float)(q3 - 32);
             }
         }
+#endif
     } else {
         const int64_t first = c * 8, last = first + 8 < n_elems / 32 ? first + 8 : n_elems / 32;
         for (int64_t g = first; g < last; g++) {
@@ -365,25 +398,15 @@ static inline __attribute__((always_inline)) void q6k_rows(int mc, const uint8_t
                                                            const int8_t *qx, const float *dx, const int16_t *bs,
                                                            int64_t K, float *out) {
 #ifdef GB_AVX512
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3), zero = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512();
     const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    /* qh's shifts for the top bits of ql's low nibbles (bytes 0-31: elements l, 32-63: l + 32) and high ones */
-    const __m512i sh_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     __m512 acc[MR];
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * 210;
         const float d = f16(b + 208);
         __m512i w[4];
-        for (int h = 0; h < 2; h++) {
-            const __m512i l = _mm512_loadu_si512(b + 64 * h);
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-            const __m512i top_lo = _mm512_and_si512(_mm512_srlv_epi16(qh, sh_lo), m3);
-            const __m512i top_hi = _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m3);
-            w[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi16(top_lo, 4));
-            w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_slli_epi16(top_hi, 4));
-        }
+        q6k_decode(b, w);
         /* vector t's lane j (elements 64t + 4j ..) takes scale 4t + j / 4: int32 with the high half 0 */
         const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
         const __m512i s32 = _mm512_and_si512(_mm512_cvtepi8_epi32(s8), _mm512_set1_epi32(0xFFFF));
