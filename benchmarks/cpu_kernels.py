@@ -8,6 +8,9 @@
     python benchmarks/cpu_kernels.py quant       # SmolLM2's projections (int4) + head (int8): float32 oneDNN vs
                                                  # the float-activation kernels vs int8 activations (w4a8) vs
                                                  # int16 activations (w4a16); above 16 rows the integer GEMM
+    python benchmarks/cpu_kernels.py gguf        # Qwen2.5-1.5B's MLP + head shapes, one row: a GGUF's Q4_K / Q6_K
+                                                 # blocks as stored (gguf_blocks.c) vs the converted int4 / int8
+                                                 # layouts (gguf_loader._q_blocks) vs float32 oneDNN
 
 Times are the best of several repeats (this machine is noisy); ratios are what to read.
 """
@@ -165,16 +168,102 @@ def bench_quant(rows: list[int]) -> None:
         )
 
 
+# Qwen2.5-Coder-1.5B: gate / up, down, the tied head (N, K)
+GGUF_SHAPES = {"gate/up": (8960, 1536), "down": (1536, 8960), "head": (151936, 1536)}
+
+
+def _median(fn, calls: int, copies: int = 1) -> float:
+    """Median seconds of ``fn(i)``, i cycling through ``copies`` (of the weight: so that they stream from memory
+    as a model's layers do, not from the last level cache)."""
+    fn(0)
+    times = []
+    for c in range(calls):
+        t = time.perf_counter()
+        fn(c % copies)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _k_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
+    """n rows of random Q4_K (12) / Q6_K (14) super-blocks, [n, bytes a row] uint8, with float16 scales of a
+    realistic size (the speed does not depend on the values)."""
+    size = 144 if qtype == 12 else 210
+    raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8)
+    scale = torch.empty(n, k // 256, 1, dtype=torch.float16).uniform_(1e-4, 3e-3).view(torch.uint8)
+    for at in (0, 2) if qtype == 12 else (208,):
+        raw[..., at : at + 2] = scale
+    return raw.view(n, -1)
+
+
+def bench_gguf(calls: int) -> None:
+    """One row (single-stream decode) per shape: median µs a call and GB/s of weight bytes read (each layout's
+    own bytes). Each kernel is checked against float32 on the same weights first."""
+    from gguf import GGMLQuantizationType as T
+
+    from pagedllm import kernels
+    from pagedllm.layers.linear import PackedLinear
+    from pagedllm.model_loader.gguf_loader import _identity, _q_blocks_in_slices
+
+    kern = kernels.load()
+    g = kern.gguf
+    print(f"{'shape':8s} {'N x K':>14s}  {'kernel':44s} {'us/call':>9s} {'GB/s':>6s} {'MB read':>8s}")
+    for name, (n, k) in GGUF_SHAPES.items():
+        x = torch.randn(1, k)
+        copies = max(1, -(-256 * 2**20 // (n * k)))  # >= 128 MiB of Q4_K weights a cycle: beyond the L3 cache
+        rows: list[tuple[str, float, int]] = []
+
+        def add(label: str, fn, nbytes: int, n_calls: int = calls) -> None:
+            rows.append((label, _median(fn, n_calls, copies), nbytes))
+
+        for qtype, label in ((12, "Q4_K"), (14, "Q6_K")):
+            raws = [_k_blocks(qtype, n, k) for _ in range(copies)]
+            w = g.dequantize(qtype, raws[0])
+            ref = F.linear(x, w)
+            torch.testing.assert_close(g.matmul_f32(qtype, x, raws[0]), ref, rtol=1e-3, atol=1e-3)
+            xr = g.round_activations(x, 256)
+            torch.testing.assert_close(g.matmul_a8(qtype, x, raws[0]), F.linear(xr, w), rtol=1e-3, atol=1e-3)
+            add(f"{label} as stored, int8 act (new)", lambda i: g.matmul_a8(qtype, x, raws[i]), raws[0].numel())
+            add(f"{label} as stored, float act (new)", lambda i: g.matmul_f32(qtype, x, raws[i]), raws[0].numel())
+            conv = [_q_blocks_in_slices(r.numpy(), T(qtype), _identity)[1] for r in raws]
+            q, sc, mn = conv[0]
+            if qtype == 12:  # int8 activations per 32 here: another rounding, so checked by its float twin
+                torch.testing.assert_close(kern.int4_matmul(x, q, sc, mn), ref, rtol=1e-3, atol=1e-3)
+                nbytes = q.numel() + 4 * (sc.numel() + mn.numel())
+                add("Q4_K -> int4, int8 act (int4_matmul_a8)", lambda i: kern.int4_matmul_a8(x, *conv[i]), nbytes)
+                add("Q4_K -> int4, float act (int4_matmul)", lambda i: kern.int4_matmul(x, *conv[i]), nbytes)
+            else:  # a scale per 16, mins all 0: the int8 g16 kernel (float activations only)
+                torch.testing.assert_close(kern.int8_matmul_g16(x, q, sc, None), ref, rtol=1e-3, atol=1e-3)
+                nbytes = q.numel() + 4 * sc.numel()
+                add(
+                    "Q6_K -> int8/16, float act (int8_matmul_g16)",
+                    lambda i: kern.int8_matmul_g16(x, conv[i][0], conv[i][1], None),
+                    nbytes,
+                )
+        packed = [PackedLinear(w, None) for _ in range(min(copies, 2))]  # 2 x 55 MB: enough to leave the cache
+        rows.append(
+            (
+                "float32 oneDNN (PackedLinear)",
+                _median(lambda i: packed[i](x), max(5, calls // 4), len(packed)),
+                n * k * 4,
+            )
+        )
+        for label, t, nbytes in rows:
+            print(f"{name:8s} {n:6d} x {k:5d}  {label:44s} {t * 1e6:9.1f} {nbytes / t / 1e9:6.1f} {nbytes / 1e6:8.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["linear", "attention", "prefill", "quant"])
+    p.add_argument("what", choices=["linear", "attention", "prefill", "quant", "gguf"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512], help="batch rows (linear)")
+    p.add_argument("--calls", type=int, default=200, help="timed calls per kernel, the median reported (gguf)")
     p.add_argument("--num-decodes", type=int, default=64, help="requests in the decode batch (attention)")
     args = p.parse_args()
     if args.what == "linear":
         bench_linear(args.rows)
     elif args.what == "quant":
         bench_quant(args.rows)
+    elif args.what == "gguf":
+        bench_gguf(args.calls)
     elif args.what == "prefill":
         bench_prefill()
     else:

@@ -25,7 +25,16 @@ from pagedllm.kernels.ops import Kernels
 logger = logging.getLogger("pagedllm")
 
 _DIR = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_DIR, f) for f in ("quant_matmul.c", "paged_attention.c", "elementwise.c", "decode_loop.c")]
+_SOURCES = [
+    os.path.join(_DIR, f)
+    for f in (
+        "quant_matmul.c",
+        "paged_attention.c",
+        "elementwise.c",
+        "decode_loop.c",
+        "gguf_blocks.c",
+    )
+]
 _HEADERS = [os.path.join(_DIR, "vec_math.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 

@@ -98,6 +98,8 @@ class Kernels:
             ctypes.c_float,
         ]
         self._decode_layers.restype = ctypes.c_int
+        self.gguf = GGUFBlocks(lib)
+        """GGUF's quantized blocks run as stored (gguf_blocks.c)."""
         for fn in (
             self._matmul,
             self._dequant,
@@ -412,6 +414,98 @@ class Kernels:
         w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[: n * k].view(n, k)
         fn(qweight.data_ptr(), scales.data_ptr(), _ptr(mins), w.data_ptr(), n, k)
         return w
+
+
+# the GGUF types gguf_blocks.c reads, by ggml id: (elements, bytes) of a block
+GGUF_BLOCKS = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}  # Q5_0, Q8_0, Q4_K, Q6_K
+
+
+class GGUFBlocks:
+    """gguf_blocks.c's kernels: a weight [N, K] is ``raw``, a uint8 tensor [N, bytes a row] holding the rows
+    of a GGUF's blocks as the file stores them (e.g. a view of a read-only mmap), of a type in GGUF_BLOCKS."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._quantize = lib.gguf_quantize_q8
+        self._quantize.argtypes, self._quantize.restype = [p, i64, i64, c_int, p, p, p, p], None
+        self._matmul_a8, self._matmul_f32 = lib.gguf_matmul_a8, lib.gguf_matmul_f32
+        self._matmul_a8.argtypes = self._matmul_f32.argtypes = [c_int, p, p, p, i64, i64, i64]
+        self._matmul_q8 = lib.gguf_matmul_q8
+        self._matmul_q8.argtypes = [c_int, p, p, p, p, p, i64, i64, i64]
+        self._dequantize = lib.gguf_dequantize
+        self._dequantize.argtypes = [c_int, p, p, i64, i64]
+        for fn in (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._dequantize):
+            fn.restype = c_int
+
+    @staticmethod
+    def in_features(qtype: int, raw: torch.Tensor) -> int:
+        """K of a weight stored as ``raw`` [N, bytes a row] in ``qtype``'s blocks."""
+        if qtype not in GGUF_BLOCKS:
+            _check_type(-1, qtype)
+        elems, nbytes = GGUF_BLOCKS[qtype]
+        if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
+            raise ValueError(f"raw must be uint8 [N, a multiple of {nbytes} bytes], got {raw.dtype} {list(raw.shape)}")
+        return raw.shape[1] // nbytes * elems
+
+    @staticmethod
+    def activation_block(qtype: int) -> int:
+        """Elements per int8 rounding of the activations: 256 (Q8_K) for the K-quants, 32 (Q8_0) else."""
+        return GGUF_BLOCKS[qtype][0]
+
+    def quantize(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 contiguous rounded per ``block`` (256 or 32) elements as the a8 kernels round it:
+        (q int8 [M, K], d float32 [M, K / block], sums of q per 16 int16 [M, K / 16]); x ~ q * d."""
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.int8)
+        d = x.new_empty(m, k // block)
+        sums = torch.empty(m, k // 16, dtype=torch.int16)
+        self._quantize(x.data_ptr(), m, k, block, q.data_ptr(), d.data_ptr(), sums.data_ptr(), None)
+        return q, d, sums
+
+    def round_activations(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous as the a8 kernels see it: q * d (float32 [M, K])."""
+        out = torch.empty_like(x)
+        self._quantize(x.data_ptr(), x.shape[0], x.shape[1], block, None, None, None, out.data_ptr())
+        return out
+
+    def matmul_a8(self, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous, rounded per activation_block(qtype), @ W^T: [M, N]; meant for few rows."""
+        return self._gemv(self._matmul_a8, qtype, x, raw)
+
+    def matmul_f32(self, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous @ W_dequantized^T: [M, N]; meant for few rows."""
+        return self._gemv(self._matmul_f32, qtype, x, raw)
+
+    def matmul_q8(
+        self, qtype: int, q: torch.Tensor, d: torch.Tensor, sums: torch.Tensor, raw: torch.Tensor
+    ) -> torch.Tensor:
+        """matmul_a8 of activations already rounded by ``quantize(x, activation_block(qtype))``."""
+        y = torch.empty(q.shape[0], raw.shape[0], dtype=torch.float32)
+        m, n, k = q.shape[0], raw.shape[0], self.in_features(qtype, raw)
+        ptrs = (q.data_ptr(), d.data_ptr(), sums.data_ptr(), raw.data_ptr(), y.data_ptr())
+        _check_type(self._matmul_q8(qtype, *ptrs, m, n, k), qtype)
+        return y
+
+    def _gemv(self, fn, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        k = self.in_features(qtype, raw)
+        if x.shape[1] != k:
+            raise ValueError(f"x has {x.shape[1]} features, the weight's rows {k}")
+        y = x.new_empty(x.shape[0], raw.shape[0])
+        _check_type(fn(qtype, x.data_ptr(), raw.data_ptr(), y.data_ptr(), x.shape[0], raw.shape[0], k), qtype)
+        return y
+
+    def dequantize(self, qtype: int, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """W as float32 [N, K], gguf's values bit for bit; into ``out`` (float32, at least N * K elements,
+        contiguous) when given."""
+        n, k = raw.shape[0], self.in_features(qtype, raw)
+        w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[: n * k].view(n, k)
+        _check_type(self._dequantize(qtype, raw.data_ptr(), w.data_ptr(), n, k), qtype)
+        return w
+
+
+def _check_type(rc: int, qtype: int) -> None:
+    if rc != 0:
+        raise ValueError(f"gguf_blocks.c does not read ggml type {qtype}; it reads {sorted(GGUF_BLOCKS)}")
 
 
 _ZERO_ROW = torch.zeros(1, dtype=torch.int64)  # the block table of K / V handed over as one block

@@ -1,0 +1,668 @@
+/* GGUF's quantized blocks run as the file stores them (see pagedllm/layers/gguf_linear.py).
+ *
+ * A weight W [N, K] is N rows of blocks, row n's blocks contiguous: exactly the bytes of the file (a
+ * read-only mmap is fine, nothing is written or converted). The types, by ggml id:
+ *
+ *   Q4_K (12)  144 bytes / 256: f16 d, f16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8], 128 bytes
+ *              of nibbles: byte l of chunk c (32 bytes) holds element 64c + l (low) and 64c + 32 + l (high).
+ *              w = (d * sc[s]) * q - dmin * m[s] for sub-block s (32 elements), q 0..15.
+ *   Q6_K (14)  210 bytes / 256: ql[128], qh[64], int8 scales[16], f16 d. Half h (128 elements): byte l of
+ *              ql[64h ..] holds elements l (low nibble) and l + 64 (high), byte l of qh[32h ..] the top two
+ *              bits of elements l, l + 32, l + 64, l + 96 (l < 32). w = (d * sc[e / 16]) * (q - 32), q 0..63.
+ *   Q8_0 (8)   34 bytes / 32: f16 d, int8 q[32]; w = q * d.
+ *   Q5_0 (6)   22 bytes / 32: f16 d, u32 qh (bit j: element j's fifth bit), 16 bytes of nibbles (element j
+ *              low, j + 16 high); w = d * (q - 16), q 0..31.
+ *
+ * Integer activations (the "gguf" mode, llama.cpp's arithmetic): each row of x is rounded to int8 per block of
+ * 256 (Q8_K, for the K-quants) or 32 (Q8_0, for Q8_0 / Q5_0): d = 1 / (127 / max|x|), q = round(x / d) ties
+ * to even, with the sums of q per 16 (bsums). A super-block's products are then summed in integers:
+ *   Q4_K: y += dx * (d * sum_s sc[s] * (q_w . q_x)_s  -  dmin * sum_s m[s] * sum(q_x)_s)
+ *   Q6_K: y += dx * d * sum_j sc[j] * ((q_w . q_x)_j - 32 * sum(q_x)_j)      (j: groups of 16)
+ * one float multiply-add per super-block and row. Integer sums are exact, so the result is
+ * W_dequantized . x_rounded up to float summation order, at any number of rows (the batched path of
+ * GGUFLinear computes exactly that with a float GEMM).
+ *
+ * AVX-512 (VNNI + BW) path: a super-block is decoded once into four vectors of 64 unsigned bytes, elements
+ * 64t .. 64t + 63 in order (Q4_K's two nibble halves recombined by a 128-bit lane shuffle, Q6_K's high
+ * bits by variable shifts of qh), and four vectors of the scales that apply to each int32 lane. Per row
+ * of x, vpdpbusd takes 4 products a lane (unsigned weights x signed activations, at most 4 * 63 * 127 in
+ * magnitude: an int16) and vpdpwssd multiplies each lane by its scale into the super-block's int32 sum:
+ * two instructions per 64 weights. The mins (Q4_K) and the -32 offset (Q6_K) come from the bsums. The
+ * AVX2 path does the same 32 weights at a time with maddubs (pairs into int16) and madd (by the scales,
+ * pairs into int32); the plain C path the same in scalar integers.
+ *
+ * Float activations (the "gguf-exact" mode): each super-block (or 256 elements of 32-blocks) is
+ * dequantized into a buffer on the stack as gguf_dequantize does it, bit for bit, then multiplied with
+ * FMAs: the float32 function of the dequantized weights up to summation order.
+ *
+ * Weight rows are split across OpenMP threads, COLS at a time; rows of x (at most 4 at once) share
+ * each decoded super-block.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GB_AVX512 1
+#endif
+
+enum { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+#define QK 256   /* elements of a K-quant super-block, and of a chunk the float path dequantizes */
+#define COLS 16  /* weight rows a thread takes at a time */
+#define MR 4     /* rows of x sharing each decoded super-block */
+
+static int block_elems(int type) { return type == Q4_K || type == Q6_K ? 256 : type == Q8_0 || type == Q5_0 ? 32 : 0; }
+
+static int block_bytes(int type) {
+    switch (type) {
+        case Q4_K: return 144;
+        case Q6_K: return 210;
+        case Q8_0: return 34;
+        case Q5_0: return 22;
+        default: return 0;
+    }
+}
+
+/* elements of one block of the activations' rounding: 256 for the K-quants (Q8_K), 32 else (Q8_0) */
+static int act_block(int type) { return block_elems(type); }
+
+int gguf_block_elems(int type) { return block_elems(type); }
+int gguf_block_bytes(int type) { return block_bytes(type); }
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  /* subnormal: exact in float32 */
+        const float v = (float)man * (1.f / 16777216.f);
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* v as rounded to float: keeps GCC (-ffp-contract=fast) from fusing a product with the subtraction after
+ * it, which gguf's dequantization rounds twice */
+static inline float rounded(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__("" : "+x"(v));
+#else
+    volatile float t = v;
+    v = t;
+#endif
+    return v;
+}
+
+/* Q4_K's 12 bytes of 6-bit scales and mins: sc[0..7] and m[0..7] as bytes of two u64 */
+static inline void k4_scales(const uint8_t *p, uint64_t *sc, uint64_t *mn) {
+    uint32_t u[3];
+    memcpy(u, p, 12);
+    const uint32_t s_lo = u[0] & 0x3F3F3F3Fu, m_lo = u[1] & 0x3F3F3F3Fu;
+    const uint32_t s_hi = (u[2] & 0x0F0F0F0Fu) | ((u[0] >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 2) & 0x30303030u);
+    *sc = s_lo | (uint64_t)s_hi << 32;
+    *mn = m_lo | (uint64_t)m_hi << 32;
+}
+
+#ifdef GB_AVX512
+/* a Q6_K super-block's weights q (0..63, unsigned: the -32 not applied) as four vectors of 64 bytes, vector t
+ * holding elements 64t .. 64t + 63 in order */
+static inline __attribute__((always_inline)) void q6k_decode(const uint8_t *b, __m512i w[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    /* qh's shifts for the top bits of ql's low nibbles (bytes 0-31: elements l, 32-63: l + 32) and high ones */
+    const __m512i sh_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i l = _mm512_loadu_si512(b + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        const __m512i top_lo = _mm512_and_si512(_mm512_srlv_epi16(qh, sh_lo), m3);
+        const __m512i top_hi = _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m3);
+        w[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi16(top_lo, 4));
+        w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_slli_epi16(top_hi, 4));
+    }
+}
+#endif
+
+/* ---- dequantization ------------------------------------------------------------------------------ */
+
+/* elements [c * 256, c * 256 + 256) of one row (for the 32-element types: its 8 blocks; K a multiple of 256
+ * there) as float32, gguf's values bit for bit */
+static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_elems, float *out) {
+    if (type == Q4_K) {
+        const uint8_t *b = row + c * 144;
+        const float d = f16(b), dmin = f16(b + 2);
+        uint64_t scw, mnw;
+        k4_scales(b + 4, &scw, &mnw);
+        for (int s = 0; s < 8; s++) {
+            const float d1 = d * (float)((scw >> 8 * s) & 0xFF), m1 = dmin * (float)((mnw >> 8 * s) & 0xFF);
+            const uint8_t *q = b + 16 + 32 * (s / 2);
+            const int shift = 4 * (s & 1);
+            float *o = out + 32 * s;
+#ifdef GB_AVX512
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            for (int h = 0; h < 2; h++) {
+                const __m128i qb = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * h)), shift), m4);
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qb)), _mm512_set1_ps(d1));
+                __asm__("" : "+v"(t));  /* as rounded(): not fused with the subtraction */
+                _mm512_storeu_ps(o + 16 * h, _mm512_sub_ps(t, _mm512_set1_ps(m1)));
+            }
+#else
+            for (int l = 0; l < 32; l++) o[l] = rounded(d1 * (float)((q[l] >> shift) & 15)) - m1;
+#endif
+        }
+    } else if (type == Q6_K) {
+        const uint8_t *b = row + c * 210;
+        const float d = f16(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+#ifdef GB_AVX512
+        __m512i w[4];
+        q6k_decode(b, w);
+        for (int j = 0; j < 16; j++) {  /* group j of 16: bytes 16 (j % 4) .. of vector j / 4 */
+            const __m128i q = _mm512_extracti32x4_epi32(w[j / 4], 0);
+            const __m128i qj = j % 4 == 0 ? q
+                               : j % 4 == 1 ? _mm512_extracti32x4_epi32(w[j / 4], 1)
+                               : j % 4 == 2 ? _mm512_extracti32x4_epi32(w[j / 4], 2)
+                                            : _mm512_extracti32x4_epi32(w[j / 4], 3);
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(qj), _mm512_set1_epi32(32)));
+            _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[j]), v));
+        }
+#else
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            for (int l = 0; l < 32; l++) {
+                const int q0 = (ql[l] & 15) | ((qh[l] & 3) << 4), q1 = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+                const int q2 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), q3 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                float *o = out + 128 * h + l;
+                const int j = 8 * h + l / 16;
+                o[0] = (d * (float)sc[j]) * (float)(q0 - 32);
+                o[32] = (d * (float)sc[j + 2]) * (float)(q1 - 32);
+                o[64] = (d * (float)sc[j + 4]) * (float)(q2 - 32);
+                o[96] = (d * (float)sc[j + 6]) * (float)(q3 - 32);
+            }
+        }
+#endif
+    } else {
+        const int64_t first = c * 8, last = first + 8 < n_elems / 32 ? first + 8 : n_elems / 32;
+        for (int64_t g = first; g < last; g++) {
+            float *o = out + 32 * (g - first);
+            if (type == Q8_0) {
+                const uint8_t *b = row + g * 34;
+                const float d = f16(b);
+                for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)b[2 + j] * d;
+            } else {  /* Q5_0 */
+                const uint8_t *b = row + g * 22;
+                const float d = f16(b);
+                uint32_t qh;
+                memcpy(&qh, b + 2, 4);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)((int)((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+                    o[j + 16] = d * (float)((int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+                }
+            }
+        }
+    }
+}
+
+/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read */
+int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
+    if (!block_elems(type)) return -1;
+    const int64_t row_bytes = K / block_elems(type) * block_bytes(type), chunks = (K + QK - 1) / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t len = K - c * QK < QK ? K - c * QK : QK;
+            if (len == QK) {
+                dequant_chunk(type, raw + n * row_bytes, c, K, w + n * K + c * QK);
+            } else {  /* the last 32-blocks of a row not a multiple of 256 */
+                float buf[QK];
+                dequant_chunk(type, raw + n * row_bytes, c, K, buf);
+                memcpy(w + n * K + c * QK, buf, len * sizeof(float));
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- activations rounded to int8 ------------------------------------------------------------------ */
+
+/* each row of x [M, K] per block of `block` (256 or 32): qx [M, K] int8, d [M, K / block], bsums [M, K / 16]
+ * int16 (the sums of q per 16), xr [M, K] = q * d; any output may be NULL. A block holding NaN or infinity
+ * gets d = NaN (its rows' results NaN, never silently finite). */
+void gguf_quantize_q8(const float *x, int64_t M, int64_t K, int block, int8_t *qx, float *d, int16_t *bsums,
+                      float *xr) {
+    const int64_t R = M * (K / block);
+#pragma omp parallel for schedule(static) if (R * block > 65536)
+    for (int64_t r = 0; r < R; r++) {
+        const float *xb = x + r * block;
+        float amax = 0.f, s = 0.f;
+        for (int j = 0; j < block; j++) {
+            amax = fmaxf(amax, fabsf(xb[j]));
+            s += xb[j];
+        }
+        const float iscale = amax > 0.f ? 127.f / amax : 0.f;
+        float db = amax > 0.f ? 1.f / iscale : 0.f;
+        if (isnan(s) || isinf(s)) db = NAN;
+        int8_t q[QK];
+        for (int j = 0; j < block; j++) {
+            /* the product rounded to float, then to the nearest integer, ties to even (llama.cpp's nearest_int) */
+            const int32_t qi = (int32_t)nearbyintf(xb[j] * iscale);
+            q[j] = (int8_t)(db == db ? (qi > 127 ? 127 : qi < -127 ? -127 : qi) : 0);
+        }
+        if (d) d[r] = db;
+        if (qx) memcpy(qx + r * block, q, block);
+        if (bsums)
+            for (int g = 0; g < block / 16; g++) {
+                int32_t t = 0;
+                for (int j = 0; j < 16; j++) t += q[16 * g + j];
+                bsums[r * (block / 16) + g] = (int16_t)t;
+            }
+        if (xr)
+            for (int j = 0; j < block; j++) xr[r * block + j] = (float)q[j] * db;
+    }
+}
+
+/* ---- integer dot products, one weight row against mc rows of x ---------------------------------------
+ * x rows: qx K bytes apart, d K / block floats apart, bsums K / 16 apart; out[i] = row i's sum. */
+
+#ifdef __AVX2__
+static inline float hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* unsigned bytes u times signed bytes s, each 4 adjacent products summed into an int32 lane */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+static inline __attribute__((always_inline)) void q4k_rows(int mc, const uint8_t *row, int64_t nsb,
+                                                           const int8_t *qx, const float *dx, const int16_t *bs,
+                                                           int64_t K, float *out) {
+#ifdef GB_AVX512
+    const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[MR];
+    __m256 accm[MR];
+    for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 144;
+        const float d = f16(b), dmin = f16(b + 2);
+        uint64_t scw, mnw;
+        k4_scales(b + 4, &scw, &mnw);
+        const __m512i q0 = _mm512_loadu_si512(b + 16), q1 = _mm512_loadu_si512(b + 80);
+        const __m512i l0 = _mm512_and_si512(q0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(q1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        /* chunk c's low nibbles are elements 64c .. 64c + 31, its high ones the next 32 */
+        const __m512i w[4] = {_mm512_shuffle_i64x2(l0, h0, 0x44), _mm512_shuffle_i64x2(l0, h0, 0xEE),
+                              _mm512_shuffle_i64x2(l1, h1, 0x44), _mm512_shuffle_i64x2(l1, h1, 0xEE)};
+        /* vector t's lanes 0-7 are sub-block 2t, lanes 8-15 sub-block 2t + 1: scales as int32 (high half 0) */
+        const __m512i s32 = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scw));
+        __m512i s[4];
+        for (int t = 0; t < 4; t++) s[t] = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(2 * t)), s32);
+        const __m128i m8 = _mm_cvtsi64_si128((long long)mnw);
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  /* m[s] for both bsums of s */
+        for (int i = 0; i < mc; i++) {
+            const int8_t *x = qx + i * K + sb * QK;
+            __m512i a = zero;
+            for (int t = 0; t < 4; t++)
+                a = _mm512_dpwssd_epi32(a, _mm512_dpbusd_epi32(zero, w[t], _mm512_loadu_si512(x + 64 * t)), s[t]);
+            const float dxi = dx[i * nsb + sb];
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(d * dxi), acc[i]);
+            const __m256i mb = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)(bs + i * (K / 16) + sb * 16)));
+            accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * dxi), accm[i]);
+        }
+    }
+    for (int i = 0; i < mc; i++) out[i] = _mm512_reduce_add_ps(acc[i]) - hsum256(accm[i]);
+#elif defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[MR], accm[MR];
+    for (int i = 0; i < mc; i++) acc[i] = accm[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 144;
+        const float d = f16(b), dmin = f16(b + 2);
+        uint64_t scw, mnw;
+        k4_scales(b + 4, &scw, &mnw);
+        __m256i w[8], s[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            w[2 * c] = _mm256_and_si256(q, m4);
+            w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        }
+        for (int t = 0; t < 8; t++) s[t] = _mm256_set1_epi16((short)((scw >> 8 * t) & 0xFF));
+        const __m128i m8 = _mm_cvtsi64_si128((long long)mnw);
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        for (int i = 0; i < mc; i++) {
+            const int8_t *x = qx + i * K + sb * QK;
+            __m256i a = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {  /* pairs into int16 (at most 2 * 15 * 127), then by the scale */
+                const __m256i p = _mm256_maddubs_epi16(w[t], _mm256_loadu_si256((const __m256i *)(x + 32 * t)));
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(p, s[t]));
+            }
+            const float dxi = dx[i * nsb + sb];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d * dxi), acc[i]);
+            const __m256i mb = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)(bs + i * (K / 16) + sb * 16)));
+            accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * dxi), accm[i]);
+        }
+    }
+    for (int i = 0; i < mc; i++) out[i] = hsum256(acc[i]) - hsum256(accm[i]);
+#else
+    for (int i = 0; i < mc; i++) out[i] = 0.f;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 144;
+        const float d = f16(b), dmin = f16(b + 2);
+        uint64_t scw, mnw;
+        k4_scales(b + 4, &scw, &mnw);
+        for (int i = 0; i < mc; i++) {
+            const int8_t *x = qx + i * K + sb * QK;
+            const int16_t *bsi = bs + i * (K / 16) + sb * 16;
+            int32_t sum = 0, msum = 0;
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *q = b + 16 + 32 * (s / 2);
+                int32_t dot = 0;
+                for (int l = 0; l < 32; l++) dot += ((q[l] >> 4 * (s & 1)) & 15) * x[32 * s + l];
+                sum += (int32_t)((scw >> 8 * s) & 0xFF) * dot;
+                msum += (int32_t)((mnw >> 8 * s) & 0xFF) * (bsi[2 * s] + bsi[2 * s + 1]);
+            }
+            const float dxi = dx[i * nsb + sb];
+            out[i] += (d * dxi) * (float)sum - (dmin * dxi) * (float)msum;
+        }
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void q6k_rows(int mc, const uint8_t *row, int64_t nsb,
+                                                           const int8_t *qx, const float *dx, const int16_t *bs,
+                                                           int64_t K, float *out) {
+#ifdef GB_AVX512
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc[MR];
+    for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 210;
+        const float d = f16(b + 208);
+        __m512i w[4];
+        q6k_decode(b, w);
+        /* vector t's lane j (elements 64t + 4j ..) takes scale 4t + j / 4: int32 with the high half 0 */
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
+        const __m512i s32 = _mm512_and_si512(_mm512_cvtepi8_epi32(s8), _mm512_set1_epi32(0xFFFF));
+        __m512i s[4];
+        for (int t = 0; t < 4; t++) s[t] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(4 * t)), s32);
+        const __m256i s16 = _mm256_cvtepi8_epi16(s8);
+        for (int i = 0; i < mc; i++) {
+            const int8_t *x = qx + i * K + sb * QK;
+            __m512i a = zero;
+            for (int t = 0; t < 4; t++)
+                a = _mm512_dpwssd_epi32(a, _mm512_dpbusd_epi32(zero, w[t], _mm512_loadu_si512(x + 64 * t)), s[t]);
+            /* the -32 of every weight: 32 * sum_j sc[j] * bsum[j] */
+            const __m256i off = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)(bs + i * (K / 16) + sb * 16)));
+            a = _mm512_sub_epi32(a, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(d * dx[i * nsb + sb]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mc; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    __m256 acc[MR];
+    for (int i = 0; i < mc; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 210;
+        const float d = f16(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        __m256i w[8], s[8];
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i lows[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                     _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                     _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+            for (int v = 0; v < 4; v++) {  /* elements 128h + 32v .. + 31 */
+                const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * v), m3);
+                w[4 * h + v] = _mm256_or_si256(lows[v], _mm256_slli_epi16(top, 4));
+                const int j = 8 * h + 2 * v;  /* int16 lanes 0-7: group j, 8-15: group j + 1 */
+                s[4 * h + v] = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+            }
+        }
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        for (int i = 0; i < mc; i++) {
+            const int8_t *x = qx + i * K + sb * QK;
+            __m256i a = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {  /* pairs into int16 (at most 2 * 63 * 127), then by the scales */
+                const __m256i p = _mm256_maddubs_epi16(w[t], _mm256_loadu_si256((const __m256i *)(x + 32 * t)));
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(p, s[t]));
+            }
+            const __m256i off = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)(bs + i * (K / 16) + sb * 16)));
+            a = _mm256_sub_epi32(a, _mm256_slli_epi32(off, 5));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d * dx[i * nsb + sb]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mc; i++) out[i] = hsum256(acc[i]);
+#else
+    (void)bs;  /* the offset -32 is applied to each weight here */
+    for (int i = 0; i < mc; i++) out[i] = 0.f;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 210;
+        const float d = f16(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int i = 0; i < mc; i++) {
+            const int8_t *x = qx + i * K + sb * QK;
+            int32_t sum = 0;
+            for (int h = 0; h < 2; h++)
+                for (int v = 0; v < 4; v++) {
+                    int32_t dot[2] = {0, 0};
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t lo = b[64 * h + 32 * (v & 1) + l];
+                        const int q = ((v < 2 ? lo & 15 : lo >> 4) | (((b[128 + 32 * h + l] >> 2 * v) & 3) << 4)) - 32;
+                        dot[l / 16] += q * x[128 * h + 32 * v + l];
+                    }
+                    sum += sc[8 * h + 2 * v] * dot[0] + sc[8 * h + 2 * v + 1] * dot[1];
+                }
+            out[i] += (d * dx[i * nsb + sb]) * (float)sum;
+        }
+    }
+#endif
+}
+
+/* Q8_0 and Q5_0 against Q8_0 activations: an integer dot and a float multiply-add per block of 32 */
+static inline __attribute__((always_inline)) void q32_rows(int type, int mc, const uint8_t *row, int64_t nb,
+                                                           const int8_t *qx, const float *dx, const int16_t *bs,
+                                                           int64_t K, float *out) {
+#if defined(__AVX2__)
+    const int bb = block_bytes(type);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[MR];
+    for (int i = 0; i < mc; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *b = row + g * bb;
+        const float d = f16(b);
+        __m256i w;
+        if (type == Q8_0) {
+            w = _mm256_loadu_si256((const __m256i *)(b + 2));
+        } else {
+            uint32_t qh;
+            memcpy(&qh, b + 2, 4);
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6));
+            w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
+#ifdef GB_AVX512
+            const __m256i fifth = _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10));
+#else  /* byte j gets byte j / 8 of qh, then tests its bit j % 8 */
+            const __m256i spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32((int)qh), _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+            const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+            const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+#endif
+            w = _mm256_or_si256(w, fifth);  /* q 0..31, unsigned: the -16 comes off through the bsums */
+        }
+        for (int i = 0; i < mc; i++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + i * K + g * 32));
+            __m256i dot;
+            if (type == Q8_0) {  /* signed x signed: the weight's sign moved onto x */
+                dot = dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+            } else {
+                const int16_t *bsi = bs + i * (K / 16) + 2 * g;
+                dot = _mm256_sub_epi32(dot_u8s8(w, x), _mm256_setr_epi32(16 * (bsi[0] + bsi[1]), 0, 0, 0, 0, 0, 0, 0));
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[i * nb + g]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mc; i++) out[i] = hsum256(acc[i]);
+#else
+    (void)bs;  /* the offset -16 is applied to each weight here */
+    const int bb = block_bytes(type);
+    for (int i = 0; i < mc; i++) out[i] = 0.f;
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *b = row + g * bb;
+        const float d = f16(b);
+        int q[32];
+        if (type == Q8_0) {
+            for (int j = 0; j < 32; j++) q[j] = (int8_t)b[2 + j];
+        } else {
+            uint32_t qh;
+            memcpy(&qh, b + 2, 4);
+            for (int j = 0; j < 16; j++) {
+                q[j] = (int)((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16;
+                q[j + 16] = (int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+            }
+        }
+        for (int i = 0; i < mc; i++) {
+            int32_t dot = 0;
+            for (int j = 0; j < 32; j++) dot += q[j] * qx[i * K + g * 32 + j];
+            out[i] += (d * dx[i * nb + g]) * (float)dot;
+        }
+    }
+#endif
+}
+
+/* one weight row against rows m0 .. m0 + mc - 1 (mc a constant in each case: the loops over rows unroll) */
+static inline __attribute__((always_inline)) void dot_rows(int type, int mc, const uint8_t *row, const int8_t *qx,
+                                                           const float *dx, const int16_t *bs, int64_t K, float *out) {
+    if (type == Q4_K) q4k_rows(mc, row, K / QK, qx, dx, bs, K, out);
+    else if (type == Q6_K) q6k_rows(mc, row, K / QK, qx, dx, bs, K, out);
+    else q32_rows(type, mc, row, K / 32, qx, dx, bs, K, out);
+}
+
+/* y [M, N] = x_rounded [M, K] . W^T from x already rounded (gguf_quantize_q8 with the type's block); 0, or -1
+ * for a type these kernels do not read */
+int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw, float *y,
+                   int64_t M, int64_t N, int64_t K) {
+    if (!block_elems(type)) return -1;
+    const int64_t row_bytes = K / block_elems(type) * block_bytes(type), ab = act_block(type);
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += COLS) {
+        const int64_t n1 = n0 + COLS < N ? n0 + COLS : N;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = raw + n * row_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int64_t mc = M - m0 < MR ? M - m0 : MR;
+                const int8_t *q = qx + m0 * K;
+                const float *d = dx + m0 * (K / ab);
+                const int16_t *bs = bsums + m0 * (K / 16);
+                float out[MR];
+#define ROWS_CASES(T)                                                    \
+                switch (mc) {                                            \
+                    case 4: dot_rows(T, 4, row, q, d, bs, K, out); break; \
+                    case 3: dot_rows(T, 3, row, q, d, bs, K, out); break; \
+                    case 2: dot_rows(T, 2, row, q, d, bs, K, out); break; \
+                    default: dot_rows(T, 1, row, q, d, bs, K, out); break; \
+                }
+                if (type == Q4_K) {
+                    ROWS_CASES(Q4_K)
+                } else if (type == Q6_K) {
+                    ROWS_CASES(Q6_K)
+                } else if (type == Q8_0) {
+                    ROWS_CASES(Q8_0)
+                } else {
+                    ROWS_CASES(Q5_0)
+                }
+#undef ROWS_CASES
+                for (int64_t i = 0; i < mc; i++) y[(m0 + i) * N + n] = out[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* gguf_matmul_q8 from float x: rounds it (per 256 for the K-quants, per 32 for Q8_0 / Q5_0), then the GEMV */
+int gguf_matmul_a8(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K) {
+    if (!block_elems(type)) return -1;
+    const int ab = act_block(type);
+    int8_t *qx = malloc(M * K + 64);
+    float *dx = malloc(M * (K / ab) * sizeof(float) + 64);
+    int16_t *bs = malloc(M * (K / 16) * sizeof(int16_t) + 64);
+    gguf_quantize_q8(x, M, K, ab, qx, dx, bs, NULL);
+    const int rc = gguf_matmul_q8(type, qx, dx, bs, raw, y, M, N, K);
+    free(qx);
+    free(dx);
+    free(bs);
+    return rc;
+}
+
+/* ---- float32 activations ------------------------------------------------------------------------------ */
+
+/* y [M, N] = x [M, K] . W_dequantized^T, each chunk of 256 weights dequantized as gguf_dequantize does it and
+ * multiplied in float32 (four chains a row); 0, or -1 for a type these kernels do not read */
+int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K) {
+    if (!block_elems(type)) return -1;
+    const int64_t row_bytes = K / block_elems(type) * block_bytes(type), chunks = (K + QK - 1) / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += COLS) {
+        const int64_t n1 = n0 + COLS < N ? n0 + COLS : N;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = raw + n * row_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int64_t mc = M - m0 < MR ? M - m0 : MR;
+                float tot[MR] = {0.f, 0.f, 0.f, 0.f};
+                for (int64_t c = 0; c < chunks; c++) {
+                    float w[QK] __attribute__((aligned(64)));
+                    dequant_chunk(type, row, c, K, w);
+                    const int64_t len = K - c * QK < QK ? K - c * QK : QK;
+                    for (int64_t i = 0; i < mc; i++) {
+                        const float *xc = x + (m0 + i) * K + c * QK;
+#ifdef GB_AVX512
+                        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                        for (int64_t k = 0; k < len; k += 16)
+                            a[(k / 16) & 3] = _mm512_fmadd_ps(_mm512_load_ps(w + k), _mm512_loadu_ps(xc + k), a[(k / 16) & 3]);
+                        tot[i] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+#elif defined(__AVX2__)
+                        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                        for (int64_t k = 0; k < len; k += 8)
+                            a[(k / 8) & 3] = _mm256_fmadd_ps(_mm256_load_ps(w + k), _mm256_loadu_ps(xc + k), a[(k / 8) & 3]);
+                        tot[i] += hsum256(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+#else
+                        float a = 0.f;
+                        for (int64_t k = 0; k < len; k++) a += w[k] * xc[k];
+                        tot[i] += a;
+#endif
+                    }
+                }
+                for (int64_t i = 0; i < mc; i++) y[(m0 + i) * N + n] = tot[i];
+            }
+        }
+    }
+    return 0;
+}

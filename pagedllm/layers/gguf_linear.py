@@ -1,0 +1,70 @@
+"""A linear layer on a GGUF's quantized blocks as the file stores them (``pagedllm/kernels/gguf_blocks.c``).
+
+The weight is the file's own bytes, ``raw`` [N, bytes a row] uint8 (a view of a read-only mmap is fine):
+nothing is converted or copied at load, and decode reads the 4.5 bits a weight of Q4_K (6.56 of Q6_K)
+instead of a wider layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``).
+
+``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8
+per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
+float32 activations, the float32 function of the dequantized weights. Either way the layer computes the same
+function at every batch size: up to ``SMALL_BATCH`` rows the kernels stream the blocks; more rows dequantize
+the weight into a buffer shared by every quantized layer and run the float32 GEMM (on the rounded input in the
+int8 mode), which is the same result up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels.ops import GGUF_BLOCKS
+from pagedllm.layers.linear import onednn_available, onednn_linear
+from pagedllm.layers.quantization import SMALL_BATCH, _bias, _scratch
+
+GGUF_TYPES = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # the ggml types the kernels read, by name
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T + b with W [N, K] the GGUF blocks ``raw`` [N, bytes a row] of ggml type ``qtype`` (an id of
+    ``GGUF_TYPES``); ``activation_bits`` 8 (int8 activations) or None (float32)."""
+
+    raw: torch.Tensor  # a buffer (register_buffer), typed for mypy
+
+    def __init__(
+        self, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None, activation_bits: int | None = 8
+    ):
+        super().__init__()
+        from pagedllm import kernels
+
+        if qtype not in GGUF_BLOCKS:
+            raise ValueError(f"GGUFLinear reads the ggml types {GGUF_TYPES}, not {qtype}")
+        if activation_bits not in (None, 8):
+            raise ValueError(f"GGUFLinear's activations are int8 (8) or float32 (None), not {activation_bits}")
+        self._kernels = kernels.load().gguf
+        self.qtype, self.activation_bits = qtype, activation_bits
+        self.register_buffer("raw", raw if raw.is_contiguous() else raw.contiguous(), persistent=False)
+        self.out_features, self.in_features = raw.shape[0], self._kernels.in_features(qtype, raw)
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != torch.float32:
+            return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
+        x = x.contiguous()
+        k = self._kernels
+        if x.shape[0] > SMALL_BATCH:  # dequantize into the shared buffer, then the float32 GEMM
+            if self.activation_bits:  # on the activations the integer kernels see: the same function
+                x = k.round_activations(x, k.activation_block(self.qtype))
+            w = k.dequantize(self.qtype, self.raw, _scratch(self.out_features * self.in_features))
+            return (onednn_linear if onednn_available() else F.linear)(x, w, self.bias)
+        y = (k.matmul_a8 if self.activation_bits else k.matmul_f32)(self.qtype, x, self.raw)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W float32 [N, K], gguf's values bit for bit; the bias)."""
+        return self._kernels.dequantize(self.qtype, self.raw), self.bias
+
+    def extra_repr(self) -> str:
+        name = next(n for n, t in GGUF_TYPES.items() if t == self.qtype)
+        act = "int8" if self.activation_bits else "float32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {name} blocks, {act} activations"

@@ -1,0 +1,153 @@
+"""gguf_blocks.c: a GGUF's Q4_K / Q6_K / Q8_0 / Q5_0 blocks run as stored, against gguf's own dequantization.
+
+Each kernel is checked in three builds of the same source: this CPU's (AVX-512 VNNI where it has it), AVX2
+only and plain C, so every path is the oracle-checked function whatever machine runs the suite.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
+
+TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]
+SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf_blocks.c")
+BUILDS = {"native": "-march=native", "avx2": "-march=haswell", "plain": "-march=x86-64"}
+
+
+@pytest.fixture(scope="session", params=list(BUILDS))
+def blocks(request, tmp_path_factory) -> GGUFBlocks:
+    """gguf_blocks.c compiled for one instruction set (the package's own build for "native")."""
+    if request.param == "native":
+        from pagedllm import kernels
+
+        return kernels.load().gguf
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip("no C compiler")
+    so = tmp_path_factory.mktemp("gguf_blocks") / f"gguf_blocks_{request.param}.so"
+    flags = ["-O3", BUILDS[request.param], "-fopenmp", "-shared", "-fPIC"]
+    subprocess.run([cc, *flags, SRC, "-o", str(so)], check=True, capture_output=True)
+    return GGUFBlocks(ctypes.CDLL(str(so)))
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of k weights in ``qtype``'s blocks, [n, bytes a row] uint8. gguf quantizes Q8_0 / Q5_0; Q4_K / Q6_K
+    are random bytes (every bit pattern is a valid block) with float16 scales of a realistic size."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q8_0, T.Q5_0):
+        return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
+    size = 144 if qtype == T.Q4_K else 210
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+
+    def scale() -> np.ndarray:
+        return rng.uniform(1e-4, 3e-3, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+
+    if qtype == T.Q4_K:
+        raw[..., 0:2], raw[..., 2:4] = scale(), scale()
+    else:
+        raw[..., 208:210] = scale()
+    return raw.reshape(n, -1)
+
+
+def reference_weights(qtype: T, raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+
+
+def reference_rounding(x: torch.Tensor, block: int) -> torch.Tensor:
+    """llama.cpp's Q8_K (block 256) / our Q8_0 activations (block 32): d = 1 / (127 / max|x|), q = round(x * 127 /
+    max|x|) ties to even, as q * d."""
+    g = x.view(x.shape[0], -1, block)
+    amax = g.abs().amax(-1, keepdim=True)
+    one = torch.ones_like(amax)  # tensor / tensor: a scalar numerator would multiply by a reciprocal
+    iscale = torch.where(amax > 0, 127 * one / amax, 0 * one)
+    d = torch.where(amax > 0, one / iscale, 0 * one)
+    return (torch.round(g * iscale) * d).view_as(x)
+
+
+def assert_matches(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5) -> None:
+    """y == x @ w.T to ``rel`` of the sum of the products' magnitudes (a bound that cancellation cannot break)."""
+    ref = x.double() @ w.double().T
+    bound = rel * (x.double().abs() @ w.double().abs().T) + 1e-30
+    err = ((y.double() - ref).abs() / bound).max().item()
+    assert err <= 1, f"off by {err:.2f}x the tolerance"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_ggufs_bit_for_bit(blocks, qtype):
+    raw = random_blocks(qtype, 37, 768)
+    w = blocks.dequantize(int(qtype), torch.from_numpy(raw))
+    assert torch.equal(w, reference_weights(qtype, raw))
+
+
+@pytest.mark.parametrize("block", [256, 32])
+def test_activation_rounding_is_llama_cpps(blocks, block):
+    x = torch.randn(5, 1024) * torch.logspace(-3, 2, 1024)[torch.randperm(1024)]
+    x[1, :256] = 0  # an all-zero block: d = 0
+    q, d, sums = blocks.quantize(x, block)
+    ref = reference_rounding(x, block)
+    torch.testing.assert_close(q.float() * d.repeat_interleave(block, 1), ref, rtol=0, atol=0)
+    assert torch.equal(blocks.round_activations(x, block), ref)
+    assert torch.equal(sums.long(), q.long().view(5, -1, 16).sum(-1))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_int8_activation_gemv_is_the_dequantized_weights_on_the_rounded_input(blocks, qtype, m):
+    n, k = 53, 1280  # 53 rows: not a multiple of the threads' share
+    raw = random_blocks(qtype, n, k, seed=m)
+    x = torch.randn(m, k)
+    y = blocks.matmul_a8(int(qtype), x, torch.from_numpy(raw))
+    assert_matches(y, reference_rounding(x, blocks.activation_block(int(qtype))), reference_weights(qtype, raw))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_float_activation_gemv_is_the_dequantized_weights(blocks, qtype, m):
+    n, k = 53, 1280
+    raw = random_blocks(qtype, n, k, seed=m)
+    x = torch.randn(m, k)
+    assert_matches(blocks.matmul_f32(int(qtype), x, torch.from_numpy(raw)), x, reference_weights(qtype, raw))
+
+
+def test_a_nan_in_the_input_makes_its_row_nan_not_finite(blocks):
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 8, 512))
+    x = torch.randn(2, 512)
+    x[1, 300] = float("nan")
+    y = blocks.matmul_a8(int(T.Q4_K), x, raw)
+    assert y[0].isfinite().all() and y[1].isnan().all()
+
+
+def test_unknown_types_are_refused(blocks):
+    with pytest.raises(ValueError, match="ggml type"):
+        blocks.matmul_a8(int(T.Q4_0), torch.randn(1, 32), torch.zeros(4, 18, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("activation_bits", [8, None])
+def test_gguf_linear_is_one_function_at_every_batch_size(qtype, activation_bits):
+    from pagedllm.layers.gguf_linear import GGUFLinear
+    from pagedllm.layers.quantization import SMALL_BATCH
+
+    n, k = 40, 512
+    raw = random_blocks(qtype, n, k)
+    bias = torch.randn(n)
+    layer = GGUFLinear(torch.from_numpy(raw), int(qtype), bias, activation_bits)
+    x = torch.randn(SMALL_BATCH + 4, k)  # above SMALL_BATCH rows: dequantize + the float32 GEMM
+    batched, rows = layer(x), torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    w, b = layer.dequantized()
+    assert torch.equal(w, reference_weights(qtype, raw)) and b is layer.bias
+    xr = reference_rounding(x, 256 if qtype in (T.Q4_K, T.Q6_K) else 32) if activation_bits else x
+    for y in (batched, rows):
+        assert_matches(y - bias, xr, w)
+    assert layer(x.view(2, -1, k)).shape == (2, x.shape[0] // 2, n)
