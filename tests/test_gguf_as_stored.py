@@ -52,7 +52,7 @@ def test_default_keeps_every_block_as_stored(smollm2_models, monkeypatch):
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert type(lin) is Int4Linear and lin.activation_bits == 8
     assert type(model.lm_head) is Int8Linear and isinstance(model.embed_tokens, QuantizedEmbedding)
-    assert model.embed_tokens.q is model.lm_head.qweight  # one table, not two
+    assert model.embed_tokens.table[0] is model.lm_head  # one table, not two
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
 
 

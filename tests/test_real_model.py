@@ -69,3 +69,36 @@ def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) 
         max_divergence_gap=1e-2,
         names=("transformers", "pagedllm gguf-exact"),
     )
+
+
+@pytest.mark.slow
+def test_qwen_0_5b_default_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) -> None:
+    """The default mode (int8 activations) reads the Q4_K / Q6_K ffn_down blocks in place from the file's
+    mapping; not float32's function, but near transformers' greedy path (top 5 wherever they part)."""
+    from pagedllm.layers.gguf_linear import GGUFLinear
+
+    ref = json.loads((ROOT / "tests" / "data" / "qwen2.5-coder-0.5b-greedy.json").read_text())
+    prompts = ref["prompts"]
+    llm = LLM(str(qwen_0_5b), max_model_len=256, max_num_seqs=8)
+    model = llm.llm_engine.core.runner.model
+    downs = [layer.mlp.down_proj for layer in model.layers]
+    assert all(type(d) is GGUFLinear and d.activation_bits == 8 for d in downs)
+    assert {d.qtype for d in downs} == {12, 14}  # Q4_K and Q6_K, half the layers each
+    # the weights are the file's bytes where its mapping holds them, not a copy
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines() if str(qwen_0_5b) in line]
+    spans = [tuple(int(a, 16) for a in m[0].split("-")) for m in maps]
+    assert all(any(lo <= d.raw.data_ptr() < hi for lo, hi in spans) for d in downs)
+    sp = SamplingParams(temperature=0, max_tokens=ref["max_tokens"], ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], sp, use_tqdm=False)
+    want = [
+        GreedyResult(p["output_token_ids"], [{int(t): lp for t, lp in step} for step in p["top_logprobs"]])
+        for p in prompts
+    ]
+    check_greedy_close(
+        want,
+        [o.outputs[0] for o in outs],
+        topk=5,
+        logprob_atol=0.3,
+        min_exact_fraction=0.25,
+        names=("transformers", "pagedllm gguf"),
+    )

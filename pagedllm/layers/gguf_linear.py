@@ -68,3 +68,39 @@ class GGUFLinear(nn.Module):
         name = next(n for n, t in GGUF_TYPES.items() if t == self.qtype)
         act = "int8" if self.activation_bits else "float32"
         return f"in_features={self.in_features}, out_features={self.out_features}, {name} blocks, {act} activations"
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W, float32 [len(ids), K]: an embedding lookup in the same table (a tied head's)."""
+        return self._kernels.dequantize(self.qtype, self.raw.index_select(0, ids))
+
+
+class StackedLinear(nn.Module):
+    """A fused projection (q | k | v, gate | up) whose shards the file stores in different block types (a
+    Q4_K_M file mixes Q4_K and Q6_K): each shard's kernel computes its rows of the output, the bias is the
+    fused one."""
+
+    def __init__(self, parts: list[GGUFLinear], bias: torch.Tensor | None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.cat([p.dequantized()[0] for p in self.parts]), self.bias
+
+
+def stacked_gguf(
+    types: list[str], raws: tuple[torch.Tensor, ...], bias: torch.Tensor | None, activation_bits: int | None
+) -> GGUFLinear | StackedLinear:
+    """The linear of one module's GGUF shards as stored (``types``: their ggml type names): a GGUFLinear, or
+    a StackedLinear of one a shard (several shards of one type are still one kernel call each: no copy)."""
+    parts = [GGUFLinear(raw, GGUF_TYPES[t], None, activation_bits) for t, raw in zip(types, raws, strict=True)]
+    if len(parts) == 1:
+        parts[0].bias = _bias(bias)
+        return parts[0]
+    return StackedLinear(parts, bias)

@@ -74,6 +74,10 @@ SMALL_BATCH_A8 = 16  # the same for the integer-activation kernels where they ha
 ACTIVATION_BITS = {"w4a8": 8, "w4a16": 16}  # the modes with integer activations
 # A GGUF's blocks as stored, by mode: the activation bits of their integer kernels (None: float32 activations)
 GGUF_MODES: dict[str, int | None] = {"gguf": 8, "gguf-exact": None}
+# the GGUF types "gguf" runs from the file's own bytes (pagedllm/kernels/gguf_blocks.c: 4.5 and 6.56 bits a weight,
+# integer sums per super-block); the other types, and every type under "gguf-exact" (whose float32-activation
+# kernels on our layouts are faster), are converted at load into the int4 / int8 layouts, exactly
+NATIVE_GGUF_TYPES = ("Q4_K", "Q6_K")
 Block = tuple[str, tuple[torch.Tensor, ...]]  # a checkpoint's own quantized weights: (kind, its tensors)
 
 
@@ -172,6 +176,11 @@ class _QuantLinear(nn.Module):
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._dequantize(self.qweight, self.scales, self.mins), self.bias
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W, float32 [len(ids), K]: an embedding lookup in the same table."""
+        mins = None if self.mins is None else self.mins.index_select(0, ids)
+        return self._dequantize(self.qweight.index_select(0, ids), self.scales.index_select(0, ids), mins)
+
     def extra_repr(self) -> str:
         act = f", int{self.activation_bits} activations" if self.activation_bits else ""
         group = GROUP // self.scales_per_group
@@ -254,6 +263,13 @@ def common_layout(parts: list[Block]) -> list[Block]:
     """Blocks of one fused linear's shards in one layout holding exactly their values: int4 becomes int8 where
     any shard is int8, and a scale per 32 becomes two equal scales per 16 where any shard has a scale per 16
     (a GGUF's Q4_K_M mixes Q4_K and Q6_K within q/k/v). Blocks with an input order (act-order) stay as they are."""
+    native = [kind in NATIVE_GGUF_TYPES for kind, _ in parts]
+    if all(native):
+        return parts  # as the file stores them: one GGUFLinear a shard (see stacked_gguf)
+    if any(native):  # beside a shard in our layouts: converted too
+        from pagedllm.model_loader.gguf_loader import converted_block
+
+        parts = [converted_block(kind, t[0]) if kind in NATIVE_GGUF_TYPES else (kind, t) for kind, t in parts]
     one_kind = len({kind for kind, _ in parts}) == 1
     if any(len(t) != 3 for _, t in parts) or (one_kind and len({t[1].shape[1:] for _, t in parts}) == 1):
         return parts
@@ -390,7 +406,11 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
     stored; ``activation_bits`` where its kernel takes them, float32 activations for a scale per 16, Q6_K's);
     the embedding reads its rows from its own block (or from the tied head's)."""
 
-    def stored(block: Block, bias: torch.Tensor | None) -> _QuantLinear:
+    def stored(block: Block, bias: torch.Tensor | None) -> nn.Module:
+        if block[0].startswith("gguf:"):
+            from pagedllm.layers.gguf_linear import stacked_gguf
+
+            return stacked_gguf(block[0].removeprefix("gguf:").split(","), block[1], bias, activation_bits)
         kind, (q, scales, mins) = block[0], block[1][:3]
         g16 = scales.shape[1] * GROUP > q.shape[1] * (2 if kind == "int4" else 1)  # more scales than groups
         abits = None if g16 else activation_bits
@@ -402,7 +422,7 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
             setattr(module, child_name, stored(block, child.bias))
     block = blocks.get("lm_head")  # a tied model's is the embedding's block
     head = model.embed_tokens if model.lm_head is None else model.lm_head
-    taken = isinstance(model.lm_head, _QuantLinear)
+    taken = model.lm_head is not None and not isinstance(model.lm_head, nn.Linear)
     if isinstance(head, nn.Module) and not taken and _takes_block(block, cast(torch.Tensor, head.weight)):
         model.lm_head = stored(block, None)
     ps = getattr(model, "ps", None)
@@ -410,10 +430,19 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
     if not isinstance(embedding, VocabParallelEmbedding) or not (ps is None or ps.world_size == 1):
         return  # a quantized table already, none on this stage, or a vocabulary shard (kept float)
     own = blocks.get("embed_tokens")
-    if _takes_block(own, embedding.weight):
-        model.embed_tokens = QuantizedEmbedding(stored(own, None))
-    elif getattr(model, "tie_word_embeddings", False) and isinstance(model.lm_head, _QuantLinear):
-        model.embed_tokens = QuantizedEmbedding(model.lm_head)
+    if getattr(model, "tie_word_embeddings", False) and taken_head(model.lm_head):
+        model.embed_tokens = QuantizedEmbedding(model.lm_head)  # one table for both
+    elif _takes_block(own, embedding.weight):
+        table = stored(own, None)
+        if taken_head(table):
+            model.embed_tokens = QuantizedEmbedding(table)
+
+
+def taken_head(layer: nn.Module | None) -> bool:
+    """Can :class:`QuantizedEmbedding` read its rows from ``layer``?"""
+    from pagedllm.layers.gguf_linear import GGUFLinear
+
+    return isinstance(layer, _QuantLinear | GGUFLinear)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -421,27 +450,26 @@ class QuantizedEmbedding(nn.Module):
     would hold), a tied head's or the embedding's own block: only the rows looked up are widened, so the
     vocabulary is kept once, in its 4 or 8 bits, never as a float32 table."""
 
-    def __init__(self, table: _QuantLinear):
+    def __init__(self, table: nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         # plain attributes: the table owns these tensors (no second copy, nothing for .to() to move twice)
-        self.q, self.scales, self.mins = table.qweight, table.scales, table.mins
-        self.bits = table.bits
-        self._dequantize = table._dequantize
+        self.table = [table]  # in a list: not a submodule of this one (it is the head's, or this one's only)
+        self.kind = f"int{table.bits}" if isinstance(table, _QuantLinear) else str(table)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1)
-        mins = None if self.mins is None else self.mins.index_select(0, ids)
-        rows = self._dequantize(self.q.index_select(0, ids), self.scales.index_select(0, ids), mins)
-        return rows.view(*input_ids.shape, self.embedding_dim)
+        return self.table[0].rows(input_ids.reshape(-1)).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int{self.bits} rows"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of {self.kind}"
 
 
 def _takes_block(block: Block | None, weight: torch.Tensor) -> TypeGuard[Block]:
     """Is ``block`` (a checkpoint's own groups) used as it is for ``weight``? Not on a padded vocabulary shard."""
-    return block is not None and block[1][0].shape[0] == weight.shape[0]
+    if block is None:
+        return False
+    rows = sum(t.shape[0] for t in block[1]) if block[0].startswith("gguf:") else block[1][0].shape[0]
+    return rows == weight.shape[0]
 
 
 def _uses_block(block: Block | None, weight: torch.Tensor, bits: str, activation_bits: int | None) -> TypeGuard[Block]:
@@ -510,9 +538,11 @@ def dequantize_model(model: nn.Module) -> None:
     The result computes with exactly the weights the quantized model holds, through
     PyTorch's float32 GEMM: the reference the quantized kernels are tested against.
     """
+    from pagedllm.layers.gguf_linear import GGUFLinear, StackedLinear
+
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, (Int8Linear, Int4Linear, Fp8Linear)):
+            if isinstance(child, (Int8Linear, Int4Linear, Fp8Linear, GGUFLinear, StackedLinear)):
                 w, b = child.dequantized()
                 lin = nn.Linear(child.in_features, child.out_features, bias=b is not None)
                 lin.weight.data.copy_(w)

@@ -522,13 +522,41 @@ def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor,
     return dict(iter_gguf_blocks(path))
 
 
-def iter_gguf_blocks(path: str) -> Iterator[tuple[str, tuple[str, tuple[torch.Tensor, ...]]]]:
+def iter_gguf_blocks(
+    path: str, native: Collection[str] = ()
+) -> Iterator[tuple[str, tuple[str, tuple[torch.Tensor, ...]]]]:
     """:func:`gguf_quantized_blocks` one tensor at a time, each converted in slices of rows (a 150k-token
-    vocabulary's temporaries stay small)."""
+    vocabulary's temporaries stay small). Tensors of a type named in ``native`` (``"Q4_K"``, ``"Q6_K"``) come
+    as the file stores them instead, nothing converted or copied: ``(type name, (rows,))``, ``rows`` a uint8
+    view [N, bytes a row] of a read-only mapping of the file (the kernels of
+    :class:`~pagedllm.layers.gguf_linear.GGUFLinear` read them there; the page cache holds them once for every
+    process that maps the file). A row permutation (llama's Q / K) makes those a copy of the rows."""
+    import warnings
+
+    import numpy as np
+    import torch
+
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
+        if qtype.name in native and data.ndim == 2:
+            rows = unpermute(data) if unpermute is not _identity else data
+            with warnings.catch_warnings():  # a read-only mapping: nothing writes to the weights
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(rows))  # the mapping's own bytes when they are in order
+            yield name, (qtype.name, (raw,))
+            continue
         block = _q_blocks_in_slices(data, qtype, unpermute)
         if block is not None:
             yield name, block
+
+
+def converted_block(kind: str, raw: torch.Tensor) -> tuple[str, tuple[torch.Tensor, ...]]:
+    """A native block of :func:`iter_gguf_blocks` (``kind`` its type name) in pagedllm's int4 / int8 layout,
+    for a fused linear whose other shards are in that layout."""
+    from gguf import GGMLQuantizationType
+
+    block = _q_blocks(raw.numpy(), GGMLQuantizationType[kind], _identity)
+    assert block is not None  # every native type has a layout
+    return block
 
 
 _SLICE_ROWS = 4096

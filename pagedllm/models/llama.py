@@ -22,7 +22,7 @@ from pagedllm.distributed import ParallelState, stage_layers
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.quantization import Block, common_layout
+from pagedllm.layers.quantization import NATIVE_GGUF_TYPES, Block, common_layout
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 
@@ -370,7 +370,9 @@ class LlamaForCausalLM(nn.Module):
                 return
             # one layout: int4 shards beside an int8 one widen, a scale per 32 beside one per 16 doubles
             parts = common_layout([cast(Block, got[i]) for i in range(n)])
-            if len({(kind, t[1].shape[1:], len(t)) for kind, t in parts}) == 1:
+            if all(kind in NATIVE_GGUF_TYPES for kind, _ in parts):  # as the file stores them, one kernel a shard
+                out[module] = ("gguf:" + ",".join(kind for kind, _ in parts), tuple(t[0] for _, t in parts))
+            elif len({(kind, t[1].shape[1:], len(t)) for kind, t in parts}) == 1:
                 tensors = (
                     parts[0][1]
                     if n == 1
