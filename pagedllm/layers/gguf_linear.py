@@ -14,6 +14,8 @@ int8 mode), which is the same result up to summation order.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,7 +93,7 @@ class StackedLinear(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.cat([p.dequantized()[0] for p in self.parts]), self.bias
+        return torch.cat([cast(GGUFLinear, p).dequantized()[0] for p in self.parts]), self.bias
 
 
 def stacked_gguf(

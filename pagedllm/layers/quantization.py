@@ -58,7 +58,7 @@ Every int-quantized input size must be a multiple of 32.
 from __future__ import annotations
 
 import threading
-from typing import TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -438,7 +438,7 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
             model.embed_tokens = QuantizedEmbedding(table)
 
 
-def taken_head(layer: nn.Module | None) -> bool:
+def taken_head(layer: object) -> bool:
     """Can :class:`QuantizedEmbedding` read its rows from ``layer``?"""
     from pagedllm.layers.gguf_linear import GGUFLinear
 
@@ -450,11 +450,11 @@ class QuantizedEmbedding(nn.Module):
     would hold), a tied head's or the embedding's own block: only the rows looked up are widened, so the
     vocabulary is kept once, in its 4 or 8 bits, never as a float32 table."""
 
-    def __init__(self, table: nn.Module):
+    def __init__(self, table: Any):
         super().__init__()
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         # plain attributes: the table owns these tensors (no second copy, nothing for .to() to move twice)
-        self.table = [table]  # in a list: not a submodule of this one (it is the head's, or this one's only)
+        self.table: list[Any] = [table]  # in a list: not a submodule of this one (it is the head's, or this one's only)
         self.kind = f"int{table.bits}" if isinstance(table, _QuantLinear) else str(table)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
