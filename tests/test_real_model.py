@@ -102,3 +102,31 @@ def test_qwen_0_5b_default_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path)
         min_exact_fraction=0.25,
         names=("transformers", "pagedllm gguf"),
     )
+
+
+@pytest.mark.slow
+def test_qwen_0_5b_fused_decode_loop_runs_the_files_blocks_bit_for_bit(qwen_0_5b: Path) -> None:
+    """The C decode loop takes the layers that read the file's blocks (its Q4_K / Q6_K ffn_down, and a
+    gate | up stacked from two GGUF linears of the file's own Q5_0 rows, as a Q4_K_M file's mixed q | k | v
+    are): its logprobs are the Python loop's exactly."""
+    from pagedllm.layers.gguf_linear import GGUF_TYPES, StackedLinear, stacked_gguf
+    from pagedllm.model_loader.gguf_loader import iter_gguf_blocks
+
+    names = {f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")}
+    raw = {n: b for n, b in iter_gguf_blocks(str(qwen_0_5b), native=("Q5_0",)) if n in names}
+    assert {kind for kind, _ in raw.values()} == {"Q5_0"} and GGUF_TYPES["Q5_0"] == 6
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": list(range(1000, 1030 + 5 * i))} for i in range(3)]
+    got = {}
+    for eager in (True, False):
+        llm = LLM(str(qwen_0_5b), max_model_len=256, max_num_seqs=4, enforce_eager=eager)
+        model = llm.llm_engine.core.runner.model
+        gate, up = (raw[f"model.layers.0.mlp.{p}_proj.weight"][1] for p in ("gate", "up"))
+        model.layers[0].mlp.gate_up_proj = stacked_gguf(["Q5_0", "Q5_0"], (*gate, *up), None, 8)
+        assert type(model.layers[0].mlp.gate_up_proj) is StackedLinear
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        steps = model.fused_decode.steps if model.fused_decode is not None else 0
+        assert (steps == 0) if eager else (steps >= 23), steps
+        del llm
+    assert got[True] == got[False]

@@ -32,13 +32,22 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                             const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
                             int64_t BS, float scale, int kv_dtype, const float *fp8_lut);
 
+int gguf_matmul_a8(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K);
+int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K);
+
 /* one linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations, 6 and 7 the
  * same with int16 activations, 5 int8 with a scale per 16 (quant_matmul.c's q, scales, mins), 4 float32
- * (qweight its panels, see f32_matmul) */
-typedef struct {
+ * (qweight its panels, see f32_matmul); GGUF_A8 + t and GGUF_F32 + t: a GGUF's blocks of ggml type t as the
+ * file stores them (qweight the rows; gguf_blocks.c), int8 or float32 activations. n_parts > 0: the outputs
+ * of parts[0 .. n_parts) side by side (a fused projection whose shards have different types); bias after. */
+#define GGUF_A8 100
+#define GGUF_F32 200
+typedef struct QLinear {
     const void *qweight;
     const float *scales, *mins, *bias; /* bias may be NULL */
     int64_t n, k, kind;
+    const struct QLinear *parts;
+    int64_t n_parts;
 } QLinear;
 
 typedef struct {
@@ -67,8 +76,32 @@ static void store_kv(void *cache, int64_t kv_dtype, int64_t slot, const float *r
     for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(row[i]);
 }
 
-static void linear(const QLinear *l, const float *x, float *y, int64_t T) {
-    switch (l->kind) {
+static int linear(const QLinear *l, const float *x, float *y, int64_t T);
+
+/* the parts' outputs into their columns of y [T, l->n] */
+static int stacked(const QLinear *l, const float *x, float *y, int64_t T) {
+    int64_t widest = 0, col = 0;
+    for (int64_t p = 0; p < l->n_parts; p++) widest = l->parts[p].n > widest ? l->parts[p].n : widest;
+    float *tmp = malloc(T * widest * sizeof(float));
+    if (!tmp) return -1;
+    for (int64_t p = 0; p < l->n_parts; p++) {
+        const QLinear *part = l->parts + p;
+        linear(part, x, tmp, T);
+        for (int64_t t = 0; t < T; t++) memcpy(y + t * l->n + col, tmp + t * part->n, part->n * sizeof(float));
+        col += part->n;
+    }
+    free(tmp);
+    return 0;
+}
+
+static int linear(const QLinear *l, const float *x, float *y, int64_t T) {
+    if (l->n_parts) {
+        if (stacked(l, x, y, T)) return -1;
+    } else if (l->kind >= GGUF_F32) {
+        gguf_matmul_f32((int)(l->kind - GGUF_F32), x, l->qweight, y, T, l->n, l->k);
+    } else if (l->kind >= GGUF_A8) {
+        gguf_matmul_a8((int)(l->kind - GGUF_A8), x, l->qweight, y, T, l->n, l->k);
+    } else switch (l->kind) {
         case 0: int4_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
         case 1: int8_matmul(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k); break;
         case 2: int4_matmul_a8(x, l->qweight, l->scales, l->mins, y, T, l->n, l->k, 1); break;
@@ -81,11 +114,12 @@ static void linear(const QLinear *l, const float *x, float *y, int64_t T) {
     if (l->bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < l->n; i++) y[t * l->n + i] += l->bias[i];
+    return 0;
 }
 
 /* x [T, hidden]: the step's embeddings (read only); out [T, hidden]: the final norm's output.
  * cos, sin [T, head_dim / 2]; slots [T]: where each token's K/V goes; block_tables [>= T, bt_stride],
- * seq_lens [T]. Returns 0, or -1 when a buffer could not be allocated (nothing was written then). */
+ * seq_lens [T]. Returns 0, or -1 when a buffer could not be allocated (the step's results are then void). */
 int decode_layers(const DecodeLayer *layers, int64_t n_layers, const float *x, float *out, int64_t T,
                   int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
                   const float *final_norm, const float *cos, const float *sin, const int64_t *slots,
@@ -112,7 +146,10 @@ int decode_layers(const DecodeLayer *layers, int64_t n_layers, const float *x, f
             add_rms_norm(mlp, residual, L->input_norm, nrm, T, hidden, eps);
             residual = mlp;
         }
-        linear(&L->qkv, nrm, qkv, T);
+        if (linear(&L->qkv, nrm, qkv, T)) {
+            rc = -1;
+            goto done;
+        }
         rotary(qkv, qkv_n, cos, sin, qk, T, heads + kv_heads, head_dim); /* q and k heads together */
         for (int64_t t = 0; t < T; t++) {                                /* every new K/V before any read */
             store_kv(L->k_cache, L->kv_dtype, slots[t], qk + t * (q_size + kv_size) + q_size, kv_size);
@@ -124,12 +161,21 @@ int decode_layers(const DecodeLayer *layers, int64_t n_layers, const float *x, f
         }
         paged_decode_attention(qk, q_size + kv_size, L->k_cache, L->v_cache, block_tables, bt_stride, seq_lens,
                                starts, att, T, heads, kv_heads, head_dim, block_size, scale, (int)L->kv_dtype, NULL);
-        linear(&L->o, att, o, T);
+        if (linear(&L->o, att, o, T)) {
+            rc = -1;
+            goto done;
+        }
         add_rms_norm(o, residual, L->post_norm, nrm, T, hidden, eps);
         residual = o;
-        linear(&L->gate_up, nrm, gu, T);
+        if (linear(&L->gate_up, nrm, gu, T)) {
+            rc = -1;
+            goto done;
+        }
         silu_mul(gu, act, T, inter);
-        linear(&L->down, act, mlp, T);
+        if (linear(&L->down, act, mlp, T)) {
+            rc = -1;
+            goto done;
+        }
     }
     add_rms_norm(mlp, residual, final_norm, out, T, hidden, eps);
 done:

@@ -24,18 +24,25 @@ import torch
 from pagedllm import kernels
 from pagedllm.attention import AttentionMetadata, cpu_paged
 from pagedllm.layers.linear import GEMV_ROWS
+from pagedllm.layers.quantization import SMALL_BATCH
 
 
 class _QLinear(ctypes.Structure):
-    _fields_ = [
-        ("qweight", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("mins", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("kind", ctypes.c_int64),
-    ]
+    pass
+
+
+_QLinear._fields_ = [
+    ("qweight", ctypes.c_void_p),
+    ("scales", ctypes.c_void_p),
+    ("mins", ctypes.c_void_p),
+    ("bias", ctypes.c_void_p),
+    ("n", ctypes.c_int64),
+    ("k", ctypes.c_int64),
+    ("kind", ctypes.c_int64),
+    ("parts", ctypes.POINTER(_QLinear)),
+    ("n_parts", ctypes.c_int64),
+]
+_GGUF_A8, _GGUF_F32 = 100, 200  # decode_loop.c's kinds of a GGUF's blocks as stored: + the ggml type
 
 
 class _Layer(ctypes.Structure):
@@ -57,8 +64,18 @@ class _Layer(ctypes.Structure):
 _KV_WRITTEN = (torch.float32, torch.bfloat16)
 
 
-def _linear(lin: Any) -> _QLinear:
+def _linear(lin: Any, keep: list[Any]) -> _QLinear:
+    """The C loop's view of a linear; arrays it points to are appended to ``keep`` (they must outlive it)."""
+    from pagedllm.layers.gguf_linear import GGUFLinear, StackedLinear
+
     bias = lin.bias.data_ptr() if lin.bias is not None else None
+    if isinstance(lin, StackedLinear):
+        parts = (_QLinear * len(lin.parts))(*(_linear(p, keep) for p in lin.parts))
+        keep.append(parts)
+        return _QLinear(None, None, None, bias, lin.out_features, lin.in_features, 0, parts, len(lin.parts))
+    if isinstance(lin, GGUFLinear):
+        kind = (_GGUF_A8 if lin.activation_bits else _GGUF_F32) + lin.qtype
+        return _QLinear(lin.raw.data_ptr(), None, None, bias, lin.out_features, lin.in_features, kind)
     if not hasattr(lin, "qweight"):  # PackedLinear: its float32 panels
         return _QLinear(lin.panels.data_ptr(), None, None, bias, lin.out_features, lin.in_features, 4)
     kind = 5 if lin.scales_per_group == 2 else (0 if lin.bits == 4 else 1) + {None: 0, 8: 2, 16: 6}[lin.activation_bits]
@@ -88,6 +105,7 @@ def _modules(model: Any) -> list[Any]:
 
 def _eligible(model: Any) -> bool:
     """Does the C loop compute exactly this model's forward (given a decode-only step)?"""
+    from pagedllm.layers.gguf_linear import GGUFLinear, StackedLinear
     from pagedllm.layers.linear import PackedLinear
     from pagedllm.layers.mlp import GatedMLP
     from pagedllm.layers.norm import RMSNorm
@@ -116,7 +134,10 @@ def _eligible(model: Any) -> bool:
             or a.q_norm is not None
             or a.attn is not cpu_paged.paged_attention
             or a.kv_group  # a local layer with a block table of its own (kv_groups)
-            or any(type(lin) not in (Int4Linear, Int8Linear, PackedLinear) for lin in linears)
+            or any(
+                type(lin) not in (Int4Linear, Int8Linear, PackedLinear, GGUFLinear, StackedLinear) for lin in linears
+            )
+            or any(type(p) is not GGUFLinear for lin in linears if type(lin) is StackedLinear for p in lin.parts)
             or any(type(lin) is PackedLinear and lin.panels is None for lin in linears)
             or any(
                 type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32
@@ -125,6 +146,12 @@ def _eligible(model: Any) -> bool:
         ):
             return False
     return True
+
+
+def _is_gguf(lin: Any) -> bool:
+    from pagedllm.layers.gguf_linear import GGUFLinear, StackedLinear
+
+    return isinstance(lin, GGUFLinear | StackedLinear)
 
 
 class FusedDecode:
@@ -136,7 +163,8 @@ class FusedDecode:
         self._mods: list[Any] | None = None
         self._caches: list[torch.Tensor] | None = None
         self._layers: Any = None
-        self._max_rows = 0
+        self._max_rows: float = 0
+        self._keep: list[Any] = []  # the ctypes arrays the layers point to (a stacked linear's parts)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> bool:
         model = self.model
@@ -154,7 +182,8 @@ class FusedDecode:
             ):
                 return False
         layers = (_Layer * len(model.layers))()
-        rows = []
+        rows: list[float] = []
+        keep: list[Any] = []
         for out, layer, cache in zip(layers, model.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
             for field, lin in (
@@ -163,14 +192,14 @@ class FusedDecode:
                 ("gate_up", m.gate_up_proj),
                 ("down", m.down_proj),
             ):
-                setattr(out, field, _linear(lin))
-                rows.append(getattr(lin, "_small_batch", GEMV_ROWS))
+                setattr(out, field, _linear(lin, keep))
+                rows.append(getattr(lin, "_small_batch", SMALL_BATCH if _is_gguf(lin) else GEMV_ROWS))
             out.input_norm = layer.input_layernorm.weight.data_ptr()
             out.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             out.k_cache, out.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
             out.sliding_window = a.sliding_window or 0
             out.kv_dtype = kernels.KV_DTYPES[cache.dtype]
-        self._layers, self._max_rows = layers, min(rows)
+        self._layers, self._max_rows, self._keep = layers, min(rows), keep
         return True
 
     def __call__(
