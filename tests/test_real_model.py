@@ -44,11 +44,19 @@ def qwen_0_5b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return rm.fetch(rm.REFERENCE_MODEL, dest=tmp_path_factory.mktemp("models"))
 
 
+def _reference() -> tuple[list[dict], list[GreedyResult], int]:
+    """transformers' reference: the prompts, their greedy tokens with top-5 logprobs, tokens per prompt."""
+    ref = json.loads((ROOT / "tests" / "data" / "qwen2.5-coder-0.5b-greedy.json").read_text())
+    want = [
+        GreedyResult(p["output_token_ids"], [{int(t): lp for t, lp in step} for step in p["top_logprobs"]])
+        for p in ref["prompts"]
+    ]
+    return ref["prompts"], want, ref["max_tokens"]
+
+
 @pytest.mark.slow
 def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) -> None:
-    ref = json.loads((ROOT / "tests" / "data" / "qwen2.5-coder-0.5b-greedy.json").read_text())
-    prompts = ref["prompts"]
-    n = ref["max_tokens"]
+    prompts, want, n = _reference()
     llm = LLM(str(qwen_0_5b), quantization="gguf-exact", max_model_len=256, max_num_seqs=8)
     model = llm.llm_engine.core.runner.model
     # its Q5_0 / Q8_0 blocks as they are (8-bit layouts), the head's rows serving the tied embedding
@@ -56,10 +64,6 @@ def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) 
     assert isinstance(model.embed_tokens, QuantizedEmbedding)
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], sp, use_tqdm=False)
-    want = [
-        GreedyResult(p["output_token_ids"], [{int(t): lp for t, lp in step} for step in p["top_logprobs"]])
-        for p in prompts
-    ]
     check_greedy_close(
         want,
         [o.outputs[0] for o in outs],
@@ -77,8 +81,7 @@ def test_qwen_0_5b_default_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path)
     mapping; not float32's function, but near transformers' greedy path (top 5 wherever they part)."""
     from pagedllm.layers.gguf_linear import GGUFLinear
 
-    ref = json.loads((ROOT / "tests" / "data" / "qwen2.5-coder-0.5b-greedy.json").read_text())
-    prompts = ref["prompts"]
+    prompts, want, n = _reference()
     llm = LLM(str(qwen_0_5b), max_model_len=256, max_num_seqs=8)
     model = llm.llm_engine.core.runner.model
     downs = [layer.mlp.down_proj for layer in model.layers]
@@ -88,12 +91,8 @@ def test_qwen_0_5b_default_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path)
     maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines() if str(qwen_0_5b) in line]
     spans = [tuple(int(a, 16) for a in m[0].split("-")) for m in maps]
     assert all(any(lo <= d.raw.data_ptr() < hi for lo, hi in spans) for d in downs)
-    sp = SamplingParams(temperature=0, max_tokens=ref["max_tokens"], ignore_eos=True, logprobs=5)
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], sp, use_tqdm=False)
-    want = [
-        GreedyResult(p["output_token_ids"], [{int(t): lp for t, lp in step} for step in p["top_logprobs"]])
-        for p in prompts
-    ]
     check_greedy_close(
         want,
         [o.outputs[0] for o in outs],

@@ -354,21 +354,28 @@ STORED_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q
 _PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
 
 
+def _ggml_type(header: GGUFHeader, name: str, path: str) -> Any:
+    """Tensor ``name``'s ``gguf.GGMLQuantizationType``; a clear error for a type the gguf package does not know."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(header.tensor_types[name])
+    except ValueError:
+        raise UnsupportedModelError(
+            f"GGUF tensor {name!r} in {path!r} has unknown ggml type {header.tensor_types[name]}"
+        ) from None
+
+
 def check_gguf_tensors(path: str, as_stored: bool = False) -> None:
     """Before anything loads: every tensor's data lies within the file (else it is truncated), and, ``as_stored``
     (the GGUF modes), every tensor's type has a kernel; one error naming the file, the tensor and the setting."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES
 
     header = read_gguf_header(path)
     size = os.path.getsize(path)
     no_kernel: dict[str, str] = {}
     for name, dims in header.tensor_shapes.items():
-        try:
-            qtype = GGMLQuantizationType(header.tensor_types[name])
-        except ValueError:
-            raise UnsupportedModelError(
-                f"GGUF tensor {name!r} in {path!r} has unknown ggml type {header.tensor_types[name]}"
-            ) from None
+        qtype = _ggml_type(header, name, path)
         block, type_size = GGML_QUANT_SIZES[qtype]
         end = header.tensor_offsets[name] + math.prod(dims) // block * type_size
         if end > size:
@@ -425,12 +432,7 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
         GGMLQuantizationType.F64: np.float64,
     }
     for name_in_file, dims in header.tensor_shapes.items():
-        try:
-            qtype = GGMLQuantizationType(header.tensor_types[name_in_file])
-        except ValueError:
-            raise UnsupportedModelError(
-                f"GGUF tensor {name_in_file!r} in {path!r} has unknown ggml type {header.tensor_types[name_in_file]}"
-            ) from None
+        qtype = _ggml_type(header, name_in_file, path)
         if name_in_file in _SKIPPED_TENSORS:
             continue
         block, type_size = GGML_QUANT_SIZES[qtype]
