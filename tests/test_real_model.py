@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import Int8Linear, QuantizedEmbedding
@@ -129,3 +130,24 @@ def test_qwen_0_5b_fused_decode_loop_runs_the_files_blocks_bit_for_bit(qwen_0_5b
         assert (steps == 0) if eager else (steps >= 23), steps
         del llm
     assert got[True] == got[False]
+
+
+def test_qwen_0_5b_k_quant_blocks_convert_exactly(qwen_0_5b: Path) -> None:
+    """A fused projection whose shards mix the file's Q4_K / Q6_K blocks with other types takes them converted
+    into the int4 / int8 layouts: the same values as read in place."""
+    from pagedllm import kernels
+    from pagedllm.layers.gguf_linear import GGUF_TYPES, GGUFLinear
+    from pagedllm.model_loader.gguf_loader import converted_block, iter_gguf_blocks
+
+    k = kernels.load()
+    seen = set()
+    for name, (kind, tensors) in iter_gguf_blocks(str(qwen_0_5b), native=("Q4_K", "Q6_K")):
+        if kind not in ("Q4_K", "Q6_K") or kind in seen:
+            continue
+        seen.add(kind)
+        in_place = GGUFLinear(tensors[0], GGUF_TYPES[kind]).dequantized()[0]
+        layout, (q, scales, mins) = converted_block(kind, tensors[0])
+        g16 = scales.shape[1] * 32 > q.shape[1] * (2 if layout == "int4" else 1)
+        widen = k.int4_dequantize if layout == "int4" else k.int8_dequantize_g16 if g16 else k.int8_dequantize
+        assert torch.equal(widen(q, scales, mins), in_place), name
+    assert seen == {"Q4_K", "Q6_K"}

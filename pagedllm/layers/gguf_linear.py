@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.ops import GGUF_BLOCKS
-from pagedllm.layers.linear import onednn_available, onednn_linear
-from pagedllm.layers.quantization import SMALL_BATCH, _bias, _scratch
+from pagedllm.layers.linear import SMALL_BATCH, onednn_available, onednn_linear
+from pagedllm.layers.linear import float_bias as _bias
+from pagedllm.layers.linear import quantized_scratch as _scratch
 
 GGUF_TYPES = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # the ggml types the kernels read, by name
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 from torch import nn
@@ -123,3 +124,23 @@ def pack_linears(model: nn.Module) -> None:
         and model.embed_tokens.weight.dtype == torch.float32
     ):
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+
+
+SMALL_BATCH = 8  # rows at most for the quantized linears' direct kernels; above, unpack once and use the GEMM
+_SCRATCH = threading.local()
+
+
+def quantized_scratch(numel: int) -> torch.Tensor:
+    """One float32 buffer per thread shared by every quantized linear's batched path, grown to the
+    largest weight: a fresh allocation each call costs a page fault per 4 KiB on first touch, which
+    for the head (113 MB) took longer than the unpacking itself."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
+def float_bias(bias: torch.Tensor | None) -> nn.Parameter | None:
+    """A quantized layer's float32 bias, a parameter by the float layer's name: a checkpoint's bias loads into it
+    after the layer took its block."""
+    return None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)

@@ -57,7 +57,6 @@ Every int-quantized input size must be a multiple of 32.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, TypeGuard, cast
 
 import torch
@@ -65,11 +64,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import InvalidParameterError
-from pagedllm.layers.linear import onednn_available, onednn_linear
+from pagedllm.layers.linear import SMALL_BATCH, onednn_available, onednn_linear
+from pagedllm.layers.linear import float_bias as _bias
+from pagedllm.layers.linear import quantized_scratch as _scratch
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding
 
 GROUP = 32
-SMALL_BATCH = 8  # rows at most for the direct kernels; above, unpack once and use the BLAS GEMM
 SMALL_BATCH_A8 = 16  # the same for the integer-activation kernels where they have no GEMM for the weights
 ACTIVATION_BITS = {"w4a8": 8, "w4a16": 16}  # the modes with integer activations
 # A GGUF's blocks as stored, by mode: the activation bits of their integer kernels (None: float32 activations)
@@ -94,25 +94,6 @@ def check_quantization_supported(method: str, device: torch.device) -> None:
         kernels.load()
     except kernels.KernelBuildError as e:
         raise InvalidParameterError(f"quantization={method!r} needs pagedllm's C kernels: {e}", "quantization") from e
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """One float32 buffer per thread shared by every quantized linear's batched path, grown to the
-    largest weight: a fresh allocation each call costs a page fault per 4 KiB on first touch, which
-    for the head (113 MB) took longer than the unpacking itself."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
-
-
-def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
-    """A quantized layer's float32 bias, a parameter by the float layer's name: a checkpoint's bias loads into it
-    after the layer took its block."""
-    return None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
 
 class _QuantLinear(nn.Module):
@@ -263,13 +244,8 @@ def common_layout(parts: list[Block]) -> list[Block]:
     """Blocks of one fused linear's shards in one layout holding exactly their values: int4 becomes int8 where
     any shard is int8, and a scale per 32 becomes two equal scales per 16 where any shard has a scale per 16
     (a GGUF's Q4_K_M mixes Q4_K and Q6_K within q/k/v). Blocks with an input order (act-order) stay as they are."""
-    native = [kind in NATIVE_GGUF_TYPES for kind, _ in parts]
-    if all(native):
+    if all(kind in NATIVE_GGUF_TYPES for kind, _ in parts):
         return parts  # as the file stores them: one GGUFLinear a shard (see stacked_gguf)
-    if any(native):  # beside a shard in our layouts: converted too
-        from pagedllm.model_loader.gguf_loader import converted_block
-
-        parts = [converted_block(kind, t[0]) if kind in NATIVE_GGUF_TYPES else (kind, t) for kind, t in parts]
     one_kind = len({kind for kind, _ in parts}) == 1
     if any(len(t) != 3 for _, t in parts) or (one_kind and len({t[1].shape[1:] for _, t in parts}) == 1):
         return parts

@@ -369,7 +369,14 @@ class LlamaForCausalLM(nn.Module):
             if any(got[i][1] is None for i in range(n)):
                 return
             # one layout: int4 shards beside an int8 one widen, a scale per 32 beside one per 16 doubles
-            parts = common_layout([cast(Block, got[i]) for i in range(n)])
+            whole = [cast(Block, got[i]) for i in range(n)]
+            if any(kind in NATIVE_GGUF_TYPES for kind, _ in whole) and not all(
+                kind in NATIVE_GGUF_TYPES for kind, _ in whole
+            ):  # the file's blocks beside shards in our layouts: converted too
+                from pagedllm.model_loader.gguf_loader import converted_block
+
+                whole = [converted_block(k, t[0]) if k in NATIVE_GGUF_TYPES else (k, t) for k, t in whole]
+            parts = common_layout(whole)
             if all(kind in NATIVE_GGUF_TYPES for kind, _ in parts):  # as the file stores them, one kernel a shard
                 out[module] = ("gguf:" + ",".join(kind for kind, _ in parts), tuple(t[0] for _, t in parts))
             elif len({(kind, t[1].shape[1:], len(t)) for kind, t in parts}) == 1:
