@@ -35,8 +35,8 @@ def smollm2_models() -> dict[str, nn.Module]:
 
 
 def test_default_keeps_every_block_as_stored(smollm2_models, monkeypatch):
-    """No quantization asked for: Q4_1 stays 4-bit, the tied Q8_0 embedding is the 8-bit head and its rows are
-    looked up there; no tensor is widened on the way."""
+    """No quantization asked for (gguf-exact): Q4_1 stays 4-bit, the tied Q8_0 embedding is the 8-bit head and
+    its rows are looked up there; no tensor is widened on the way."""
     from pagedllm.model_loader import gguf_loader
 
     widened = []
@@ -50,7 +50,7 @@ def test_default_keeps_every_block_as_stored(smollm2_models, monkeypatch):
     assert header.tensor_types["token_embd.weight"] == 8  # Q8_0
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert type(lin) is Int4Linear and lin.activation_bits == 8
+            assert type(lin) is Int4Linear and lin.activation_bits is None  # float32 activations: exact
     assert type(model.lm_head) is Int8Linear and isinstance(model.embed_tokens, QuantizedEmbedding)
     assert model.embed_tokens.table[0] is model.lm_head  # one table, not two
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
@@ -71,18 +71,18 @@ def test_exact_mode_is_the_float32_function_of_the_same_weights(smollm2_models):
         torch.testing.assert_close(a(x), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_default_engine_follows_the_exact_mode_closely():
-    """The default rounds activations to 8 bits (llama.cpp's arithmetic): not float32's function, but near it:
+def test_gguf_mode_follows_the_exact_default_closely():
+    """ "gguf" rounds activations to 8 bits (llama.cpp's arithmetic): not float32's function, but near it:
     where the greedy tokens part, each side's token is in the other's top 5, and logprobs stay close before."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "import numpy as np\n"]
     sp = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
     outs = {}
-    for mode in (None, "gguf-exact"):
+    for mode in (None, "gguf"):
         llm = LLM(max_model_len=256, max_num_seqs=4, **({"quantization": mode} if mode else {}))
         outs[mode] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
         del llm
     check_greedy_close(
-        outs["gguf-exact"], outs[None], topk=5, logprob_atol=0.25, min_exact_fraction=0.25, names=("exact", "gguf")
+        outs[None], outs["gguf"], topk=5, logprob_atol=0.25, min_exact_fraction=0.25, names=("exact", "gguf")
     )
 
 

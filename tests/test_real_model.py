@@ -77,13 +77,13 @@ def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) 
 
 
 @pytest.mark.slow
-def test_qwen_0_5b_default_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) -> None:
-    """The default mode (int8 activations) reads the Q4_K / Q6_K ffn_down blocks in place from the file's
+def test_qwen_0_5b_gguf_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) -> None:
+    """The gguf mode (int8 activations) reads the Q4_K / Q6_K ffn_down blocks in place from the file's
     mapping; not float32's function, but near transformers' greedy path (top 5 wherever they part)."""
     from pagedllm.layers.gguf_linear import GGUFLinear
 
     prompts, want, n = _reference()
-    llm = LLM(str(qwen_0_5b), max_model_len=256, max_num_seqs=8)
+    llm = LLM(str(qwen_0_5b), quantization="gguf", max_model_len=256, max_num_seqs=8)
     model = llm.llm_engine.core.runner.model
     downs = [layer.mlp.down_proj for layer in model.layers]
     assert all(type(d) is GGUFLinear and d.activation_bits == 8 for d in downs)
@@ -119,7 +119,7 @@ def test_qwen_0_5b_fused_decode_loop_runs_the_files_blocks_bit_for_bit(qwen_0_5b
     prompts = [{"prompt_token_ids": list(range(1000, 1030 + 5 * i))} for i in range(3)]
     got = {}
     for eager in (True, False):
-        llm = LLM(str(qwen_0_5b), max_model_len=256, max_num_seqs=4, enforce_eager=eager)
+        llm = LLM(str(qwen_0_5b), quantization="gguf", max_model_len=256, max_num_seqs=4, enforce_eager=eager)
         model = llm.llm_engine.core.runner.model
         gate, up = (raw[f"model.layers.0.mlp.{p}_proj.weight"][1] for p in ("gate", "up"))
         model.layers[0].mlp.gate_up_proj = stacked_gguf(["Q5_0", "Q5_0"], (*gate, *up), None, 8)

@@ -135,7 +135,8 @@ def load_model(
 
 def resolve_quantization(asked: str | None, source: Any, scheme: Any, device: torch.device) -> str | None:
     """The weight format a model loads in: what was asked; else an AWQ / GPTQ / FP8 checkpoint's own scheme,
-    and a GGUF's blocks as stored ("gguf") on CPU. "none" widens every weight to the model dtype."""
+    and a GGUF's blocks as stored with float32 activations ("gguf-exact") on CPU. "none" widens every weight to
+    the model dtype."""
     from pagedllm.layers.quantization import GGUF_MODES
 
     if asked in GGUF_MODES and source.kind != "gguf":
@@ -150,7 +151,8 @@ def resolve_quantization(asked: str | None, source: Any, scheme: Any, device: to
     if asked is None and scheme is not None:
         return str(scheme.method)  # the checkpoint's own 4- or 8-bit groups, as they are
     if asked is None and source.kind == "gguf" and device.type == "cpu":
-        return "gguf"
+        # float32 activations: the float32 function of the file's weights, whatever a step's batch holds
+        return "gguf-exact"
     return asked
 
 
