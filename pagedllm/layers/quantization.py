@@ -429,8 +429,9 @@ class QuantizedEmbedding(nn.Module):
     def __init__(self, table: Any):
         super().__init__()
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
-        # plain attributes: the table owns these tensors (no second copy, nothing for .to() to move twice)
-        self.table: list[Any] = [table]  # in a list: not a submodule of this one (it is the head's, or this one's only)
+        # in a list, not a submodule: the table is the head's (or only this one's), so its tensors are held once
+        # and nothing for .to() moves them twice
+        self.table: list[Any] = [table]
         self.kind = f"int{table.bits}" if isinstance(table, _QuantLinear) else str(table)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -540,7 +540,7 @@ def iter_gguf_blocks(
 
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
         if qtype.name in native and data.ndim == 2:
-            rows = unpermute(data) if unpermute is not _identity else data
+            rows = unpermute(data)
             with warnings.catch_warnings():  # a read-only mapping: nothing writes to the weights
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.from_numpy(np.ascontiguousarray(rows))  # the mapping's own bytes when they are in order
