@@ -18,8 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -43,6 +41,8 @@ def _serve(extra: list[str], model: str | None) -> tuple[subprocess.Popen, str]:
         "4096",
         *extra,
     ]
+    import httpx  # checked by main()
+
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -69,6 +69,9 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     args = ap.parse_args()
+    from pagedllm.benchmarks.optional import require
+
+    require("benchmarks/data_parallel.py", "httpx", "pip install httpx", "to poll its servers and send requests")
     results = {}
     for name, extra in (("single", []), (f"dp{args.dp}", ["--data-parallel-size", str(args.dp)])):
         proc, url = _serve(extra, args.model)

@@ -318,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "path":
             print(fetch(args.name))
         else:
+            from pagedllm.benchmarks.optional import BENCH_EXTRA, require
+
+            require(  # before the model is fetched
+                "benchmarks/real_models.py reference runs transformers", "accelerate", BENCH_EXTRA, "to load a GGUF"
+            )
             reference(args.out)
     except (UnknownModelError, ChecksumError, FetchError) as e:
         print(f"error: {e}", file=sys.stderr)

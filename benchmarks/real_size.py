@@ -148,11 +148,20 @@ def main() -> None:
         return _child(args)
     if args.child == "transformers":
         return _transformers_child(args)
+    # what the optional engines need, before a model is fetched or loaded
+    from pagedllm.benchmarks.optional import BENCH_EXTRA, require, require_program
+
+    if args.transformers:
+        require("benchmarks/real_size.py --transformers", "accelerate", BENCH_EXTRA, "to load a GGUF in transformers")
+    llama_bench = None
+    if args.llama_bench:
+        fix = "build it as the top of benchmarks/real_size.py says, or leave out --llama-bench"
+        llama_bench = require_program("benchmarks/real_size.py --llama-bench", args.llama_bench, fix)
     model = _model_path(args.model)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[str, float]] = {}
-    if args.llama_bench:
-        got, rss = _llama_bench(args.llama_bench, model, args.threads, args.iters)
+    if llama_bench:
+        got, rss = _llama_bench(llama_bench, model, args.threads, args.iters)
         results["llama.cpp"] = {**got, "peak_rss_gib": rss / 2**30}
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--child", "pagedllm", "--mode", mode, "--model", model]

@@ -113,7 +113,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-offline", action="store_true", help="only the serving run")
     args = p.parse_args()
+    from pagedllm.benchmarks.optional import require
     from pagedllm.benchmarks.serve import random_dataset
+
+    require("benchmarks/serve_vs_offline.py", "httpx", "pip install httpx", "to send the serving run's requests")
 
     data = random_dataset(args.num_prompts, 256, 128, 0.5, 0.5, 49152, args.seed)
     warm = random_dataset(2, 256, 128, 0.5, 0.5, 49152, args.seed + 1)  # what `bench serve --num-warmups 2` sends

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _bench(args, tmp_path, progress: str = "it"):
     """Run a bench command; it must show a progress bar (tqdm on stderr) and write its JSON report."""
@@ -147,3 +149,62 @@ def test_greedy_agreement_counts_tokens_before_the_first_divergence():
 
     res = greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
     assert res == {"greedy_agreement": 6 / 8, "identical_sequences": "1/2"}
+
+
+# -- optional packages: checked before any work ---------------------------------------------------------
+
+
+def _missing(monkeypatch, *modules: str) -> None:
+    """importlib.util.find_spec finds none of ``modules`` (the others as installed); loading a tokenizer, an
+    engine or transformers' model fails the test."""
+    import importlib.util
+
+    import transformers
+
+    from pagedllm import model_loader
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the optional packages were checked")
+
+    monkeypatch.setattr(model_loader, "load_tokenizer", loaded)
+    monkeypatch.setattr(LLMEngine, "__init__", loaded)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+
+
+def test_bench_latency_without_accelerate_says_so_in_one_line_before_any_model_loads(monkeypatch):
+    from pagedllm.entrypoints.cli import main
+
+    _missing(monkeypatch, "accelerate")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "latency"])  # the default model is a GGUF
+    assert e.value.code == (
+        "pagedllm bench latency compares against transformers, which needs accelerate to load a GGUF: "
+        'pip install -e ".[bench]"'
+    )
+
+
+@pytest.mark.parametrize(
+    "args, missing",
+    [
+        (["throughput"], ("accelerate",)),
+        (["latency", "--backend", "transformers"], ("accelerate",)),
+        (["startup"], ("accelerate",)),
+        (["throughput", "--backend", "structured-vs-off"], ("xgrammar", "llguidance")),
+        (["embed"], ("sentence_transformers",)),
+        (["serve"], ("httpx",)),
+        (["soak"], ("httpx",)),
+    ],
+)
+def test_benches_check_their_optional_packages_before_any_model_loads(monkeypatch, args, missing):
+    from pagedllm.entrypoints.cli import main
+
+    _missing(monkeypatch, *missing)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *args])
+    message = e.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    assert all(m in message for m in missing) and "pip install" in message, message

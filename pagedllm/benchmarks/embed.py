@@ -103,5 +103,8 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.optional import require
+
+    require("pagedllm bench embed", "sentence_transformers", "pip install sentence-transformers", "to compare against")
     print(json.dumps(run(args.model or default_model(), args.num_sentences, args.seed, args.repeats), indent=2))
     return 0

@@ -632,9 +632,25 @@ def emit(results: dict, path: str | None) -> None:
             f.write(text)
 
 
+def check_optional(args, command: str) -> None:
+    """What the command's engines need beyond pagedllm's own dependencies, checked before anything loads."""
+    from pagedllm.benchmarks.optional import require_any, require_transformers_for
+
+    if any(backend == "transformers" for backend, _ in _variants(args).values()):
+        what = "compares against transformers" if args.backend == "both" else "--backend transformers runs transformers"
+        require_transformers_for(args.model, f"pagedllm bench {command} {what}")
+    if args.backend == "structured-vs-off":
+        require_any(
+            f"pagedllm bench {command} --backend structured-vs-off constrains every request",
+            ("xgrammar", "llguidance"),
+            'pip install -e ".[structured]"',
+        )
+
+
 def _cmd_throughput(args) -> int:
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
+    check_optional(args, "throughput")
     lo, hi = (args.input_len, args.input_len) if args.input_len else (args.min_input_len, args.max_input_len)
     tok = load_tokenizer(resolve_model(args.model))
     prompts = make_w64(tok, args.num_prompts, lo, hi, args.seed)
@@ -708,6 +724,7 @@ def _cmd_accuracy(args) -> int:
 
 
 def _cmd_latency(args) -> int:
+    check_optional(args, "latency")
     results: dict = {
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -286,6 +286,9 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.optional import require
+
+    require("pagedllm bench serve", "httpx", "pip install httpx", "to send its requests")
     if args.num_warmups < 0:
         raise SystemExit(f"--num-warmups must be 0 or more, got {args.num_warmups}")
     if args.model is None:

@@ -537,6 +537,10 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
+    from pagedllm.benchmarks.optional import require
+
+    require("pagedllm bench soak", "httpx", "pip install httpx", "to drive its server")
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     model = args.model
     if model is None:

@@ -128,5 +128,9 @@ def _cmd_startup(args) -> int:
         from pagedllm.errors import InvalidParameterError
 
         raise InvalidParameterError(f"--runs must be >= 1, got {args.runs}", "runs")
+    if args.backend in ("transformers", "both"):
+        from pagedllm.benchmarks.optional import require_transformers_for
+
+        require_transformers_for(args.model, "pagedllm bench startup times transformers' start too")
     emit(run_startup(args.model, args.runs, args.backend), args.output_json)
     return 0
