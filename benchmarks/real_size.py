@@ -160,17 +160,22 @@ def main() -> None:
     model = _model_path(args.model)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[str, float]] = {}
+
+    def done(name: str, got: dict[str, float]) -> None:  # at once: an engine after it that fails cannot lose it
+        results[name] = got
+        print(f"{name}: {json.dumps(got)}", file=sys.stderr, flush=True)
+
     if llama_bench:
         got, rss = _llama_bench(llama_bench, model, args.threads, args.iters)
-        results["llama.cpp"] = {**got, "peak_rss_gib": rss / 2**30}
+        done("llama.cpp", {**got, "peak_rss_gib": rss / 2**30})
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--child", "pagedllm", "--mode", mode, "--model", model]
         out, rss = _run([*cmd, "--iters", str(args.iters)], env)
-        results[f"pagedllm {mode}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30}
+        done(f"pagedllm {mode}", {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30})
     if args.transformers:
         cmd = [sys.executable, __file__, "--child", "transformers", "--model", model, "--iters", str(args.iters)]
         out, rss = _run(cmd, env)
-        results["transformers"] = {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30}
+        done("transformers", {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30})
     cols = ("ttft_128_ms", "ttft_512_ms", "decode_tok_s", "peak_rss_gib", "ready_s", "first_token_s")
     print(f"{os.path.basename(model)}, {args.threads} threads")
     print("| engine | " + " | ".join(cols) + " |")

@@ -208,3 +208,21 @@ def test_benches_check_their_optional_packages_before_any_model_loads(monkeypatc
     message = e.value.code
     assert isinstance(message, str) and "\n" not in message, message
     assert all(m in message for m in missing) and "pip install" in message, message
+
+
+def test_bench_latency_writes_pagedllm_results_before_transformers_runs(monkeypatch, tmp_path, capsys):
+    """transformers failing anyway (here: at once) leaves the pagedllm half on stderr and in --output-json."""
+    from pagedllm.benchmarks import offline
+    from pagedllm.entrypoints.cli import main
+
+    def fake_latency(model, input_len, output_len, iters, warmup, backend, kwargs, dataset):
+        if backend == "transformers":
+            raise RuntimeError("transformers failed")
+        return {"median_ttft_ms": 1.0, "median_decode_tok_s": 2.0, "outputs": [[1, 2]]}
+
+    monkeypatch.setattr(offline, "run_latency", fake_latency)
+    out = tmp_path / "r.json"
+    with pytest.raises(RuntimeError, match="transformers failed"):
+        main(["bench", "latency", "--output-json", str(out)])
+    assert json.loads(out.read_text())["pagedllm"] == {"median_ttft_ms": 1.0, "median_decode_tok_s": 2.0}
+    assert 'pagedllm: {"median_ttft_ms": 1.0, "median_decode_tok_s": 2.0}' in capsys.readouterr().err

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import resource
+import sys
 import time
 
 TEXT = (
@@ -632,6 +633,19 @@ def emit(results: dict, path: str | None) -> None:
             f.write(text)
 
 
+def emit_part(results: dict, name: str, path: str | None) -> None:
+    """One engine's results as soon as it is done: a line on stderr, and the report so far in ``path``, so
+    an engine run after it that fails (or is killed) cannot take them with it. ``emit`` writes the whole
+    report at the end."""
+    part = {
+        k: ({n: v for n, v in r.items() if n != "outputs"} if isinstance(r, dict) else r) for k, r in results.items()
+    }
+    print(f"{name}: {json.dumps(part[name])}", file=sys.stderr, flush=True)
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(part, indent=2))
+
+
 def check_optional(args, command: str) -> None:
     """What the command's engines need beyond pagedllm's own dependencies, checked before anything loads."""
     from pagedllm.benchmarks.optional import require_any, require_transformers_for
@@ -694,6 +708,7 @@ def _cmd_throughput(args) -> int:
             results[name]["communication"] = run["communication"]
         if "preemptions" in run:
             results[name]["preemptions"] = run["preemptions"]
+        emit_part(results, name, args.output_json)
     if len(outputs) == 2:
         a, b = outputs
         results["ratio_total_tok_s"] = results[a]["total_tok_s"] / results[b]["total_tok_s"]
@@ -743,6 +758,7 @@ def _cmd_latency(args) -> int:
             kwargs,
             args.dataset,
         )
+        emit_part(results, name, args.output_json)
     if len(variants) == 2:
         a, b = variants
         results["ratio_decode_tok_s"] = results[a]["median_decode_tok_s"] / results[b]["median_decode_tok_s"]

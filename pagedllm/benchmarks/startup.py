@@ -54,12 +54,12 @@ print(json.dumps({{"first_token_at": time.time(), "load_s": loaded - t}}))
 """
 
 
-def _run(script: str, env: dict[str, str]) -> dict:
+def _run(name: str, script: str, env: dict[str, str]) -> dict:
     """Launch a fresh interpreter; its report plus the seconds from launch to its first token."""
     start = time.time()
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"the start-up run failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"the {name} start-up run failed (exit code {proc.returncode}):\n{proc.stderr[-3000:]}")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     report["first_token_s"] = report.pop("first_token_at") - start
     return report
@@ -89,7 +89,9 @@ def run_startup(model: str | None, runs: int, backend: str) -> dict:
                 for name, script in jobs:
                     bar.set_postfix_str(name)
                     run_env = {**env, "PAGEDLLM_CACHE_DIR": cache}
-                    samples[name].append(_run(script, run_env))
+                    samples[name].append(_run(name, script, run_env))
+                    # each run's figures as soon as it is done: a later run that fails cannot take them with it
+                    bar.write(f"{name}: {json.dumps(samples[name][-1])}", file=sys.stderr)
                     bar.update(1)
     for name, reports in samples.items():
         times = [r["first_token_s"] for r in reports]
