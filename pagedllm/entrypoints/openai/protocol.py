@@ -188,7 +188,8 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         structured = self._structured()
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
-        schema = forced_schema(tools, self.resolved_tool_choice()) if tools else None
+        parallel = self.parallel_tool_calls is not False
+        schema = forced_schema(tools, self.resolved_tool_choice(), parallel) if tools else None
         if schema is not None:
             if structured is not None:
                 raise InvalidParameterError(

@@ -44,6 +44,8 @@ async def start_chat(
     state: ServerState, req: P.ChatCompletionRequest, trace_headers: dict[str, str] | None
 ) -> tuple[str, list[RequestStream], Any]:
     """Check the request, apply the chat template and submit it: (request id, its one stream, tool choice)."""
+    from pagedllm.entrypoints.openai.tool_calls import check_tool_schemas
+
     llm = state.generator()
     lora = state.check_model(req.model)
     if req.chat_template is not None and not state.trust_request_chat_template:
@@ -64,6 +66,8 @@ async def start_chat(
             "invalid_request_error",
             "tool_choice",
         )
+    if req.tools:
+        check_tool_schemas([t.model_dump() for t in req.tools])
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
     ids = await llm.prepare(
         chat_ids,
@@ -95,7 +99,7 @@ def chat_response(
     """The whole answer, from the request's final output."""
     choices = []
     for c in finals[0].outputs:
-        content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser)
+        content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser, req.parallel_tool_calls)
         message = P.ChatResponseMessage(content=content, tool_calls=[P.ToolCall(**x.to_openai()) for x in calls])
         choices.append(
             P.ChatChoice(
@@ -151,8 +155,11 @@ def chat_ids(
     return tok.encode(text, add_special_tokens=False)
 
 
-def tool_answer(text: str, finish_reason: str | None, choice: Any, parser: Any) -> tuple[str | None, list, Any]:
-    """(content, tool calls, finish_reason) of a finished answer under ``choice``."""
+def tool_answer(
+    text: str, finish_reason: str | None, choice: Any, parser: Any, parallel: bool | None = True
+) -> tuple[str | None, list, Any]:
+    """(content, tool calls, finish_reason) of a finished answer under ``choice``; with ``parallel`` False
+    (``parallel_tool_calls: false``), its first call only."""
     from pagedllm.entrypoints.openai.tool_calls import parse_forced
 
     if choice == "none":
@@ -162,6 +169,8 @@ def tool_answer(text: str, finish_reason: str | None, choice: Any, parser: Any) 
     else:
         calls = parse_forced(text, choice)
         content = None if calls else text or None  # cut short (length): the partial answer, as text
+    if parallel is False:
+        calls = calls[:1]
     named = isinstance(choice, dict)  # OpenAI answers a forced function with finish_reason "stop"
     return content, calls, ("tool_calls" if calls and not named and finish_reason == "stop" else finish_reason)
 
@@ -219,7 +228,7 @@ async def chat_chunks(
                     ]
                 )
             elif c.finished() and choice in ("auto", "required"):
-                content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser)
+                content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser, req.parallel_tool_calls)
                 if choice == "required":
                     rest = content or ""
                 else:  # the content not yet sent: up to where the calls begin, or all of it
