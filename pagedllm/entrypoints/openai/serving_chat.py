@@ -41,7 +41,10 @@ async def chat(req: P.ChatCompletionRequest, raw: Request, state: ServerStateDep
 
 
 async def start_chat(
-    state: ServerState, req: P.ChatCompletionRequest, trace_headers: dict[str, str] | None
+    state: ServerState,
+    req: P.ChatCompletionRequest,
+    trace_headers: dict[str, str] | None,
+    request_id: str | None = None,
 ) -> tuple[str, list[RequestStream], Any]:
     """Check the request, apply the chat template and submit it: (request id, its one stream, tool choice)."""
     from pagedllm.entrypoints.openai.tool_calls import check_tool_schemas
@@ -78,7 +81,7 @@ async def start_chat(
         req.chat_template_kwargs,
         tools,
     )
-    rid = P.random_id("chatcmpl")
+    rid = request_id or P.random_id("chatcmpl")
     streams = await llm.add_requests(
         [{"prompt_token_ids": ids}],
         params,
@@ -175,6 +178,30 @@ def tool_answer(
     return content, calls, ("tool_calls" if calls and not named and finish_reason == "stop" else finish_reason)
 
 
+def stream_upto(text: str, sent: int, finished: bool, choice: Any, parser: Any) -> int:
+    """How much of an answer's text may be streamed now, ``sent`` characters of it being out already: all of
+    it (no tools, or a named function, whose arguments it is); under ``auto`` the text a call cannot begin in;
+    under ``required`` nothing (the calls go out whole at the end, as does what ``auto`` held back)."""
+    if choice in ("none", None) or isinstance(choice, dict):
+        return len(text)
+    if choice == "auto" and not finished:
+        return max(sent, parser.streamable(text))
+    return sent
+
+
+def stream_end(
+    text: str, sent: int, finish_reason: str | None, choice: Any, parser: Any, parallel: bool | None = True
+) -> tuple[str, list, Any]:
+    """At the end of an ``auto`` or ``required`` answer streamed up to ``sent``: (the content not yet sent,
+    the calls, finish_reason)."""
+    content, calls, finish = tool_answer(text, finish_reason, choice, parser, parallel)
+    if choice == "required":
+        rest = content or ""
+    else:  # the content not yet sent: up to where the calls begin, or all of it
+        rest = text[sent : parser.streamable(text)].rstrip() if calls else text[sent:]
+    return rest, calls, finish
+
+
 async def chat_chunks(
     rid, model, req: P.ChatCompletionRequest, stream, choice: Any = "none", parser: Any = None
 ) -> AsyncIterator[str]:
@@ -201,12 +228,7 @@ async def chat_chunks(
             if c.index in done:
                 continue
             start = sent_text.get(c.index, 0)
-            if choice in ("none", None) or named:
-                upto = len(c.text)
-            elif choice == "auto" and not c.finished():
-                upto = max(start, parser.streamable(c.text))
-            else:
-                upto = start  # held back until the end
+            upto = stream_upto(c.text, start, c.finished(), choice, parser)
             delta = c.text[start:upto]
             if not delta and not c.finished():
                 continue
@@ -228,11 +250,9 @@ async def chat_chunks(
                     ]
                 )
             elif c.finished() and choice in ("auto", "required"):
-                content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser, req.parallel_tool_calls)
-                if choice == "required":
-                    rest = content or ""
-                else:  # the content not yet sent: up to where the calls begin, or all of it
-                    rest = c.text[start : parser.streamable(c.text)].rstrip() if calls else c.text[start:]
+                rest, calls, finish = stream_end(
+                    c.text, start, c.finish_reason, choice, parser, req.parallel_tool_calls
+                )
                 message = P.DeltaMessage(
                     content=rest or None,
                     tool_calls=[
