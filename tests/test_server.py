@@ -706,6 +706,10 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": [WEATHER] * 200, "tool_choice": "required"}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        (  # not a JSON Schema: refused for every tool_choice, naming the tool
+            {"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+            "tools[1].function.parameters",
+        ),
     ],
 )
 def test_bad_tool_requests_get_400(server, body, param):

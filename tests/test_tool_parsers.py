@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, forced_schema, parse_forced
+from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, forced_schema, parse_forced, schema_problem
 
 
 def test_hermes_extracts_calls_and_keeps_the_content_before_them():
@@ -68,6 +68,49 @@ def test_forced_schemas_and_their_answers(choice):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([{"name": "h", "parameters": {}}], schema)  # only the tools given
         assert parse_forced('[{"name": "f", "param', choice) == []  # cut short by max_tokens
+        # a control character the grammar let into a string does not lose the calls
+        assert parse_forced('[{"name": "g", "parameters": {"q": "a\x05"}}]', choice)[0].name == "g"
+        with pytest.raises(jsonschema.ValidationError):  # parallel_tool_calls false: one call exactly
+            jsonschema.validate(json.loads(answer), forced_schema(tools, choice, parallel=False))
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}}, "required": ["a"]},
+    {"type": "object", "properties": {"b": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]}}},
+    {"type": "object", "$defs": {"x": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/x"}}},
+    {"type": "object", "additionalProperties": False, "properties": {"x": True, "y": {"items": [{}, {}]}}},
+    {"type": ["object", "null"], "properties": {"t": {"enum": ["a", 1, None]}, "n": {"multipleOf": 0.5}}},
+    {"type": "object", "properties": {"a": {"type": "strin"}}},
+    {"type": "object", "required": "a"},
+    {"type": "object", "required": ["a", "a"]},
+    {"type": "object", "properties": []},
+    {"type": "object", "properties": {"a": {"items": 3}}},
+    {"type": ["string", "string"]},
+    {"type": "object", "properties": {"a": {"minLength": -1}}},
+    {"type": "object", "properties": {"a": {"maxItems": 1.5}}},
+    {"type": "object", "properties": {"a": {"anyOf": []}}},
+    {"type": "object", "properties": {"a": {"multipleOf": 0}}},
+    {"type": "object", "properties": {"a": {"pattern": "["}}},
+    {"enum": 3},
+    {"type": "object", "properties": {"a": {"description": 5}}},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_schema_check_agrees_with_json_schemas_meta_schema(schema):
+    """Valid as draft 2020-12 or draft 7 describes it (the tuple form of `items` is draft 7's)."""
+    import jsonschema
+
+    valid = False
+    for validator in (jsonschema.Draft202012Validator, jsonschema.Draft7Validator):
+        try:
+            validator.check_schema(schema)
+            valid = True
+        except jsonschema.SchemaError:
+            pass
+    if "pattern" in json.dumps(schema) and valid:  # jsonschema checks the regex only with a format checker
+        valid = schema_problem(schema) is None
+    assert (schema_problem(schema) is None) == valid, schema_problem(schema)
 
 
 def test_tools_reach_the_chat_template():

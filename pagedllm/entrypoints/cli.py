@@ -125,6 +125,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.engine_state_interval <= 0:
         raise SystemExit("--engine-state-interval must be > 0 seconds")
+    if args.max_stored_responses < 1:
+        raise SystemExit("--max-stored-responses must be >= 1")
     app = build_app(
         factory,
         name,
@@ -140,6 +142,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         lora_modules=lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         engine_state_interval=args.engine_state_interval,
+        max_stored_responses=args.max_stored_responses,
     )
     uv_config = uvicorn.Config(
         app,
@@ -323,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how often /v1/engine/state/stream (the /dashboard page's feed) snapshots the engine "
         "while anyone watches; one snapshot per interval serves every watcher",
+    )
+    srv.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="the Responses API keeps this many responses in memory (for GET /v1/responses/{id} and "
+        "previous_response_id), the least recently used evicted first",
     )
     srv.add_argument(
         "--max-request-body-bytes",

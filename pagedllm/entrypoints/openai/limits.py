@@ -35,7 +35,7 @@ class RequestLimits:
     max_allowed_token_ids: int = _f(65536, "Most `allowed_token_ids` per request.")
     max_bad_words: int = _f(256, "Most `bad_words` per request.")
     max_bad_word_length: int = _f(1024, "Longest `bad_words` entry, in characters.")
-    max_messages: int = _f(2048, "Most chat messages per request.")
+    max_messages: int = _f(2048, "Most chat messages (or Responses API input items) per request.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -78,7 +78,12 @@ class RequestLimits:
             value = body.get(name)
             if isinstance(value, (list, dict)):
                 _at_most(name, len(value), getattr(self, limit), limit)
-        for name in ("input", "documents", "text_1", "text_2"):  # the pooling endpoints' batches
+        items = body.get("input")
+        if isinstance(items, list) and items and isinstance(items[0], dict):  # the Responses API's input items
+            _at_most("input", len(items), self.max_messages, "max_messages", "input items")
+        else:
+            _at_most("input", _num_prompts(items), self.max_prompts_per_request, "max_prompts_per_request", "inputs")
+        for name in ("documents", "text_1", "text_2"):  # the pooling endpoints' batches
             _at_most(
                 name, _num_prompts(body.get(name)), self.max_prompts_per_request, "max_prompts_per_request", "inputs"
             )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
@@ -188,7 +188,8 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         structured = self._structured()
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
-        schema = forced_schema(tools, self.resolved_tool_choice()) if tools else None
+        parallel = self.parallel_tool_calls is not False
+        schema = forced_schema(tools, self.resolved_tool_choice(), parallel) if tools else None
         if schema is not None:
             if structured is not None:
                 raise InvalidParameterError(
@@ -339,6 +340,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # with messages, as a chat request renders them (vLLM's tokenize takes these too)
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -443,3 +447,225 @@ class RerankResponse(BaseModel):
     model: str
     usage: PoolingUsage
     results: list[RerankResult]
+
+
+# -- the Responses API (/v1/responses) --------------------------------------------------------
+
+
+def _item_type(value: Any, default: str) -> str:
+    return str(value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default))
+
+
+class ResponsesTextPart(BaseModel):
+    """A text part of a message item: ``input_text``, or ``output_text`` in an assistant message sent back."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # carried by an output_text part sent back; unused
+    logprobs: list[Any] | None = None
+
+
+def _text_parts(value: Any) -> Any:
+    """A plain-string content as one text part (a list alone keeps the errors' locations free of union names)."""
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
+
+
+class ResponsesMessageItem(BaseModel):
+    """``{"role", "content"}`` (``type: "message"`` may be left out); an output message sent back carries its
+    ``id`` and ``status`` too."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[ResponsesTextPart]
+    id: str | None = None
+    status: str | None = None
+
+    _parts = field_validator("content", mode="before")(_text_parts)
+
+
+class ResponsesFunctionCallItem(BaseModel):
+    """A call the model made (an output item sent back)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesFunctionCallOutputItem(BaseModel):
+    """What the client's function returned for ``call_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: list[ResponsesTextPart]
+    id: str | None = None
+    status: str | None = None
+
+    _parts = field_validator("output", mode="before")(_text_parts)
+
+
+ResponsesInputItem = Annotated[
+    Annotated[ResponsesMessageItem, Tag("message")]
+    | Annotated[ResponsesFunctionCallItem, Tag("function_call")]
+    | Annotated[ResponsesFunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(lambda v: _item_type(v, "message")),
+]
+
+
+class ResponsesFunctionTool(BaseModel):
+    """A function tool, in the Responses API's flat shape (chat nests the same fields under ``function``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesBuiltinTool(BaseModel):
+    """web_search, file_search, mcp, code_interpreter, ...: parsed only for the error to name it (no tool runs
+    on this server)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+ResponsesTool = Annotated[
+    Annotated[ResponsesFunctionTool, Tag("function")] | Annotated[ResponsesBuiltinTool, Tag("builtin")],
+    Discriminator(lambda v: "function" if _item_type(v, "") == "function" else "builtin"),
+]
+
+
+class ResponsesTextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", "strict", "description"}
+    format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's ``POST /v1/responses``, plus vLLM's extra sampling fields. Options this server does not
+    implement (background mode, built-in tools, ``truncation: "auto"``, ...) are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: list[ResponsesInputItem]  # a string is one user message
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[ResponsesTool] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: ResponsesTextConfig | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # refused unless off: checked by the route, so the error names them
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    prompt: dict[str, Any] | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_message(cls, value: Any) -> Any:
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+class ResponsesOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class ResponsesOutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponsesOutputText]
+
+
+class ResponsesFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponsesInputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class ResponsesOutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: ResponsesInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponsesOutputTokensDetails = Field(default_factory=ResponsesOutputTokensDetails)
+    total_tokens: int
+
+
+class ResponsesIncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"] = "max_output_tokens"
+
+
+class ResponsesResponse(BaseModel):
+    """The response object: what POST answers (or streams last), GET returns and a later request continues."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: ResponsesIncompleteDetails | None = None
+    error: None = None
+    model: str
+    output: list[ResponsesOutputMessage | ResponsesFunctionCall] = Field(default_factory=list)
+    usage: ResponsesUsage | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[ResponsesFunctionTool] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_output_tokens: int | None = None
+    text: ResponsesTextConfig = Field(default_factory=ResponsesTextConfig)
+    truncation: Literal["disabled"] = "disabled"
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    store: bool = True
+    background: bool = False
+    service_tier: str = "default"

@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai import (
     serving_completions,
     serving_models,
     serving_pooling,
+    serving_responses,
 )
 from pagedllm.entrypoints.openai.common import JSONBodyRoute
 from pagedllm.entrypoints.openai.errors import (
@@ -117,10 +118,12 @@ def build_app(
     lora_modules: dict[str, str] | None = None,
     allow_runtime_lora_updating: bool = False,
     engine_state_interval: float = 1.0,
+    max_stored_responses: int = 1000,
 ) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
-    Chrome / Perfetto trace of the engine's steps and requests."""
+    Chrome / Perfetto trace of the engine's steps and requests; ``max_stored_responses`` bounds the Responses
+    API's stored responses (least recently used evicted)."""
     state = ServerState(
         served_model_name,
         api_key,
@@ -128,6 +131,7 @@ def build_app(
         trust_request_chat_template,
         tool_call_parser,
         keep_trace_context=bool(otlp_traces_endpoint),
+        max_stored_responses=max_stored_responses,
     )
 
     tracer = None
@@ -190,6 +194,7 @@ def build_app(
     app.include_router(serving_pooling.router)
     app.include_router(serving_completions.router)
     app.include_router(serving_chat.router)
+    app.include_router(serving_responses.router)
     return app
 
 

@@ -41,9 +41,14 @@ async def chat(req: P.ChatCompletionRequest, raw: Request, state: ServerStateDep
 
 
 async def start_chat(
-    state: ServerState, req: P.ChatCompletionRequest, trace_headers: dict[str, str] | None
+    state: ServerState,
+    req: P.ChatCompletionRequest,
+    trace_headers: dict[str, str] | None,
+    request_id: str | None = None,
 ) -> tuple[str, list[RequestStream], Any]:
     """Check the request, apply the chat template and submit it: (request id, its one stream, tool choice)."""
+    from pagedllm.entrypoints.openai.tool_calls import check_tool_schemas
+
     llm = state.generator()
     lora = state.check_model(req.model)
     if req.chat_template is not None and not state.trust_request_chat_template:
@@ -64,6 +69,8 @@ async def start_chat(
             "invalid_request_error",
             "tool_choice",
         )
+    if req.tools:
+        check_tool_schemas([t.model_dump() for t in req.tools])
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
     ids = await llm.prepare(
         chat_ids,
@@ -74,7 +81,7 @@ async def start_chat(
         req.chat_template_kwargs,
         tools,
     )
-    rid = P.random_id("chatcmpl")
+    rid = request_id or P.random_id("chatcmpl")
     streams = await llm.add_requests(
         [{"prompt_token_ids": ids}],
         params,
@@ -95,7 +102,7 @@ def chat_response(
     """The whole answer, from the request's final output."""
     choices = []
     for c in finals[0].outputs:
-        content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser)
+        content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser, req.parallel_tool_calls)
         message = P.ChatResponseMessage(content=content, tool_calls=[P.ToolCall(**x.to_openai()) for x in calls])
         choices.append(
             P.ChatChoice(
@@ -151,8 +158,11 @@ def chat_ids(
     return tok.encode(text, add_special_tokens=False)
 
 
-def tool_answer(text: str, finish_reason: str | None, choice: Any, parser: Any) -> tuple[str | None, list, Any]:
-    """(content, tool calls, finish_reason) of a finished answer under ``choice``."""
+def tool_answer(
+    text: str, finish_reason: str | None, choice: Any, parser: Any, parallel: bool | None = True
+) -> tuple[str | None, list, Any]:
+    """(content, tool calls, finish_reason) of a finished answer under ``choice``; with ``parallel`` False
+    (``parallel_tool_calls: false``), its first call only."""
     from pagedllm.entrypoints.openai.tool_calls import parse_forced
 
     if choice == "none":
@@ -162,8 +172,34 @@ def tool_answer(text: str, finish_reason: str | None, choice: Any, parser: Any) 
     else:
         calls = parse_forced(text, choice)
         content = None if calls else text or None  # cut short (length): the partial answer, as text
+    if parallel is False:
+        calls = calls[:1]
     named = isinstance(choice, dict)  # OpenAI answers a forced function with finish_reason "stop"
     return content, calls, ("tool_calls" if calls and not named and finish_reason == "stop" else finish_reason)
+
+
+def stream_upto(text: str, sent: int, finished: bool, choice: Any, parser: Any) -> int:
+    """How much of an answer's text may be streamed now, ``sent`` characters of it being out already: all of
+    it (no tools, or a named function, whose arguments it is); under ``auto`` the text a call cannot begin in;
+    under ``required`` nothing (the calls go out whole at the end, as does what ``auto`` held back)."""
+    if choice in ("none", None) or isinstance(choice, dict):
+        return len(text)
+    if choice == "auto" and not finished:
+        return max(sent, parser.streamable(text))
+    return sent
+
+
+def stream_end(
+    text: str, sent: int, finish_reason: str | None, choice: Any, parser: Any, parallel: bool | None = True
+) -> tuple[str, list, Any]:
+    """At the end of an ``auto`` or ``required`` answer streamed up to ``sent``: (the content not yet sent,
+    the calls, finish_reason)."""
+    content, calls, finish = tool_answer(text, finish_reason, choice, parser, parallel)
+    if choice == "required":
+        rest = content or ""
+    else:  # the content not yet sent: up to where the calls begin, or all of it
+        rest = text[sent : parser.streamable(text)].rstrip() if calls else text[sent:]
+    return rest, calls, finish
 
 
 async def chat_chunks(
@@ -192,12 +228,7 @@ async def chat_chunks(
             if c.index in done:
                 continue
             start = sent_text.get(c.index, 0)
-            if choice in ("none", None) or named:
-                upto = len(c.text)
-            elif choice == "auto" and not c.finished():
-                upto = max(start, parser.streamable(c.text))
-            else:
-                upto = start  # held back until the end
+            upto = stream_upto(c.text, start, c.finished(), choice, parser)
             delta = c.text[start:upto]
             if not delta and not c.finished():
                 continue
@@ -219,11 +250,9 @@ async def chat_chunks(
                     ]
                 )
             elif c.finished() and choice in ("auto", "required"):
-                content, calls, finish = tool_answer(c.text, c.finish_reason, choice, parser)
-                if choice == "required":
-                    rest = content or ""
-                else:  # the content not yet sent: up to where the calls begin, or all of it
-                    rest = c.text[start : parser.streamable(c.text)].rstrip() if calls else c.text[start:]
+                rest, calls, finish = stream_end(
+                    c.text, start, c.finish_reason, choice, parser, req.parallel_tool_calls
+                )
                 message = P.DeltaMessage(
                     content=rest or None,
                     tool_calls=[

@@ -12,6 +12,7 @@ from pagedllm.entrypoints.openai.common import JSONBodyRoute
 from pagedllm.entrypoints.openai.errors import APIError, error_response
 from pagedllm.entrypoints.openai.serving_chat import chat_ids
 from pagedllm.entrypoints.openai.state import ServerStateDep
+from pagedllm.entrypoints.openai.tool_calls import MAX_TOOLS, check_tool_schemas
 
 router = APIRouter(route_class=JSONBodyRoute)
 lora_router = APIRouter(route_class=JSONBodyRoute)
@@ -57,9 +58,18 @@ async def tokenize(req: P.TokenizeRequest, state: ServerStateDep):
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of `prompt` or `messages`", "invalid_request_error", "prompt")
+    for name in ("tools", "chat_template_kwargs"):
+        if getattr(req, name) is not None and req.messages is None:
+            raise APIError(400, f"`{name}` applies to `messages`", "invalid_request_error", name)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"at most {MAX_TOOLS} tools, got {len(tools)}", "invalid_request_error", "tools")
+    check_tool_schemas(tools)
     tok = llm.tokenizer
     if req.messages is not None:
-        ids = await llm.prepare(chat_ids, tok, req.messages, None, req.add_generation_prompt, None)
+        ids = await llm.prepare(
+            chat_ids, tok, req.messages, None, req.add_generation_prompt, req.chat_template_kwargs, tools or None
+        )
     else:
         ids = await llm.prepare(lambda: tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     return P.TokenizeResponse(count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids)

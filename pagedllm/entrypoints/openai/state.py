@@ -13,6 +13,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.errors import InvalidParameterError
 from pagedllm.lora import LoRARequest
 
@@ -31,6 +32,7 @@ class ServerState:
         trust_request_chat_template: bool = False,
         tool_call_parser: str | None = None,
         keep_trace_context: bool = False,
+        max_stored_responses: int = 1000,
     ):
         from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS
 
@@ -46,6 +48,7 @@ class ServerState:
         self.loras: dict[str, LoRARequest] = {}  # adapter name -> request (the `model` field selects one)
         self.lora_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
+        self.responses = ResponseStore(max_stored_responses)  # the Responses API's, for GET and previous_response_id
         self.hub: EngineStateHub | None = None  # the dashboards' snapshot stream, set by build_app
         # large JSON bodies are parsed here, one at a time: the C parser holds the GIL, so more threads would
         # parse no faster, and a fixed one keeps the server's thread count from growing with concurrency

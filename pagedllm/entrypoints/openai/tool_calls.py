@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.errors import InvalidParameterError
+
 MAX_TOOLS = 128
 
 
@@ -40,8 +42,9 @@ def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def forced_schema(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any] | None:
-    """The JSON schema the output must follow for ``required`` or a named function; None otherwise."""
+def forced_schema(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True) -> dict[str, Any] | None:
+    """The JSON schema the output must follow for ``required`` or a named function; None otherwise.
+    ``parallel`` False (``parallel_tool_calls: false``): ``required`` makes exactly one call."""
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         return _params_schema(next(t for t in tools if t["function"]["name"] == name))
@@ -49,6 +52,7 @@ def forced_schema(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, An
         return {
             "type": "array",
             "minItems": 1,
+            **({} if parallel else {"maxItems": 1}),
             "items": {
                 "anyOf": [
                     {
@@ -68,12 +72,120 @@ def parse_forced(text: str, tool_choice: Any) -> list[ParsedCall]:
     if isinstance(tool_choice, dict):
         return [ParsedCall(tool_choice["function"]["name"], text)]
     try:
-        items = json.loads(text)
+        items = json.loads(text, strict=False)  # a control character the grammar let into a string is kept
     except json.JSONDecodeError:  # cut short by max_tokens
         return []
     if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c and "parameters" in c for c in items):
         return []
     return [ParsedCall(str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+
+
+# -- checking the tools' parameter schemas --------------------------------------------------
+
+_JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA = (
+    "not",
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains")
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_STRINGS = ("title", "description", "format", "$ref", "$id", "$schema", "$anchor", "$comment", "pattern")
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why ``schema`` is not a valid JSON Schema, or None. Checks what JSON Schema's meta-schema says of the
+    keywords a tool's parameters use (types, subschemas, counts, ``required``, ``enum``, ``pattern``); other
+    keywords pass, as the meta-schema lets them. Walked with a stack: a deep schema cannot exhaust Python's."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        s, at = stack.pop()
+        where = at.rstrip(".") or "the schema"
+        if isinstance(s, bool):  # true / false: any value / no value
+            continue
+        if not isinstance(s, dict):
+            return f"{where} must be a schema (an object or a boolean), got {type(s).__name__}"
+        t = s.get("type")
+        if t is not None:
+            names = t if isinstance(t, list) else [t]
+            if not names or any(n not in _JSON_TYPES for n in names) or len(set(map(str, names))) != len(names):
+                return f"{at}type must be one of {', '.join(_JSON_TYPES)} (or a list of them), got {t!r}"
+        for key in _SUBSCHEMA_MAPS:
+            v = s.get(key)
+            if v is not None and not isinstance(v, dict):
+                return f"{at}{key} must be an object mapping names to schemas"
+            stack.extend((sub, f"{at}{key}.{name}.") for name, sub in (v or {}).items())
+        for key in _SUBSCHEMA_LISTS:
+            v = s.get(key)
+            if v is not None and (not isinstance(v, list) or not v):
+                return f"{at}{key} must be a non-empty list of schemas"
+            stack.extend((sub, f"{at}{key}[{i}].") for i, sub in enumerate(v or []))
+        for key in _SUBSCHEMA:
+            if key in s:
+                v = s[key]
+                if key == "items" and isinstance(v, list):  # the tuple form of drafts 4 to 7
+                    stack.extend((sub, f"{at}items[{i}].") for i, sub in enumerate(v))
+                else:
+                    stack.append((v, f"{at}{key}."))
+        required = s.get("required")
+        if required is not None and (
+            not isinstance(required, list)
+            or not all(isinstance(r, str) for r in required)
+            or len(set(required)) != len(required)
+        ):
+            return f"{at}required must be a list of distinct property names"
+        if "enum" in s and not isinstance(s["enum"], list):
+            return f"{at}enum must be a list"
+        for key in _COUNTS:
+            v = s.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                return f"{at}{key} must be a non-negative integer, got {v!r}"
+        for key in _NUMBERS:
+            v = s.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                return f"{at}{key} must be a number, got {v!r}"
+        if isinstance(s.get("multipleOf"), (int, float)) and s["multipleOf"] <= 0:
+            return f"{at}multipleOf must be greater than 0"
+        for key in _STRINGS:
+            if key in s and not isinstance(s[key], str):
+                return f"{at}{key} must be a string"
+        if "pattern" in s:
+            try:
+                re.compile(s["pattern"])
+            except (re.error, OverflowError, RecursionError) as e:  # a huge repeat count, thousands of groups
+                return f"{at}pattern is not a valid regular expression: {e}"
+        if "uniqueItems" in s and not isinstance(s["uniqueItems"], bool):
+            return f"{at}uniqueItems must be a boolean"
+    return None
+
+
+def check_tool_schemas(tools: list[dict[str, Any]]) -> None:
+    """A 400 naming the first tool (chat's shape) whose ``parameters`` is not a valid JSON Schema of an object.
+    Checked for every tool_choice: the schemas reach the chat template and, for ``required`` or a named
+    function, the grammar."""
+    for i, tool in enumerate(tools):
+        params = tool["function"].get("parameters")
+        if params is None:
+            continue
+        problem = schema_problem(params)
+        if problem is None and params.get("type", "object") != "object":
+            problem = f"a function's parameters are an object: type must be 'object', got {params['type']!r}"
+        if problem is not None:
+            raise InvalidParameterError(
+                f"tools[{i}]: the parameters of function {tool['function']['name']!r} are not a valid JSON "
+                f"Schema: {problem}",
+                f"tools[{i}].function.parameters",
+            )
 
 
 class ToolParser:
