@@ -1,4 +1,4 @@
-"""The README's table of supported architectures is true: every row is registered and runs (a tiny random
+"""The table of supported architectures in docs/offline.md is true: every row is registered and runs (a tiny random
 model of the architecture, or the real embedding model), and every registered architecture has a row."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pagedllm import LLM, ModelRegistry, SamplingParams
 
 from utils import TINY_MODELS
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "offline.md"
 
 # the tiny model (tests/utils.py) that stands for each decoder architecture
 TINY_FOR = {
@@ -31,11 +31,11 @@ TINY_FOR = {
 
 
 def _rows() -> dict[str, str]:
-    """architecture -> runner, from the table after the README's `<!-- architectures -->` marker."""
-    text = README.read_text()
+    """architecture -> runner, from the table after the `<!-- architectures -->` marker of docs/offline.md."""
+    text = TABLE_PAGE.read_text()
     table = text[text.index("<!-- architectures -->") :].split("\n\n")[0]
     rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| (\w+) \|", table, re.M)
-    assert rows, "the README's architecture table went missing"
+    assert rows, "the architecture table of docs/offline.md went missing"
     return dict(rows)
 
 
