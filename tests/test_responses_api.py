@@ -8,6 +8,10 @@ have become gives the same token count as the response's usage.input_tokens.
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -419,6 +423,49 @@ def test_unsupported_or_bad_requests_get_400_naming_the_field(server, body, para
     assert err["type"] == "invalid_request_error" and err["code"] == 400
     assert err["param"] == param or err["param"].startswith(param + "."), err
     assert says in err["message"], err
+
+
+_SHORT_ANSWERS_HOOK = """
+import schemathesis
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    if isinstance(case.body, dict) and case.body.get("max_output_tokens") is None:
+        case.body["max_output_tokens"] = 2
+"""
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_errors_in_the_responses_api(server, tmp_path):
+    """Fuzz /v1/responses and GET / DELETE /v1/responses/{id}; any 5xx fails. A fuzzed body without a
+    max_output_tokens gets 2: the shapes are the point, and most fuzzed bodies are valid requests that would
+    otherwise each generate to the context's end (on a busy 2-core machine: 14 minutes instead of 15 seconds)."""
+    hook = tmp_path / "short_answers.py"
+    hook.write_text(_SHORT_ANSWERS_HOOK)
+    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    r = subprocess.run(
+        [
+            st,
+            "run",
+            f"{server.url}/openapi.json",
+            "--include-path-regex",
+            "^/v1/responses",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "20",
+            "--generation-deterministic",
+            "--request-timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "SCHEMATHESIS_HOOKS": str(hook)},
+    )
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert re.search(r"[1-9]\d* generated, [1-9]\d* passed", r.stdout), r.stdout[-2000:]
 
 
 def test_the_openai_client_raises_bad_request_for_background(client):
