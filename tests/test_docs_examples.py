@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN = ("python", "bash")
 _FENCE = re.compile(
-    r"(?:^<!--\s*(?P<marker>[^>]*?)\s*-->\n)?^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<code>.*?)^(?P=indent)```",
+    r"(?:^<!--\s*(?P<marker>[^>]*?)\s*-->\n)?"  # an optional marker on the line right before the fence
+    r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<code>.*?)^(?P=indent)```",
     re.S | re.M,
 )
 _SERVE_LAST = re.compile(r"(?:^|&&|;|\n)\s*(?P<serve>(?:\.venv/bin/)?pagedllm serve\b(?:[^\n\\]|\\\n)*)\s*$")
