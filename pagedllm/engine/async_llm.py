@@ -14,6 +14,7 @@ the next step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -80,13 +81,18 @@ class RequestStream:
 
 
 class AsyncLLM:
+    """``engine``: the engine, or a function that builds it. A function is called on the engine thread, so the
+    engine's start-up warm-up runs on the thread that will step it: OpenMP keeps a thread team per calling
+    thread, and the quantized linears a scratch buffer per thread, and a warm-up on another thread (the
+    caller's) left the first request to set up its own (seconds, on two cores). Building it raises here."""
+
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | Callable[[], LLMEngine],
         max_queue_len: int | None = None,
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
     ):
-        self.engine = engine
+        self.engine: LLMEngine  # set by the engine thread
         self.max_queue_len = max_queue_len
         self.on_step = on_step  # e.g. metrics; runs in the engine thread after each step
         self._commands: queue.Queue = queue.Queue()
@@ -105,12 +111,20 @@ class AsyncLLM:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._courier = threading.Thread(target=self._carry, name="pagedllm-deliver", daemon=True)
         self._courier.start()
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()  # done once self.engine is set
+        self._thread = threading.Thread(target=self._run, args=(engine, built), name="pagedllm-engine", daemon=True)
         self._thread.start()
+        try:
+            built.result()
+        except BaseException:
+            self._outbox.put(None)
+            self._prep.shutdown(wait=False)
+            raise
 
     @classmethod
     def from_kwargs(cls, max_queue_len: int | None = None, **kwargs: Any) -> AsyncLLM:
-        return cls(LLMEngine(EngineConfig.from_kwargs(**kwargs)), max_queue_len)
+        config = EngineConfig.from_kwargs(**kwargs)  # a bad argument raises on the caller's thread
+        return cls(lambda: LLMEngine(config), max_queue_len)
 
     @property
     def tokenizer(self) -> Any:
@@ -236,8 +250,6 @@ class AsyncLLM:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """``fn(engine)`` on the engine thread, between two steps (engine state is touched by that thread only)."""
-        import concurrent.futures
-
         self._check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", fn, fut))
@@ -302,7 +314,13 @@ class AsyncLLM:
                 except Exception as e:
                     fut.set_exception(e)
 
-    def _run(self) -> None:
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future[None]) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as e:  # raised to the constructor's caller
+            built.set_exception(e)
+            return
+        built.set_result(None)
         try:
             while not self._stopping:
                 busy = self.engine.has_unfinished_requests()

@@ -13,6 +13,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.warmup import WARMUP_BLOCKS, warm_up
 from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
@@ -25,9 +26,11 @@ if TYPE_CHECKING:
     from pagedllm.core.kv_groups import KVGroups
     from pagedllm.engine.pooling import PoolingConfig
     from pagedllm.kv_transfer.disk import DiskIndex
+    from pagedllm.kv_transfer.offload import OffloadScheduler
     from pagedllm.lora import LoRARequest
     from pagedllm.lora.adapter import AdapterCache
     from pagedllm.pooling_params import PoolingParams
+    from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -127,17 +130,14 @@ class LLMEngine:
                 swap=config.scheduler_config.preemption_mode == "swap",
                 disk=disk,
             )
-        self.core = EngineCore(
-            config,
-            self.executor,
-            num_blocks,
-            self.max_model_len,
-            self.structured,
-            connector,
-            self.kv_groups,
-            pooling_needs_kv=not self.pooling_encoder,
-        )
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len, mc.max_logprobs, eos)
+        try:
+            with stage("warmup"):  # on a core of its own, dropped after: the engine's own starts untouched
+                warm_up(self, self._new_core(None, None, min(num_blocks, WARMUP_BLOCKS)))
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.core = self._new_core(self.structured, connector, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.startup_seconds = time.perf_counter() - t0
@@ -145,6 +145,20 @@ class LLMEngine:
             "engine ready in %.1fs (%s)",
             self.startup_seconds,
             ", ".join(f"{name} {sec:.1f}s" for name, sec in self.startup_stages.items()),
+        )
+
+    def _new_core(
+        self, structured: StructuredOutputManager | None, connector: OffloadScheduler | None, num_blocks: int
+    ) -> EngineCore:
+        return EngineCore(
+            self.config,
+            self.executor,
+            num_blocks,
+            self.max_model_len,
+            structured,
+            connector,
+            self.kv_groups,
+            pooling_needs_kv=not self.pooling_encoder,
         )
 
     def _pooling_runner(self) -> PoolingConfig | None:

@@ -83,6 +83,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.warmup import render_chat_template
     from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.server import build_app
     from pagedllm.model_loader import DEFAULT_MODEL_NAME
@@ -108,6 +109,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = LLMEngine(config)
         if chat_template is not None:
             engine.tokenizer.chat_template = chat_template
+            render_chat_template(engine.tokenizer)  # compiled before `ready`, as the warm-up does the model's own
         return engine
 
     server = None

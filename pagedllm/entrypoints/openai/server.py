@@ -154,7 +154,8 @@ def build_app(
 
     def load() -> None:
         try:
-            state.llm = AsyncLLM(engine_factory(), max_queue_len, on_step=on_step)  # pooling models too
+            # built (and warmed up) on the engine thread; pooling models too
+            state.llm = AsyncLLM(engine_factory, max_queue_len, on_step=on_step)
             for name, path in (lora_modules or {}).items():  # a bad adapter fails the start, with its reason
                 state.add_lora(name, path)
         except BaseException as e:  # surfaced by /health and every endpoint
