@@ -197,7 +197,7 @@ class SpeculativeSection:
             "help": (
                 'Speculative decoding, as vLLM\'s JSON object: {"method": "ngram" | "draft_model" | '
                 '"eagle" | "eagle3" | "medusa", "num_speculative_tokens": k, "model": path, ...}; '
-                "see the README for every key."
+                "see docs/speculative.md for every key."
             )
         },
     )
@@ -223,7 +223,7 @@ class KVTransferSection:
         metadata={
             "help": (
                 'A KV connector, as vLLM\'s JSON object: {"kv_connector": name, "kv_role": "kv_both" | '
-                '"kv_producer" | "kv_consumer", "kv_connector_extra_config": {...}}; see the README.'
+                '"kv_producer" | "kv_consumer", "kv_connector_extra_config": {...}}; see docs/scaling.md.'
             )
         },
     )

@@ -78,7 +78,7 @@ def test_every_example_bounds_its_output():
         lang, _, code = param.values
         if lang == "python":
             calls = re.findall(r"\.(?:generate|chat|create|beam_search)\(", code)
-            bounds = re.findall(r"max_(?:completion_)?tokens=\d+", code)
+            bounds = re.findall(r"max_(?:completion_|output_)?tokens=\d+", code)
             assert len(bounds) >= len(calls), f"{param.id}: {len(calls)} generating calls, {len(bounds)} bounds"
 
 
