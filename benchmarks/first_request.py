@@ -9,8 +9,9 @@ same request again, and one with other text of the same length; then the same th
 and "new text" runs find most of their prompt (the chat template's system text) in the prefix cache, so they
 compute fewer prompt tokens than the first. Prints a line per round and the medians as JSON. The server runs
 the `pagedllm` package this interpreter imports (PYTHONPATH included): point it at another checkout to
-compare. On a 2-core machine shared with other work, OpenMP's spin-waiting makes every request's time swing
-by seconds; OMP_WAIT_POLICY=PASSIVE (passed on to the server) steadies them.
+compare. On a 2-core machine shared with other work, OpenMP's spin-waiting makes a request's time swing by
+seconds, most of all a request after an idle gap, the first included; OMP_WAIT_POLICY=PASSIVE (passed on to
+the server) steadied them (0.25-0.5 s at a load average of 5) but took an idle machine's 0.15 s to 0.28 s.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class AsyncLLM:
     """``engine``: the engine, or a function that builds it. A function is called on the engine thread, so the
     engine's start-up warm-up runs on the thread that will step it: OpenMP keeps a thread team per calling
     thread, and the quantized linears a scratch buffer per thread, and a warm-up on another thread (the
-    caller's) left the first request to set up its own (seconds, on two cores). Building it raises here."""
+    caller's) would leave the first request to set up its own. Building it raises here."""
 
     def __init__(
         self,

@@ -1,12 +1,17 @@
 """The start-up warm-up: a first request's one-time costs, paid before the engine says it is ready.
 
-A first request used to take ~5 s where the next took 0.17 s (SmolLM2-135M, 16 tokens, `pagedllm serve`).
-What it paid for once, measured: the OpenMP thread team of the thread that steps the engine (libgomp keeps one
-per calling thread; its first decode steps spun at barriers, ~600 ms of CPU a step), the quantized linears'
-scratch buffer (one per thread, grown on the first batched prefill), the fused C decode loop's plan, the
-sampler's paths and the chat template's compilation (~10 ms). So the warm-up runs the real path on the thread
-that will step the engine: two tiny requests (a greedy prefill long enough for the batched kernels, a sampled
-one with logprobs; a decode of two rows, then of one), their detokenization, and one chat-template render.
+What a first request sets up once: the OpenMP thread team of the thread that steps the engine (libgomp keeps
+one per calling thread), the quantized linears' scratch buffer (one per thread, grown on the first batched
+prefill) and oneDNN's GEMM behind it, the fused C decode loop's plan, the sampler's paths, the prefix cache's
+hashing and the chat template's compiled form (~10 ms). So the warm-up runs the real path on the thread that
+will step the engine: two tiny requests (a greedy prefill long enough for the batched kernels, a sampled one
+with logprobs; a decode of two rows, then of one), their detokenization, and one chat-template render.
+
+Measured with `benchmarks/first_request.py` (SmolLM2-135M, 16 tokens): on a quiet 2-core machine these cost a
+first request little (0.16 s against 0.14 s for the next, with or without the warm-up). The ~5 s first requests
+seen while other work loaded the machine were OpenMP's spin-waiting (their first decode steps took ~600 ms of
+CPU each in libgomp's barrier loop); under such load it also hits later requests after an idle gap, and no
+warm-up removes it.
 
 It leaves no trace: it runs on an :class:`EngineCore` and an :class:`OutputProcessor` of its own, dropped
 afterwards, so the engine's block pool, prefix cache, statistics, step history and request ids start untouched;
