@@ -16,7 +16,7 @@ import sys
 import httpx
 import pytest
 
-from utils import MODEL, Server
+from utils import MODEL, TIME_TOOL, WEATHER_TOOL, Server
 
 openai = pytest.importorskip("openai")
 
@@ -35,26 +35,10 @@ TEMPLATE = """\
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% if think %}<think>{% endif %}{% endif %}"""
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"],
-    },
-}
-TIME = {
-    "type": "function",
-    "name": "get_time",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]},
-}
+# the chat tests' tools in the Responses API's flat shape
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
+TIME = {"type": "function", **TIME_TOOL["function"]}
 GREEDY = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
-
-
-def _chat_tool(tool):
-    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +228,7 @@ def test_function_call_round_trip(client, server):
         {"role": "assistant", "content": None, "tool_calls": [chat_call]},
         {"role": "tool", "content": '{"temp": 21}', "tool_call_id": call.call_id},
     ]
-    tools = [_chat_tool(WEATHER), _chat_tool(TIME)]
+    tools = [WEATHER_TOOL, TIME_TOOL]
     assert second.usage.input_tokens == _tokens(server, messages, tools=tools)
 
 
@@ -484,9 +468,9 @@ def test_get_of_an_unknown_response_is_404(server):
 def test_tokenize_takes_tools_and_chat_template_kwargs(server):
     messages = [{"role": "user", "content": "Weather?"}]
     plain = _tokens(server, messages)
-    assert _tokens(server, messages, tools=[_chat_tool(WEATHER)]) > plain
+    assert _tokens(server, messages, tools=[WEATHER_TOOL]) > plain
     assert _tokens(server, messages, chat_template_kwargs={"think": True}) > plain
-    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "tools": [_chat_tool(WEATHER)]})
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "tools": [WEATHER_TOOL]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": []}}}
     r = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "tools": [bad]})

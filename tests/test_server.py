@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from utils import MODEL, Server
+from utils import MODEL, TIME_TOOL, WEATHER_TOOL, Server
 
 openai = pytest.importorskip("openai")
 
@@ -586,28 +586,7 @@ def test_structured_outputs_over_http(client, server):
         assert _err(resp, 400)["param"] == param
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]},
-    },
-}
-
-
-def _check_call(call, tools=(WEATHER, TIME)):
+def _check_call(call, tools=(WEATHER_TOOL, TIME_TOOL)):
     import jsonschema
 
     tool = next(t for t in tools if t["function"]["name"] == call.function.name)
@@ -622,7 +601,7 @@ def test_named_and_required_tool_calls_validate(client):
         r = client.chat.completions.create(
             model=MODEL,
             messages=msgs,
-            tools=[WEATHER, TIME],
+            tools=[WEATHER_TOOL, TIME_TOOL],
             tool_choice=named,
             max_tokens=120,
             temperature=1.0,
@@ -634,7 +613,7 @@ def test_named_and_required_tool_calls_validate(client):
         r = client.chat.completions.create(
             model=MODEL,
             messages=msgs,
-            tools=[WEATHER, TIME],
+            tools=[WEATHER_TOOL, TIME_TOOL],
             tool_choice="required",
             max_tokens=200,
             temperature=1.0,
@@ -645,7 +624,9 @@ def test_named_and_required_tool_calls_validate(client):
         for call in calls:
             _check_call(call)
     # streamed: the named call's arguments arrive as deltas and add up to the non-streamed answer
-    kw = dict(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named, max_tokens=120, temperature=0)
+    kw = dict(
+        model=MODEL, messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, max_tokens=120, temperature=0
+    )
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     deltas = [
         c.choices[0].delta.tool_calls[0]
@@ -674,7 +655,7 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
     kw = dict(
         model=MODEL,
         messages=[{"role": "user", "content": "Weather?"}],
-        tools=[WEATHER, TIME],
+        tools=[WEATHER_TOOL, TIME_TOOL],
         max_tokens=80,
         temperature=0,
         extra_body={"structured_outputs": {"regex": rx}},
@@ -694,7 +675,7 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
     assert [(d.function.name, d.function.arguments) for d in streamed] == [("get_weather", call.function.arguments)]
     # a plain answer stays content
     r = client.chat.completions.create(
-        model=MODEL, messages=kw["messages"], tools=[WEATHER], max_tokens=8, temperature=0
+        model=MODEL, messages=kw["messages"], tools=[WEATHER_TOOL], max_tokens=8, temperature=0
     )
     assert r.choices[0].message.tool_calls == [] and r.choices[0].message.content
 
@@ -703,15 +684,18 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
     "body, param",
     [
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
         ({"structured_outputs": {"json": "false"}}, "structured_outputs.json"),
-        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tools": [WEATHER] * 200, "tool_choice": "required"}, "tools"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER_TOOL] * 200, "tool_choice": "required"}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         (  # not a JSON Schema: refused for every tool_choice, naming the tool
-            {"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+            {"tools": [WEATHER_TOOL, {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
             "tools[1].function.parameters",
         ),
     ],

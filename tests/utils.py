@@ -535,3 +535,26 @@ def build_spec_head(
     else:
         save_file(w, str(path / "model.safetensors"))
     return path
+
+
+# -- function tools in chat's shape (the Responses API tests flatten them) ------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]},
+    },
+}
