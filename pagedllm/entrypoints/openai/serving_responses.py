@@ -408,6 +408,10 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
             ev("response.output_item.done", output_index=at["output_index"], item=item),
         ]
 
+    def first_item() -> _Item:
+        """The item the streamed text goes into: a named function's call, else the message."""
+        return _call_item(choice["function"]["name"]) if isinstance(choice, dict) else _message_item()
+
     # as the answer arrives: its text, or a named function's arguments, into one item
     streamed: _Item | None = None
     sent, final = 0, None
@@ -417,7 +421,7 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
         text, sent = c.text[sent:upto], upto
         if text:
             if streamed is None:
-                streamed = _call_item(choice["function"]["name"]) if isinstance(choice, dict) else _message_item()
+                streamed = first_item()
                 for event in added(streamed):
                     yield event
             _append(streamed, text)
@@ -440,7 +444,7 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
             _append(streamed, rest)
             yield delta(streamed, rest)
     if streamed is None and not calls:  # no text at all: an empty message, or a named function's empty call
-        streamed = _call_item(choice["function"]["name"]) if isinstance(choice, dict) else _message_item()
+        streamed = first_item()
         for event in added(streamed):
             yield event
     whole = [_call_item(call.name, call.arguments) for call in calls]
