@@ -143,6 +143,37 @@ def test_tokenize_detokenize_version_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_idle_connection_outlives_a_clients_pool_then_closes(server):
+    """httpx (and so the official openai client) drops an idle connection from its pool after 5 s; the server keeps
+    it open longer, so a request on a pooled connection never meets a server that is closing it (with both at
+    5 s, one POST in a few thousand got a connection reset). Then, idle for --timeout-keep-alive, it closes."""
+    import http.client
+
+    from pagedllm.entrypoints.graceful_server import (
+        CLIENT_KEEPALIVE_EXPIRY_S,
+        HTTPX_KEEPALIVE_EXPIRY_S,
+        SERVER_KEEP_ALIVE_S,
+    )
+
+    assert CLIENT_KEEPALIVE_EXPIRY_S < HTTPX_KEEPALIVE_EXPIRY_S and HTTPX_KEEPALIVE_EXPIRY_S + 3 <= SERVER_KEEP_ALIVE_S
+    reused, idle = (http.client.HTTPConnection("127.0.0.1", server.port, timeout=60) for _ in range(2))
+    for conn in (reused, idle):
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+    idle_since = time.monotonic()
+    sock = reused.sock
+    time.sleep(HTTPX_KEEPALIVE_EXPIRY_S + 0.5)  # idle a little longer than a client keeps it pooled
+    reused.request("GET", "/health")
+    r = reused.getresponse()
+    r.read()
+    assert r.status == 200 and reused.sock is sock  # answered on the same connection
+    idle.sock.settimeout(SERVER_KEEP_ALIVE_S + 60)
+    assert idle.sock.recv(1) == b""  # the other one the server closes (--timeout-keep-alive), never sooner
+    assert time.monotonic() - idle_since >= SERVER_KEEP_ALIVE_S - 0.5
+    reused.close()
+    idle.close()
+
+
 def test_64_concurrent_streams_all_complete_and_match_offline(server, model_dir):
     from pagedllm import LLM, SamplingParams
 

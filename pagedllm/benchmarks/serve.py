@@ -124,6 +124,8 @@ def _stats(values: list[float], prefix: str, percentiles: list[float]) -> dict:
 async def run(args: argparse.Namespace) -> dict:
     import httpx
 
+    from pagedllm.entrypoints.graceful_server import client_limits
+
     data = random_dataset(
         args.num_prompts,
         args.random_input_len,
@@ -138,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     trace_rng = random.Random() if args.trace else None  # ids must not repeat across runs: not seeded
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    limits = httpx.Limits(max_connections=args.max_concurrency or len(data) or 1)
+    limits = client_limits(args.max_concurrency or len(data) or 1)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(data), desc="requests", unit="req")

@@ -304,8 +304,9 @@ class Soak:
     def _http(self):
         import httpx
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        return httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits)
+        from pagedllm.entrypoints.graceful_server import client_limits
+
+        return httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=client_limits(None, 64))
 
 
 # -- the server process and what it holds ---------------------------------------------------------------

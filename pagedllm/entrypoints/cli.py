@@ -16,7 +16,7 @@ import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli_args import HelpFormatter, add_command, add_engine_args, add_log_level_flag, engine_kwargs
-from pagedllm.entrypoints.graceful_server import graceful_server_class
+from pagedllm.entrypoints.graceful_server import SERVER_KEEP_ALIVE_S, graceful_server_class
 
 __all__ = ["HelpFormatter", "add_command", "add_engine_args", "build_parser", "engine_kwargs", "main"]
 
@@ -91,6 +91,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    _check_keep_alive(args)
     config = _checked_config(args)  # before the socket opens; a bad argument fails once, not in every replica
     lora_modules = _lora_modules(args.lora_modules or [])
     if (lora_modules or args.allow_runtime_lora_updating) and not config.lora_config.enable_lora:
@@ -152,6 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
     )
     server = graceful_server_class()(uv_config)
     server.run()
@@ -170,7 +172,13 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _check_keep_alive(args: argparse.Namespace) -> None:
+    if args.timeout_keep_alive < 1:
+        raise SystemExit(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
+    _check_keep_alive(args)
     from pagedllm.entrypoints.router import RouterConfig, run_router
 
     prefill = getattr(args, "prefill", None) or []
@@ -190,6 +198,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
         log_level=args.uvicorn_log_level,
         max_body_bytes=args.max_request_body_bytes,
+        timeout_keep_alive=args.timeout_keep_alive,
     )
     return 0
 
@@ -223,6 +232,13 @@ def _router_args(rt: argparse.ArgumentParser) -> None:
     )
     rt.add_argument(
         "--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 before they are read whole"
+    )
+    rt.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=SERVER_KEEP_ALIVE_S,
+        help="seconds an idle kept-alive HTTP connection stays open; a client's pool must drop idle "
+        "connections sooner (a proxy or load balancer in front: set this above its idle timeout)",
     )
     rt.add_argument(
         "--uvicorn-log-level",
@@ -349,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests before aborting them",
+    )
+    srv.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=SERVER_KEEP_ALIVE_S,
+        help="seconds an idle kept-alive HTTP connection stays open; a client's pool must drop idle "
+        "connections sooner (a proxy or load balancer in front: set this above its idle timeout)",
     )
     srv.add_argument(
         "--uvicorn-log-level",

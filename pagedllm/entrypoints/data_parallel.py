@@ -71,6 +71,7 @@ def serve_data_parallel(args: Any, argv: list[str]) -> int:
             api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
             log_level=args.uvicorn_log_level,
             max_body_bytes=args.max_request_body_bytes,
+            timeout_keep_alive=args.timeout_keep_alive,
         )
     finally:
         for p in procs:

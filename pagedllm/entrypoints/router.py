@@ -35,6 +35,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.entrypoints.graceful_server import SERVER_KEEP_ALIVE_S, client_limits, graceful_server_class
+
 logger = logging.getLogger("pagedllm")
 
 ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
@@ -160,8 +162,7 @@ class Router:
         import httpx
 
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.config.request_timeout, connect=5.0),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=client_limits(1000, 100)
         )
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_forever())
@@ -468,11 +469,11 @@ def run_router(
     api_key: str | None = None,
     log_level: str = "warning",
     max_body_bytes: int = 4 << 20,
+    timeout_keep_alive: int = SERVER_KEEP_ALIVE_S,
 ) -> None:
     import uvicorn
 
-    from pagedllm.entrypoints.graceful_server import graceful_server_class
-
     logger.info("routing (%s) over %d backends at http://%s:%d/v1", config.routing, len(config.backends), host, port)
     app = build_router_app(config, api_key, max_body_bytes)
-    graceful_server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive)
+    graceful_server_class()(uv_config).run()
