@@ -75,6 +75,21 @@ def test_chunked_prefill_does_not_change_outputs(tiny_llama_dir, reference, budg
     _engine_is_clean(llm)
 
 
+def test_unchunked_budget_under_the_context_is_refused_at_start(tiny_llama_dir):
+    """Without chunked prefill a prompt is computed in one step: a budget under max_model_len would leave a long
+    prompt waiting forever (it hung); refused at start, as vLLM does, naming the budget and both numbers."""
+    from pagedllm.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match=r"max_num_batched_tokens \(64\).*max_model_len \(512\)") as e:
+        LLM(model=tiny_llama_dir, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=512)
+    assert e.value.param == "max_num_batched_tokens"
+    # a budget that holds the longest prompt: a prompt of max_model_len - 1 tokens runs whole in one step
+    llm = LLM(model=tiny_llama_dir, enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128)
+    out = llm.generate([{"prompt_token_ids": [5 + i % 200 for i in range(127)]}], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
+    _engine_is_clean(llm)
+
+
 def test_prefix_cache_hit_does_not_change_output(tiny_llama_dir, reference):
     prompts, ref = reference
     llm = LLM(model=tiny_llama_dir, enable_prefix_caching=True, max_model_len=512, num_gpu_blocks_override=512)

@@ -107,6 +107,16 @@ class LLMEngine:
             raise
         self.num_blocks = num_blocks
         sc = config.scheduler_config
+        if not (self.is_pooling or sc.enable_chunked_prefill) and sc.max_num_batched_tokens < self.max_model_len:
+            # unchunked, a prompt (or a preempted request's recompute) is computed whole in one step: one longer
+            # than the step's budget would wait forever (vLLM's check)
+            self.executor.shutdown()
+            raise InvalidParameterError(
+                f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with enable_chunked_prefill=False: a longer prompt could never be "
+                "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill",
+                "max_num_batched_tokens",
+            )
         if self.is_pooling and sc.max_num_batched_tokens < self.max_model_len:
             # a pooling prompt is computed whole in one step: the longest must fit the step's budget
             config = self.config = dataclasses.replace(
