@@ -108,6 +108,7 @@ def test_text_input_answers_as_chat_does(client):
     assert r.usage.total_tokens == r.usage.input_tokens + 8
     assert r.usage.output_tokens_details.reasoning_tokens == 0
     assert r.usage.input_tokens_details.cached_tokens >= 0
+    assert chat.usage.prompt_tokens_details is None  # chat's only with --enable-prompt-tokens-details, as vLLM's
     # the request's settings, echoed
     assert (r.temperature, r.top_p, r.max_output_tokens, r.tool_choice, r.tools) == (0, 1.0, 8, "auto", [])
     assert r.text.format.type == "text" and r.parallel_tool_calls and r.previous_response_id is None

@@ -29,7 +29,15 @@ def model_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--api-key", API_KEY, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = Server(
+        model_dir,
+        "--api-key",
+        API_KEY,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-prompt-tokens-details",
+    )
     yield s
     s.stop()
 
@@ -96,6 +104,27 @@ def test_completion_matches_offline_generate(client, model_dir):
         model=MODEL, prompt=prompts, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
     )
     assert [c.text for c in sorted(online.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in offline]
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_supplied(client):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, streamed and not, completions and
+    chat; a prompt seen before has its full blocks cached (block size 16), a new one none."""
+    prompt = "A prompt that no other test sends, long enough to fill a few blocks: " + "the cache " * 20
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 48 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    full_blocks = 16 * ((again.usage.prompt_tokens - 1) // 16)
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == full_blocks
+    messages = [{"role": "user", "content": prompt}]
+    chats = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2) for _ in range(2)]
+    assert chats[0].usage.prompt_tokens_details.cached_tokens < chats[1].usage.prompt_tokens_details.cached_tokens
+    assert chats[1].usage.prompt_tokens_details.cached_tokens == 16 * ((chats[1].usage.prompt_tokens - 1) // 16)
 
 
 def test_logprobs_echo_stop_and_seed(client):

@@ -146,6 +146,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         engine_state_interval=args.engine_state_interval,
         max_stored_responses=args.max_stored_responses,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     uv_config = uvicorn.Config(
         app,
@@ -352,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the Responses API keeps this many responses in memory (for GET /v1/responses/{id} and "
         "previous_response_id), the least recently used evicted first",
+    )
+    srv.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="completions and chat report usage.prompt_tokens_details.cached_tokens: the prompt tokens the "
+        "prefix cache (or a KV tier) supplied instead of computing them (as vLLM's flag)",
     )
     srv.add_argument(
         "--max-request-body-bytes",

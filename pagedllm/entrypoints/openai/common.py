@@ -154,10 +154,18 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 # -- usage and logprobs -----------------------------------------------------------------
 
 
-def usage_info(finals: list[RequestOutput]) -> P.UsageInfo:
+def usage_info(finals: list[RequestOutput], details: bool = False) -> P.UsageInfo:
+    """Token counts; with ``details`` (--enable-prompt-tokens-details) also the prompt tokens the prefix cache
+    (or a KV tier) supplied instead of computing them, as OpenAI's ``prompt_tokens_details.cached_tokens``."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = P.PromptTokenUsageInfo(cached_tokens=sum(max(o.num_cached_tokens, 0) for o in finals)) if details else None
+    return P.UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=cached,
+    )
 
 
 def _top(entry: dict, n: int) -> list:

@@ -201,10 +201,15 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, structured)
 
 
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # with --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(BaseModel):

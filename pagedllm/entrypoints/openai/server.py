@@ -119,11 +119,13 @@ def build_app(
     allow_runtime_lora_updating: bool = False,
     engine_state_interval: float = 1.0,
     max_stored_responses: int = 1000,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
     Chrome / Perfetto trace of the engine's steps and requests; ``max_stored_responses`` bounds the Responses
-    API's stored responses (least recently used evicted)."""
+    API's stored responses (least recently used evicted); ``enable_prompt_tokens_details`` adds
+    ``usage.prompt_tokens_details.cached_tokens`` to completions and chat."""
     state = ServerState(
         served_model_name,
         api_key,
@@ -132,6 +134,7 @@ def build_app(
         tool_call_parser,
         keep_trace_context=bool(otlp_traces_endpoint),
         max_stored_responses=max_stored_responses,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
 
     tracer = None

@@ -35,9 +35,11 @@ async def chat(req: P.ChatCompletionRequest, raw: Request, state: ServerStateDep
     rid, streams, choice = await start_chat(state, req, state.trace_headers(raw))
     model = req.model or state.served_model_name
     if req.stream:
-        return sse_response(chat_chunks(rid, model, req, streams[0], choice, state.tool_parser))
+        return sse_response(
+            chat_chunks(rid, model, req, streams[0], choice, state.tool_parser, state.enable_prompt_tokens_details)
+        )
     finals = await run_to_end(streams, raw)
-    return chat_response(rid, model, req, finals, choice, state.tool_parser)
+    return chat_response(rid, model, req, finals, choice, state.tool_parser, state.enable_prompt_tokens_details)
 
 
 async def start_chat(
@@ -97,7 +99,13 @@ async def start_chat(
 
 
 def chat_response(
-    rid: str, model: str, req: P.ChatCompletionRequest, finals: list[RequestOutput], choice: Any, parser: Any
+    rid: str,
+    model: str,
+    req: P.ChatCompletionRequest,
+    finals: list[RequestOutput],
+    choice: Any,
+    parser: Any,
+    usage_details: bool = False,
 ) -> P.ChatCompletionResponse:
     """The whole answer, from the request's final output."""
     choices = []
@@ -113,7 +121,7 @@ def chat_response(
                 logprobs=chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
             )
         )
-    return P.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_info(finals))
+    return P.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_info(finals, usage_details))
 
 
 def chat_ids(
@@ -203,7 +211,13 @@ def stream_end(
 
 
 async def chat_chunks(
-    rid, model, req: P.ChatCompletionRequest, stream, choice: Any = "none", parser: Any = None
+    rid,
+    model,
+    req: P.ChatCompletionRequest,
+    stream,
+    choice: Any = "none",
+    parser: Any = None,
+    usage_details: bool = False,
 ) -> AsyncIterator[str]:
     """Content deltas as text arrives. With tools: a named function streams its arguments as tool-call
     deltas; ``auto`` streams the text a call cannot begin in and sends the calls, whole, when the answer
@@ -281,5 +295,7 @@ async def chat_chunks(
         if out.finished:
             final = out
     if req.stream_options and req.stream_options.include_usage and final is not None:
-        yield sse_event(P.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_info([final])))
+        yield sse_event(
+            P.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_info([final], usage_details))
+        )
     yield "data: [DONE]\n\n"

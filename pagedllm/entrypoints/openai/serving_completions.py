@@ -44,7 +44,8 @@ async def completions(req: P.CompletionRequest, raw: Request, state: ServerState
         state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc(len(prompts))
     tok = llm.tokenizer
     if req.stream:
-        return sse_response(completion_chunks(rid, req.model or state.served_model_name, req, streams, tok))
+        model = req.model or state.served_model_name
+        return sse_response(completion_chunks(rid, model, req, streams, tok, state.enable_prompt_tokens_details))
     finals = await run_to_end(streams, raw)
     choices = []
     for i, out in enumerate(finals):
@@ -60,7 +61,10 @@ async def completions(req: P.CompletionRequest, raw: Request, state: ServerState
                 )
             )
     return P.CompletionResponse(
-        id=rid, model=req.model or state.served_model_name, choices=choices, usage=usage_info(finals)
+        id=rid,
+        model=req.model or state.served_model_name,
+        choices=choices,
+        usage=usage_info(finals, state.enable_prompt_tokens_details),
     )
 
 
@@ -78,7 +82,9 @@ def completion_prompts(prompt: Any) -> list[Any]:
     raise APIError(400, "prompt must be a string, a list of strings, or token ids", "invalid_request_error", "prompt")
 
 
-async def completion_chunks(rid, model, req: P.CompletionRequest, streams, tok) -> AsyncIterator[str]:
+async def completion_chunks(
+    rid, model, req: P.CompletionRequest, streams, tok, usage_details: bool = False
+) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
@@ -111,5 +117,7 @@ async def completion_chunks(rid, model, req: P.CompletionRequest, streams, tok) 
             finals[i] = out
     completed = [f for f in finals if f is not None]
     if req.stream_options and req.stream_options.include_usage and len(completed) == len(finals):
-        yield sse_event(P.CompletionResponse(id=rid, model=model, choices=[], usage=usage_info(completed)))
+        yield sse_event(
+            P.CompletionResponse(id=rid, model=model, choices=[], usage=usage_info(completed, usage_details))
+        )
     yield "data: [DONE]\n\n"

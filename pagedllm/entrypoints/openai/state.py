@@ -33,6 +33,7 @@ class ServerState:
         tool_call_parser: str | None = None,
         keep_trace_context: bool = False,
         max_stored_responses: int = 1000,
+        enable_prompt_tokens_details: bool = False,
     ):
         from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS
 
@@ -41,6 +42,7 @@ class ServerState:
         self.api_key = api_key
         self.limits = limits
         self.trust_request_chat_template = trust_request_chat_template
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
         self.keep_trace_context = keep_trace_context  # spans are exported: pass the client's trace context on
         self.llm: AsyncLLM | None = None
         self.metrics = ServerMetrics(served_model_name)
