@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from utils import TINY_MODEL_NAMES, build_tiny_model
+from utils import TINY_MODEL_NAMES, build_tiny_model, real_models_module
 
 # Where the suite may write: HOME, the XDG folders and Ray's temp dir point into this session's pytest
 # tmp (set before collection, so libraries that read them at import time see them too, and inherited by
@@ -117,3 +117,16 @@ def smollm2_hf_model() -> Any:
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def qwen_0_5b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF: the file the test command fetched (found through PAGEDLLM_MODELS_DIR),
+    checked by sha256, or a fresh fetch into this session's temp folder."""
+    rm = real_models_module()
+    model = rm.get_model(rm.REFERENCE_MODEL)
+    fetched = Path(os.environ.get("PAGEDLLM_MODELS_DIR", "/nonexistent")) / model.file
+    if fetched.exists():
+        rm.verify(fetched, model.sha256, model.size)
+        return fetched
+    return rm.fetch(rm.REFERENCE_MODEL, dest=tmp_path_factory.mktemp("models"))

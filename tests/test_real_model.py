@@ -6,10 +6,7 @@ stored in ``tests/data`` by ``python benchmarks/real_models.py reference``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,28 +18,6 @@ from pagedllm.layers.quantization import Int8Linear, QuantizedEmbedding
 from utils import GreedyResult, check_greedy_close
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _real_models():
-    spec = importlib.util.spec_from_file_location("real_models", ROOT / "benchmarks" / "real_models.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["real_models"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def qwen_0_5b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The file the test command fetched (conftest passes its folder on as PAGEDLLM_MODELS_DIR), or a fresh
-    fetch into this session's temp folder."""
-    rm = _real_models()
-    model = rm.get_model(rm.REFERENCE_MODEL)
-    fetched = Path(os.environ.get("PAGEDLLM_MODELS_DIR", "/nonexistent")) / model.file
-    if fetched.exists():
-        rm.verify(fetched, model.sha256, model.size)
-        return fetched
-    return rm.fetch(rm.REFERENCE_MODEL, dest=tmp_path_factory.mktemp("models"))
 
 
 def _reference() -> tuple[list[dict], list[GreedyResult], int]:

@@ -2,30 +2,22 @@
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import re
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from utils import real_models_module
+
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = 10  # part2 sorts after part10 as a string: the order must come from the numbers
 
 
-def _real_models():
-    spec = importlib.util.spec_from_file_location("real_models", ROOT / "benchmarks" / "real_models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["real_models"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-rm = _real_models()
+rm = real_models_module()
 
 
 def _member(n: int) -> bytes:

@@ -8,6 +8,8 @@ import pytest
 
 from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, forced_schema, parse_forced, schema_problem
 
+from utils import TIME_TOOL, WEATHER_TOOL
+
 
 def test_hermes_extracts_calls_and_keeps_the_content_before_them():
     p = TOOL_PARSERS["hermes"]()
@@ -29,6 +31,72 @@ def test_hermes_extracts_calls_and_keeps_the_content_before_them():
     assert p.streamable("Hello <tool_call>{") == len("Hello ")
     assert p.streamable("Hello world") == len("Hello world")
     assert p.streamable("a < b") == len("a < b")
+
+
+# Qwen2.5-Coder 1.5B and 0.5B, asked by their template for <tool_call> tags, answer with the call as plain JSON
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+UNTAGGED = [
+    (PARIS, None),  # bare, as llama.cpp's run of the 1.5B answers
+    (f"```json\n{PARIS}\n```", None),  # fenced, as ours did
+    (f"Let me look that up.\n\n```json\n{PARIS}\n```\n", "Let me look that up."),
+    (f"```\n{PARIS}\n```", None),
+    (PARIS.replace('"arguments"', '"parameters"'), None),
+]
+
+
+@pytest.mark.parametrize(("text", "content"), UNTAGGED)
+def test_hermes_takes_untagged_calls_to_offered_tools(text, content):
+    p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL, TIME_TOOL])
+    got, calls = p.extract(text)
+    assert got == content and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})
+    ]
+    # streamed: everything from where the call may begin is held back, the text before it goes out
+    start = min(text.find(c) for c in ("`", "{") if c in text)
+    assert all(p.streamable(text[:k]) <= start for k in range(len(text) + 1))
+    assert p.streamable(text) == start
+
+
+def test_hermes_takes_parallel_untagged_calls():
+    p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL, TIME_TOOL])
+    oslo = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}'
+    for text in (f"{PARIS}\n{oslo}", f"[{PARIS}, {oslo}]", f"```json\n[{PARIS},\n {oslo}]\n```"):
+        content, calls = p.extract(text)
+        assert content is None and [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Oslo"]
+
+
+ORDINARY_JSON = [
+    '{"city": "Paris", "unit": "c"}',  # the arguments alone: the user asked for a JSON record
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',  # misses the required unit
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}',  # not in the enum
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}, "id": 3}',  # more than a call
+    '{"name": "get_forecast", "arguments": {"city": "Paris", "unit": "c"}}',  # a tool nobody offered
+    '{"name": "Paris", "population": 2100000}',
+    f'[{PARIS}, {{"name": "Ada"}}]',  # one of them not a call: none taken
+    f"```python\nprint({PARIS!r})\n```",
+    f"```json\n{PARIS}\n```\nand then some more text",
+    f"Text first, then {PARIS}",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}',  # cut short
+]
+
+
+@pytest.mark.parametrize("text", ORDINARY_JSON)
+def test_hermes_leaves_ordinary_json_answers_as_text(text):
+    p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL, TIME_TOOL])
+    assert p.extract(text) == (text, [])
+    # with no tools offered nothing is held back or taken (the server's unbound parser)
+    assert TOOL_PARSERS["hermes"]().extract(PARIS) == (PARIS, [])
+    assert TOOL_PARSERS["hermes"]().streamable(PARIS) == len(PARIS)
+
+
+def test_untagged_hold_releases_code_that_is_not_a_call():
+    p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL])
+    assert p.streamable("Sure: `") == len("Sure: ")
+    assert p.streamable("Sure: ```js") == len("Sure: ")  # may still become "json"
+    assert p.streamable("Sure: ```python\nx = 1") == len("Sure: ```python\nx = 1")
+    assert p.streamable("Use `x` here") == len("Use `x` here")
+    assert p.streamable("```python\nx = 1\n```\nThat sets x.") == len("```python\nx = 1\n```\nThat sets x.")
+    assert p.streamable("   ") == 0 and p.streamable("  [1, ") == 2
 
 
 def test_llama3_json_reads_one_or_more_calls():

@@ -558,3 +558,16 @@ TIME_TOOL = {
         "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]},
     },
 }
+
+
+def real_models_module() -> Any:
+    """``benchmarks/real_models.py`` (not a package) as a module: the real models' registry, fetch and verify."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "real_models.py"
+    spec = importlib.util.spec_from_file_location("real_models", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["real_models"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

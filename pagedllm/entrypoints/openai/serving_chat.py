@@ -32,14 +32,14 @@ router = APIRouter(route_class=JSONBodyRoute)
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat(req: P.ChatCompletionRequest, raw: Request, state: ServerStateDep):
-    rid, streams, choice = await start_chat(state, req, state.trace_headers(raw))
+    rid, streams, choice, parser = await start_chat(state, req, state.trace_headers(raw))
     model = req.model or state.served_model_name
     if req.stream:
         return sse_response(
-            chat_chunks(rid, model, req, streams[0], choice, state.tool_parser, state.enable_prompt_tokens_details)
+            chat_chunks(rid, model, req, streams[0], choice, parser, state.enable_prompt_tokens_details)
         )
     finals = await run_to_end(streams, raw)
-    return chat_response(rid, model, req, finals, choice, state.tool_parser, state.enable_prompt_tokens_details)
+    return chat_response(rid, model, req, finals, choice, parser, state.enable_prompt_tokens_details)
 
 
 async def start_chat(
@@ -47,8 +47,9 @@ async def start_chat(
     req: P.ChatCompletionRequest,
     trace_headers: dict[str, str] | None,
     request_id: str | None = None,
-) -> tuple[str, list[RequestStream], Any]:
-    """Check the request, apply the chat template and submit it: (request id, its one stream, tool choice)."""
+) -> tuple[str, list[RequestStream], Any, Any]:
+    """Check the request, apply the chat template and submit it: (request id, its one stream, tool choice, and
+    under ``auto`` the server's tool-call parser for the request's tools; else None)."""
     from pagedllm.entrypoints.openai.tool_calls import check_tool_schemas
 
     llm = state.generator()
@@ -95,7 +96,8 @@ async def start_chat(
     )
     if lora is not None:
         state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc()
-    return rid, streams, choice
+    parser = state.tool_parser.for_tools(tools) if choice == "auto" and state.tool_parser and tools else None
+    return rid, streams, choice, parser
 
 
 def chat_response(

@@ -90,7 +90,9 @@ async def create_response(req: P.ResponsesRequest, raw: Request, state: ServerSt
         history = previous.messages
     turn = _Turn(state, req, history)
     try:
-        _, streams, turn.choice = await start_chat(state, turn.chat_request(), state.trace_headers(raw), turn.id)
+        _, streams, turn.choice, turn.parser = await start_chat(
+            state, turn.chat_request(), state.trace_headers(raw), turn.id
+        )
     except (InvalidParameterError, APIError) as e:
         raise _in_responses_terms(e) from None
     if req.stream:
@@ -252,6 +254,7 @@ class _Turn:
         self.state, self.req, self.history = state, req, history
         self.id = f"resp_{uuid.uuid4().hex}"
         self.choice: Any = "none"  # the checked tool choice, in chat's shape (set by start_chat)
+        self.parser: Any = None  # under tool_choice auto, the server's tool-call parser for this request's tools
         self.input_messages = _chat_messages(req.input)
         defaults = SamplingParams()
         self.base = P.ResponsesResponse(  # in progress: no output yet
@@ -298,7 +301,7 @@ class _Turn:
         calls."""
         c = final.outputs[0]
         parallel = self.req.parallel_tool_calls
-        content, calls, finish = tool_answer(c.text, c.finish_reason, self.choice, self.state.tool_parser, parallel)
+        content, calls, finish = tool_answer(c.text, c.finish_reason, self.choice, self.parser, parallel)
         items: list[_Item] = [_call_item(call.name, call.arguments) for call in calls]
         if content or not calls:
             items.insert(0, _message_item(content or ""))
@@ -373,7 +376,7 @@ class _Events:
 
 async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
     ev = _Events()
-    choice, parser, parallel = turn.choice, turn.state.tool_parser, turn.req.parallel_tool_calls
+    choice, parser, parallel = turn.choice, turn.parser, turn.req.parallel_tool_calls
     yield ev("response.created", response=turn.base)
     yield ev("response.in_progress", response=turn.base)
     index: dict[str, int] = {}  # item id -> output_index

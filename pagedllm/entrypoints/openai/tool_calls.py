@@ -8,7 +8,8 @@
   (``--tool-call-parser``) lifts the calls out of the text. Registered: ``hermes``
   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen 2.5/3, Hermes, SmolLM3)
   and ``llama3_json`` (the whole answer is ``{"name": ..., "parameters": {...}}``, calls separated by
-  ``;``, optionally after ``<|python_tag|>``).
+  ``;``, optionally after ``<|python_tag|>``). ``hermes`` also takes the untagged calls small Qwen
+  models write instead of the tags their template asks for (see :meth:`ToolParser.untagged_calls`).
 * ``"none"``: no tools are offered to the model.
 """
 
@@ -190,15 +191,98 @@ def check_tool_schemas(tools: list[dict[str, Any]]) -> None:
 
 class ToolParser:
     """Lifts tool calls out of a free answer. ``streamable(text)`` is how much of a partial answer is
-    plain content for sure (a call may still begin after it)."""
+    plain content for sure (a call may still begin after it). The server keeps one, unbound; each request
+    gets a copy bound to the tools it offers (:meth:`for_tools`)."""
 
     name = ""
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None):
+        self.tools = {t["function"]["name"]: t["function"] for t in tools or ()}
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolParser:
+        return type(self)(tools)
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
 
     def streamable(self, text: str) -> int:
         raise NotImplementedError
+
+    # -- calls written without the model's own format ------------------------------------------------------------
+    def untagged_calls(self, text: str) -> tuple[str | None, list[ParsedCall]] | None:
+        """(content, calls) when the answer is, instead of the model's format, tool calls written as plain JSON:
+        the whole answer one or more ``{"name": ..., "arguments": {...}}`` objects (or a list of them, or
+        ``parameters`` for ``arguments``), bare or in one ```json fence at its end (the text before the fence is
+        the content). Qwen2.5-Coder 0.5B and 1.5B answer so although their template asks for ``<tool_call>``
+        tags. Each object must be a call and nothing more: a name of an offered tool and arguments valid against
+        its ``parameters`` schema, so an ordinary JSON answer is never taken for a call. None otherwise."""
+        if not self.tools:
+            return None
+        body, content = text.strip(), None
+        if body.endswith("```") and len(body) > 6:
+            opener = body.rfind("```", 0, len(body) - 3)
+            head = body[opener + 3 : len(body) - 3] if opener >= 0 else ""
+            info, _, inner = head.partition("\n")
+            if opener < 0 or info.strip() not in ("", "json"):
+                return None
+            content, body = body[:opener].strip() or None, inner.strip()
+        if not body.startswith(("{", "[")):
+            return None
+        decoder, pos, values = json.JSONDecoder(), 0, []
+        while pos < len(body):
+            try:
+                value, pos = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError:
+                return None
+            values.extend(value if isinstance(value, list) else [value])
+            while pos < len(body) and body[pos] in "; \n\t\r":
+                pos += 1
+        calls = [self._checked_call(v) for v in values]
+        if not calls or any(c is None for c in calls):
+            return None
+        return content, [c for c in calls if c is not None]
+
+    def _checked_call(self, value: Any) -> ParsedCall | None:
+        if not isinstance(value, dict) or len(value) != 2 or not isinstance(value.get("name"), str):
+            return None
+        args = value.get("arguments", value.get("parameters"))
+        tool = self.tools.get(value["name"])
+        if tool is None or not isinstance(args, dict):
+            return None
+        import jsonschema
+
+        schema = tool.get("parameters") or {"type": "object"}
+        try:
+            if not jsonschema.validators.validator_for(schema)(schema).is_valid(args):
+                return None
+        except Exception:  # a schema jsonschema cannot apply (a $ref it cannot resolve, ...)
+            return None  # is not one we can vouch for a call by
+        return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+    def untagged_hold(self, text: str) -> int | None:
+        """Where, in a partial answer, untagged calls (:meth:`untagged_calls`) may have begun: the answer's
+        opening ``{`` or ``[``, or a ```json fence (or the backticks that may start one); None when none can."""
+        if not self.tools:
+            return None
+        stripped = text.lstrip()
+        if not stripped:
+            return 0  # nothing but blanks yet: held, in case a call follows
+        if stripped[0] in "{[":
+            return len(text) - len(stripped)
+        at = text.find("`")
+        while at >= 0:
+            run = len(text[at:]) - len(text[at:].lstrip("`"))
+            rest = text[at + run :]
+            if run < 3 and not rest:
+                return at  # "`" or "``" at the end: maybe the start of a fence
+            if run == 3:
+                info, newline, inner = rest.partition("\n")
+                if not newline and "json".startswith(info.strip()):
+                    return at  # the fence's info string, still being written
+                if newline and info.strip() in ("", "json") and (not inner.strip() or inner.lstrip()[0] in "{["):
+                    return at
+            at = text.find("`", at + run)
+        return None
 
 
 def _call(obj: Any) -> ParsedCall | None:
@@ -221,7 +305,7 @@ class HermesToolParser(ToolParser):
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         if self.OPEN not in text:
-            return text, []
+            return self.untagged_calls(text) or (text, [])
         calls = []
         for body in self._BLOCK.findall(text):
             try:
@@ -238,6 +322,9 @@ class HermesToolParser(ToolParser):
         at = text.find(self.OPEN)
         if at >= 0:
             return at
+        hold = self.untagged_hold(text)
+        if hold is not None:
+            return hold
         for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # hold back a possible start of the tag
             if self.OPEN.startswith(text[-k:]):
                 return len(text) - k
