@@ -142,6 +142,17 @@ def llm(tiny_llama_dir):
     return LLM(model=tiny_llama_dir, max_model_len=256, num_gpu_blocks_override=256)
 
 
+def test_chat_passes_tools_to_the_template(llm):
+    """LLM.chat(..., tools=) as vLLM's: the tools reach the chat template."""
+    template = "{% for t in tools or [] %}[TOOL {{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    tok = llm.get_tokenizer()
+    assert tok.decode(llm.apply_chat_template(msgs, template, tools=tools)) == "[TOOL get_weather]hi"
+    (out,) = llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)
+    assert out.prompt == "[TOOL get_weather]hi"
+
+
 def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
     prompts = [
         "Hello world, this is a longer prompt than the next one",

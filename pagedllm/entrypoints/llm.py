@@ -160,15 +160,17 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate. ``tools``
+        (OpenAI's function tools) reach the template, as in vLLM; the answers are not parsed for calls."""
         # one conversation (a list of messages) or several: told apart by the first element
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [cast("list[ChatMessage]", messages)] if single else cast("list[list[ChatMessage]]", messages)
         prompts = [
             {
                 "prompt_token_ids": self.apply_chat_template(
-                    conv, chat_template, add_generation_prompt, chat_template_kwargs
+                    conv, chat_template, add_generation_prompt, chat_template_kwargs, tools
                 )
             }
             for conv in conversations
@@ -185,6 +187,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tok = self.get_tokenizer()
         if chat_template is None and getattr(tok, "chat_template", None) is None:
@@ -199,6 +202,7 @@ class LLM:
             chat_template=chat_template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             **(chat_template_kwargs or {}),
         )
         # the template already contains the special tokens; don't let encode add a BOS twice
