@@ -325,6 +325,7 @@ def test_find_continuation_longest_then_most_recent():
         ({"method": "eagle", "num_speculative_tokens": 2}, "model"),  # a head needs its directory
         ({"method": "medusa", "num_speculative_tokens": 2, "model": "/x", "quantization": "int8"}, "quantization"),
         ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
+        ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization"),
         ("{not json", "speculative_config"),
     ],
 )
@@ -343,6 +344,17 @@ def test_draft_with_another_vocabulary_is_refused_at_startup(tiny_model_factory)
             str(target),
             num_gpu_blocks_override=16,
             speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+        )
+
+
+def test_a_gguf_mode_for_a_draft_that_is_no_gguf_is_refused_at_startup(tiny_model_factory):
+    """speculative_config.quantization takes a GGUF draft's own modes (gguf, gguf-exact); on a draft that is no
+    GGUF file it is a clear error naming the mode, not a silent fallback."""
+    with pytest.raises(InvalidParameterError, match="gguf"):
+        LLM(
+            str(tiny_model_factory("llama")),
+            num_gpu_blocks_override=16,
+            speculative_config={"method": "draft_model", "quantization": "gguf", "num_speculative_tokens": 2},
         )
 
 

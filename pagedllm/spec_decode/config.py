@@ -9,6 +9,8 @@ from pagedllm.errors import InvalidParameterError
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 HEADS = ("eagle", "eagle3", "medusa")  # draft heads that read the target's hidden states
+# a draft model's own weights: the quantized modes, and for a GGUF draft its file's blocks (gguf: int8 activations)
+DRAFT_QUANTIZATIONS = ("int8", "int4", "w4a8", "w4a16", "gguf", "gguf-exact")
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,8 +77,8 @@ class SpeculativeConfig:
             raise bad(f"must be an integer >= 0, got {cfg.backoff_after_rejections!r}", "backoff_after_rejections")
         if cfg.method == "ngram" and (cfg.model or cfg.quantization):
             raise bad("does not apply to method 'ngram'", "model" if cfg.model else "quantization")
-        if cfg.quantization not in (None, "int8", "int4", "w4a8", "w4a16"):
-            raise bad(f"must be one of ['int8', 'int4', 'w4a8', 'w4a16'], got {cfg.quantization!r}", "quantization")
+        if cfg.quantization not in (None, *DRAFT_QUANTIZATIONS):
+            raise bad(f"must be one of {list(DRAFT_QUANTIZATIONS)}, got {cfg.quantization!r}", "quantization")
         if cfg.quantization and cfg.method != "draft_model":
             raise bad(f"only applies to method 'draft_model', not {cfg.method!r}", "quantization")
         if cfg.method in HEADS and not (isinstance(cfg.model, str) and cfg.model):
