@@ -238,6 +238,20 @@ PROMPTS = [
 ]
 
 
+def resolve(name_or_file: str) -> str:
+    """What a benchmark loads: a ``.gguf`` path as it is, a model of :data:`MODELS` by name fetched (and
+    checked) first."""
+    return name_or_file if name_or_file.endswith(".gguf") else str(fetch(name_or_file))
+
+
+def write_report(report: dict, out: Path | None) -> None:
+    """A benchmark's JSON report, printed, and written to ``out`` where given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+
+
 def reference(out: Path = REFERENCE_FILE, max_tokens: int = 64, top: int = 5) -> Path:
     """Greedy-decode PROMPTS with transformers in float32 and write the tokens and top logprobs to out."""
     import torch

@@ -25,18 +25,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-
-def _model_path(name: str) -> str:
-    if name.endswith(".gguf"):
-        return name
-    sys.path.insert(0, str(HERE))
-    import real_models
-
-    return str(real_models.fetch(name))
+from real_models import resolve  # beside this script: the folder is on sys.path when it runs
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, int]:
@@ -157,7 +147,7 @@ def main() -> None:
     if args.llama_bench:
         fix = "build it as the top of benchmarks/real_size.py says, or leave out --llama-bench"
         llama_bench = require_program("benchmarks/real_size.py --llama-bench", args.llama_bench, fix)
-    model = _model_path(args.model)
+    model = resolve(args.model)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[str, float]] = {}
 

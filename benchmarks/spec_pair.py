@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from real_models import resolve, write_report  # beside this script: the folder is on sys.path when it runs
 
 EDIT_SOURCE = """import csv
 from dataclasses import dataclass
@@ -77,15 +75,6 @@ WORKLOADS = {
 }
 
 
-def _model_path(name: str) -> str:
-    if name.endswith(".gguf"):
-        return name
-    sys.path.insert(0, str(HERE))
-    import real_models
-
-    return str(real_models.fetch(name))
-
-
 def _run(target: str, spec: dict | None, max_tokens: int, quantization: str | None) -> dict:
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.offline import spec_report
@@ -124,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-quantization", default=None, help="speculative_config.quantization, e.g. gguf")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
-    target, draft = _model_path(args.target), _model_path(args.draft)
+    target, draft = resolve(args.target), resolve(args.draft)
     configs: dict[str, dict | None] = {"off": None}
     if args.ngram_k:
         configs[f"ngram k={args.ngram_k}"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k}
@@ -168,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['identical_to_off']!s:>5} {acc:>6} {mal:>5}"
             )
     report["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.out)
     return 0
 
 

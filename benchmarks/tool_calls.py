@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from real_models import resolve, write_report  # beside this script: the folder is on sys.path when it runs
 
 WEATHER = {
     "type": "function",
@@ -93,15 +92,6 @@ QUESTIONS = {
 }
 
 
-def _model_path(name: str) -> str:
-    if name.endswith(".gguf"):
-        return name
-    sys.path.insert(0, str(HERE))
-    import real_models
-
-    return str(real_models.fetch(name))
-
-
 def _valid(call, tools: list[dict]) -> bool:
     import jsonschema
 
@@ -121,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm import LLM, SamplingParams
     from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS
 
-    path = _model_path(args.model)
+    path = resolve(args.model)
     llm = LLM(path, max_model_len=2048, **({"quantization": args.quantization} if args.quantization else {}))
     parser = TOOL_PARSERS[args.parser]().for_tools(TOOLS)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -147,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             "calls_valid": valid,
         }
     summary["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_report(summary, args.out)
     return 0
 
 

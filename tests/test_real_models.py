@@ -116,6 +116,15 @@ def test_verify_names_the_size_of_a_truncated_file(fake, tmp_path):
     rm.verify(path, model.sha256, model.size)
 
 
+def test_resolve_passes_a_file_through_and_fetches_a_name(fake, tmp_path, monkeypatch):
+    """What the benchmarks load: a .gguf path as given; a name fetched into the models folder."""
+    model, data, _ = fake
+    assert rm.resolve("/some/where/model.gguf") == "/some/where/model.gguf"
+    monkeypatch.setenv("PAGEDLLM_MODELS_DIR", str(tmp_path / "models"))
+    path = rm.resolve("fake")
+    assert path == str(tmp_path / "models" / model.file) and Path(path).read_bytes() == data
+
+
 def test_unknown_model_lists_the_known_names():
     with pytest.raises(rm.UnknownModelError, match=re.escape("qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b")):
         rm.fetch("no-such-model")
