@@ -228,16 +228,10 @@ class ToolParser:
             content, body = body[:opener].strip() or None, inner.strip()
         if not body.startswith(("{", "[")):
             return None
-        decoder, pos, values = json.JSONDecoder(), 0, []
-        while pos < len(body):
-            try:
-                value, pos = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
-                return None
-            values.extend(value if isinstance(value, list) else [value])
-            while pos < len(body) and body[pos] in "; \n\t\r":
-                pos += 1
-        calls = [self._checked_call(v) for v in values]
+        values = _json_values(body)
+        if values is None:
+            return None
+        calls = [self._checked_call(v) for item in values for v in (item if isinstance(item, list) else [item])]
         if not calls or any(c is None for c in calls):
             return None
         return content, [c for c in calls if c is not None]
@@ -283,6 +277,21 @@ class ToolParser:
                     return at
             at = text.find("`", at + run)
         return None
+
+
+def _json_values(body: str) -> list[Any] | None:
+    """The JSON values ``body`` holds one after another (separated by blanks or ``;``), or None if any is not
+    JSON."""
+    decoder, pos, values = json.JSONDecoder(), 0, []
+    while pos < len(body):
+        try:
+            value, pos = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+        while pos < len(body) and body[pos] in "; \n\t\r":
+            pos += 1
+    return values
 
 
 def _call(obj: Any) -> ParsedCall | None:
@@ -339,22 +348,10 @@ class Llama3JsonToolParser(ToolParser):
         body = text.strip().removeprefix(self.TAG).strip()
         if not body.startswith("{"):
             return text, []
-        calls = []
-        decoder = json.JSONDecoder()
-        pos = 0
-        while pos < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
-                return text, []
-            call = _call(obj)
-            if call is None:
-                return text, []
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in "; \n\t":
-                pos += 1
-        return None, calls
+        calls = [_call(obj) for obj in _json_values(body) or [None]]
+        if any(c is None for c in calls):
+            return text, []
+        return None, [c for c in calls if c is not None]
 
     def streamable(self, text: str) -> int:
         stripped = text.lstrip()
