@@ -111,6 +111,45 @@ def test_int8_activation_gemv_is_the_dequantized_weights_on_the_rounded_input(bl
     assert_matches(y, reference_rounding(x, blocks.activation_block(int(qtype))), reference_weights(qtype, raw))
 
 
+@pytest.fixture
+def gemm_from(blocks):
+    """Sets how many rows of integer activations the panel GEMM starts above (then back to the default)."""
+    default = blocks.gemm_min_rows
+
+    def set_rows(rows: int) -> GGUFBlocks:
+        blocks.gemm_min_rows = rows
+        return blocks
+
+    yield set_rows
+    blocks.gemm_min_rows = default
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 17])
+def test_int8_activation_gemm_is_the_same_function(gemm_from, qtype, m):
+    """The panel GEMM (every row count here; the row kernels where a build has no GEMM): 53 weight rows, so the
+    last panel of 16 is partial, and tiles of 8 rows with a remainder."""
+    blocks = gemm_from(0)
+    n, k = 53, 1280
+    raw = random_blocks(qtype, n, k, seed=10 + m)
+    if qtype == T.Q8_0:  # q = -128 too, which gguf's quantizer never writes but a file may hold
+        raw.reshape(n, -1, 34)[:, ::3, 2:6] = 0x80
+    x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
+    y = blocks.matmul_a8(int(qtype), x, torch.from_numpy(raw))
+    assert_matches(y, reference_rounding(x, blocks.activation_block(int(qtype))), reference_weights(qtype, raw))
+    q, d, sums = blocks.quantize(x, blocks.activation_block(int(qtype)))
+    assert torch.equal(blocks.matmul_q8(int(qtype), q, d, sums, torch.from_numpy(raw)), y)
+
+
+def test_a_nan_row_stays_nan_in_the_gemm_and_leaves_the_others_finite(gemm_from):
+    blocks = gemm_from(0)
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 20, 512))
+    x = torch.randn(11, 512)
+    x[9, 300] = float("nan")
+    y = blocks.matmul_a8(int(T.Q4_K), x, raw)
+    assert y[9].isnan().all() and y[torch.arange(11) != 9].isfinite().all()
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 4, 9])
 def test_float_activation_gemv_is_the_dequantized_weights(blocks, qtype, m):
@@ -143,7 +182,7 @@ def test_gguf_linear_is_one_function_at_every_batch_size(qtype, activation_bits)
     raw = random_blocks(qtype, n, k)
     bias = torch.randn(n)
     layer = GGUFLinear(torch.from_numpy(raw), int(qtype), bias, activation_bits)
-    x = torch.randn(SMALL_BATCH + 4, k)  # above SMALL_BATCH rows: dequantize + the float32 GEMM
+    x = torch.randn(4 * SMALL_BATCH + 4, k)  # the GEMMs: dequantized + float32, or int8 over panels
     batched, rows = layer(x), torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     w, b = layer.dequantized()
     assert torch.equal(w, reference_weights(qtype, raw)) and b is layer.bias

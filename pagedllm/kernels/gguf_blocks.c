@@ -558,6 +558,29 @@ static inline __attribute__((always_inline)) void q32_rows(int type, int mc, con
 #endif
 }
 
+/* more rows of x than this (times gemm_rows_factor) go to the panel GEMM (AVX-512), fewer to the row kernels;
+ * a variable so that tests can run both paths */
+int gguf_gemm_min_rows = 16;
+
+/* 1 where the panel GEMM is built (AVX-512 VNNI); else many rows go through the row kernels, MR at a time */
+int gguf_has_gemm(void) {
+#ifdef GB_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef GB_AVX512
+/* Q6_K's panels cost twice the others' to decode (its top bits put back): the GEMM pays from more rows */
+static int gemm_rows_factor(int type) { return type == Q6_K ? 4 : 1; }
+#endif
+
+#ifdef GB_AVX512
+static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
+                        float *y, int64_t M, int64_t N, int64_t K);
+#endif
+
 /* one weight row against rows m0 .. m0 + mc - 1 (mc a constant in each case: the loops over rows unroll) */
 static inline __attribute__((always_inline)) void dot_rows(int type, int mc, const uint8_t *row, const int8_t *qx,
                                                            const float *dx, const int16_t *bs, int64_t K, float *out) {
@@ -571,6 +594,9 @@ static inline __attribute__((always_inline)) void dot_rows(int type, int mc, con
 int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw, float *y,
                    int64_t M, int64_t N, int64_t K) {
     if (!block_elems(type)) return -1;
+#ifdef GB_AVX512
+    if (M > (int64_t)gguf_gemm_min_rows * gemm_rows_factor(type)) return gguf_gemm_q8(type, qx, dx, bsums, raw, y, M, N, K);
+#endif
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type), ab = act_block(type);
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += COLS) {
@@ -606,6 +632,200 @@ int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *b
     }
     return 0;
 }
+
+#ifdef GB_AVX512
+/* ---- many rows of x: a GEMM over panels of decoded weights --------------------------------------------
+ * Past a few rows the per-row cost of the kernels above (two instructions and a horizontal sum per 64
+ * weights and row) dominates. Here NP = 16 weight rows (output columns) are decoded at a time into a panel
+ * of unsigned bytes laid out for vpdpbusd: word j of column c holds the column's elements 4j .. 4j + 3,
+ * and the 16 columns' words for one j are one vector. A row of x then costs one vpdpbusd (its 4 int8
+ * broadcast to every lane) per 64 products, no horizontal sums, and 4 float operations per group of G
+ * elements (32; 16 for Q6_K) whatever the type: every type is w = s * u - m per column and group, u 0..255
+ * unsigned (Q4_K: s = d sc, m = dmin mn; Q6_K: s = d sc, m = 32 s; Q5_0: s = d, m = 16 d; Q8_0: u = q + 128,
+ * s = d, m = 128 d), so y += dx (s (u . q_x) - m sum(q_x)) per group: the same integer dot products as
+ * above, summed in another float order. */
+#define NP 16  /* columns of a panel: one per int32 lane */
+#define RT 8   /* rows of x per register tile */
+
+static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
+
+static inline uint32_t load32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* column c of a panel: row `row` of W decoded into u (word j at u[j * NP + c]) and s, m (group g at [g * NP + c]) */
+static void pack_column(int type, const uint8_t *row, int64_t K, int c, uint32_t *u, float *s, float *m) {
+    if (type == Q4_K) {
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = row + sb * 144;
+            const float d = f16(b), dmin = f16(b + 2);
+            uint64_t scw, mnw;
+            k4_scales(b + 4, &scw, &mnw);
+            for (int t = 0; t < 8; t++) {
+                s[(sb * 8 + t) * NP + c] = d * (float)((scw >> 8 * t) & 0xFF);
+                m[(sb * 8 + t) * NP + c] = dmin * (float)((mnw >> 8 * t) & 0xFF);
+            }
+            for (int cc = 0; cc < 4; cc++)  /* chunk cc: low nibbles elements 64cc + l, high ones 64cc + 32 + l */
+                for (int j = 0; j < 8; j++) {
+                    const uint32_t w = load32(b + 16 + 32 * cc + 4 * j);
+                    u[(sb * 64 + 16 * cc + j) * NP + c] = w & 0x0F0F0F0Fu;
+                    u[(sb * 64 + 16 * cc + 8 + j) * NP + c] = (w >> 4) & 0x0F0F0F0Fu;
+                }
+        }
+    } else if (type == Q6_K) {
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = row + sb * 210;
+            const float d = f16(b + 208);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            for (int t = 0; t < 16; t++) {
+                s[(sb * 16 + t) * NP + c] = d * (float)sc[t];
+                m[(sb * 16 + t) * NP + c] = 32.f * (d * (float)sc[t]);
+            }
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                uint32_t *o = u + (sb * 64 + 32 * h) * NP + c;  /* word of elements 128h + 4j .. */
+                for (int j = 0; j < 8; j++) {
+                    const uint32_t lo = load32(ql + 4 * j), lo32 = load32(ql + 32 + 4 * j), hi = load32(qh + 4 * j);
+                    o[j * NP] = (lo & 0x0F0F0F0Fu) | ((hi << 4) & 0x30303030u);
+                    o[(8 + j) * NP] = (lo32 & 0x0F0F0F0Fu) | ((hi << 2) & 0x30303030u);
+                    o[(16 + j) * NP] = ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0x30303030u);
+                    o[(24 + j) * NP] = ((lo32 >> 4) & 0x0F0F0F0Fu) | ((hi >> 2) & 0x30303030u);
+                }
+            }
+        }
+    } else {
+        for (int64_t g = 0; g < K / 32; g++) {
+            uint8_t q[32];
+            float d, off;
+            if (type == Q8_0) {
+                const uint8_t *b = row + g * 34;
+                d = f16(b), off = 128.f;
+                for (int j = 0; j < 4; j++) {  /* int8 q + 128 */
+                    uint64_t v;
+                    memcpy(&v, b + 2 + 8 * j, 8);
+                    v ^= 0x8080808080808080ull;
+                    memcpy(q + 8 * j, &v, 8);
+                }
+            } else {  /* Q5_0 */
+                const uint8_t *b = row + g * 22;
+                const uint32_t qh = load32(b + 2);
+                d = f16(b), off = 16.f;
+                for (int h = 0; h < 2; h++) {  /* 8 nibbles a time, each with its fifth bit from qh */
+                    uint64_t lo, nib;
+                    memcpy(&lo, b + 6 + 8 * h, 8);
+                    for (int hi = 0; hi < 2; hi++) {
+                        nib = hi ? (lo >> 4) & 0x0F0F0F0F0F0F0F0Full : lo & 0x0F0F0F0F0F0F0F0Full;
+                        const uint32_t bits = (qh >> (16 * hi + 8 * h)) & 0xFF;
+#ifdef __BMI2__
+                        nib |= _pdep_u64(bits, 0x0101010101010101ull) << 4;
+#else
+                        for (int j = 0; j < 8; j++) nib |= (uint64_t)((bits >> j) & 1) << (8 * j + 4);
+#endif
+                        memcpy(q + 16 * hi + 8 * h, &nib, 8);
+                    }
+                }
+            }
+            s[g * NP + c] = d, m[g * NP + c] = off * d;
+            for (int j = 0; j < 8; j++) u[(g * 8 + j) * NP + c] = load32(q + 4 * j);
+        }
+    }
+}
+
+/* rows m0 .. m0 + rt - 1 of y against one panel (columns n0 .. n0 + nc - 1); x's rows K bytes apart, xs / dg
+ * (sums of q_x and dx per group) ng apart */
+static inline __attribute__((always_inline)) void panel_rows(int rt, int G, int64_t K, int64_t ng, const uint32_t *u,
+                                                             const float *s, const float *m, const int8_t *qx,
+                                                             const float *xs, const float *dg, float *y, int64_t N,
+                                                             __mmask16 mask) {
+    __m512 acc[RT];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i a[RT];
+        for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
+        const uint32_t *ug = u + g * (G / 4) * NP;
+        const int8_t *xg = qx + g * G;
+        for (int j = 0; j < G / 4; j++) {
+            const __m512i w = _mm512_load_si512(ug + j * NP);
+            for (int r = 0; r < rt; r++) {
+                int32_t x4;
+                memcpy(&x4, xg + r * K + 4 * j, 4);
+                a[r] = _mm512_dpbusd_epi32(a[r], w, _mm512_set1_epi32(x4));
+            }
+        }
+        const __m512 sv = _mm512_load_ps(s + g * NP), mv = _mm512_load_ps(m + g * NP);
+        for (int r = 0; r < rt; r++) {
+            const __m512 t = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xs[r * ng + g]), _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sv));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(dg[r * ng + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + r * N, mask, acc[r]);
+}
+
+/* gguf_matmul_q8 for many rows: same products, the float sums in another order */
+static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
+                        float *y, int64_t M, int64_t N, int64_t K) {
+    const int G = group_elems(type), ab = act_block(type);
+    const int64_t ng = K / G, row_bytes = K / block_elems(type) * block_bytes(type);
+    float *xs = malloc(M * ng * sizeof(float) + 64), *dg = malloc(M * ng * sizeof(float) + 64);
+    if (!xs || !dg) {
+        free(xs), free(dg);
+        return -2;
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < ng; g++) {
+            int32_t t = 0;
+            for (int h = 0; h < G / 16; h++) t += bsums[i * (K / 16) + g * (G / 16) + h];
+            xs[i * ng + g] = (float)t;
+            dg[i * ng + g] = dx[i * (K / ab) + g * G / ab];
+        }
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint32_t *u = aligned_alloc(64, (size_t)K / 4 * NP * 4);
+        float *s = aligned_alloc(64, (size_t)ng * NP * 4), *m = aligned_alloc(64, (size_t)ng * NP * 4);
+        if (!u || !s || !m) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NP) {
+            if (!u || !s || !m) continue;
+            const int nc = N - n0 < NP ? (int)(N - n0) : NP;
+            if (nc < NP) memset(u, 0, (size_t)K / 4 * NP * 4), memset(s, 0, ng * NP * 4), memset(m, 0, ng * NP * 4);
+            for (int c = 0; c < nc; c++) pack_column(type, raw + (n0 + c) * row_bytes, K, c, u, s, m);
+            const __mmask16 mask = (__mmask16)((1u << nc) - 1);
+            for (int64_t m0 = 0; m0 < M; m0 += RT) {
+                const int rt = M - m0 < RT ? (int)(M - m0) : RT;
+                const int8_t *q = qx + m0 * K;
+                const float *xsr = xs + m0 * ng, *dgr = dg + m0 * ng;
+                float *yr = y + m0 * N + n0;
+#define TILES(GG)                                                                                        \
+                switch (rt) {                                                                            \
+                    case 8: panel_rows(8, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
+                    case 7: panel_rows(7, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
+                    case 6: panel_rows(6, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
+                    case 5: panel_rows(5, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
+                    case 4: panel_rows(4, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
+                    case 3: panel_rows(3, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
+                    case 2: panel_rows(2, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
+                    default: panel_rows(1, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;         \
+                }
+                if (G == 16) {
+                    TILES(16)
+                } else {
+                    TILES(32)
+                }
+#undef TILES
+            }
+        }
+        free(u), free(s), free(m);
+    }
+    free(xs), free(dg);
+    return failed ? -2 : 0;
+}
+#endif
 
 /* gguf_matmul_q8 from float x: rounds it (per 256 for the K-quants, per 32 for Q8_0 / Q5_0), then the GEMV */
 int gguf_matmul_a8(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K) {

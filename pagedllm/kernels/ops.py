@@ -436,6 +436,21 @@ class GGUFBlocks:
         self._dequantize.argtypes = [c_int, p, p, i64, i64]
         for fn in (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._dequantize):
             fn.restype = c_int
+        self._gemm_min_rows = ctypes.c_int.in_dll(lib, "gguf_gemm_min_rows")
+        lib.gguf_has_gemm.restype = c_int
+        self.has_gemm = bool(lib.gguf_has_gemm())
+        """Whether many rows of integer activations run a GEMM (AVX-512 VNNI builds); else the row kernels,
+        which a float GEMM on a dequantized copy beats from a few dozen rows."""
+
+    @property
+    def gemm_min_rows(self) -> int:
+        """Integer activations of more rows than this run the panel GEMM (on AVX-512 VNNI), fewer the row
+        kernels: the same integer products either way, summed in another float order."""
+        return self._gemm_min_rows.value
+
+    @gemm_min_rows.setter
+    def gemm_min_rows(self, rows: int) -> None:
+        self._gemm_min_rows.value = rows
 
     @staticmethod
     def in_features(qtype: int, raw: torch.Tensor) -> int:
@@ -504,6 +519,8 @@ class GGUFBlocks:
 
 
 def _check_type(rc: int, qtype: int) -> None:
+    if rc == -2:
+        raise MemoryError("gguf_blocks.c could not allocate its working buffers")
     if rc != 0:
         raise ValueError(f"gguf_blocks.c does not read ggml type {qtype}; it reads {sorted(GGUF_BLOCKS)}")
 
