@@ -726,13 +726,14 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
     (call,) = msg.tool_calls
     assert call.function.name == "get_weather"
     _check_call(call)
-    streamed = [
-        d
-        for c in client.chat.completions.create(**kw, stream=True)
-        if c.choices
-        for d in c.choices[0].delta.tool_calls or []
-    ]
-    assert [(d.function.name, d.function.arguments) for d in streamed] == [("get_weather", call.function.arguments)]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    # as vLLM's hermes parser streams: the id and name once, then the arguments in pieces as they are written
+    first, rest = streamed[0], streamed[1:]
+    assert first.id and first.type == "function" and first.function.name == "get_weather" and len(rest) > 3
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    assert "".join(d.function.arguments or "" for d in streamed) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     # a plain answer stays content
     r = client.chat.completions.create(
         model=MODEL, messages=kw["messages"], tools=[WEATHER_TOOL], max_tokens=8, temperature=0

@@ -33,6 +33,38 @@ def test_hermes_extracts_calls_and_keeps_the_content_before_them():
     assert p.streamable("a < b") == len("a < b")
 
 
+def test_hermes_streams_each_tagged_call_as_it_is_written():
+    """Fed the answer a character at a time, stream_calls shows each call once its name is complete, with its
+    arguments' text so far; the pieces add up to what extract() returns for the whole answer, as written."""
+    p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL, TIME_TOOL])
+    text = (
+        'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "S\\"ão}", "unit":"c"}}\n</tool_call>'
+        '<tool_call>{"arguments": {"tz": "CET"}, "name": "get_time"}</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>'
+    )
+    seen: list[list[tuple[str, str]]] = []
+    for i in range(len(text) + 1):
+        now = p.stream_calls(text[:i])
+        for j, (name, args) in enumerate(now):  # a call's name never changes; its arguments only grow
+            if j < len(seen):
+                assert name == seen[j][-1][0] and args.startswith(seen[j][-1][1])
+                seen[j].append((name, args))
+            else:
+                seen.append([(name, args)])
+        assert p.streamable(text[:i]) <= len("Checking.")
+    content, calls = p.extract(text)
+    assert content == "Checking."
+    assert [c.name for c in calls] == ["get_weather", "get_time", "get_time"]
+    assert calls[0].arguments == '{"city": "S\\"ão}", "unit":"c"}'  # as written, not re-serialized
+    assert [s[-1] for s in seen[:2]] == [(c.name, c.arguments) for c in calls[:2]]
+    assert len({a for _, a in seen[0]}) > 10  # the first call's arguments arrived in many pieces
+    # the second call shows up only once its name is complete: with all of its arguments written before it
+    assert seen[1][0] == ("get_time", '{"tz": "CET"}')
+    # arguments written as a JSON string are not streamed (their text is not the arguments): sent at the end
+    assert seen[2][-1] == ("get_time", "") and json.loads(calls[2].arguments) == {"tz": "UTC"}
+    assert p.stream_calls(PARIS) == []  # untagged: a call only once it validates, so never streamed
+
+
 # Qwen2.5-Coder 1.5B and 0.5B, asked by their template for <tool_call> tags, answer with the call as plain JSON
 PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 UNTAGGED = [

@@ -212,6 +212,26 @@ def stream_end(
     return rest, calls, finish
 
 
+def call_pieces(
+    calls: list[tuple[str, str]], sent: list[tuple[str, str]], parallel: bool | None = True
+) -> list[P.DeltaToolCall]:
+    """Tool-call deltas that bring a client from what ``sent`` records (per call: its id and the arguments
+    that went out) to ``calls`` (name, arguments so far): a new call's id, type and name once, then the
+    arguments' new text. ``sent`` is updated. With ``parallel`` False, the first call only. Text already
+    sent cannot be taken back: arguments that no longer begin with it (a tagged call whose JSON turned out
+    malformed) get nothing more."""
+    out = []
+    for i, (name, args) in enumerate(calls[:1] if parallel is False else calls):
+        if i == len(sent):
+            sent.append((f"chatcmpl-tool-{uuid.uuid4().hex}", args))
+            function = {"name": name, "arguments": args}
+            out.append(P.DeltaToolCall(index=i, id=sent[i][0], type="function", function=function))
+        elif len(args) > len(sent[i][1]) and args.startswith(sent[i][1]):
+            out.append(P.DeltaToolCall(index=i, function={"arguments": args[len(sent[i][1]) :]}))
+            sent[i] = (sent[i][0], args)
+    return out
+
+
 async def chat_chunks(
     rid,
     model,
@@ -222,8 +242,10 @@ async def chat_chunks(
     usage_details: bool = False,
 ) -> AsyncIterator[str]:
     """Content deltas as text arrives. With tools: a named function streams its arguments as tool-call
-    deltas; ``auto`` streams the text a call cannot begin in and sends the calls, whole, when the answer
-    ends; ``required`` sends its calls at the end."""
+    deltas; ``auto`` streams the text a call cannot begin in, and each call the parser sees being written
+    (hermes' tagged calls) as it comes: its id and name once, then its arguments in pieces; calls it takes
+    only whole (untagged JSON, which is a call only once its arguments validate) go out when the answer ends,
+    as do ``required``'s."""
     yield sse_event(
         P.ChatCompletionChunk(
             id=rid,
@@ -238,6 +260,7 @@ async def chat_chunks(
     done: set[int] = set()
     named = choice["function"]["name"] if isinstance(choice, dict) else None
     call_ids: dict[int, str] = {}
+    streamed_calls: dict[int, list[tuple[str, str]]] = {}  # per choice: each call's id and arguments sent
     final = None
     async for _, out in merge_streams([stream]):
         for c in out.outputs:
@@ -246,7 +269,13 @@ async def chat_chunks(
             start = sent_text.get(c.index, 0)
             upto = stream_upto(c.text, start, c.finished(), choice, parser)
             delta = c.text[start:upto]
-            if not delta and not c.finished():
+            sent_calls = streamed_calls.setdefault(c.index, [])
+            call_deltas = (
+                call_pieces(parser.stream_calls(c.text), sent_calls, req.parallel_tool_calls)
+                if choice == "auto" and not c.finished()
+                else []
+            )
+            if not delta and not call_deltas and not c.finished():
                 continue
             lp = chat_logprobs(c, req.top_logprobs or 0, sent_tokens.get(c.index, 0)) if req.logprobs else None
             sent_text[c.index], sent_tokens[c.index] = upto, len(c.token_ids)
@@ -265,17 +294,15 @@ async def chat_chunks(
                         )
                     ]
                 )
+            elif call_deltas:
+                message = P.DeltaMessage(content=delta or None, tool_calls=call_deltas)
             elif c.finished() and choice in ("auto", "required"):
                 rest, calls, finish = stream_end(
                     c.text, start, c.finish_reason, choice, parser, req.parallel_tool_calls
                 )
                 message = P.DeltaMessage(
                     content=rest or None,
-                    tool_calls=[
-                        P.DeltaToolCall(index=i, id=x["id"], type="function", function=x["function"])
-                        for i, x in enumerate(call.to_openai() for call in calls)
-                    ]
-                    or None,
+                    tool_calls=call_pieces([(x.name, x.arguments) for x in calls], sent_calls, True) or None,
                 )
             if c.finished():
                 done.add(c.index)

@@ -208,6 +208,11 @@ class ToolParser:
     def streamable(self, text: str) -> int:
         raise NotImplementedError
 
+    def stream_calls(self, text: str) -> list[tuple[str, str]]:
+        """The calls a partial answer shows so far, as (name, arguments' text so far), for streaming them as
+        they are written; a parser whose calls go out whole at the end returns none."""
+        return []
+
     # -- calls written without the model's own format ------------------------------------------------------------
     def untagged_calls(self, text: str) -> tuple[str | None, list[ParsedCall]] | None:
         """(content, calls) when the answer is, instead of the model's format, tool calls written as plain JSON:
@@ -294,6 +299,94 @@ def _json_values(body: str) -> list[Any] | None:
     return values
 
 
+def _string_end(s: str, i: int) -> int | None:
+    """The end of the JSON string that opens at ``s[i]`` (a quote), or None if ``s`` ends inside it."""
+    j = i + 1
+    while j < len(s):
+        if s[j] == "\\":
+            j += 2
+        elif s[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def _value_end(s: str, i: int) -> int | None:
+    """The end of the JSON value that begins at ``s[i]``, or None if ``s`` ends inside it (not validated: the
+    whole text is parsed by json once complete)."""
+    if s[i] == '"':
+        return _string_end(s, i)
+    if s[i] in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            c = s[j]
+            if c == '"':
+                end = _string_end(s, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(s) and s[j] not in ",}] \n\t\r":
+        j += 1
+    return j if j < len(s) else None  # a number or literal may still grow
+
+
+@dataclass(frozen=True, slots=True)
+class CallScan:
+    """What a call object written so far (``{"name": ..., "arguments": {...}}``, perhaps cut short) shows."""
+
+    name: str | None  # the name, once its string is complete
+    arguments: str | None  # the arguments object's text so far, as written (None before it starts)
+    complete: bool  # the arguments object is closed
+
+
+def scan_call(body: str) -> CallScan:
+    """Reads a call object's keys as far as ``body`` goes, without needing it to be complete."""
+    name = args = None
+    complete = False
+    i = len(body) - len(body.lstrip())
+    if not body[i:].startswith("{"):
+        return CallScan(None, None, False)
+    i += 1
+    while True:
+        i += len(body[i:]) - len(body[i:].lstrip())
+        if i >= len(body) or body[i] != '"':
+            break
+        key_end = _string_end(body, i)
+        if key_end is None:
+            break
+        key = json.loads(body[i:key_end])
+        i = key_end + len(body[key_end:]) - len(body[key_end:].lstrip())
+        if not body[i:].startswith(":"):
+            break
+        i += 1
+        i += len(body[i:]) - len(body[i:].lstrip())
+        if i >= len(body):
+            break
+        end = _value_end(body, i)
+        if key == "name" and end is not None and body[i] == '"':
+            name = json.loads(body[i:end])
+        elif key in ("arguments", "parameters") and body[i] == "{":
+            args, complete = body[i : end if end is not None else len(body)], end is not None
+        if end is None:
+            break
+        i = end + len(body[end:]) - len(body[end:].lstrip())
+        if not body[i:].startswith(","):
+            break
+        i += 1
+    return CallScan(name, args, complete)
+
+
 def _call(obj: Any) -> ParsedCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -323,9 +416,24 @@ class HermesToolParser(ToolParser):
                 call = None
             if call is None:  # not a well-formed call: leave the text as it is
                 return text, []
+            scan = scan_call(body)
+            if scan.complete and scan.arguments is not None:  # the arguments as the model wrote them, which is
+                call.arguments = scan.arguments  # what streaming sent piece by piece
             calls.append(call)
         content = text[: text.index(self.OPEN)].strip()
         return content or None, calls
+
+    def stream_calls(self, text: str) -> list[tuple[str, str]]:
+        """The tagged calls of a partial answer so far, each (name, its arguments' text so far) once the name
+        is complete: a call streams as it is written. Untagged calls go out whole at the end instead, being
+        calls only once their arguments validate."""
+        calls = []
+        for body in self._BLOCK.findall(text):
+            scan = scan_call(body)
+            if scan.name is None:
+                break
+            calls.append((scan.name, scan.arguments or ""))
+        return calls
 
     def streamable(self, text: str) -> int:
         at = text.find(self.OPEN)
