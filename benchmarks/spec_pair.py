@@ -2,7 +2,7 @@
 
     python benchmarks/spec_pair.py [--target qwen2.5-coder-1.5b-instruct-q4_k_m] \\
         [--draft qwen2.5-coder-0.5b-instruct] [--ks 2,4,6] [--ngram-k 4] [--max-tokens 192] \\
-        [--quantization gguf] [--draft-quantization gguf]
+        [--quantization gguf] [--draft-quantization gguf] [--backoff-by-cost on|off|both]
 
 One stream, greedy, three workloads (chat prompts through the target's template):
 
@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--quantization", default=None, help="the target's, e.g. gguf (default: the file's own blocks)")
     ap.add_argument("--draft-quantization", default=None, help="speculative_config.quantization, e.g. gguf")
+    ap.add_argument(
+        "--backoff-by-cost",
+        choices=("on", "off", "both"),
+        default="on",
+        help="speculative_config.backoff_by_cost of every speculative run; both: each run with it and without",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
     target, draft = resolve(args.target), resolve(args.draft)
@@ -121,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         configs[f"draft k={k}"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
         if args.draft_quantization:
             configs[f"draft k={k}"]["quantization"] = args.draft_quantization
+    if args.backoff_by_cost != "on":
+        for name in [n for n, spec in configs.items() if spec is not None]:
+            spec = configs.pop(name)
+            assert spec is not None
+            if args.backoff_by_cost == "both":
+                configs[name] = spec
+            configs[f"{name} no-cost"] = {**spec, "backoff_by_cost": False}
 
     started = time.perf_counter()
     results = {name: _run(target, spec, args.max_tokens, args.quantization) for name, spec in configs.items()}
@@ -134,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {},
     }
     print(
-        f"{'config':12} {'workload':11} {'tokens':>6} {'tok/s':>7} {'speed-up':>8} {'same':>5} {'accept':>6} {'len':>5}"
+        f"{'config':20} {'workload':11} {'tokens':>6} {'tok/s':>7} {'speed-up':>8} {'same':>5} {'accept':>6} {'len':>5}"
     )
     for name, res in results.items():
         report["runs"][name] = {}
@@ -153,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             acc = f"{row['acceptance_rate']:.2f}" if row["acceptance_rate"] is not None else "-"
             mal = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] is not None else "-"
             print(
-                f"{name:12} {work:11} {row['tokens']:6d} {row['decode_tok_s']:7.2f} {row['speedup']:7.2f}x "
+                f"{name:20} {work:11} {row['tokens']:6d} {row['decode_tok_s']:7.2f} {row['speedup']:7.2f}x "
                 f"{row['identical_to_off']!s:>5} {acc:>6} {mal:>5}"
             )
     report["seconds"] = round(time.perf_counter() - started, 1)

@@ -19,6 +19,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sample import Sampler, SamplingBatch
 from pagedllm.sample.rejection import verify
+from pagedllm.spec_decode.gate import CostGate
 from pagedllm.spec_decode.ngram import find_continuation
 
 SELF_INT8 = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
@@ -183,11 +184,68 @@ def test_backoff_stops_drafting_when_nothing_is_accepted(tiny_model_factory):
                 "model": str(draft),
                 "num_speculative_tokens": 2,
                 "backoff_after_rejections": backoff,
+                "backoff_by_cost": False,  # the rejection back-off alone: this machine's speed plays no part
             },
         )
         llm.generate(["The river town"], params, use_tqdm=False)
         counts[backoff] = _spec_stats(llm).num_drafts
     assert counts[2] < counts[0] / 2
+
+
+def _run_gate(gate: CostGate, speedup, steps: int, noise: float = 0.0, seed: int = 0) -> float:
+    """Tokens per second over ``steps`` decode steps steered by ``gate``: a plain step emits 1 token in 1 s, a
+    drafting one 2 tokens at ``speedup(step)`` times that rate; times jitter by +-``noise``."""
+    rng = np.random.default_rng(seed)
+    tokens = seconds = 0.0
+    for i in range(steps):
+        drafting = gate.allow()
+        n, t = (2.0, 2.0 / speedup(i)) if drafting else (1.0, 1.0)
+        t *= 1 + noise * rng.uniform(-1, 1)
+        gate.record(drafting, n, t)
+        tokens, seconds = tokens + n, seconds + t
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("speedup", [0.3, 0.8, 0.93, 1.1, 1.6, 3.0])
+def test_the_cost_gate_keeps_the_faster_of_drafting_and_plain_decoding(speedup):
+    """Whether drafting pays or not, and with 20 % jitter in every step's time, the gate runs within 5 % of
+    the faster mode: slower drafting costs only its short probes between ever longer pauses."""
+    rate = _run_gate(CostGate(), lambda i: speedup, 3000, noise=0.2)
+    assert rate >= 0.95 * max(1.0, speedup)
+
+
+def test_the_cost_gate_resumes_drafting_once_it_pays_again():
+    gate = CostGate()
+    _run_gate(gate, lambda i: 0.5, 2000)
+    assert gate.pause == gate.max_pause  # drafting that never pays: paused as long as the gate pauses
+    assert _run_gate(gate, lambda i: 2.0, 2000) >= 0.9 * 2.0  # a copy-heavy stretch: back to drafting
+    _run_gate(gate, lambda i: 0.5, 2000)
+    gate.restart()  # a request at an idle engine: drafting is measured again at once, not after the pause
+    assert [gate.allow() for _ in range(gate.probe)] == [True] * gate.probe
+
+
+def _slowed(record, factor: float):
+    """A gate's record() that sees drafting steps take ``factor`` times their time."""
+    return lambda drafting, tokens, seconds: record(drafting, tokens, seconds * (factor if drafting else 1))
+
+
+def test_cost_backoff_keeps_drafts_that_do_not_pay_out_and_changes_no_token(tiny_dir):
+    """Drafting made to look 50x slower than it is: the gate keeps drafts out of most steps, and the tokens
+    are those of the engine without speculation."""
+    kw = {"max_model_len": 256, "num_gpu_blocks_override": 128}
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    want = _generate(LLM(str(tiny_dir), **kw), [COPY], params)
+    drafts = {}
+    for by_cost in (False, True):
+        llm = LLM(str(tiny_dir), speculative_config={**SELF_INT8, "backoff_by_cost": by_cost}, **kw)
+        gate = llm.llm_engine.core.runner.cost_gate
+        if by_cost:
+            gate.record = _slowed(gate.record, 50)
+        else:
+            assert gate is None
+        assert _generate(llm, [COPY], params) == want
+        drafts[by_cost] = _spec_stats(llm).num_drafts
+    assert gate.paused_steps > 20 and 0 < drafts[True] < drafts[False] / 2
 
 
 def test_disable_by_batch_size(tiny_dir):
@@ -326,6 +384,7 @@ def test_find_continuation_longest_then_most_recent():
         ({"method": "medusa", "num_speculative_tokens": 2, "model": "/x", "quantization": "int8"}, "quantization"),
         ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
         ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "backoff_by_cost": "yes"}, "backoff_by_cost"),
         ("{not json", "speculative_config"),
     ],
 )

@@ -55,7 +55,14 @@ def heads(targets, tmp_path_factory):
 
 
 def _spec(method: str, head, k: int = 3) -> dict:
-    return {"method": method, "model": str(head), "num_speculative_tokens": k, "backoff_after_rejections": 0}
+    """Drafting at every step, whether drafts are accepted and whatever this machine's speed says they cost."""
+    return {
+        "method": method,
+        "model": str(head),
+        "num_speculative_tokens": k,
+        "backoff_after_rejections": 0,
+        "backoff_by_cost": False,
+    }
 
 
 SETTINGS = {

@@ -29,6 +29,8 @@ class SpeculativeConfig:
     # back-off: a request whose drafts were all rejected this many times in a row pauses drafting
     # (1, 2, 4, ... steps, doubling while it keeps failing); 0 turns the back-off off
     backoff_after_rejections: int = 2
+    # back-off by cost: drafting pauses while decode steps without it emit tokens faster (spec_decode/gate.py)
+    backoff_by_cost: bool = True
 
     @staticmethod
     def from_dict(raw: Any) -> SpeculativeConfig:
@@ -75,6 +77,8 @@ class SpeculativeConfig:
             raise bad(f"must be an integer >= 1, got {cfg.disable_by_batch_size!r}", "disable_by_batch_size")
         if not isinstance(cfg.backoff_after_rejections, int) or cfg.backoff_after_rejections < 0:
             raise bad(f"must be an integer >= 0, got {cfg.backoff_after_rejections!r}", "backoff_after_rejections")
+        if not isinstance(cfg.backoff_by_cost, bool):
+            raise bad(f"must be true or false, got {cfg.backoff_by_cost!r}", "backoff_by_cost")
         if cfg.method == "ngram" and (cfg.model or cfg.quantization):
             raise bad("does not apply to method 'ngram'", "model" if cfg.model else "quantization")
         if cfg.quantization not in (None, *DRAFT_QUANTIZATIONS):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pagedllm.lora.manager import LoRAManager
     from pagedllm.models.llama import LlamaForCausalLM
     from pagedllm.spec_decode.config import SpeculativeConfig
+    from pagedllm.spec_decode.gate import CostGate
     from pagedllm.spec_decode.proposer import Proposer
 
 logger = logging.getLogger("pagedllm")
@@ -93,6 +94,11 @@ class ModelRunner:
         self.processed_logprobs = processed_logprobs
         self.proposer = proposer
         self.spec_config = spec_config
+        self.cost_gate: CostGate | None = None
+        if proposer is not None and spec_config is not None and spec_config.backoff_by_cost:
+            from pagedllm.spec_decode.gate import CostGate
+
+            self.cost_gate = CostGate()
         self.max_model_len = max_model_len or (1 << 62)
 
     @property
@@ -161,6 +167,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.cost_gate is None:
+            return self._execute_model(so)
+        if so.new_reqs and set(self.states) <= set(so.finished_req_ids):  # new work at an idle engine
+            self.cost_gate.restart()
+        t0 = self.cost_gate.clock()
+        out = self._execute_model(so)
+        spec, num = so.scheduled_spec_tokens, so.num_scheduled_tokens
+        # a decode step that verified drafts and proposed more, or did neither; not one with a prompt chunk,
+        # nor one between the two modes
+        decode = bool(out.sampled) and all(n == 1 + len(spec.get(r, ())) for r, n in num.items())
+        if decode and bool(spec) == bool(out.spec_token_ids):
+            tokens = sum(len(t) for t in out.sampled.values()) / len(out.sampled)
+            self.cost_gate.record(bool(spec), tokens, self.cost_gate.clock() - t0)
+        return out
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.kv_connector_meta:  # saves out of blocks this step may overwrite, then loads: before all else
             assert self.kv_connector is not None, "the scheduler sends connector work only with a KV tier"
@@ -376,6 +398,10 @@ class ModelRunner:
         cfg, proposer = self.spec_config, self.proposer
         assert cfg is not None and proposer is not None, "a runner with a proposer has its speculative config"
         busy = cfg.disable_by_batch_size is not None and len(order) > cfg.disable_by_batch_size
+        if not busy and self.cost_gate is not None and not self.cost_gate.allow():
+            if cfg.method in ("ngram", "draft_model"):  # nothing to keep level: a draft model's KV catches up
+                return {}  # in one pass when drafting resumes
+            busy = True  # a head reads every step's hidden states: it runs, drafting nothing
         want: dict[str, int] = {}
         for rid in sampled:
             st = self.states[rid]
