@@ -15,7 +15,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import Int8Linear, QuantizedEmbedding
 
-from utils import GreedyResult, check_greedy_close
+from utils import GreedyResult, benchmark_module, check_greedy_close
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,3 +126,45 @@ def test_qwen_0_5b_k_quant_blocks_convert_exactly(qwen_0_5b: Path) -> None:
         widen = k.int4_dequantize if layout == "int4" else k.int8_dequantize_g16 if g16 else k.int8_dequantize
         assert torch.equal(widen(q, scales, mins), in_place), name
     assert seen == {"Q4_K", "Q6_K"}
+
+
+@pytest.mark.slow
+def test_qwen_0_5b_extracts_schema_valid_records_that_the_grammar_does_not_cut(qwen_0_5b: Path) -> None:
+    """Structured outputs on the real model (benchmarks/structured_extraction.py's schema and paragraphs): under
+    the schema's grammar each answer is a record valid against it, ended by the model, not by max_tokens, and
+    it names the paragraph's person."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    bench = benchmark_module("structured_extraction")
+    llm = LLM(str(qwen_0_5b), max_model_len=1024, max_num_seqs=4)
+    records = bench.RECORDS[:3]
+    sp = SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=bench.SCHEMA))
+    outs = llm.chat(
+        [[{"role": "user", "content": bench.INSTRUCTION + text}] for text, _ in records], sp, use_tqdm=False
+    )
+    for out, (_, facts) in zip(outs, records, strict=True):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        got = bench.score(c.text, facts)
+        assert got["valid"], c.text
+        assert json.loads(c.text)["name"] == facts["name"]
+
+
+@pytest.mark.slow
+def test_qwen_0_5b_takes_its_whole_context_and_names_the_limit_where_memory_does_not_allow_it(qwen_0_5b: Path) -> None:
+    """max_model_len up to the model's own 32,768: the KV cache is sized for it (benchmarks/long_context.py runs
+    30,720-token prompts on the 1.5B); with too little KV memory, or past the model's context, a start-up error
+    names the field."""
+    from pagedllm.errors import InvalidParameterError
+
+    llm = LLM(str(qwen_0_5b), max_model_len=32768, max_num_seqs=1, kv_cache_dtype="bfloat16")
+    engine = llm.llm_engine
+    assert engine.max_model_len == 32768 and engine.num_blocks * 16 >= 32768
+    out = llm.generate(["def reverse(s):"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    del llm, engine
+    with pytest.raises(InvalidParameterError, match=r"max_model_len=32768 is larger than the KV cache can hold") as e:
+        LLM(str(qwen_0_5b), max_model_len=32768, kv_cache_memory=64 * 2**20)
+    assert e.value.param == "max_model_len"
+    with pytest.raises(InvalidParameterError, match=r"exceeds the model's max_position_embeddings \(32768\)"):
+        LLM(str(qwen_0_5b), max_model_len=65536)

@@ -571,3 +571,17 @@ def real_models_module() -> Any:
     sys.modules["real_models"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def benchmark_module(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (it imports ``real_models`` as its neighbour)."""
+    import importlib.util
+
+    if "real_models" not in sys.modules:
+        real_models_module()
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
