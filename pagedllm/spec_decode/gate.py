@@ -30,7 +30,10 @@ class CostGate:
     ):
         self.probe, self.max_pause, self.budget, self.alpha, self.clock = probe, max_pause, budget, alpha, clock
         self.rate: dict[bool, float | None] = {True: None, False: None}  # drafting? -> tokens / request / s
+        self.last_spec: float | None = None  # drafting's rate when the last pause began
+        self.per_step = 1.0  # tokens a drafting step emits per request (weighted average)
         self.fresh = 0  # drafting steps measured since the last pause
+        self.weight: float | None = None  # the next drafting sample's weight, where not alpha
         self.pause = 0  # the last pause's length, in steps
         self.left = 0  # steps left in the current pause
         self.paused_steps = 0  # all steps the gate has kept drafts out of (for tests and metrics)
@@ -47,8 +50,10 @@ class CostGate:
         if plain is None:  # drafting has been measured, plain decoding not yet: measure it
             self._pause(self.probe)
             self.rate[True] = spec  # nothing to measure afresh: it was measured just now
-        elif spec < plain:  # a probe of `probe` steps loses probe * (plain / spec - 1) steps' time
-            worth = math.ceil(self.probe * (plain / spec - 1) / self.budget)
+        elif spec < plain:
+            # a probe of `probe` drafting steps emits probe * per_step tokens, each plain / spec - 1 plain
+            # steps' time slower than plain decoding would: the pause makes that `budget` of it
+            worth = math.ceil(self.probe * self.per_step * (plain / spec - 1) / self.budget)
             self._pause(min(max(self.probe, 2 * self.pause, worth), self.max_pause))
         else:
             self.pause = 0
@@ -58,14 +63,18 @@ class CostGate:
         return False
 
     def restart(self) -> None:
-        """A new request at an idle engine: drafting is measured afresh at once (the plain rate is kept)."""
-        self.left = self.pause = self.fresh = 0
-        self.rate[True] = None
+        """A request at an idle engine. Its text is new, so its first drafting step weighs as much as everything
+        measured before it, and decides at once; the plain rate is kept."""
+        self.left = self.pause = 0
+        if self.last_spec is not None and self.rate[True] is None:
+            self.rate[True] = self.last_spec
+        self.fresh = self.probe - 1 if self.rate[True] is not None else 0
+        self.weight = 1.0 if self.rate[True] is not None else None
 
     def _pause(self, steps: int) -> None:
         self.pause = self.left = steps
         self.fresh = 0
-        self.rate[True] = None  # measured afresh after the pause
+        self.last_spec, self.rate[True] = self.rate[True], None  # measured afresh after the pause
 
     def record(self, drafting: bool, tokens_per_request: float, seconds: float) -> None:
         """A decode step's outcome: whether it drafted, tokens emitted per request, its time."""
@@ -73,6 +82,9 @@ class CostGate:
             return
         rate = tokens_per_request / seconds
         old = self.rate[drafting]
-        self.rate[drafting] = rate if old is None else old + self.alpha * (rate - old)
+        alpha = self.alpha
         if drafting:
             self.fresh += 1
+            self.per_step += self.alpha * (tokens_per_request - self.per_step)
+            alpha, self.weight = self.weight or alpha, None
+        self.rate[drafting] = rate if old is None else old + alpha * (rate - old)

@@ -174,10 +174,11 @@ class ModelRunner:
         t0 = self.cost_gate.clock()
         out = self._execute_model(so)
         spec, num = so.scheduled_spec_tokens, so.num_scheduled_tokens
-        # a decode step that verified drafts and proposed more, or did neither; not one with a prompt chunk,
-        # nor one between the two modes
+        # a decode step that verified drafts (n-gram proposes only where its lookup finds a match, so a drafting
+        # step need not propose again), or one that did neither; not one with a prompt chunk, nor one that only
+        # proposes (the first after a pause: a draft model's catch-up)
         decode = bool(out.sampled) and all(n == 1 + len(spec.get(r, ())) for r, n in num.items())
-        if decode and bool(spec) == bool(out.spec_token_ids):
+        if decode and (spec or not out.spec_token_ids):
             tokens = sum(len(t) for t in out.sampled.values()) / len(out.sampled)
             self.cost_gate.record(bool(spec), tokens, self.cost_gate.clock() - t0)
         return out
