@@ -22,14 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from real_models import resolve, write_report  # beside this script: the folder is on sys.path when it runs
+from _servers import start  # beside this script: the folder is on sys.path when it runs
+from real_models import resolve, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = 32768
@@ -113,12 +113,6 @@ def _pagedllm_child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=3600) as r:
@@ -126,24 +120,13 @@ def _post(url: str, body: dict) -> dict:
 
 
 def _llama_server(binary: str, model: str, args: argparse.Namespace, work: dict) -> dict:
-    port = _free_port()
-    cmd = [binary, "-m", model, "-c", str(CONTEXT), "-np", "1", "-t", str(args.threads), "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [binary, "-m", model, "-c", str(CONTEXT), "-np", "1", "-t", str(args.threads)]
     out: dict = {"command": " ".join(cmd[:1] + cmd[3:]), "depths": {}, "questions": []}
+    t0 = time.perf_counter()
+    proc, base_url = start(cmd)  # on a free port, once /health answers
+    out["ready_s"] = time.perf_counter() - t0
     try:
-        t0 = time.perf_counter()
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.perf_counter() - t0 > 300:
-                raise SystemExit(f"llama-server did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
-        out["ready_s"] = time.perf_counter() - t0
-        url = f"http://127.0.0.1:{port}/completion"
+        url = f"{base_url}/completion"
         base = {"n_predict": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         for d, ids in work["depths"].items():
             t = _post(url, {**base, "prompt": ids, "cache_prompt": False})["timings"]

@@ -574,9 +574,7 @@ int gguf_has_gemm(void) {
 #ifdef GB_AVX512
 /* Q6_K's panels cost twice the others' to decode (its top bits put back): the GEMM pays from more rows */
 static int gemm_rows_factor(int type) { return type == Q6_K ? 4 : 1; }
-#endif
 
-#ifdef GB_AVX512
 static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
                         float *y, int64_t M, int64_t N, int64_t K);
 #endif

@@ -3,19 +3,20 @@
 The rejection back-off (``backoff_after_rejections``) pauses a request whose drafts keep failing. It cannot see a
 draft that is accepted yet does not pay: on a CPU a draft model's own passes (a 0.5B drafting for a 1.5B reads
 a 136M-weight head per drafted token) and the target's k + 1 verification rows can cost more than the tokens
-they save. So the runner times its decode steps, each of them either drafting (it verifies drafts and proposes
-more) or plain (neither), and this gate compares the two rates: tokens emitted per request per second, each an
+they save. So the runner times its decode steps, each of them either drafting (it verified drafts) or plain (it neither
+verified nor proposed any), and this gate compares the two rates: tokens emitted per request per second, each an
 exponentially weighted average, drafting's begun afresh after every pause (what paid before a pause says little
 about the text after it). While drafting is the slower, it pauses, then drafts ``probe`` steps to measure it
-again. A pause is long enough that its probe costs at most ``budget`` of it (a draft at 0.3x the plain rate
-pauses 466 steps after 4 drafting ones), and twice the last one while drafting keeps losing, up to
-``max_pause`` steps: drafting at 0.3x costs 3.5 % over a long answer, a draft near break-even little more.
-When drafting pays again (a copy-heavy stretch of the answer) the pauses end; and a request that arrives at an
-idle engine starts afresh (:meth:`restart`), its text being new.
+again. A pause is long enough that its probe costs at most ``budget`` of it (the probe's tokens, ``probe``
+times the tokens a drafting step emits, each at the plain rate's loss), and twice the last one while drafting
+keeps losing, up to ``max_pause`` steps: drafting at 0.3x costs under 4 % over a long answer, a draft near
+break-even little more. When drafting pays again (a copy-heavy stretch of the answer) the pauses end; and a
+request that arrives at an idle engine (:meth:`restart`), its text being new, is judged by its first drafting
+step alone.
 
-Until both rates are known the gate measures: ``probe`` drafting steps, then ``probe`` plain ones. Steps with a
-prompt chunk in them, and the steps between modes, are not counted. Greedy outputs do not depend on the gate
-(drafts never change the tokens), sampled ones follow the target's distribution either way.
+Until drafting has been measured once, the gate measures: ``probe`` drafting steps, then ``probe`` plain ones.
+Steps with a prompt chunk in them, and the steps that only propose, are not counted. Greedy outputs do not
+depend on the gate (drafts never change the tokens), sampled ones follow the target's distribution either way.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ class CostGate:
     ):
         self.probe, self.max_pause, self.budget, self.alpha, self.clock = probe, max_pause, budget, alpha, clock
         self.rate: dict[bool, float | None] = {True: None, False: None}  # drafting? -> tokens / request / s
-        self.last_spec: float | None = None  # drafting's rate when the last pause began
+        self.measured = False  # a drafting step has been timed
         self.per_step = 1.0  # tokens a drafting step emits per request (weighted average)
         self.fresh = 0  # drafting steps measured since the last pause
-        self.weight: float | None = None  # the next drafting sample's weight, where not alpha
         self.pause = 0  # the last pause's length, in steps
         self.left = 0  # steps left in the current pause
-        self.paused_steps = 0  # all steps the gate has kept drafts out of (for tests and metrics)
+        self.paused_steps = 0  # all steps the gate has kept drafts out of (tests read it)
 
     def allow(self) -> bool:
         """Whether the coming step may draft: asked once per step that would."""
@@ -63,18 +63,16 @@ class CostGate:
         return False
 
     def restart(self) -> None:
-        """A request at an idle engine. Its text is new, so its first drafting step weighs as much as everything
-        measured before it, and decides at once; the plain rate is kept."""
+        """A request at an idle engine. Its text is new: where drafting has been timed before, its first
+        drafting step alone decides; the plain rate is kept."""
         self.left = self.pause = 0
-        if self.last_spec is not None and self.rate[True] is None:
-            self.rate[True] = self.last_spec
-        self.fresh = self.probe - 1 if self.rate[True] is not None else 0
-        self.weight = 1.0 if self.rate[True] is not None else None
+        self.rate[True] = None
+        self.fresh = self.probe - 1 if self.measured else 0
 
     def _pause(self, steps: int) -> None:
         self.pause = self.left = steps
         self.fresh = 0
-        self.last_spec, self.rate[True] = self.rate[True], None  # measured afresh after the pause
+        self.rate[True] = None  # measured afresh after the pause
 
     def record(self, drafting: bool, tokens_per_request: float, seconds: float) -> None:
         """A decode step's outcome: whether it drafted, tokens emitted per request, its time."""
@@ -82,9 +80,8 @@ class CostGate:
             return
         rate = tokens_per_request / seconds
         old = self.rate[drafting]
-        alpha = self.alpha
         if drafting:
             self.fresh += 1
+            self.measured = True
             self.per_step += self.alpha * (tokens_per_request - self.per_step)
-            alpha, self.weight = self.weight or alpha, None
-        self.rate[drafting] = rate if old is None else old + alpha * (rate - old)
+        self.rate[drafting] = rate if old is None else old + self.alpha * (rate - old)

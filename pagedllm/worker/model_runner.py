@@ -23,6 +23,7 @@ from pagedllm.sample import Penalties, Sampler, SamplingBatch
 from pagedllm.sample.rejection import verify
 from pagedllm.sample.sampler import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.config import HEADS
 from pagedllm.spec_decode.proposer import ProposeContext
 from pagedllm.worker.batch import Segment, build_batch
 from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
@@ -400,8 +401,8 @@ class ModelRunner:
         assert cfg is not None and proposer is not None, "a runner with a proposer has its speculative config"
         busy = cfg.disable_by_batch_size is not None and len(order) > cfg.disable_by_batch_size
         if not busy and self.cost_gate is not None and not self.cost_gate.allow():
-            if cfg.method in ("ngram", "draft_model"):  # nothing to keep level: a draft model's KV catches up
-                return {}  # in one pass when drafting resumes
+            if cfg.method not in HEADS:  # nothing to keep level: a draft model's KV catches up in one pass
+                return {}  # when drafting resumes
             busy = True  # a head reads every step's hidden states: it runs, drafting nothing
         want: dict[str, int] = {}
         for rid in sampled:
