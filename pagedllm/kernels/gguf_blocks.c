@@ -35,8 +35,8 @@
  * dequantized into a buffer on the stack as gguf_dequantize does it, bit for bit, then multiplied with
  * FMAs: the float32 function of the dequantized weights up to summation order.
  *
- * Weight rows are split across OpenMP threads, COLS at a time; rows of x (at most 4 at once) share
- * each decoded super-block.
+ * Weight rows are split across OpenMP threads, COLS at a time; rows of x (up to 6 at once: a verification
+ * step of speculative decoding with k = 5) share each decoded super-block.
  */
 #include <math.h>
 #include <omp.h>
@@ -55,7 +55,7 @@ enum { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 #define QK 256   /* elements of a K-quant super-block, and of a chunk the float path dequantizes */
 #define COLS 16  /* weight rows a thread takes at a time */
-#define MR 4     /* rows of x sharing each decoded super-block */
+#define MR 6     /* rows of x sharing each decoded super-block */
 
 static int block_elems(int type) { return type == Q4_K || type == Q6_K ? 256 : type == Q8_0 || type == Q5_0 ? 32 : 0; }
 
@@ -609,6 +609,8 @@ int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *b
                 float out[MR];
 #define ROWS_CASES(T)                                                    \
                 switch (mc) {                                            \
+                    case 6: dot_rows(T, 6, row, q, d, bs, K, out); break; \
+                    case 5: dot_rows(T, 5, row, q, d, bs, K, out); break; \
                     case 4: dot_rows(T, 4, row, q, d, bs, K, out); break; \
                     case 3: dot_rows(T, 3, row, q, d, bs, K, out); break; \
                     case 2: dot_rows(T, 2, row, q, d, bs, K, out); break; \
@@ -854,7 +856,7 @@ int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int6
             const uint8_t *row = raw + n * row_bytes;
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 const int64_t mc = M - m0 < MR ? M - m0 : MR;
-                float tot[MR] = {0.f, 0.f, 0.f, 0.f};
+                float tot[MR] = {0.f};
                 for (int64_t c = 0; c < chunks; c++) {
                     float w[QK] __attribute__((aligned(64)));
                     dequant_chunk(type, row, c, K, w);
