@@ -432,6 +432,29 @@ def test_a_gguf_mode_for_a_draft_that_is_no_gguf_is_refused_at_startup(tiny_mode
         )
 
 
+def _draft_activation_bits(llm: LLM) -> int | None:
+    return llm.llm_engine.core.executor.worker.draft.layers[0].mlp.down_proj.activation_bits
+
+
+def test_a_gguf_draft_runs_its_fastest_arithmetic_in_the_c_decode_loop_and_changes_no_token():
+    """A draft's arithmetic never reaches the output (the target verifies every token), so a GGUF draft, here the
+    embedded model drafting for itself, defaults to int8 activations ("gguf") whatever the target runs, and its
+    one-token passes run in the C decode loop like the target's decodes; the greedy tokens are those without
+    speculation. An explicit speculative_config.quantization still decides."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = ["The capital of France is", COPY]
+    plain = [o.outputs[0].token_ids for o in LLM(max_model_len=256).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "backoff_by_cost": False}
+    llm = LLM(max_model_len=256, speculative_config=spec)
+    assert _draft_activation_bits(llm) == 8
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    draft = llm.llm_engine.core.executor.worker.draft
+    assert draft.fused_decode is not None and draft.fused_decode.steps > 10
+    assert _spec_stats(llm).num_drafts > 0
+    exact = LLM(max_model_len=256, speculative_config={**spec, "quantization": "gguf-exact"})
+    assert _draft_activation_bits(exact) is None
+
+
 def test_server_flag_and_metrics(tiny_dir):
     """`pagedllm serve --speculative-config JSON`: same completion as without, counters on /metrics."""
     import json

@@ -111,14 +111,12 @@ class Worker:
         if self.encoder:
             return 0, self.stages  # no KV cache: attention sees only the sequence itself
         lm = self._lm
-        if self.device.type == "cpu" and not mc.enforce_eager and hasattr(lm, "fused_decode"):
-            from pagedllm.models.fused_decode import FusedDecode
-
-            lm.fused_decode = FusedDecode(lm)
+        self._fuse_decode(lm)
         spec = self.config.speculative_config
         if spec is not None and spec.method != "ngram":
             with timed_stage(self.stages, "draft_model"):
                 self.draft = self._load_draft_model(spec, lm)
+            self._fuse_decode(self.draft)  # a draft model's one-token passes are decode steps too
         with timed_stage(self.stages, "kv_cache"):
             self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
             self.per_block = sum(
@@ -131,6 +129,13 @@ class Worker:
             wanted = self.config.scheduler_config.max_num_seqs * (-(-max_len // cc.block_size) + 1)
             num_blocks = kv_cache.num_blocks_for_budget(cc, self.device, self.per_block, peak, wanted)
         return num_blocks, self.stages
+
+    def _fuse_decode(self, model: torch.nn.Module) -> None:
+        """On CPU, unless enforce_eager: a Llama-family model's decode steps run their layer loop in C."""
+        if self.device.type == "cpu" and not self.config.model_config.enforce_eager and hasattr(model, "fused_decode"):
+            from pagedllm.models.fused_decode import FusedDecode
+
+            cast("LlamaForCausalLM", model).fused_decode = FusedDecode(model)
 
     def _kv_models(self) -> list[LlamaForCausalLM]:
         # a draft model's cache has as many blocks as the target's: both are indexed by one block table
@@ -337,8 +342,13 @@ class Worker:
                     f"from the target's ({self.hf_config.vocab_size}); a draft must share the target's tokenizer",
                     "speculative_config.model",
                 )
-        logger.info("loading the draft model %s%s", source.name, f" ({spec.quantization})" if spec.quantization else "")
-        return load_model(source, hf_config, self.dtype, self.device, spec.quantization)
+        quantization = spec.quantization
+        if quantization is None and source.kind == "gguf" and self.device.type == "cpu":
+            # a draft's arithmetic never reaches the output (the target verifies every token): a GGUF draft runs
+            # its blocks with int8 activations, llama.cpp's arithmetic and our fastest, not the float32 function
+            quantization = "gguf"
+        logger.info("loading the draft model %s%s", source.name, f" ({quantization})" if quantization else "")
+        return load_model(source, hf_config, self.dtype, self.device, quantization)
 
     def _profile_peak(self, model: LlamaForCausalLM) -> int:
         """CUDA: memory in use after the weights plus a worst-case activation pass (no KV cache yet)."""
