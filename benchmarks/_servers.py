@@ -1,8 +1,9 @@
 """Servers for the benchmark scripts: start `pagedllm serve` (or any pagedllm command taking --port) on
-a free port and wait until /health answers; stop them."""
+a free port and wait until /health answers; stop them; measure one with `pagedllm bench serve`."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
 
@@ -48,3 +50,12 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait(60)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def bench_serve(url: str, flags: list[str]) -> dict:
+    """`pagedllm bench serve --base-url URL FLAGS...` run to its end; its JSON report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [*PAGEDLLM, "bench", "serve", "--base-url", url, *flags, "--result-file", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())

@@ -18,27 +18,20 @@ cache, --threads threads), pagedllm ``--max-num-seqs N --max-model-len (longest 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _servers import PAGEDLLM, start, stop  # beside this script: the folder is on sys.path when it runs
+from _servers import PAGEDLLM, bench_serve, start, stop  # beside this script: on sys.path when it runs
 from real_models import resolve, write_report
 
 
 def _client(url: str, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [*PAGEDLLM, "bench", "serve", "--base-url", url, "--model", "m", "--seed", "0"]
-        cmd += ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len)]
-        cmd += ["--random-range-ratio", str(args.range_ratio), "--random-output-len", str(args.output_len)]
-        cmd += ["--ignore-eos", "--result-file", str(out), "--log-level", "WARNING"]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        report = json.loads(out.read_text())
+    flags = ["--model", "m", "--seed", "0", "--num-prompts", str(args.num_prompts)]
+    flags += ["--random-input-len", str(args.input_len), "--random-range-ratio", str(args.range_ratio)]
+    flags += ["--random-output-len", str(args.output_len), "--ignore-eos", "--log-level", "WARNING"]
+    report = bench_serve(url, flags)
     report.pop("slowest_requests", None)
     return report
 

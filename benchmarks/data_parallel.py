@@ -14,9 +14,9 @@ import json
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
+
+from _servers import bench_serve  # beside this script: the folder is on sys.path when it runs
 
 
 def _free_port() -> int:
@@ -76,30 +76,8 @@ def main() -> int:
     for name, extra in (("single", []), (f"dp{args.dp}", ["--data-parallel-size", str(args.dp)])):
         proc, url = _serve(extra, args.model)
         try:
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pagedllm.entrypoints.cli",
-                        "bench",
-                        "serve",
-                        "--base-url",
-                        url,
-                        "--num-prompts",
-                        str(args.num_prompts),
-                        "--random-input-len",
-                        str(args.input_len),
-                        "--random-output-len",
-                        str(args.output_len),
-                        "--ignore-eos",
-                        "--result-file",
-                        out.name,
-                    ],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
-                )
-                report = json.loads(Path(out.name).read_text())
+            flags = ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len)]
+            report = bench_serve(url, [*flags, "--random-output-len", str(args.output_len), "--ignore-eos"])
         finally:
             proc.terminate()
             proc.wait(60)

@@ -104,7 +104,7 @@ def test_activation_rounding_is_llama_cpps(blocks, block):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [*range(1, 10), 14])
 def test_int8_activation_gemv_is_the_dequantized_weights_on_the_rounded_input(blocks, qtype, m):
-    """Every count of rows that share a decoded block (1 to 8), then 8 and a remainder."""
+    """Every count of rows that share a decoded block (1 to 6), then full tiles of 6 and a remainder (7-9, 14)."""
     n, k = 53, 1280  # 53 rows: not a multiple of the threads' share
     raw = random_blocks(qtype, n, k, seed=m)
     x = torch.randn(m, k)
