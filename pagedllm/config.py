@@ -57,6 +57,13 @@ class ModelConfig:
         "actually sampled from (after penalties, bias, temperature, top-k/top-p/min-p).",
     )
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device to run on; 'auto' picks CUDA when available.")
+    cpu_threads: int | None = _f(
+        None,
+        "Threads each CPU worker computes with. Default: its share of the cores this process may use, lowered "
+        "while other processes keep some of them busy and raised again when they are free (measured each "
+        "second from /proc/stat): a thread whose core another process holds stalls every parallel step. "
+        "A number fixes the count.",
+    )
     enforce_eager: bool = _f(
         False,
         "Run every step through the Python layer loop. By default a decode-only step of a Llama-family "
@@ -348,6 +355,8 @@ class EngineConfig:
         _positive("max_logprobs", m.max_logprobs, allow_zero=True)
         if m.max_model_len is not None:
             _positive("max_model_len", m.max_model_len)
+        if m.cpu_threads is not None:
+            _positive("cpu_threads", m.cpu_threads)
         if c.num_gpu_blocks_override is not None:
             _positive("num_gpu_blocks_override", c.num_gpu_blocks_override)
         if c.kv_cache_memory is not None:

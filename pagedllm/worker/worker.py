@@ -20,6 +20,7 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import ParallelState, init_distributed
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker import kv_cache
+from pagedllm.worker.cpu_share import CpuShare
 from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype, timed_stage
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_output import ModelRunnerOutput
@@ -57,11 +58,16 @@ class Worker:
     ):
         from pagedllm.model_loader import load_config, resolve_model
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
         self.config = config
         mc, pc = config.model_config, config.parallel_config
         self.device = resolve_device(mc.device)
+        threads = mc.cpu_threads or num_threads
+        if threads:
+            torch.set_num_threads(threads)
+        # a CPU worker gives up threads while other processes hold its cores (cpu_share.py says why)
+        self.num_threads = torch.get_num_threads()
+        self.cpu_share = CpuShare(self.num_threads) if self.device.type == "cpu" and mc.cpu_threads is None else None
+        self._threads = 0  # the count set in the thread that runs the steps (0: none set there yet)
         self.source = source or resolve_model(mc.model)
         self.hf_config = hf_config or load_config(self.source)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
@@ -258,6 +264,10 @@ class Worker:
         """One step. ``prev_sampled``: the tokens the driver sampled last step (the other ranks learn them here)."""
         runner = self.runner
         assert runner is not None, "init_cache() first"
+        threads = self.cpu_share.threads_now() if self.cpu_share is not None else self.num_threads
+        if threads != self._threads:  # OpenMP's count is per thread: set it in the one that computes
+            torch.set_num_threads(threads)
+            self._threads = threads
         if prev_sampled:
             runner.apply_sampled(prev_sampled)
         out = runner.execute_model(so)

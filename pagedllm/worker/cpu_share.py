@@ -1,0 +1,95 @@
+"""How many threads a CPU worker computes with while other processes share its cores.
+
+Every parallel region of a step (a matmul, an attention, a kernel's rows) ends in a barrier that waits for
+its slowest thread. A thread whose core another process holds runs only when the scheduler gives that
+core back, a few milliseconds later, and every other thread waits for it, spinning. With two threads on
+two cores and one busy neighbour process, a step of the 135M model took 3 to 6 times as long as with one
+thread (`benchmarks/cpu_share.py`). So the worker takes the cores the others leave free: it reads how busy
+its cores were since the last look, subtracts its own share, and uses what is left, at least one thread and
+at most the count it started with. Its own threads are not "others", so the count does not chase itself.
+
+Linux only (``/proc/stat`` and ``/proc/self/stat``); elsewhere the count stays as it started.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+
+# /proc/stat's per-CPU fields (user nice system idle iowait irq softirq steal ...), in clock ticks
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def read_busy_ticks(cpus: Iterable[int]) -> tuple[int, int]:
+    """(ticks the given CPUs were busy, ticks this process ran), both since boot."""
+    want = {f"cpu{c}" for c in cpus}
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, _, rest = line.partition(" ")
+            if name in want:
+                vals = rest.split()
+                busy += sum(int(vals[i]) for i in _BUSY_FIELDS if i < len(vals))
+    with open("/proc/self/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return busy, int(fields[11]) + int(fields[12])  # utime, stime
+
+
+class CpuShare:
+    """The thread count for now: ``threads_now()`` before each step.
+
+    Each ``interval`` seconds it measures the cores other processes kept busy on this process's CPUs and
+    proposes ``round(cores - others)``, clamped to [1, ``limit``]; a proposal takes effect when two
+    measurements in a row agree, so a burst of a second does not move it.
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        interval: float = 1.0,
+        read: Callable[[Iterable[int]], tuple[int, int]] = read_busy_ticks,
+        clock: Callable[[], float] = time.monotonic,
+        cpus: list[int] | None = None,
+    ):
+        self.limit = max(1, limit)
+        self.threads = self.limit
+        self.interval = interval
+        self.cpus = cpus if cpus is not None else _cpus()
+        self._read, self._clock = read, clock
+        self._proposed: int | None = None
+        self.changes = 0  # how many times the count moved (for tests and logs)
+        try:
+            self._last: tuple[float, int, int] | None = (clock(), *read(self.cpus))
+        except (OSError, ValueError, IndexError):  # no /proc: keep the count as it started
+            self._last = None
+
+    def others(self, now: float, busy: int, ours: int) -> float | None:
+        """Cores other processes kept busy since the last look (None when too soon to tell)."""
+        assert self._last is not None
+        t0, busy0, ours0 = self._last
+        if now - t0 < self.interval:
+            return None
+        self._last = (now, busy, ours)
+        return max(0.0, (busy - busy0) - (ours - ours0)) / _TICKS / (now - t0)
+
+    def threads_now(self) -> int:
+        if self._last is None:
+            return self.threads
+        now = self._clock()
+        if now - self._last[0] < self.interval:
+            return self.threads
+        others = self.others(now, *self._read(self.cpus))
+        if others is None:
+            return self.threads
+        proposal = min(self.limit, max(1, int(len(self.cpus) - others + 0.5)))
+        if proposal != self.threads and proposal == self._proposed:
+            self.threads = proposal
+            self.changes += 1
+        self._proposed = proposal
+        return self.threads
