@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError
-from pagedllm.worker.cpu_share import CpuShare, read_busy_ticks
+from pagedllm.worker.cpu_share import CpuShare, cgroup_cpu_limit, read_busy_ticks
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -105,6 +105,27 @@ def test_proc_reading_counts_this_process_as_its_own():
     busy1, ours1 = read_busy_ticks(cpus)
     assert ours1 - ours0 >= 0.2 * TICKS  # the loop's CPU time is ours ...
     assert busy1 - busy0 >= ours1 - ours0 - 2  # ... and part of the machine's busy time (ticks round)
+
+
+def test_a_containers_cpu_quota_is_read_from_cgroup_v2_and_v1_and_the_smallest_on_the_path_wins(tmp_path):
+    v2 = tmp_path / "v2"
+    (v2 / "kubepods" / "pod1").mkdir(parents=True)
+    (v2 / "kubepods" / "cpu.max").write_text("400000 100000\n")
+    (v2 / "kubepods" / "pod1" / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "v2.cgroup").write_text("0::/kubepods/pod1\n")
+    assert cgroup_cpu_limit(str(v2), str(tmp_path / "v2.cgroup")) == 1.5
+    (v2 / "kubepods" / "pod1" / "cpu.max").write_text("max 100000\n")  # no limit of its own: its parent's
+    assert cgroup_cpu_limit(str(v2), str(tmp_path / "v2.cgroup")) == 4.0
+
+    v1 = tmp_path / "v1" / "cpu,cpuacct" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "v1.cgroup").write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v1"), str(tmp_path / "v1.cgroup")) == 2.0
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")  # v1's "no limit"
+    assert cgroup_cpu_limit(str(tmp_path / "v1"), str(tmp_path / "v1.cgroup")) is None
+    assert cgroup_cpu_limit(str(tmp_path), str(tmp_path / "missing")) is None
 
 
 def test_cpu_threads_must_be_positive():

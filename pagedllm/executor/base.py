@@ -143,8 +143,8 @@ class DistributedExecutor(Executor):
 
 
 def worker_threads(world_size: int) -> int:
-    """torch threads for each of ``world_size`` workers on this node: the cores shared out, at least one."""
-    import os
+    """torch threads for each of ``world_size`` workers on this node: the cores shared out (within the CPU
+    quota of a container), at least one."""
+    from pagedllm.worker.cpu_share import usable_cores
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // world_size)
+    return max(1, usable_cores() // world_size)

@@ -9,13 +9,19 @@ its cores were since the last look, subtracts its own share, and uses what is le
 at most the count it started with. Its own threads are not "others", so the count does not chase itself.
 
 Linux only (``/proc/stat`` and ``/proc/self/stat``); elsewhere the count stays as it started.
+
+The count it starts with is bounded by the process's CPU quota too (:func:`usable_cores`): a container
+limited to 2 CPUs on a 64-core host sees 64 cores, and 64 threads sharing 2 CPUs' worth of time stall on
+each other as above, every quota period.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 # /proc/stat's per-CPU fields (user nice system idle iowait irq softirq steal ...), in clock ticks
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
@@ -24,6 +30,56 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def _cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of time per second this process's cgroups allow (the smallest quota on its path), or None
+    where none is set. cgroup v2 (``cpu.max``) and v1 (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``)."""
+    try:
+        lines = Path(membership).read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",")
+        if controllers == "":  # v2: one hierarchy
+            dirs, read = [Path(root)], _v2_quota
+        elif "cpu" in names:
+            dirs, read = [Path(root) / controllers, Path(root) / "cpu"], _v1_quota
+        else:
+            continue
+        for base in dirs:
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):  # the cgroup and each of its ancestors
+                quota = read(base.joinpath(*parts[:depth]))
+                if quota is not None:
+                    limits.append(quota)
+    return min(limits) if limits else None
+
+
+def _v2_quota(d: Path) -> float | None:
+    try:
+        quota, period = (d / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(d: Path) -> float | None:
+    try:
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        period = int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), no more than its CPU quota allows (rounded up)."""
+    cores = len(_cpus())
+    quota = cgroup_cpu_limit()
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
 
 
 def read_busy_ticks(cpus: Iterable[int]) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import ParallelState, init_distributed
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker import kv_cache
-from pagedllm.worker.cpu_share import CpuShare
+from pagedllm.worker.cpu_share import CpuShare, usable_cores
 from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype, timed_stage
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_output import ModelRunnerOutput
@@ -62,6 +62,8 @@ class Worker:
         mc, pc = config.model_config, config.parallel_config
         self.device = resolve_device(mc.device)
         threads = mc.cpu_threads or num_threads
+        if not threads and self.device.type == "cpu":
+            threads = min(torch.get_num_threads(), usable_cores())  # a container's quota bounds it too
         if threads:
             torch.set_num_threads(threads)
         # a CPU worker gives up threads while other processes hold its cores (cpu_share.py says why)
