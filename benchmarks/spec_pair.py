@@ -2,7 +2,8 @@
 
     python benchmarks/spec_pair.py [--target qwen2.5-coder-1.5b-instruct-q4_k_m] \\
         [--draft qwen2.5-coder-0.5b-instruct] [--ks 2,4,6] [--ngram-k 4] [--max-tokens 192] \\
-        [--quantization gguf] [--draft-quantization gguf] [--backoff-by-cost on|off|both]
+        [--quantization gguf] [--draft-quantization gguf] [--backoff-by-cost on|off|both] \\
+        [--adaptive-length on|off|both]
 
 One stream, greedy, three workloads (chat prompts through the target's template):
 
@@ -117,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="speculative_config.backoff_by_cost of every speculative run; both: each run with it and without",
     )
+    ap.add_argument(
+        "--adaptive-length",
+        choices=("on", "off", "both"),
+        default="off",
+        help="speculative_config.adaptive_length of every speculative run; both: each run with it and without",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
     target, draft = resolve(args.target), resolve(args.draft)
@@ -134,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.backoff_by_cost == "both":
                 configs[name] = spec
             configs[f"{name} no-cost"] = {**spec, "backoff_by_cost": False}
+    if args.adaptive_length != "off":
+        for name in [n for n, spec in configs.items() if spec is not None]:
+            spec = configs.pop(name)
+            assert spec is not None
+            if args.adaptive_length == "both":
+                configs[name] = spec
+            configs[f"{name} adaptive"] = {**spec, "adaptive_length": True}
 
     started = time.perf_counter()
     results = {name: _run(target, spec, args.max_tokens, args.quantization) for name, spec in configs.items()}

@@ -192,6 +192,31 @@ def test_backoff_stops_drafting_when_nothing_is_accepted(tiny_model_factory):
     assert counts[2] < counts[0] / 2
 
 
+def test_adaptive_draft_length_grows_where_drafts_hold_shrinks_where_they_fail_and_changes_no_token(
+    tiny_model_factory,
+):
+    """adaptive_length: a draft that agrees with its target (its own weights in int8) soon drafts the whole
+    num_speculative_tokens; one that never agrees (other random weights) drafts one token a step. Tokens are
+    those of no speculation either way."""
+    target, wrong = tiny_model_factory("llama"), tiny_model_factory("llama", seed=1)
+    kw = {"max_model_len": 256, "num_gpu_blocks_override": 128}
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    prompts = [COPY, "The river town"]
+    want = _generate(LLM(str(target), **kw), prompts, params)
+    fixed = {"num_speculative_tokens": 4, "backoff_after_rejections": 0, "backoff_by_cost": False}
+    mean_len = {}
+    for name, draft in (("agrees", {"quantization": "int8"}), ("wrong", {"model": str(wrong)})):
+        for adaptive in (False, True):
+            cfg = {"method": "draft_model", **draft, **fixed, "adaptive_length": adaptive}
+            llm = LLM(str(target), speculative_config=cfg, **kw)
+            assert _generate(llm, prompts, params) == want
+            stats = _spec_stats(llm)
+            mean_len[name, adaptive] = stats.num_draft_tokens / stats.num_drafts
+    assert min(mean_len["agrees", False], mean_len["wrong", False]) > 3.8  # 4, but near max_tokens
+    assert mean_len["agrees", True] > 3, mean_len
+    assert mean_len["wrong", True] < 1.3, mean_len
+
+
 def _run_gate(gate: CostGate, speedup, steps: int, noise: float = 0.0, seed: int = 0) -> float:
     """Tokens per second over ``steps`` decode steps steered by ``gate``: a plain step emits 1 token in 1 s, a
     drafting one 2 tokens at ``speedup(step)`` times that rate; times jitter by +-``noise``."""
@@ -400,6 +425,7 @@ def test_find_continuation_longest_then_most_recent():
         ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
         ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization"),
         ({"method": "ngram", "num_speculative_tokens": 2, "backoff_by_cost": "yes"}, "backoff_by_cost"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_length": 1}, "adaptive_length"),
         ("{not json", "speculative_config"),
     ],
 )

@@ -31,6 +31,10 @@ class SpeculativeConfig:
     backoff_after_rejections: int = 2
     # back-off by cost: drafting pauses while decode steps without it emit tokens faster (spec_decode/gate.py)
     backoff_by_cost: bool = True
+    # each request's draft length follows its acceptance (transformers' "heuristic" schedule): it starts at 1,
+    # grows by 2 after a step whose drafts were all accepted and shrinks by 1 after one with a rejection,
+    # within [1, num_speculative_tokens]; false drafts num_speculative_tokens every step
+    adaptive_length: bool = False
 
     @staticmethod
     def from_dict(raw: Any) -> SpeculativeConfig:
@@ -77,8 +81,9 @@ class SpeculativeConfig:
             raise bad(f"must be an integer >= 1, got {cfg.disable_by_batch_size!r}", "disable_by_batch_size")
         if not isinstance(cfg.backoff_after_rejections, int) or cfg.backoff_after_rejections < 0:
             raise bad(f"must be an integer >= 0, got {cfg.backoff_after_rejections!r}", "backoff_after_rejections")
-        if not isinstance(cfg.backoff_by_cost, bool):
-            raise bad(f"must be true or false, got {cfg.backoff_by_cost!r}", "backoff_by_cost")
+        for key in ("backoff_by_cost", "adaptive_length"):
+            if not isinstance(getattr(cfg, key), bool):
+                raise bad(f"must be true or false, got {getattr(cfg, key)!r}", key)
         if cfg.method == "ngram" and (cfg.model or cfg.quantization):
             raise bad("does not apply to method 'ngram'", "model" if cfg.model else "quantization")
         if cfg.quantization not in (None, *DRAFT_QUANTIZATIONS):

@@ -53,6 +53,7 @@ class _ReqState:
     spec_failures: int = 0  # steps in a row whose drafts were all rejected
     spec_pause: int = 0  # length of the current back-off, in steps
     spec_skip: int = 0  # steps left without drafting
+    spec_len: int = 1  # drafts to ask for next (adaptive_length; otherwise num_speculative_tokens)
     lora: Any = None  # the request's LoRARequest, or None
     group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' tables (kv_groups)
     pooling_params: Any = None  # a pooling request's PoolingParams
@@ -378,7 +379,11 @@ class ModelRunner:
     def _backoff(self, st: _ReqState, num_drafts: int, num_accepted: int) -> None:
         """A request whose drafts keep failing stops drafting for 1, 2, 4, ... (at most 64) steps."""
         assert self.spec_config is not None, "drafts come only with a speculative config"
-        limit = self.spec_config.backoff_after_rejections
+        cfg = self.spec_config
+        if cfg.adaptive_length:  # all accepted: 2 more next time; a rejection: 1 fewer
+            grown = num_drafts + 2 if num_accepted == num_drafts else num_drafts - 1
+            st.spec_len = max(1, min(cfg.num_speculative_tokens, grown))
+        limit = cfg.backoff_after_rejections
         if num_accepted or not limit:
             st.spec_failures = st.spec_pause = 0
             return
@@ -411,7 +416,7 @@ class ModelRunner:
                 st.spec_skip -= 1
                 continue
             room = self.max_model_len - len(st.token_ids)  # positions the drafts (and their KV) may use
-            k = min(cfg.num_speculative_tokens, room)
+            k = min(st.spec_len if cfg.adaptive_length else cfg.num_speculative_tokens, room)
             if k > 0 and not busy:
                 want[rid] = k
         ctx = ProposeContext(self.states, order, set(sampled), want, hidden, offsets, starts, aux)
