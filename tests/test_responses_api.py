@@ -260,6 +260,41 @@ def test_required_and_named_calls_stream_as_they_answer(client):
             assert sum(e.type == "response.function_call_arguments.delta" for e in events) > 1
 
 
+def test_auto_streams_a_tagged_call_as_it_is_written_and_ends_as_the_non_streamed_response(client):
+    """A hermes call in the model's text (forced by a regex: a tiny random model would not write one) becomes a
+    function_call item, streamed while it is written: the item once, then its arguments in pieces."""
+    rx = (
+        r'Let me check\.<tool_call>\{"name": "get_weather", "arguments": '
+        r'\{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
+    )
+    kw = dict(
+        input="Weather?",
+        tools=[WEATHER, TIME],
+        max_output_tokens=80,
+        model=MODEL,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": rx}},
+    )
+    whole = client.responses.create(**kw)  # tool_choice auto
+    assert [item.type for item in whole.output] == ["message", "function_call"]
+    assert whole.output_text == "Let me check." and whole.output[1].name == "get_weather"
+    _check_call(whole.output[1])
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = events[-1].response
+    assert events[-1].type == "response.completed" and _comparable(streamed) == _comparable(whole)
+    kinds = [e.type for e in events]
+    added = [i for i, e in enumerate(events) if e.type == "response.output_item.added"]
+    assert [events[i].item.type for i in added] == ["message", "function_call"]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3 and all(e.output_index == 1 and e.item_id == streamed.output[1].id for e in deltas)
+    (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(e.delta for e in deltas) == args_done.arguments == streamed.output[1].arguments
+    # the call streamed while the answer was written: its first pieces came before the answer's last token
+    # would allow, i.e. before the message's text was done
+    assert kinds.index("response.function_call_arguments.delta") < kinds.index("response.output_text.done")
+    assert events[added[1]].item.status == "in_progress" and events[added[1]].item.arguments == ""
+
+
 def test_parallel_tool_calls_false_makes_one_call(client):
     r = client.responses.create(
         model=MODEL,

@@ -16,7 +16,9 @@ Streamed, the events are OpenAI's, each with its ``sequence_number``::
     response.completed   (response.incomplete when max_output_tokens cut the answer)
 
 The text streams as the chat path streams it (all of it; under ``tool_choice: auto`` the text no call can begin
-in; a named function's arguments as they come; ``required``'s calls whole at the end), and the last event carries
+in, and each call the parser sees being written as an item of its own, its arguments in pieces; untagged calls,
+calls only once their arguments validate, whole at the end; a named function's arguments as they come;
+``required``'s calls whole at the end), and the last event carries
 the response a non-streamed request gets. (One exception, as in chat: under ``auto``, whitespace streamed before a
 call began stays in the streamed message, where the non-streamed answer trims it.)
 """
@@ -415,7 +417,24 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
         """The item the streamed text goes into: a named function's call, else the message."""
         return _call_item(choice["function"]["name"]) if isinstance(choice, dict) else _message_item()
 
-    # as the answer arrives: its text, or a named function's arguments, into one item
+    live_calls: list[P.ResponsesFunctionCall] = []  # auto: each call the parser saw being written, streamed
+
+    def call_events(calls: list[tuple[str, str]]) -> list[str]:
+        """Bring the streamed calls up to ``calls`` (name, arguments so far): a new call's item once, then its
+        arguments' new text. Text sent cannot be taken back: arguments that no longer begin with it get no more."""
+        events = []
+        for i, (name, args) in enumerate(calls[:1] if parallel is False else calls):
+            if i == len(live_calls):
+                live_calls.append(_call_item(name))
+                events += added(live_calls[i])
+            item = live_calls[i]
+            if len(args) > len(item.arguments) and args.startswith(item.arguments):
+                events.append(delta(item, args[len(item.arguments) :]))
+                item.arguments = args
+        return events
+
+    # as the answer arrives: its text, or a named function's arguments, into one item; under auto, each call
+    # the parser sees being written (hermes' tagged calls) into an item of its own
     streamed: _Item | None = None
     sent, final = 0, None
     async for _, out in merge_streams([stream]):
@@ -429,6 +448,9 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
                     yield event
             _append(streamed, text)
             yield delta(streamed, text)
+        if choice == "auto" and not c.finished():
+            for event in call_events(parser.stream_calls(c.text)):
+                yield event
         if out.finished:
             final = out
     if final is None:  # ended without an answer (aborted): no response
@@ -450,12 +472,25 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
         streamed = first_item()
         for event in added(streamed):
             yield event
-    whole = [_call_item(call.name, call.arguments) for call in calls]
-    response = turn.finish(final, [x for x in (streamed, *whole) if x is not None], finish)  # sets the statuses
-    if streamed is not None:
-        for event in done(streamed):
-            yield event
-    for item in whole:
-        for event in [*added(item), delta(item, item.arguments), *done(item)]:
+    # the calls: those streamed, completed; the rest (untagged JSON, required's) whole
+    tail = call_events([(call.name, call.arguments) for call in calls])
+    whole: list[_Item] = []
+    for i, call in enumerate(calls):
+        item = live_calls[i] if i < len(live_calls) else None
+        if item is not None and (item.name, item.arguments) == (call.name, call.arguments):
+            whole.append(item)
+        else:  # not streamed, or streamed and then not the call the answer turned out to hold
+            fresh = _call_item(call.name, call.arguments)
+            tail += [*added(fresh), delta(fresh, fresh.arguments)]
+            whole.append(fresh)
+    items = sorted([x for x in (streamed, *whole) if x is not None], key=lambda x: index[x.id])
+    response = turn.finish(final, items, finish)  # sets the statuses
+    dropped = [x for x in live_calls if all(x is not w for w in whole)]
+    for item in dropped:  # a streamed call the finished answer does not hold ends incomplete, outside it
+        item.status = "incomplete"
+    for event in tail:
+        yield event
+    for item in sorted([*items, *dropped], key=lambda x: index[x.id]):
+        for event in done(item):
             yield event
     yield ev("response.incomplete" if response.status == "incomplete" else "response.completed", response=response)
