@@ -72,6 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, path in dirs.items():
         path.mkdir(parents=True, exist_ok=True)
         os.environ[name] = str(path)
+    os.environ.setdefault("RAY_worker_niceness", "0")  # the Ray clusters tests start, as the executor's own
 
 
 @pytest.fixture(scope="session")

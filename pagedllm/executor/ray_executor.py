@@ -68,6 +68,9 @@ class RayExecutor(DistributedExecutor):
         pc = config.parallel_config
         self._pending: deque[list[Any]] = deque()  # the calls of each step in flight
         if not ray.is_initialized():
+            # Ray runs its workers at nice 15, which a busy machine's other processes starve: ours are the
+            # engine's arithmetic (a cluster this starts here; `ray start` takes the same variable)
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         use_gpu = config.model_config.device == "cuda" or (
             config.model_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
