@@ -476,9 +476,9 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
     tail = call_events([(call.name, call.arguments) for call in calls])
     whole: list[_Item] = []
     for i, call in enumerate(calls):
-        item = live_calls[i] if i < len(live_calls) else None
-        if item is not None and (item.name, item.arguments) == (call.name, call.arguments):
-            whole.append(item)
+        live = live_calls[i] if i < len(live_calls) else None
+        if live is not None and (live.name, live.arguments) == (call.name, call.arguments):
+            whole.append(live)
         else:  # not streamed, or streamed and then not the call the answer turned out to hold
             fresh = _call_item(call.name, call.arguments)
             tail += [*added(fresh), delta(fresh, fresh.arguments)]
@@ -486,8 +486,8 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
     items = sorted([x for x in (streamed, *whole) if x is not None], key=lambda x: index[x.id])
     response = turn.finish(final, items, finish)  # sets the statuses
     dropped = [x for x in live_calls if all(x is not w for w in whole)]
-    for item in dropped:  # a streamed call the finished answer does not hold ends incomplete, outside it
-        item.status = "incomplete"
+    for gone in dropped:  # a streamed call the finished answer does not hold ends incomplete, outside it
+        gone.status = "incomplete"
     for event in tail:
         yield event
     for item in sorted([*items, *dropped], key=lambda x: index[x.id]):
