@@ -195,9 +195,9 @@ def test_backoff_stops_drafting_when_nothing_is_accepted(tiny_model_factory):
 def test_adaptive_draft_length_grows_where_drafts_hold_shrinks_where_they_fail_and_changes_no_token(
     tiny_model_factory,
 ):
-    """adaptive_length: a draft that agrees with its target (its own weights in int8) soon drafts the whole
-    num_speculative_tokens; one that never agrees (other random weights) drafts one token a step. Tokens are
-    those of no speculation either way."""
+    """adaptive_length: a draft that agrees with its target (its own weights in int8) keeps drafting the whole
+    num_speculative_tokens; one that never agrees (other random weights) soon drafts one token a step. Tokens
+    are those of no speculation either way."""
     target, wrong = tiny_model_factory("llama"), tiny_model_factory("llama", seed=1)
     kw = {"max_model_len": 256, "num_gpu_blocks_override": 128}
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)

@@ -31,9 +31,9 @@ class SpeculativeConfig:
     backoff_after_rejections: int = 2
     # back-off by cost: drafting pauses while decode steps without it emit tokens faster (spec_decode/gate.py)
     backoff_by_cost: bool = True
-    # each request's draft length follows its acceptance (transformers' "heuristic" schedule): it starts at 1,
-    # grows by 2 after a step whose drafts were all accepted and shrinks by 1 after one with a rejection,
-    # within [1, num_speculative_tokens]; false drafts num_speculative_tokens every step
+    # each request's draft length follows its acceptance (transformers' "heuristic" schedule): it starts at
+    # num_speculative_tokens, grows by 2 after a step whose drafts were all accepted and shrinks by 1 after one
+    # with a rejection, within [1, num_speculative_tokens]; false drafts num_speculative_tokens every step
     adaptive_length: bool = False
 
     @staticmethod

@@ -53,7 +53,7 @@ class _ReqState:
     spec_failures: int = 0  # steps in a row whose drafts were all rejected
     spec_pause: int = 0  # length of the current back-off, in steps
     spec_skip: int = 0  # steps left without drafting
-    spec_len: int = 1  # drafts to ask for next (adaptive_length; otherwise num_speculative_tokens)
+    spec_len: int = 0  # drafts to ask for next under adaptive_length (0: num_speculative_tokens, at first)
     lora: Any = None  # the request's LoRARequest, or None
     group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' tables (kv_groups)
     pooling_params: Any = None  # a pooling request's PoolingParams
@@ -416,7 +416,7 @@ class ModelRunner:
                 st.spec_skip -= 1
                 continue
             room = self.max_model_len - len(st.token_ids)  # positions the drafts (and their KV) may use
-            k = min(st.spec_len if cfg.adaptive_length else cfg.num_speculative_tokens, room)
+            k = min(st.spec_len if cfg.adaptive_length and st.spec_len else cfg.num_speculative_tokens, room)
             if k > 0 and not busy:
                 want[rid] = k
         ctx = ProposeContext(self.states, order, set(sampled), want, hidden, offsets, starts, aux)
