@@ -103,6 +103,19 @@ def _run(target: str, spec: dict | None, max_tokens: int, quantization: str | No
     return out
 
 
+def _variants(configs: dict, mode: str, default: str, suffix: str, change: dict) -> dict:
+    """Each speculative config as it is (mode == default), changed (the other one), or both (mode "both")."""
+    if mode == default:
+        return configs
+    out: dict[str, dict | None] = {}
+    for name, spec in configs.items():
+        if spec is None or mode == "both":
+            out[name] = spec
+        if spec is not None:
+            out[f"{name} {suffix}"] = {**spec, **change}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct-q4_k_m")
@@ -134,20 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         configs[f"draft k={k}"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
         if args.draft_quantization:
             configs[f"draft k={k}"]["quantization"] = args.draft_quantization
-    if args.backoff_by_cost != "on":
-        for name in [n for n, spec in configs.items() if spec is not None]:
-            spec = configs.pop(name)
-            assert spec is not None
-            if args.backoff_by_cost == "both":
-                configs[name] = spec
-            configs[f"{name} no-cost"] = {**spec, "backoff_by_cost": False}
-    if args.adaptive_length != "off":
-        for name in [n for n, spec in configs.items() if spec is not None]:
-            spec = configs.pop(name)
-            assert spec is not None
-            if args.adaptive_length == "both":
-                configs[name] = spec
-            configs[f"{name} adaptive"] = {**spec, "adaptive_length": True}
+    configs = _variants(configs, args.backoff_by_cost, "on", "no-cost", {"backoff_by_cost": False})
+    configs = _variants(configs, args.adaptive_length, "off", "adaptive", {"adaptive_length": True})
 
     started = time.perf_counter()
     results = {name: _run(target, spec, args.max_tokens, args.quantization) for name, spec in configs.items()}

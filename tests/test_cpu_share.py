@@ -35,6 +35,14 @@ def share(m: FakeMachine, limit: int = 4, cores: int = 4) -> CpuShare:
     return CpuShare(limit, interval=1.0, read=m.read, clock=lambda: m.t, cpus=list(range(cores)))
 
 
+def two_looks(s: CpuShare, m: FakeMachine, others: float, ours: float) -> int:
+    """Two seconds of the same load, a look after each: the count after them."""
+    m.run(1.0, others, ours)
+    s.threads_now()
+    m.run(1.0, others, ours)
+    return s.threads_now()
+
+
 def test_an_idle_machine_keeps_every_thread_however_busy_the_worker_itself_is():
     m = FakeMachine()
     s = share(m)
@@ -51,17 +59,9 @@ def test_a_neighbour_holding_cores_takes_threads_away_and_gives_them_back_when_i
     assert s.threads_now() == 4  # one look: a burst, perhaps
     m.run(1.0, others=2.0, ours=2.0)
     assert s.threads_now() == 2  # two looks agree: two cores are taken
-    m.run(1.0, others=3.0, ours=1.0)
-    s.threads_now()
-    m.run(1.0, others=3.0, ours=1.0)
-    assert s.threads_now() == 1
-    m.run(1.0, others=3.9, ours=0.1)
-    m.run(0.5, others=3.9, ours=0.1)
-    assert s.threads_now() == 1  # never below one
-    m.run(1.0, others=0.0, ours=1.0)
-    s.threads_now()
-    m.run(1.0, others=0.0, ours=1.0)
-    assert s.threads_now() == 4
+    assert two_looks(s, m, others=3.0, ours=1.0) == 1
+    assert two_looks(s, m, others=3.9, ours=0.1) == 1  # never below one
+    assert two_looks(s, m, others=0.0, ours=1.0) == 4
     assert s.changes == 3
 
 
@@ -72,10 +72,7 @@ def test_a_one_second_burst_moves_nothing_and_the_count_never_passes_its_limit()
     s.threads_now()
     m.run(1.0, others=0.0, ours=2.0)
     assert s.threads_now() == 2
-    m.run(1.0, others=1.0, ours=2.0)  # three cores free, but the limit is two
-    s.threads_now()
-    m.run(1.0, others=1.0, ours=2.0)
-    assert s.threads_now() == 2
+    assert two_looks(s, m, others=1.0, ours=2.0) == 2  # three cores free, but the limit is two
     assert s.changes == 0
 
 
