@@ -150,7 +150,7 @@ def test_the_engine_gives_up_threads_to_busy_neighbours_and_its_tokens_do_not_ch
 
     llm = LLM()
     share = llm.llm_engine.executor.worker.cpu_share
-    assert share is not None and share.limit == cores
+    assert share is not None and share.limit == llm.llm_engine.executor.worker.num_threads >= 2
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
         deadline = time.monotonic() + 60
@@ -161,7 +161,7 @@ def test_the_engine_gives_up_threads_to_busy_neighbours_and_its_tokens_do_not_ch
         for h in hogs:
             h.kill()
             h.wait()
-    assert share.threads < cores, "a busy process on every core took no thread away in 60 s"
+    assert share.threads < share.limit, "a busy process on every core took no thread away in 60 s"
     assert _steps_thread_count(llm) == share.threads
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want  # fewer threads, the same tokens

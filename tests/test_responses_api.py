@@ -295,6 +295,41 @@ def test_auto_streams_a_tagged_call_as_it_is_written_and_ends_as_the_non_streame
     assert events[added[1]].item.status == "in_progress" and events[added[1]].item.arguments == ""
 
 
+def test_a_streamed_call_cut_short_ends_incomplete_where_it_was_streamed(client):
+    """max_output_tokens cuts a tagged call mid-arguments: streamed, its item stays at the index it was announced
+    at, incomplete, with no arguments.done (nothing to run); not streamed, the answer is the text."""
+    rx = (
+        r'Hi\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
+    )
+    kw = dict(
+        input="Weather?",
+        tools=[WEATHER, TIME],
+        max_output_tokens=40,
+        model=MODEL,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": rx}},
+    )
+    whole = client.responses.create(**kw)
+    assert whole.status == "incomplete" and [item.type for item in whole.output] == ["message"]
+    assert whole.output_text.startswith("Hi.<tool_call>")
+    events = list(client.responses.create(stream=True, **kw))
+    response = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert [(item.type, item.status) for item in response.output] == [
+        ("message", "incomplete"),
+        ("function_call", "incomplete"),
+    ]
+    assert response.output[0].content[0].text == "Hi." and response.output[1].name == "get_weather"
+    for e in events:  # every event's output_index is its item's place in the response
+        if e.type in ("response.output_item.added", "response.output_item.done"):
+            assert response.output[e.output_index].id == e.item.id
+    assert not any(e.type == "response.function_call_arguments.done" for e in events)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == response.output[1].arguments and deltas.startswith('{"')  # as far as it got
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(deltas)
+
+
 def test_parallel_tool_calls_false_makes_one_call(client):
     r = client.responses.create(
         model=MODEL,

@@ -6,7 +6,8 @@ core back, a few milliseconds later, and every other thread waits for it, spinni
 two cores and one busy neighbour process, a step of the 135M model took 3 to 6 times as long as with one
 thread (`benchmarks/cpu_share.py`). So the worker takes the cores the others leave free: it reads how busy
 its cores were since the last look, subtracts its own share, and uses what is left, at least one thread and
-at most the count it started with. Its own threads are not "others", so the count does not chase itself.
+at most the count it started with. Its own threads are not "others", so the count does not chase itself
+(another rank's process is: each rank of a tensor-parallel group counts the others' cores, and keeps its share).
 
 Linux only (``/proc/stat`` and ``/proc/self/stat``); elsewhere the count stays as it started.
 
@@ -41,6 +42,8 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", membership: str = "/proc/self
         return None
     limits = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         names = controllers.split(",")
         if controllers == "":  # v2: one hierarchy
@@ -115,7 +118,7 @@ class CpuShare:
     ):
         self.limit = max(1, limit)
         self.threads = self.limit
-        self.interval = interval
+        self.interval = max(interval, 1e-3)
         self.cpus = cpus if cpus is not None else _cpus()
         self._read, self._clock = read, clock
         self._proposed: int | None = None
@@ -140,7 +143,10 @@ class CpuShare:
         now = self._clock()
         if now - self._last[0] < self.interval:
             return self.threads
-        others = self.others(now, *self._read(self.cpus))
+        try:
+            others = self.others(now, *self._read(self.cpus))
+        except (OSError, ValueError, IndexError):  # /proc unreadable for now (out of file descriptors, ...)
+            return self.threads
         if others is None:
             return self.threads
         proposal = min(self.limit, max(1, int(len(self.cpus) - others + 0.5)))

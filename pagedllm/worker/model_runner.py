@@ -377,11 +377,13 @@ class ModelRunner:
         return torch.cat(parts).to(self.device)
 
     def _backoff(self, st: _ReqState, num_drafts: int, num_accepted: int) -> None:
-        """A request whose drafts keep failing stops drafting for 1, 2, 4, ... (at most 64) steps."""
+        """A request whose drafts keep failing stops drafting for 1, 2, 4, ... (at most 64) steps; under
+        adaptive_length, the length it asks for next follows this step's outcome."""
         assert self.spec_config is not None, "drafts come only with a speculative config"
         cfg = self.spec_config
-        if cfg.adaptive_length:  # all accepted: 2 more next time; a rejection: 1 fewer
-            grown = num_drafts + 2 if num_accepted == num_drafts else num_drafts - 1
+        if cfg.adaptive_length:  # all accepted: 2 more next time; a rejection: 1 fewer (than asked for: the
+            asked = st.spec_len or cfg.num_speculative_tokens  # proposer and the scheduler may have cut the drafts)
+            grown = asked + 2 if num_accepted == num_drafts else asked - 1
             st.spec_len = max(1, min(cfg.num_speculative_tokens, grown))
         limit = cfg.backoff_after_rejections
         if num_accepted or not limit:

@@ -19,8 +19,11 @@ The text streams as the chat path streams it (all of it; under ``tool_choice: au
 in, and each call the parser sees being written as an item of its own, its arguments in pieces; untagged calls,
 calls only once their arguments validate, whole at the end; a named function's arguments as they come;
 ``required``'s calls whole at the end), and the last event carries
-the response a non-streamed request gets. (One exception, as in chat: under ``auto``, whitespace streamed before a
-call began stays in the streamed message, where the non-streamed answer trims it.)
+the response a non-streamed request gets. (Two exceptions. As in chat: under ``auto``, whitespace streamed before a
+call began stays in the streamed message, where the non-streamed answer trims it. And a tagged call streamed as it
+was written, then cut short (``max_output_tokens``) or found malformed, stays in the streamed response as an
+incomplete ``function_call`` item, out of the stored conversation, where the non-streamed answer holds its text
+in the message.)
 """
 
 from __future__ import annotations
@@ -309,11 +312,15 @@ class _Turn:
             items.insert(0, _message_item(content or ""))
         return self.finish(final, items, finish)
 
-    def finish(self, final: RequestOutput, items: list[_Item], finish: Any) -> P.ResponsesResponse:
-        """The finished response (stored if asked), from the answer's output items."""
+    def finish(
+        self, final: RequestOutput, items: list[_Item], finish: Any, cut: list[_Item] | None = None
+    ) -> P.ResponsesResponse:
+        """The finished response (stored if asked), from the answer's output items; those in ``cut`` (calls
+        streamed that the answer does not hold whole) are incomplete and stay out of the stored conversation."""
         status: Literal["completed", "incomplete"] = "incomplete" if finish == "length" else "completed"
+        cut = cut or []
         for item in items:
-            item.status = status
+            item.status = "incomplete" if any(item is x for x in cut) else status
         prompt, generated = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
         response = self.base.model_copy(
             update=dict(
@@ -329,7 +336,8 @@ class _Turn:
             )
         )
         if self.req.store:
-            output = _chat_messages(_ITEMS.validate_python([item.model_dump() for item in items]))
+            kept = [item for item in items if all(item is not x for x in cut)]
+            output = _chat_messages(_ITEMS.validate_python([item.model_dump() for item in kept]))
             messages = (*self.history, *self.input_messages, *output)
             self.state.responses.put(StoredResponse(response, messages))
         return response
@@ -461,6 +469,8 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
     calls: list[ParsedCall] = []
     if choice in ("auto", "required"):
         rest, calls, finish = stream_end(c.text, sent, c.finish_reason, choice, parser, parallel)
+        if live_calls and not calls:  # calls streamed, none whole (cut short): they keep their text, not the message
+            rest = c.text[sent : parser.streamable(c.text)].rstrip()
         if rest:
             if streamed is None:
                 streamed = _message_item()
@@ -473,7 +483,8 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
         for event in added(streamed):
             yield event
     # the calls: those streamed, completed; the rest (untagged JSON, required's) whole
-    tail = call_events([(call.name, call.arguments) for call in calls])
+    tail = call_events(parser.stream_calls(c.text)) if choice == "auto" else []  # the last step's text too
+    tail += call_events([(call.name, call.arguments) for call in calls])
     whole: list[_Item] = []
     for i, call in enumerate(calls):
         live = live_calls[i] if i < len(live_calls) else None
@@ -483,14 +494,16 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
             fresh = _call_item(call.name, call.arguments)
             tail += [*added(fresh), delta(fresh, fresh.arguments)]
             whole.append(fresh)
-    items = sorted([x for x in (streamed, *whole) if x is not None], key=lambda x: index[x.id])
-    response = turn.finish(final, items, finish)  # sets the statuses
-    dropped = [x for x in live_calls if all(x is not w for w in whole)]
-    for gone in dropped:  # a streamed call the finished answer does not hold ends incomplete, outside it
-        gone.status = "incomplete"
+    # a streamed call the finished answer does not hold whole stays where it was streamed, incomplete
+    cut: list[_Item] = [x for x in live_calls if all(x is not w for w in whole)]
+    items = sorted([x for x in (streamed, *whole, *cut) if x is not None], key=lambda x: index[x.id])
+    response = turn.finish(final, items, finish, cut)  # sets the statuses
     for event in tail:
         yield event
-    for item in sorted([*items, *dropped], key=lambda x: index[x.id]):
+    for item in items:
+        if any(item is x for x in cut):  # its arguments never completed: no arguments.done to act on
+            yield ev("response.output_item.done", output_index=index[item.id], item=item)
+            continue
         for event in done(item):
             yield event
     yield ev("response.incomplete" if response.status == "incomplete" else "response.completed", response=response)
