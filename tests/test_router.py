@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
@@ -211,6 +212,41 @@ def test_an_answer_cut_off_before_its_body_is_retried_on_another_backend(backend
     finally:
         router.stop()
         broken.stop()
+
+
+def test_a_stored_response_is_continued_read_and_deleted_on_the_backend_that_holds_it(backends) -> None:
+    """Round-robin would send each request of a conversation to the other backend, which does not hold it: the
+    router sends previous_response_id, GET and DELETE where the response lives, learning it from answers
+    streamed or not."""
+    router = RouterProc([b.url for b in backends], "round-robin")
+    body = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    try:
+        with httpx.Client(base_url=router.url, timeout=120) as c:
+            first = c.post("/v1/responses", json={**body, "input": "Hello"})
+            assert first.status_code == 200, first.text
+            holder, last = first.headers["x-pagedllm-backend"], first.json()["id"]
+            for turn in range(3):
+                r = c.post("/v1/responses", json={**body, "input": f"And {turn}?", "previous_response_id": last})
+                assert r.status_code == 200, r.text
+                assert r.headers["x-pagedllm-backend"] == holder and r.json()["previous_response_id"] == last
+                last = r.json()["id"]
+            with c.stream(
+                "POST", "/v1/responses", json={**body, "input": "Go on.", "previous_response_id": last, "stream": True}
+            ) as r:
+                assert r.status_code == 200 and r.headers["x-pagedllm-backend"] == holder
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1]["type"] == "response.incomplete"  # max_output_tokens: stored all the same
+            streamed = events[0]["response"]["id"]
+            again = c.post("/v1/responses", json={**body, "input": "More.", "previous_response_id": streamed})
+            assert again.status_code == 200 and again.headers["x-pagedllm-backend"] == holder  # learnt mid-stream
+            got = c.get(f"/v1/responses/{streamed}")
+            assert got.status_code == 200 and got.json()["id"] == streamed
+            assert c.delete(f"/v1/responses/{streamed}").status_code == 200
+            assert c.get(f"/v1/responses/{streamed}").status_code == 404
+            unknown = c.post("/v1/responses", json={**body, "input": "?", "previous_response_id": "resp_nope"})
+            assert unknown.status_code == 400 and "previous_response_id" in unknown.text
+    finally:
+        router.stop()
 
 
 def test_replica_argv_drops_the_front_flags() -> None:

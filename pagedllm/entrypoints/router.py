@@ -1,7 +1,7 @@
 """``pagedllm router``: one OpenAI-compatible front door for many pagedllm servers.
 
-It forwards ``/v1/completions`` and ``/v1/chat/completions`` (streamed or not) to one
-backend chosen by the routing policy:
+It forwards ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (streamed or
+not) to one backend chosen by the routing policy:
 
 * ``prefix-aware``: requests whose prompts begin alike go to the same backend, so its
   prefix cache serves them. The key is the prompt's first ``prefix_blocks`` blocks of
@@ -21,6 +21,11 @@ with an error event, since the client already has part of it. ``/metrics`` expor
 the router's own counters; ``/health`` answers 200 while any backend is healthy.
 ``pagedllm serve --data-parallel-size N`` runs this in front of N engine processes.
 
+A stored response lives in the backend that answered it, so the router remembers which one that was (the
+``id`` of each ``/v1/responses`` answer, streamed or not; the most recent ``max_response_ids``): a request that
+continues it (``previous_response_id``), and ``GET`` / ``DELETE /v1/responses/{id}``, go there. An id it does
+not know (the router restarted) is looked for on each healthy backend in turn.
+
 ``pagedllm disagg-proxy --prefill URL --decode URL`` is the same router with prefill
 engines in front: each request first goes to a prefill engine as a one-token request
 (its prompt's KV blocks are written to the KV tier it shares with the decode engines),
@@ -31,6 +36,7 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +46,8 @@ from pagedllm.entrypoints.graceful_server import SERVER_KEEP_ALIVE_S, client_lim
 logger = logging.getLogger("pagedllm")
 
 ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
-_FORWARDED = ("/v1/completions", "/v1/chat/completions")
+_RESPONSES = "/v1/responses"
+_FORWARDED = ("/v1/completions", "/v1/chat/completions", _RESPONSES)
 
 
 @dataclass(slots=True)
@@ -80,6 +87,7 @@ class RouterConfig:
     balance_threshold: int = 8
     max_attempts: int = 3
     request_timeout: float = 600.0
+    max_response_ids: int = 100_000  # stored responses whose backend the router remembers (least recent go)
     # disaggregated serving (`pagedllm disagg-proxy`): prefill engines that compute each prompt first, their KV
     # reaching the backends (the decode engines) through a shared KV tier
     prefill: list[str] = field(default_factory=list)
@@ -115,6 +123,7 @@ class Router:
         self.config = config
         self.backends = [Backend(url.rstrip("/")) for url in config.backends]
         self._rr = 0
+        self._response_at: OrderedDict[str, str] = OrderedDict()  # response id -> the backend holding it
         self._client: Any = None
         self._poller: asyncio.Task | None = None
         from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -206,7 +215,21 @@ class Router:
         self.m_load.labels(b.url).set(b.running + b.waiting)
 
     # -- routing --------------------------------------------------------------------
-    def choose(self, body: dict[str, Any], exclude: set[str]) -> Backend | None:
+    def remember(self, response_id: Any, url: str) -> None:
+        if isinstance(response_id, str):
+            self._response_at[response_id] = url
+            self._response_at.move_to_end(response_id)
+            while len(self._response_at) > self.config.max_response_ids:
+                self._response_at.popitem(last=False)
+
+    def holder(self, response_id: Any) -> Backend | None:
+        """The backend that answered this stored response, where the router knows it."""
+        url = self._response_at.get(response_id) if isinstance(response_id, str) else None
+        return next((b for b in self.backends if b.url == url), None)
+
+    def choose(self, body: dict[str, Any], exclude: set[str], path: str = "") -> Backend | None:
+        if path == _RESPONSES and (held := self.holder(body.get("previous_response_id"))) is not None:
+            return None if held.url in exclude else held  # only it holds the conversation
         live = [b for b in self.backends if b.healthy and b.url not in exclude]
         if not live:
             return None
@@ -244,13 +267,13 @@ class Router:
         import httpx
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-        if self.config.prefill:
+        if self.config.prefill and path != _RESPONSES:  # (a response's prompt is the decode engine's to compute)
             await self.prefill(path, body, headers)
 
         tried: set[str] = set()
         last = "no healthy backend"
         for attempt in range(self.config.max_attempts):
-            b = self.choose(body, tried)
+            b = self.choose(body, tried, path)
             if b is None:
                 break
             tried.add(b.url)
@@ -271,7 +294,7 @@ class Router:
             out_headers = {"x-pagedllm-backend": b.url}
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
                 return StreamingResponse(
-                    self._relay(resp, b),
+                    self._relay(resp, b, learn=path == _RESPONSES),
                     status_code=resp.status_code,
                     media_type="text/event-stream",
                     headers=out_headers,
@@ -287,6 +310,8 @@ class Router:
             finally:
                 b.ended()
                 await resp.aclose()
+            if path == _RESPONSES and resp.status_code == 200:
+                self.remember(_json_field(content, "id"), b.url)
             return Response(
                 content, status_code=resp.status_code, headers=out_headers, media_type=resp.headers.get("content-type")
             )
@@ -301,11 +326,48 @@ class Router:
             status_code=503,
         )
 
-    async def _relay(self, resp: Any, b: Backend) -> AsyncIterator[bytes]:
+    async def stored(self, method: str, path: str, response_id: str, query: str, headers: dict[str, str]) -> Any:
+        """``GET`` / ``DELETE /v1/responses/{id}``: from the backend that holds it, else from the first healthy
+        one that knows it (404 when none does)."""
+        from fastapi.responses import JSONResponse, Response
+
+        held = self.holder(response_id)
+        candidates = [held] if held is not None else [b for b in self.backends if b.healthy]
+        for b in candidates:
+            try:
+                resp = await self._client.request(method, f"{b.url}{path}{query}", headers=headers)
+            except Exception as e:
+                logger.warning("backend %s unreachable for %s %s: %s", b.url, method, path, e)
+                continue
+            if resp.status_code == 404 and held is None:
+                continue
+            if method == "DELETE" and resp.status_code == 200:
+                self._response_at.pop(response_id, None)
+            elif resp.status_code == 200:
+                self.remember(response_id, b.url)
+            out = {"x-pagedllm-backend": b.url}
+            return Response(resp.content, resp.status_code, out, media_type=resp.headers.get("content-type"))
+        error = {"message": f"Response with id '{response_id}' not found.", "type": "NotFoundError", "code": 404}
+        return JSONResponse({"error": {**error, "param": "response_id"}}, status_code=404)
+
+    async def _relay(self, resp: Any, b: Backend, learn: bool = False) -> AsyncIterator[bytes]:
+        """A backend's stream, as it comes; with ``learn``, the response id its first event (``response.created``)
+        names is remembered as that backend's."""
         import httpx
 
+        head = b""
         try:
             async for chunk in resp.aiter_raw():
+                if learn:
+                    head += chunk
+                    event, sep, _ = head.partition(b"\n\n")
+                    if sep:
+                        data = event.split(b"data: ", 1)[-1]
+                        created = _json_field(data, "response")
+                        self.remember(created.get("id") if isinstance(created, dict) else None, b.url)
+                        learn, head = False, b""
+                    elif len(head) > 1 << 20:  # no first event in a megabyte: not worth holding on to
+                        learn, head = False, b""
                 yield chunk
         except httpx.HTTPError as e:
             self.m_requests.labels(b.url, "broken").inc()
@@ -345,6 +407,15 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
     out.update(max_tokens=1, temperature=0)
     return out
+
+
+def _json_field(raw: bytes, key: str) -> Any:
+    """A field of a JSON object's text, or None where it is not one."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value.get(key) if isinstance(value, dict) else None
 
 
 def _metric(text: str, name: str) -> float:
@@ -420,6 +491,17 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
             return await proxy(request, _path)
 
         app.post(path)(handler)
+
+    async def stored(request: Request, response_id: str) -> Any:
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        query = f"?{request.url.query}" if request.url.query else ""
+        path = f"{_RESPONSES}/{response_id}"
+        return await router.stored(request.method, path, response_id, query, headers)
+
+    app.get(_RESPONSES + "/{response_id}")(stored)
+    app.delete(_RESPONSES + "/{response_id}")(stored)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
