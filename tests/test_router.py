@@ -110,6 +110,25 @@ def test_prefix_key_reads_the_first_blocks_and_rendezvous_moves_only_the_lost_ke
     assert 60 < sum(v == "http://c" for v in before.values()) < 140  # spread about evenly
 
 
+def test_the_router_remembers_the_most_recent_response_ids_within_its_bound() -> None:
+    from pagedllm.entrypoints.router import Router, RouterConfig
+
+    r = Router(RouterConfig(["http://a", "http://b"], max_response_ids=2))
+    r.remember("resp_1", "http://a")
+    r.remember("resp_2", "http://b")
+    r.remember("resp_1", "http://a")  # used again: the most recent
+    r.remember("resp_3", "http://b")
+    assert [r.holder(i).url if r.holder(i) else None for i in ("resp_1", "resp_2", "resp_3")] == [
+        "http://a",
+        None,
+        "http://b",
+    ]
+    assert r.holder(None) is None and r.holder(["not", "an", "id"]) is None
+    pinned = {"previous_response_id": "resp_1", "prompt": "x"}
+    assert r.choose(pinned, set(), "/v1/responses").url == "http://a"  # healthy or not: only it holds it
+    assert r.choose(pinned, {"http://a"}, "/v1/responses") is None  # it failed: no other may answer
+
+
 def test_requests_that_ended_since_the_last_poll_do_not_count_as_load() -> None:
     b = Backend("http://a", running=2, waiting=1)
     for _ in range(10):  # a burst of short requests, all answered before the next poll

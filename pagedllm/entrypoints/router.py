@@ -333,11 +333,13 @@ class Router:
 
         held = self.holder(response_id)
         candidates = [held] if held is not None else [b for b in self.backends if b.healthy]
+        unreachable = []
         for b in candidates:
             try:
                 resp = await self._client.request(method, f"{b.url}{path}{query}", headers=headers)
             except Exception as e:
                 logger.warning("backend %s unreachable for %s %s: %s", b.url, method, path, e)
+                unreachable.append(b.url)
                 continue
             if resp.status_code == 404 and held is None:
                 continue
@@ -347,6 +349,9 @@ class Router:
                 self.remember(response_id, b.url)
             out = {"x-pagedllm-backend": b.url}
             return Response(resp.content, resp.status_code, out, media_type=resp.headers.get("content-type"))
+        if unreachable:  # it may be on a backend that did not answer
+            message = f"the backend that may hold response '{response_id}' is unreachable: {', '.join(unreachable)}"
+            return JSONResponse({"error": {"message": message, "type": "ServiceUnavailable", "code": 503}}, 503)
         error = {"message": f"Response with id '{response_id}' not found.", "type": "NotFoundError", "code": 404}
         return JSONResponse({"error": {**error, "param": "response_id"}}, status_code=404)
 
