@@ -260,21 +260,24 @@ def test_required_and_named_calls_stream_as_they_answer(client):
             assert sum(e.type == "response.function_call_arguments.delta" for e in events) > 1
 
 
-def test_auto_streams_a_tagged_call_as_it_is_written_and_ends_as_the_non_streamed_response(client):
-    """A hermes call in the model's text (forced by a regex: a tiny random model would not write one) becomes a
-    function_call item, streamed while it is written: the item once, then its arguments in pieces."""
-    rx = (
-        r'Let me check\.<tool_call>\{"name": "get_weather", "arguments": '
-        r'\{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
-    )
-    kw = dict(
+def _forced_call(text_before: str, max_output_tokens: int) -> dict:
+    """A request whose answer is ``text_before`` then a hermes-tagged get_weather call (forced by a regex: a
+    tiny random model would not write one), under tool_choice auto."""
+    call = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
+    return dict(
         input="Weather?",
         tools=[WEATHER, TIME],
-        max_output_tokens=80,
+        max_output_tokens=max_output_tokens,
         model=MODEL,
         temperature=0,
-        extra_body={"structured_outputs": {"regex": rx}},
+        extra_body={"structured_outputs": {"regex": text_before + call}},
     )
+
+
+def test_auto_streams_a_tagged_call_as_it_is_written_and_ends_as_the_non_streamed_response(client):
+    """A hermes call in the model's text becomes a function_call item, streamed while it is written: the item
+    once, then its arguments in pieces."""
+    kw = _forced_call(r"Let me check\.", max_output_tokens=80)
     whole = client.responses.create(**kw)  # tool_choice auto
     assert [item.type for item in whole.output] == ["message", "function_call"]
     assert whole.output_text == "Let me check." and whole.output[1].name == "get_weather"
@@ -298,17 +301,7 @@ def test_auto_streams_a_tagged_call_as_it_is_written_and_ends_as_the_non_streame
 def test_a_streamed_call_cut_short_ends_incomplete_where_it_was_streamed(client):
     """max_output_tokens cuts a tagged call mid-arguments: streamed, its item stays at the index it was announced
     at, incomplete, with no arguments.done (nothing to run); not streamed, the answer is the text."""
-    rx = (
-        r'Hi\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
-    )
-    kw = dict(
-        input="Weather?",
-        tools=[WEATHER, TIME],
-        max_output_tokens=40,
-        model=MODEL,
-        temperature=0,
-        extra_body={"structured_outputs": {"regex": rx}},
-    )
+    kw = _forced_call(r"Hi\.", max_output_tokens=40)
     whole = client.responses.create(**kw)
     assert whole.status == "incomplete" and [item.type for item in whole.output] == ["message"]
     assert whole.output_text.startswith("Hi.<tool_call>")
