@@ -128,27 +128,19 @@ class CpuShare:
         except (OSError, ValueError, IndexError):  # no /proc: keep the count as it started
             self._last = None
 
-    def others(self, now: float, busy: int, ours: int) -> float | None:
-        """Cores other processes kept busy since the last look (None when too soon to tell)."""
-        assert self._last is not None
-        t0, busy0, ours0 = self._last
-        if now - t0 < self.interval:
-            return None
-        self._last = (now, busy, ours)
-        return max(0.0, (busy - busy0) - (ours - ours0)) / _TICKS / (now - t0)
-
     def threads_now(self) -> int:
         if self._last is None:
             return self.threads
         now = self._clock()
-        if now - self._last[0] < self.interval:
+        t0, busy0, ours0 = self._last
+        if now - t0 < self.interval:  # most steps: no look at /proc
             return self.threads
         try:
-            others = self.others(now, *self._read(self.cpus))
+            busy, ours = self._read(self.cpus)
         except (OSError, ValueError, IndexError):  # /proc unreadable for now (out of file descriptors, ...)
             return self.threads
-        if others is None:
-            return self.threads
+        self._last = (now, busy, ours)
+        others = max(0.0, (busy - busy0) - (ours - ours0)) / _TICKS / (now - t0)  # cores other processes kept busy
         proposal = min(self.limit, max(1, int(len(self.cpus) - others + 0.5)))
         if proposal != self.threads and proposal == self._proposed:
             self.threads = proposal

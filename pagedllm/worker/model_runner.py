@@ -376,13 +376,19 @@ class ModelRunner:
             parts.append(grammar[rid] if rid in grammar else torch.full((m, words), -1, dtype=torch.int32))
         return torch.cat(parts).to(self.device)
 
+    def _draft_length(self, st: _ReqState) -> int:
+        """The drafts a request asks for: num_speculative_tokens, or under adaptive_length its own length."""
+        assert self.spec_config is not None, "drafts come only with a speculative config"
+        k = self.spec_config.num_speculative_tokens
+        return (st.spec_len or k) if self.spec_config.adaptive_length else k
+
     def _backoff(self, st: _ReqState, num_drafts: int, num_accepted: int) -> None:
         """A request whose drafts keep failing stops drafting for 1, 2, 4, ... (at most 64) steps; under
         adaptive_length, the length it asks for next follows this step's outcome."""
         assert self.spec_config is not None, "drafts come only with a speculative config"
         cfg = self.spec_config
         if cfg.adaptive_length:  # all accepted: 2 more next time; a rejection: 1 fewer (than asked for: the
-            asked = st.spec_len or cfg.num_speculative_tokens  # proposer and the scheduler may have cut the drafts)
+            asked = self._draft_length(st)  # proposer and the scheduler may have cut the drafts)
             grown = asked + 2 if num_accepted == num_drafts else asked - 1
             st.spec_len = max(1, min(cfg.num_speculative_tokens, grown))
         limit = cfg.backoff_after_rejections
@@ -418,7 +424,7 @@ class ModelRunner:
                 st.spec_skip -= 1
                 continue
             room = self.max_model_len - len(st.token_ids)  # positions the drafts (and their KV) may use
-            k = min(st.spec_len if cfg.adaptive_length and st.spec_len else cfg.num_speculative_tokens, room)
+            k = min(self._draft_length(st), room)
             if k > 0 and not busy:
                 want[rid] = k
         ctx = ProposeContext(self.states, order, set(sampled), want, hidden, offsets, starts, aux)
