@@ -35,8 +35,8 @@ stage() {  # stage "what it does" command...
   fi
 }
 pip=.venv/bin/pip
-extras=structured
-[ "$mode" = test ] && extras=test,structured,otel,ray,bench,docs
+extras=structured,vision
+[ "$mode" = test ] && extras=test,structured,vision,otel,ray,bench,docs
 
 stage "creating .venv (python3 -m venv)" python3 -m venv .venv
 # the pin keeps pip on the CPU build here: an unpinned torch pulls several GB of CUDA packages

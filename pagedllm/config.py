@@ -144,6 +144,17 @@ class SchedulerConfig:
         "Order of admission: arrival (the prompts and completions of one request take turns with other "
         "requests), or (priority, arrival) with lower values first.",
     )
+    max_num_encoder_input_tokens: int | None = _f(
+        None,
+        "Vision-language models: image tokens the vision encoder may compute in one step (default: "
+        "max_num_batched_tokens); a prompt chunk that reaches an image not yet encoded stops before it "
+        "when the budget is spent, so one large image cannot stall the decodes.",
+    )
+    encoder_cache_size: int | None = _f(
+        None,
+        "Vision-language models: image tokens whose encoder outputs are kept (by image hash) for the chunks, "
+        "preempted requests and n > 1 siblings that read them again (default: max_num_encoder_input_tokens).",
+    )
     disable_hybrid_kv_cache_manager: bool = _f(
         False,
         "Keep every KV block of sliding-window (local) layers, as full-attention layers keep theirs. By "
@@ -236,6 +247,46 @@ class KVTransferSection:
     )
 
 
+@dataclass(slots=True, frozen=True)
+class MultiModalSection:
+    limit_mm_per_prompt: dict | None = field(
+        default=None,
+        metadata={
+            "help": 'Most items of each modality one prompt may carry, as vLLM\'s JSON object: {"image": N}. '
+            'Default {"image": 4}. Only for a vision-language model.'
+        },
+    )
+    max_image_pixels: int = _f(
+        16_777_216, "Largest image (width x height, before the processor resizes it) a request may send."
+    )
+    max_image_bytes: int = _f(20 * 1024 * 1024, "Largest encoded image (a data: URL's or a fetched file's bytes).")
+    allowed_local_media_path: str | None = _f(
+        None, "A folder whose files requests may name as file:// image URLs (default: none may be read)."
+    )
+    allowed_media_domains: str | None = _f(
+        None,
+        "Comma-separated host names whose http(s) image URLs the server fetches (default: none: images come "
+        "as data: URLs). A fetch has --media-fetch-timeout seconds and --max-image-bytes.",
+    )
+    media_fetch_timeout: float = _f(5.0, "Seconds an image URL's fetch may take, connection included.")
+
+    def limits(self) -> dict[str, int]:
+        """The checked per-prompt limits by modality."""
+        raw = dict(self.limit_mm_per_prompt) if self.limit_mm_per_prompt is not None else {"image": 4}
+        unknown = set(raw) - {"image"}
+        if unknown:
+            raise InvalidParameterError(
+                f"limit_mm_per_prompt: unknown modality {sorted(unknown)[0]!r}; supported: image",
+                "limit_mm_per_prompt",
+            )
+        for name, value in raw.items():
+            _positive(f"limit_mm_per_prompt.{name}", value, allow_zero=True)
+        return raw
+
+    def domains(self) -> frozenset[str]:
+        return frozenset(d.strip().lower() for d in (self.allowed_media_domains or "").split(",") if d.strip())
+
+
 _SECTIONS = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -245,6 +296,7 @@ _SECTIONS = {
     "speculative": SpeculativeSection,
     "structured": StructuredOutputsSection,
     "kv_transfer": KVTransferSection,
+    "multimodal": MultiModalSection,
 }
 
 
@@ -258,6 +310,7 @@ class EngineConfig:
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     structured: StructuredOutputsSection = field(default_factory=StructuredOutputsSection)
     kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
+    multimodal: MultiModalSection = field(default_factory=MultiModalSection)
 
     @property
     def kv_transfer_config(self) -> KVTransferConfig | None:
@@ -353,6 +406,16 @@ class EngineConfig:
         _positive("max_num_seqs", s.max_num_seqs)
         _positive("max_num_batched_tokens", s.max_num_batched_tokens)
         _positive("max_logprobs", m.max_logprobs, allow_zero=True)
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(s, name) is not None:
+                _positive(name, getattr(s, name))
+        mm = self.multimodal
+        mm.limits()
+        _positive("max_image_pixels", mm.max_image_pixels)
+        _positive("max_image_bytes", mm.max_image_bytes)
+        t = mm.media_fetch_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise InvalidParameterError(f"media_fetch_timeout must be > 0 seconds, got {t!r}", "media_fetch_timeout")
         if m.max_model_len is not None:
             _positive("max_model_len", m.max_model_len)
         if m.cpu_threads is not None:

@@ -16,6 +16,7 @@ from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.lora import LoRARequest
+    from pagedllm.multimodal import MultiModalFeature
     from pagedllm.pooling_params import PoolingParams
 
 
@@ -75,6 +76,8 @@ class Request:
     trace_headers: dict[str, str] | None = None  # the client's W3C trace context, parent of its OTLP span
     # a pooling request (an embedding): computed whole in one step, samples nothing, finishes in that step
     pooling_params: PoolingParams | None = None
+    # the prompt's images (vision-language models), in prompt order: where their placeholders are, their hashes
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     @property
     def lora_int_id(self) -> int:

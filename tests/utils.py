@@ -180,12 +180,17 @@ class _Generation(Protocol):
 
 @torch.inference_mode()
 def hf_greedy(
-    model: Any, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int, topk: int = 5
+    model: Any,
+    prompts_token_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    topk: int = 5,
+    first_inputs: Sequence[dict[str, Any]] | None = None,
 ) -> list[GreedyResult]:
     """transformers greedy decoding, never stopping at EOS, with raw top-``topk`` logprobs per step.
 
     ``model`` is a loaded ``PreTrainedModel`` or a directory to load one from (float32).
-    Logprobs are ``log_softmax`` of the raw logits (vLLM's ``raw_logprobs``).
+    Logprobs are ``log_softmax`` of the raw logits (vLLM's ``raw_logprobs``). ``first_inputs``: per prompt,
+    more inputs of the prompt's forward pass (a vision-language model's ``pixel_values``).
     """
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM
@@ -194,9 +199,10 @@ def hf_greedy(
     model.eval()
     device = next(model.parameters()).device
     results = []
-    for ids in prompts_token_ids:
+    for i, ids in enumerate(prompts_token_ids):
         assert len(ids) > 0, "hf_greedy needs a non-empty prompt"
-        out = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, logits_to_keep=1)
+        extra = first_inputs[i] if first_inputs is not None else {}
+        out = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, logits_to_keep=1, **extra)
         tokens: list[int] = []
         steps: list[dict[int, float]] = []
         for step in range(max_new_tokens):

@@ -167,7 +167,7 @@ def run_pagedllm(
     t = time.perf_counter()
     spec_report(llm)  # drop the warm-up's counts
     outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
+        [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts],
         params,
         use_tqdm=True,
         lora_request=[loras[i % len(loras)] for i in range(len(prompts))] if loras else None,
@@ -184,6 +184,7 @@ def run_pagedllm(
     return {
         "elapsed_s": elapsed,
         "outputs": tokens,
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "spec_decode": spec,
         "structured_outputs": grammar,
         "communication": comm,
@@ -500,8 +501,10 @@ def add_parsers(sub) -> None:
     tp.add_argument(
         "--dataset-name",
         default="random",
-        choices=["random"],
-        help="prompts cut by token count from fixed English text at different offsets",
+        choices=["random", "images"],
+        help="random: prompts cut by token count from fixed English text at different offsets; images (a "
+        "vision-language model): the same texts after 1 or 2 random-noise images of 32 to 480 pixels a side, in "
+        "the checkpoint's chat template, against transformers' own class and processor",
     )
     tp.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload")
     tp.add_argument("--input-len", type=int, default=None, help="fixed input length (overrides the range)")
@@ -667,7 +670,11 @@ def _cmd_throughput(args) -> int:
     check_optional(args, "throughput")
     lo, hi = (args.input_len, args.input_len) if args.input_len else (args.min_input_len, args.max_input_len)
     tok = load_tokenizer(resolve_model(args.model))
-    prompts = make_w64(tok, args.num_prompts, lo, hi, args.seed)
+    prompts: list = make_w64(tok, args.num_prompts, lo, hi, args.seed)
+    if args.dataset_name == "images":
+        from pagedllm.benchmarks.images import make_image_prompts
+
+        prompts = make_image_prompts(resolve_model(args.model).path, args.num_prompts, lo, hi, args.seed)
     n_prompt, n_out = sum(map(len, prompts)), args.num_prompts * args.output_len
     results: dict = {
         "workload": {
@@ -696,10 +703,18 @@ def _cmd_throughput(args) -> int:
                 root = tempfile.mkdtemp(prefix="pagedllm-bench-loras-")
                 loras = make_random_adapters(args.model, args.num_loras, args.lora_rank, root)
             run = run_pagedllm(prompts, args.output_len, kwargs, structured, loras)
+        elif args.dataset_name == "images":
+            from pagedllm.benchmarks.images import run_transformers_images
+
+            run = run_transformers_images(prompts, args.output_len, resolve_model(args.model).path, args.hf_batch_size)
         else:
             run = run_transformers(prompts, args.output_len, args.model, args.hf_batch_size)
         outputs[name] = run["outputs"]
-        results[name] = _rates(run["elapsed_s"], n_prompt, n_out)
+        if args.dataset_name == "images":  # the text's tokens, and each image's placeholders, as processed
+            n_prompt = run["prompt_tokens"]
+            results["workload"]["prompt_tokens"] = n_prompt
+            results["workload"]["images"] = sum(len(p["multi_modal_data"]["image"]) for p in prompts)
+        results[name] = _rates(run["elapsed_s"], n_prompt, n_out, len(prompts))
         if run.get("spec_decode"):
             results[name]["spec_decode"] = run["spec_decode"]
         if run.get("structured_outputs"):
@@ -724,9 +739,10 @@ def _cmd_throughput(args) -> int:
     return 0
 
 
-def _rates(elapsed: float, n_prompt: int, n_out: int) -> dict:
+def _rates(elapsed: float, n_prompt: int, n_out: int, n_requests: int) -> dict:
     return {
         "elapsed_s": elapsed,
+        "requests_s": n_requests / elapsed,
         "output_tok_s": n_out / elapsed,
         "total_tok_s": (n_prompt + n_out) / elapsed,
         "peak_rss_mb_so_far": peak_rss_mb(),

@@ -82,6 +82,11 @@ class KVCacheManager:
             i = len(hashes)
             # an adapter's KV differs from the base model's for the same tokens: its id is in every hash
             extra = request.lora_int_id.to_bytes(8, "little") if request.lora_int_id else b""
+            # an image's placeholders are the same token whatever the image: the hash of each image a block
+            # holds part of, and where it starts relative to the block, tell them apart
+            for f in request.mm_features:
+                if f.offset < (i + 1) * bs and f.end > i * bs:
+                    extra += f.identifier.encode() + (f.offset - i * bs).to_bytes(8, "little", signed=True)
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock | None]], int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.encoder_cache import EncoderCacheManager, EncoderStats
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ class NewRequestData:
     lora_request: Any = None  # LoRARequest | None
     group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' (kv_groups), if any
     pooling_params: Any = None  # PoolingParams of a pooling request (None: it samples)
+    mm_features: list[Any] = field(default_factory=list)  # its images (MultiModalFeature), pixels included
 
 
 @dataclass(slots=True)
@@ -69,6 +71,10 @@ class SchedulerOutput:
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
     # KV connector: the copies every rank makes before this step's forward (None: nothing to copy)
     kv_connector_meta: KVConnectorMetadata | None = None
+    # vision-language models: the images each request's encoder computes this step (indices into its
+    # mm_features), and the cached encoder outputs to drop first (image hashes)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    freed_encoder_inputs: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -80,6 +86,8 @@ class SchedulerStats:
     prefix_cache: PrefixCacheStats
     spec_decode: SpecDecodeStats | None = None  # since the last stats call; None without speculation
     kv_connector: KVConnectorStats | None = None  # since the last stats call; None without a connector
+    encoder: EncoderStats | None = None  # since the last stats call; None without a vision encoder
+    encoder_cache_usage: float = 0.0  # tokens cached / capacity
 
 
 @dataclass(slots=True)
@@ -112,8 +120,13 @@ class Scheduler:
         kv_connector: OffloadScheduler | None = None,
         kv_groups: KVGroups | None = None,
         pooling_needs_kv: bool = True,
+        encoder: tuple[int, int] | None = None,
     ):
         self.config = sched
+        # vision-language models (``encoder``: the encoder's tokens per step, the encoder cache's size in tokens):
+        # the budget, and the record of the runner's encoder cache
+        self.encoder_budget = encoder[0] if encoder is not None else 0
+        self.encoder_cache = EncoderCacheManager(encoder[1]) if encoder is not None else None
         # a pooling request of a decoder writes its K/V somewhere during its one pass; an encoder's needs no block
         self.pooling_needs_kv = pooling_needs_kv
         self.connector = kv_connector
@@ -181,6 +194,8 @@ class Scheduler:
             # serve the most important first, so victims (taken from the unserved tail) are the least
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         scheduled_spec: dict[str, list[int]] = {}
+        encoder_budget = self.encoder_budget
+        scheduled_encoder: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
             req = self.running[i]
@@ -191,6 +206,13 @@ class Scheduler:
             # (budget, max_tokens, context) is dropped. Nothing is kept for the next step: it proposes anew.
             spec, req.spec_token_ids = req.spec_token_ids, []
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            images: tuple[list[int], list[int]] = ([], [])
+            if req.mm_features:
+                n, images = self._fit_images(req, req.num_computed_tokens, n, encoder_budget)
+                if n == 0:  # an image it reaches cannot be encoded this step
+                    req.spec_token_ids = spec
+                    i += 1
+                    continue
             if spec and n == req.num_tokens - req.num_computed_tokens:
                 room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
                 spec = spec[: max(0, min(room, budget - n))]
@@ -213,6 +235,8 @@ class Scheduler:
                     i += 1
                 continue  # (else req itself was preempted and removed from running)
             num_scheduled[req.request_id] = n
+            if images[0] or images[1]:
+                encoder_budget -= self._take_images(req, images, scheduled_encoder)
             if spec:
                 scheduled_spec[req.request_id] = spec
             if req.request_id in self._unsent:  # a forked child: the runner sees it for the first time
@@ -251,9 +275,17 @@ class Scheduler:
                 if self.connector is not None:  # the next tier: tokens it can load instead of computing
                     ext = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
             n = req.num_tokens - num_hit_tokens - ext
-            if (pooling or not self.config.enable_chunked_prefill) and n > budget:
+            whole = pooling or not self.config.enable_chunked_prefill
+            if whole and n > budget:
                 break  # head-of-line waits for a step with enough budget (a pooling prompt is never chunked)
             n = min(n, budget)
+            images = ([], [])
+            if req.mm_features:
+                start = req.num_computed_tokens + num_hit_tokens + ext
+                cut, images = self._fit_images(req, start, n, encoder_budget)
+                if cut == 0 or (whole and cut < n):
+                    break  # head-of-line waits for the encoder budget or cache room its images need
+                n = cut
             if pooling and not self.pooling_needs_kv:
                 new_blocks = [[]]
             else:
@@ -273,6 +305,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             num_scheduled[req.request_id] = n
+            if images[0] or images[1]:
+                encoder_budget -= self._take_images(req, images, scheduled_encoder)
             new_reqs.append(self._new_request_data(req))
             budget -= n
             if req.lora_int_id:
@@ -289,6 +323,9 @@ class Scheduler:
             self._pending_copies,
             scheduled_spec,
         )
+        if self.encoder_cache is not None:
+            out.scheduled_encoder_inputs = scheduled_encoder
+            out.freed_encoder_inputs = self.encoder_cache.take_freed()
         self.finished_req_ids = set()
         self._pending_copies = []
         for rid, n in num_scheduled.items():
@@ -297,9 +334,64 @@ class Scheduler:
                 self.connector.on_scheduled(req, self.kv.req_blocks[rid], req.num_computed_tokens, n)
             req.num_computed_tokens += n
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+            if req.mm_features:  # after this step is built: evicting what it reads starts with the next
+                self._release_images(req, req.num_computed_tokens)
         if self.connector is not None:
             out.kv_connector_meta = self.connector.build_connector_meta()
         return out
+
+    # -- images (vision-language models) ---------------------------------------------
+    def _fit_images(self, req: Request, start: int, n: int, encoder_budget: int) -> tuple[int, tuple[list, list]]:
+        """Tokens ``[start, start + n)`` of ``req`` as far as this step can give their images: an image its chunk
+        reaches is read from the encoder cache, or encoded where the step's encoder budget and the cache's room
+        allow; the chunk stops before the first that is neither. Returns the tokens and (images to encode,
+        images to read), as indices into ``req.mm_features``."""
+        cache = self.encoder_cache
+        assert cache is not None, "a request with images reached an engine without a vision encoder"
+        encode: list[int] = []
+        read: list[int] = []
+        pending = 0  # tokens of the images this request encodes in this step
+        for k, f in enumerate(req.mm_features):
+            if f.offset >= start + n:
+                break
+            if f.end <= start:
+                continue  # computed already: its KV is in the cache
+            if cache.has(f.identifier):
+                read.append(k)
+            elif any(req.mm_features[j].identifier == f.identifier for j in encode):
+                continue  # the same image twice in one prompt: encoded once
+            elif f.length <= encoder_budget - pending and cache.fits(pending + f.length):
+                encode.append(k)
+                pending += f.length
+            else:
+                return max(0, f.offset - start), (encode, read)
+        return n, (encode, read)
+
+    def _take_images(self, req: Request, images: tuple[list[int], list[int]], scheduled: dict[str, list[int]]) -> int:
+        """Commit what :meth:`_fit_images` found for a request now scheduled; returns the encoder tokens spent."""
+        cache = self.encoder_cache
+        assert cache is not None
+        encode, read = images
+        for k in read:
+            cache.read(req.mm_features[k].identifier, req.request_id)
+        spent = 0
+        for k in encode:
+            f = req.mm_features[k]
+            cache.add(f.identifier, f.length, req.request_id)
+            spent += f.length
+        if encode:
+            scheduled[req.request_id] = encode
+        return spent
+
+    def _release_images(self, req: Request, computed: int) -> None:
+        """``req`` stops reading the images whose placeholders end at or before ``computed``."""
+        cache = self.encoder_cache
+        if cache is None:
+            return
+        ahead = {f.identifier for f in req.mm_features if f.end > computed}  # the same image later in the prompt
+        for f in req.mm_features:
+            if f.end <= computed and f.identifier not in ahead:
+                cache.release(f.identifier, req.request_id)
 
     def _allocate(self, req: Request, n: int, hits=None, num_hit_tokens: int = 0):
         lookahead = 0
@@ -319,6 +411,7 @@ class Scheduler:
             req.lora_request,
             self.kv.get_group_block_ids(req.request_id),
             req.pooling_params,
+            req.mm_features,
         )
 
     def update_from_output(
@@ -443,6 +536,7 @@ class Scheduler:
         req.status = status
         if self.connector is not None:
             self.connector.request_finished(req)
+        self._release_images(req, 1 << 62)
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
 
@@ -470,6 +564,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_preempt(req, self.kv.get_block_ids(req.request_id))
         self.kv.free(req)
+        self._release_images(req, 1 << 62)  # its images stay cached (unread) for its recompute, room allowing
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -493,6 +588,8 @@ class Scheduler:
             self.kv.stats.reset(),
             spec,
             self.connector.stats.take() if self.connector is not None else None,
+            self.encoder_cache.stats.take() if self.encoder_cache is not None else None,
+            self.encoder_cache.used / self.encoder_cache.capacity if self.encoder_cache is not None else 0.0,
         )
 
     def check_invariants(self) -> None:
@@ -504,6 +601,8 @@ class Scheduler:
             assert req.num_computed_tokens <= req.num_tokens
         for rid in self.kv.req_blocks:
             assert self.requests[rid].status == RequestStatus.RUNNING, f"{rid} holds blocks but is not running"
+        if self.encoder_cache is not None:
+            self.encoder_cache.check_invariants({r.request_id for r in self.running})
 
 
 class _WaitQueue:

@@ -58,6 +58,7 @@ class EngineCore:
         kv_connector: OffloadScheduler | None = None,
         kv_groups: KVGroups | None = None,
         pooling_needs_kv: bool = True,
+        encoder: tuple[int, int] | None = None,
     ):
         self.config = config
         self.structured = structured
@@ -78,6 +79,7 @@ class EngineCore:
             kv_connector=kv_connector,
             kv_groups=kv_groups,
             pooling_needs_kv=pooling_needs_kv,
+            encoder=encoder,
         )
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage

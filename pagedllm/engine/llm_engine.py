@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from pagedllm.kv_transfer.offload import OffloadScheduler
     from pagedllm.lora import LoRARequest
     from pagedllm.lora.adapter import AdapterCache
+    from pagedllm.multimodal import MultiModalFeature
+    from pagedllm.multimodal.processing import MultiModalProcessor
     from pagedllm.pooling_params import PoolingParams
     from pagedllm.structured_output import StructuredOutputManager
 
@@ -141,6 +143,8 @@ class LLMEngine:
                 disk=disk,
             )
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len, mc.max_logprobs, eos)
+        self.encoder_budget: tuple[int, int] | None = None  # set for a vision-language model
+        self.mm_processor = self._multimodal_processor()
         try:
             with stage("warmup"):  # on a core of its own, dropped after: the engine's own starts untouched
                 warm_up(self, self._new_core(None, None, min(num_blocks, WARMUP_BLOCKS)))
@@ -169,6 +173,7 @@ class LLMEngine:
             connector,
             self.kv_groups,
             pooling_needs_kv=not self.pooling_encoder,
+            encoder=self.encoder_budget,
         )
 
     def _pooling_runner(self) -> PoolingConfig | None:
@@ -454,7 +459,12 @@ class LLMEngine:
             raise InvalidParameterError(
                 "this is a pooling model (runner='pooling'): use embed or score, not generation", "runner"
             )
-        text, ids = self.processor.tokenize(prompt)
+        text, ids, features = self._tokenize(prompt)
+        if features and params.truncate_prompt_tokens is not None:
+            raise InvalidParameterError(
+                "truncate_prompt_tokens cannot be used with images: cutting the prompt could cut an image",
+                "truncate_prompt_tokens",
+            )
         ids = self.processor.truncate(ids, params)
         if params.structured_outputs is not None:
             assert isinstance(params.structured_outputs, StructuredOutputsParams)  # SamplingParams parses a dict
@@ -485,10 +495,50 @@ class LLMEngine:
                     group=group,
                     lora_request=lora_request,
                     trace_headers=trace_headers,
+                    mm_features=features,
                 )
             )
         children[0].pending_children = children[1:]
         return PreparedRequest(request_id, children, text)
+
+    def _multimodal_processor(self) -> MultiModalProcessor | None:
+        """A vision-language model's image processing (None for a text-only model)."""
+        if getattr(self.hf_config, "multimodal_config", None) is None:
+            return None
+        from pagedllm.multimodal.processing import MultiModalProcessor
+
+        processor = MultiModalProcessor(self.source.path, self.hf_config, self.config.multimodal)
+        sc = self.config.scheduler_config
+        # by default at least one image a step (vLLM's rule), whatever max_num_batched_tokens is
+        budget = sc.max_num_encoder_input_tokens or max(sc.max_num_batched_tokens, processor.max_tokens_per_image())
+        self.encoder_budget = (budget, sc.encoder_cache_size or budget)
+        processor.max_image_tokens = min(self.encoder_budget)
+        return processor
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """A prompt's text, token ids and images (a dict's ``multi_modal_data``, expanded into placeholders)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            text, ids = self.processor.tokenize(
+                {k: v for k, v in prompt.items() if k != "multi_modal_data"} if isinstance(prompt, dict) else prompt
+            )
+            if self.mm_processor is not None:
+                self.mm_processor.check_no_placeholders(ids)
+            return text, ids, []
+        assert isinstance(prompt, dict)  # data came from one
+        if self.mm_processor is None:
+            raise InvalidParameterError(
+                f"{self.source.name} is a text-only model: it takes no images (multi_modal_data)", "multi_modal_data"
+            )
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise InvalidParameterError(f"unsupported prompt fields: {sorted(unknown)}", "prompt")
+        text, given = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if given is None and not isinstance(text, str):
+            raise InvalidParameterError("a prompt dict needs 'prompt' text or 'prompt_token_ids'", "prompt")
+        checked = None if given is None else self.processor.tokenize({"prompt_token_ids": given})[1]  # before images
+        ids, features = self.mm_processor.process(text if checked is None else None, checked, data)
+        return text, self.processor.tokenize({"prompt_token_ids": ids})[1], features
 
     def make_pooling_requests(
         self,

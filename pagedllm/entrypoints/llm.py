@@ -167,19 +167,48 @@ class LLM:
         # one conversation (a list of messages) or several: told apart by the first element
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [cast("list[ChatMessage]", messages)] if single else cast("list[list[ChatMessage]]", messages)
-        prompts = [
-            {
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            conv, images = self._image_parts(conv)
+            prompt: dict[str, Any] = {
                 "prompt_token_ids": self.apply_chat_template(
                     conv, chat_template, add_generation_prompt, chat_template_kwargs, tools
                 )
             }
-            for conv in conversations
-        ]
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         outs = self.generate(prompts, sampling_params, use_tqdm)
         tok = self.get_tokenizer()
         for o in outs:
             o.prompt = tok.decode(o.prompt_token_ids, skip_special_tokens=False)
         return outs
+
+    def _image_parts(self, conversation: list[ChatMessage]) -> tuple[list[ChatMessage], list[Any]]:
+        """A conversation's ``image_url`` (a URL) and ``image_pil`` (a PIL image) parts as the template's
+        ``{"type": "image"}`` placeholders, and the images in order (vision-language models; vLLM's parts)."""
+        images: list[Any] = []
+        out: list[ChatMessage] = []
+        for m in conversation:
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list):
+                out.append(m)
+                continue
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image_url", "image_pil"):
+                    if self.llm_engine.mm_processor is None:
+                        raise InvalidParameterError(
+                            f"{self.llm_engine.source.name} is a text-only model: it takes no images", "messages"
+                        )
+                    value = part.get(kind)
+                    images.append(value.get("url") if kind == "image_url" and isinstance(value, dict) else value)
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            out.append(cast("ChatMessage", {**m, "content": parts}))
+        return out, images
 
     def apply_chat_template(
         self,
@@ -190,6 +219,9 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tok = self.get_tokenizer()
+        mm = self.llm_engine.mm_processor
+        if chat_template is None and getattr(tok, "chat_template", None) is None and mm is not None:
+            chat_template = mm.chat_template()  # a vision-language checkpoint's processor may hold it
         if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise InvalidParameterError(
                 "this model's tokenizer has no chat template; pass chat_template=", "chat_template"

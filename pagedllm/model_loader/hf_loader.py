@@ -20,9 +20,19 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_hf_config(path: str) -> transformers.PretrainedConfig:
+    """The checkpoint's config; for a vision-language model its text model's, with the whole config as
+    ``multimodal_config`` and its ``architectures``: the engine sizes the KV cache, the vocabulary and the
+    context from the text model's, and the model registry builds the multimodal class from it."""
+    import copy
+
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if getattr(config, "vision_config", None) is None or getattr(config, "text_config", None) is None:
+        return config
+    text = copy.copy(config.get_text_config())
+    text.multimodal_config = config
+    return text
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -104,11 +104,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if intermediate is None:
+        if inputs_embeds is not None:  # scaled already (embed_input_ids)
+            x, residual = inputs_embeds, None
+        elif intermediate is None:
             assert self.embed_tokens is not None  # the first stage embeds
-            x = self.embed_tokens(input_ids)
-            x, residual = x * self.embed_scale.to(x.dtype), None
+            x, residual = self.embed_input_ids(input_ids), None
         else:
             x, residual = intermediate.hidden, intermediate.residual
         global_cs, local_cs = self.rotary.cos_sin(positions), self.rotary_local.cos_sin(positions)
@@ -120,6 +122,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         assert self.norm is not None  # the last stage's
         x, _ = self.norm(x, residual)
         return x
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows: Gemma scales its embeddings by sqrt(hidden_size)."""
+        assert self.embed_tokens is not None  # the first stage embeds
+        x = self.embed_tokens(input_ids)
+        return x * self.embed_scale.to(x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

@@ -194,13 +194,17 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
-        """The final hidden states; on a pipeline stage before the last, what the next stage takes."""
-        if self.fused_decode is not None and intermediate is None:
+        """The final hidden states; on a pipeline stage before the last, what the next stage takes.
+        ``inputs_embeds``: the first stage's input rows, given (a multimodal prompt's) instead of embedded here."""
+        if self.fused_decode is not None and intermediate is None and inputs_embeds is None:
             out = self.fused_decode(input_ids, positions, kv_caches, meta)
             if out is not None:
                 return out
-        if intermediate is None:
+        if inputs_embeds is not None:
+            x, residual = inputs_embeds, None
+        elif intermediate is None:
             assert self.embed_tokens is not None  # the first stage embeds
             x, residual = self.embed_tokens(input_ids), None
         else:
@@ -219,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
         if self.aux_hidden_state_layers:
             return x, torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return x
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows for ``input_ids`` (what ``forward`` computes unless given
+        ``inputs_embeds``)."""
+        assert self.embed_tokens is not None  # the first stage embeds
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [T, vocab]; under tensor parallelism only the stage's first rank gets them

@@ -24,6 +24,8 @@ _BUILTIN = {
     "Qwen3MoeForCausalLM": "pagedllm.models.llama:Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM": "pagedllm.models.gemma3:Gemma3ForCausalLM",
     "BertModel": "pagedllm.models.bert:BertModel",  # pooling (sentence embeddings)
+    # vision-language: built over the text model's class (see resolve_for_config)
+    "LlavaForConditionalGeneration": "pagedllm.models.llava:LlavaForConditionalGeneration",
 }
 
 
@@ -52,6 +54,12 @@ class _ModelRegistry:
         return sorted(self._models)
 
     def resolve_for_config(self, hf_config: Any) -> type:
+        """The class that runs ``hf_config``; for a vision-language model's text view (``multimodal_config``
+        set: see ``load_hf_config``), its multimodal class over the text model's."""
+        mm = getattr(hf_config, "multimodal_config", None)
+        if mm is not None:
+            text_cls = self.resolve_for_config(_text_only(hf_config))
+            return self.resolve(getattr(mm, "architectures", None)).for_text_model(text_cls)  # type: ignore[attr-defined]
         archs = getattr(hf_config, "architectures", None)
         if not archs:
             model_type: str = getattr(hf_config, "model_type", "")
@@ -71,6 +79,15 @@ class _ModelRegistry:
             f"{', '.join(self.get_supported_archs())}. Register your own with "
             "pagedllm.ModelRegistry.register_model(name, cls)"
         )
+
+
+def _text_only(view: Any) -> Any:
+    """A multimodal config's text view without the link to the whole (so it resolves as the text model)."""
+    import copy
+
+    text = copy.copy(view)
+    del text.multimodal_config
+    return text
 
 
 ModelRegistry = _ModelRegistry()

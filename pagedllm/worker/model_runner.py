@@ -57,6 +57,7 @@ class _ReqState:
     lora: Any = None  # the request's LoRARequest, or None
     group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' tables (kv_groups)
     pooling_params: Any = None  # a pooling request's PoolingParams
+    mm_features: list[Any] = field(default_factory=list)  # its images (MultiModalFeature), by prompt position
 
     @property
     def lora_int_id(self) -> int:
@@ -102,6 +103,10 @@ class ModelRunner:
 
             self.cost_gate = CostGate()
         self.max_model_len = max_model_len or (1 << 62)
+        # vision-language models: encoder outputs by image hash ([image tokens, hidden]), kept and dropped as
+        # the scheduler's EncoderCacheManager says
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.num_encoder_tokens = 0  # image tokens encoded, ever
 
     @property
     def _lm(self) -> LlamaForCausalLM:
@@ -132,6 +137,7 @@ class ModelRunner:
                 lora=new.lora_request,
                 group_block_ids=[list(ids) for ids in new.group_block_ids],
                 pooling_params=new.pooling_params,
+                mm_features=new.mm_features,
             )
             if self.proposer is not None:
                 self.proposer.add(new.req_id, new.num_computed_tokens)
@@ -149,12 +155,14 @@ class ModelRunner:
             if st is not None:
                 st.token_ids.extend(tokens)
 
-    def _forward(self, batch: Any) -> Any:
+    def _forward(self, batch: Any, inputs_embeds: torch.Tensor | None = None) -> Any:
         """The model on this rank's layers: a later pipeline stage starts from the previous one's
-        activations, an earlier one hands its own on."""
+        activations, an earlier one hands its own on. ``inputs_embeds``: the first stage's input rows, where
+        a prompt's images take some of them."""
         ps = self.ps
+        extra = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}  # (a user's model may lack it)
         if ps.pp_size == 1:
-            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
         from pagedllm.models.llama import IntermediateTensors
 
         inter = None
@@ -162,7 +170,7 @@ class ModelRunner:
             shape = (batch.input_ids.shape[0], self._lm.config.hidden_size)
             dtype = next(self._lm.layers[0].parameters()).dtype
             inter = IntermediateTensors(*ps.recv_from_prev_stage([shape, shape], dtype))
-        out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, intermediate=inter)
+        out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, intermediate=inter, **extra)
         if not ps.is_last_stage:
             ps.send_to_next_stage([out.hidden, out.residual])
         return out
@@ -196,6 +204,8 @@ class ModelRunner:
             caches = self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else [])
             for cache in {c.data_ptr(): c for c in caches}.values():  # layers of different groups share a tensor
                 copy_blocks(cache, src, dst)
+        if so.freed_encoder_inputs or so.scheduled_encoder_inputs:
+            self._run_encoder(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         if self.pooling is not None:
@@ -233,8 +243,9 @@ class ModelRunner:
             )
             if lora_rows:
                 step_lora = self.lora.state.active(lora_rows)
+        embeds = self._inputs_embeds(order, row_starts, so, batch.offsets, batch.input_ids)
         with step_lora:
-            hidden = self._forward(batch)
+            hidden = self._forward(batch, embeds)
         self.num_tokens_computed += so.total_num_scheduled_tokens
         for rid in order:  # the scheduler already counted these tokens (drafts too) as computed
             self.states[rid].num_computed_tokens += num[rid]
@@ -269,6 +280,55 @@ class ModelRunner:
         if self.proposer is not None:
             result.spec_token_ids = self._propose(order, sampled, hidden, aux, offsets, row_starts)
         return result
+
+    # -- images (vision-language models) ---------------------------------------------
+    def _run_encoder(self, so: SchedulerOutput) -> None:
+        """Drop the encoder outputs the scheduler evicted, then encode this step's images (same-sized ones in
+        one batch) into the encoder cache. Only the first pipeline stage embeds, so only it encodes."""
+        for identifier in so.freed_encoder_inputs:
+            self.encoder_cache.pop(identifier, None)
+        if not self.ps.is_first_stage:
+            return
+        by_shape: dict[tuple[int, ...], list[Any]] = {}
+        for rid, indices in so.scheduled_encoder_inputs.items():
+            for k in indices:
+                f = self.states[rid].mm_features[k]
+                by_shape.setdefault(tuple(f.pixel_values.shape), []).append(f)
+        model = cast(Any, self.model)
+        for features in by_shape.values():
+            pixels = torch.stack([f.pixel_values for f in features]).to(self.device)
+            out = model.encode_images(pixels)
+            for f, rows in zip(features, out):
+                assert rows.shape[0] == f.length, f"image encoded to {rows.shape[0]} rows for {f.length} placeholders"
+                self.encoder_cache[f.identifier] = rows
+                self.num_encoder_tokens += f.length
+
+    def _inputs_embeds(
+        self, order: list[str], row_starts: list[int], so: SchedulerOutput, offsets: list[int], input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """This step's input rows where a chunk holds image placeholders: the text's embeddings with each image's
+        encoder rows written over its placeholders' (None where no row is an image's: the model embeds)."""
+        if not self.ps.is_first_stage:
+            return None
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for i, rid in enumerate(order):
+            st = self.states[rid]
+            if not st.mm_features:
+                continue
+            start = row_starts[i]
+            end = start + so.num_scheduled_tokens[rid] - len(so.scheduled_spec_tokens.get(rid, ()))
+            for f in st.mm_features:
+                a, b = max(start, f.offset), min(end, f.end)
+                if a < b:
+                    base = offsets[i] - start
+                    rows.append(torch.arange(base + a, base + b, device=self.device))
+                    values.append(self.encoder_cache[f.identifier][a - f.offset : b - f.offset])
+        if not rows:
+            return None
+        embeds = cast(Any, self.model).embed_input_ids(input_ids)
+        embeds[torch.cat(rows)] = torch.cat(values).to(embeds.dtype)
+        return embeds
 
     def _execute_pooling(self, so: SchedulerOutput, pooling: PoolingConfig) -> ModelRunnerOutput:
         """Every request's whole prompt in one pass (the scheduler never chunks one); one pooled vector each."""

@@ -112,6 +112,14 @@ class ServerMetrics:
         self.engine_state_snapshots = counter(
             "engine_state_snapshots", "Engine snapshots taken for /v1/engine/state and its stream (the dashboard)."
         )
+        # vision-language models: vLLM's multimodal cache names, counting the encoder cache's lookups
+        self.mm_cache_queries = counter("mm_cache_queries", "Images a request reached, looked up in the encoder cache.")
+        self.mm_cache_hits = counter("mm_cache_hits", "Images found in the encoder cache (not encoded again).")
+        self.encoder_images = counter("encoder_images", "Images the vision encoder computed.")
+        self.encoder_tokens = counter(
+            "encoder_tokens", "Image tokens (encoder output rows) the vision encoder computed."
+        )
+        self.encoder_cache_usage = gauge("encoder_cache_usage_perc", "Encoder cache usage (1 = full).")
         self.lora_requests = counter("lora_requests", "Prompts sent to each LoRA adapter.", extra=["lora_name"])
         self.lora_info = Gauge(
             "pagedllm:lora_requests_info",
@@ -132,6 +140,10 @@ class ServerMetrics:
             "spec_decode_draft_tokens": 0,
             "spec_decode_accepted_tokens": 0,
             "finished_requests": 0,
+            "encoder_images": 0,
+            "encoder_tokens": 0,
+            "mm_cache_queries": 0,
+            "mm_cache_hits": 0,
         }
 
     def on_step(self, engine: Any, outputs: list) -> None:
@@ -160,6 +172,17 @@ class ServerMetrics:
             self.kv_transfer_seconds.labels(self.model_name, "save").inc(kv.save_seconds)
             self.kv_transfer_seconds.labels(self.model_name, "load").inc(kv.load_seconds)
             self.kv_swaps.inc(kv.swapped_out)
+        enc = stats.encoder
+        if enc is not None:
+            self.mm_cache_queries.inc(enc.queries)
+            self.mm_cache_hits.inc(enc.hits)
+            self.encoder_images.inc(enc.images)
+            self.encoder_tokens.inc(enc.tokens)
+            self.encoder_cache_usage.set(stats.encoder_cache_usage)
+            totals["encoder_images"] += enc.images
+            totals["encoder_tokens"] += enc.tokens
+            totals["mm_cache_queries"] += enc.queries
+            totals["mm_cache_hits"] += enc.hits
         spec = stats.spec_decode
         if spec is not None:
             totals["spec_decode_draft_tokens"] += spec.num_draft_tokens

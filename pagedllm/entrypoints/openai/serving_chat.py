@@ -7,7 +7,7 @@ plain values (no FastAPI request), so other front ends (the Responses API) can r
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -75,18 +75,24 @@ async def start_chat(
     if req.tools:
         check_tool_schemas([t.model_dump() for t in req.tools])
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
-    ids = await llm.prepare(
-        chat_ids,
+    mm = llm.engine.mm_processor
+    ids, images = await llm.prepare(
+        chat_prompt,
         llm.tokenizer,
         req.messages,
         req.chat_template,
         req.add_generation_prompt,
         req.chat_template_kwargs,
         tools,
+        None if mm is None else mm.limits.get("image", 0),
+        None if mm is None else mm.chat_template,
     )
     rid = request_id or P.random_id("chatcmpl")
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if images:  # read and processed with the request, off the event loop
+        prompt["multi_modal_data"] = {"image": images}
     streams = await llm.add_requests(
-        [{"prompt_token_ids": ids}],
+        [prompt],
         params,
         rid,
         req.priority,
@@ -134,25 +140,53 @@ def chat_ids(
     kwargs: dict | None,
     tools: list[dict] | None = None,
 ) -> list[int]:
+    """The conversation's prompt token ids (text parts only)."""
+    return chat_prompt(tok, messages, template, add_generation_prompt, kwargs, tools)[0]
+
+
+def chat_prompt(
+    tok: Any,
+    messages: list[P.ChatMessage],
+    template: str | None,
+    add_generation_prompt: bool,
+    kwargs: dict | None,
+    tools: list[dict] | None = None,
+    max_images: int | None = None,
+    mm_template: Callable[[], str | None] | None = None,
+) -> tuple[list[int], list[str]]:
+    """The conversation's prompt token ids, with one image placeholder where each ``image_url`` part was, and
+    those parts' URLs in order. ``max_images``: None for a text-only model (an image part is refused), else
+    the most a prompt may carry; ``mm_template``: the checkpoint's processor's chat template, used where the
+    tokenizer has none."""
+    if template is None and getattr(tok, "chat_template", None) is None and mm_template is not None:
+        template = mm_template()
     if template is None and getattr(tok, "chat_template", None) is None:
         raise APIError(
             400, "this model has no chat template; pass `chat_template`", "invalid_request_error", "chat_template"
         )
     conv = []
+    images: list[str] = []
     for m in messages:
         content = m.content
-        if isinstance(content, list):  # OpenAI content parts: only text is supported
-            texts = []
+        if isinstance(content, list):  # OpenAI content parts: text, and images for a vision-language model
+            parts: list[dict[str, Any]] = []
             for part in content:
-                if part.get("type") != "text":
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": str(part.get("text", ""))})
+                elif kind == "image_url" and max_images is not None:
+                    images.append(_image_url(part, len(images), max_images))
+                    parts.append({"type": "image"})
+                else:
+                    also = " and 'image_url'" if max_images is not None else " (this model takes no images)"
                     raise APIError(
                         400,
-                        f"unsupported content part type {part.get('type')!r}; only 'text'",
+                        f"unsupported content part type {kind!r}; only 'text'{also}",
                         "invalid_request_error",
                         "messages",
                     )
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
+            has_image = any(p["type"] == "image" for p in parts)
+            content = parts if has_image else "".join(p["text"] for p in parts)
         conv.append({**m.model_dump(exclude_none=True), "content": content or ""})
     try:
         text = tok.apply_chat_template(
@@ -165,7 +199,22 @@ def chat_ids(
         )
     except Exception as e:  # a template error is the request's fault (bad roles, bad template)
         raise APIError(400, f"chat template failed: {e}", "invalid_request_error", "messages") from e
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=False), images
+
+
+def _image_url(part: dict[str, Any], index: int, max_images: int) -> str:
+    if index >= max_images:
+        raise APIError(
+            400,
+            f"the messages hold more than {max_images} images (limit_mm_per_prompt)",
+            "invalid_request_error",
+            "messages",
+        )
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise APIError(400, "an image_url part needs image_url.url, a string", "invalid_request_error", "messages")
+    return url
 
 
 def tool_answer(

@@ -1,0 +1,166 @@
+"""Reading a request's images: a PIL image, encoded bytes, a ``data:`` URL, a ``file://`` URL under the
+allowed folder, or an ``http(s)`` URL of an allowed domain; every limit checked before the pixels are decoded.
+
+Each failure is an :class:`~pagedllm.errors.InvalidParameterError` naming the request's field, so the server
+answers 400 in the OpenAI shape. Decoding is CPU work: the server calls this off its event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from pagedllm.config import MultiModalSection
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError as e:  # pragma: no cover - pillow is a dependency of the vision extra
+        raise InvalidParameterError(
+            "image input needs Pillow: pip install 'pagedllm[vision]'", "multi_modal_data"
+        ) from e
+    return Image
+
+
+def load_image(source: Any, config: MultiModalSection, field: str) -> Image.Image:
+    """``source`` as an RGB PIL image, or a 400-style error naming ``field``."""
+    Image = _pil()
+    if isinstance(source, Image.Image):
+        _check_pixels(source.width, source.height, config, field)
+        return source.convert("RGB")
+    if isinstance(source, (bytes, bytearray)):
+        return decode_image(bytes(source), config, field)
+    if isinstance(source, str):
+        return decode_image(read_url(source, config, field), config, field)
+    raise InvalidParameterError(
+        f"{field}: an image must be a PIL image, bytes or a URL string, got {type(source).__name__}", field
+    )
+
+
+def read_url(url: str, config: MultiModalSection, field: str) -> bytes:
+    """The encoded image a URL names (``data:``, ``file://`` or ``http(s)://``), within max_image_bytes."""
+    limit = config.max_image_bytes
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise InvalidParameterError(f"{field}: a data: URL must be 'data:image/<type>;base64,<data>'", field)
+        if not header[5:].startswith("image/"):
+            raise InvalidParameterError(f"{field}: a data: URL must hold an image/* type, got {header[5:-7]!r}", field)
+        if len(payload) > limit * 4 // 3 + 4:  # checked before decoding
+            raise InvalidParameterError(f"{field}: the image is larger than {limit} bytes (max_image_bytes)", field)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidParameterError(f"{field}: the data: URL's payload is not valid base64", field) from None
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        return _read_local(urllib.parse.unquote(parsed.path), config, field)
+    if parsed.scheme in ("http", "https"):
+        return _fetch(url, parsed, config, field)
+    raise InvalidParameterError(
+        f"{field}: unsupported image URL scheme {parsed.scheme or url[:16]!r}; send a data: URL "
+        "(or an http(s) URL of a domain in --allowed-media-domains, a file:// URL under --allowed-local-media-path)",
+        field,
+    )
+
+
+def _read_local(path: str, config: MultiModalSection, field: str) -> bytes:
+    root = config.allowed_local_media_path
+    if root is None:
+        raise InvalidParameterError(
+            f"{field}: file:// image URLs are off; the server allows them under --allowed-local-media-path", field
+        )
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, base]) != base:
+        raise InvalidParameterError(f"{field}: {path!r} is outside the allowed local media path", field)
+    try:
+        size = os.path.getsize(real)
+        if size > config.max_image_bytes:
+            raise InvalidParameterError(
+                f"{field}: the image is larger than {config.max_image_bytes} bytes (max_image_bytes)", field
+            )
+        with open(real, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidParameterError(f"{field}: cannot read {path!r}: {e.strerror}", field) from None
+
+
+def _fetch(url: str, parsed: urllib.parse.ParseResult, config: MultiModalSection, field: str) -> bytes:
+    host = (parsed.hostname or "").lower()
+    if host not in config.domains():
+        raise InvalidParameterError(
+            f"{field}: the server does not fetch images from {host!r}; allowed domains: "
+            f"{', '.join(sorted(config.domains())) or 'none (send a data: URL)'}",
+            field,
+        )
+    import httpx
+
+    limit = config.max_image_bytes
+    try:
+        with httpx.stream("GET", url, timeout=config.media_fetch_timeout, follow_redirects=False) as r:
+            if r.status_code != 200:
+                raise InvalidParameterError(f"{field}: fetching the image answered HTTP {r.status_code}", field)
+            body = bytearray()
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise InvalidParameterError(
+                        f"{field}: the image is larger than {limit} bytes (max_image_bytes)", field
+                    )
+            return bytes(body)
+    except httpx.HTTPError as e:
+        raise InvalidParameterError(f"{field}: fetching the image failed: {type(e).__name__}", field) from None
+
+
+def decode_image(data: bytes, config: MultiModalSection, field: str) -> Image.Image:
+    Image = _pil()
+    if len(data) > config.max_image_bytes:
+        raise InvalidParameterError(
+            f"{field}: the image is larger than {config.max_image_bytes} bytes (max_image_bytes)", field
+        )
+    try:
+        image = Image.open(io.BytesIO(data), formats=list(FORMATS))  # reads the header only
+    except Image.DecompressionBombError:  # far past any pixel limit: PIL refuses it itself
+        raise InvalidParameterError(
+            f"{field}: the image has more pixels than max_image_pixels ({config.max_image_pixels})", field
+        ) from None
+    except Exception:  # PIL raises UnidentifiedImageError, or others for a broken header
+        raise InvalidParameterError(
+            f"{field}: not an image in a supported format ({', '.join(FORMATS)})", field
+        ) from None
+    _check_pixels(image.width, image.height, config, field)
+    try:
+        image.load()
+        return image.convert("RGB")
+    except Exception as e:  # a truncated or corrupt body
+        raise InvalidParameterError(f"{field}: the image could not be decoded ({e})", field) from None
+
+
+def _check_pixels(width: int, height: int, config: MultiModalSection, field: str) -> None:
+    if width * height > config.max_image_pixels:
+        raise InvalidParameterError(
+            f"{field}: the image has {width}x{height} = {width * height} pixels, more than max_image_pixels "
+            f"({config.max_image_pixels})",
+            field,
+        )
+    if width < 1 or height < 1:
+        raise InvalidParameterError(f"{field}: the image is empty ({width}x{height})", field)
+
+
+def encode_data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    """An image as a ``data:`` URL (for clients and tests)."""
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"

@@ -1,0 +1,347 @@
+"""Image input on LLaVA-style checkpoints: SmolLM2-135M's real text weights joined to a CLIP tower and projector
+with seeded random weights (``benchmarks/vision_models.py``), against transformers' ``LlavaForConditionalGeneration``
+on the same directory and the same images.
+
+The comparison checks the whole path (processing, tower, projector, merging into the prompt, decoding); it
+cannot check that an answer describes an image: the tower's weights are random.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import InvalidParameterError
+
+from utils import MODEL, Server, benchmark_module, check_greedy_close, hf_greedy
+
+PIL = pytest.importorskip("PIL.Image")
+
+TOPK = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=TOPK, ignore_eos=True)
+IMAGE_TOKEN_ID = 49152  # "<image>", added after SmolLM2's 49152 tokens
+SIZES = [(50, 80), (64, 64), (120, 90), (33, 200), (300, 240)]  # (height, width): smaller, equal, larger
+
+
+def _image(seed: int, size: tuple[int, int]) -> Any:
+    rng = np.random.default_rng(seed)
+    return PIL.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def _data_url(image: Any, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_model: Any) -> str:
+    vm = benchmark_module("vision_models")
+    return str(vm.build_llava(tmp_path_factory.mktemp("llava"), text_model=smollm2_hf_model))
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir: str) -> tuple[Any, Any]:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(llava_dir)
+
+
+IMAGES = [_image(i, size) for i, size in enumerate(SIZES)]
+
+
+def _chat(processor: Any, num_images: int, question: str) -> str:
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def _batch(processor: Any) -> list[tuple[str, list[Any]]]:
+    """Text-only prompts beside prompts with 1 to 3 images of different sizes (one image twice)."""
+    return [
+        (_chat(processor, 1, "What is in this picture?"), IMAGES[:1]),
+        (_chat(processor, 0, "Write a haiku about the sea."), []),
+        (_chat(processor, 2, "Compare these two pictures."), IMAGES[1:3]),
+        (_chat(processor, 3, "Describe all three in one line each."), [IMAGES[3], IMAGES[4], IMAGES[0]]),
+        ("Once upon a time", []),
+        (_chat(processor, 1, "Is this the same picture as before?"), IMAGES[2:3]),
+    ]
+
+
+def _inputs(batch: list[tuple[str, list[Any]]]) -> list[Any]:
+    return [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in batch]
+
+
+def _clean(llm: LLM) -> None:
+    s = llm.llm_engine.core.scheduler
+    s.check_invariants()
+    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def reference(llava_dir: str, hf: tuple[Any, Any]) -> tuple[list[Any], Any]:
+    """Our outputs with every scheduler feature off and room for the whole batch in one step."""
+    llm = LLM(llava_dir, max_model_len=1024, enable_prefix_caching=False, enable_chunked_prefill=False)
+    outs = llm.generate(_inputs(_batch(hf[1])), GREEDY, use_tqdm=False)
+    _clean(llm)
+    return outs, llm
+
+
+def test_llava_greedy_matches_transformers_on_images_of_every_size(hf: tuple[Any, Any], reference: Any) -> None:
+    model, processor = hf
+    outs, _ = reference
+    batch = _batch(processor)
+    ids, extra = [], []
+    for (text, images), out in zip(batch, outs):
+        inp = processor(text=text, images=images or None, return_tensors="pt")
+        ids.append(inp["input_ids"][0].tolist())
+        extra.append({"pixel_values": inp["pixel_values"]} if images else {})
+        # the same placeholders as the HF processor's: as many image tokens, in the same places
+        assert list(out.prompt_token_ids) == ids[-1]
+        assert ids[-1].count(IMAGE_TOKEN_ID) == 64 * len(images)
+    ref = hf_greedy(model, ids, max_new_tokens=16, topk=TOPK, first_inputs=extra)
+    result = check_greedy_close(
+        ref, [o.outputs[0] for o in outs], TOPK, logprob_atol=1e-4, min_exact_fraction=1.0, names=("hf", "ours")
+    )
+    assert result.max_logprob_diff < 1e-4
+
+
+def test_token_id_prompts_and_chat_parts_give_the_same_tokens(hf: tuple[Any, Any], reference: Any) -> None:
+    """One image token per image in ``prompt_token_ids`` is expanded like the processor's text; ``LLM.chat``
+    takes vLLM's ``image_pil`` and ``image_url`` parts."""
+    processor = hf[1]
+    outs, llm = reference
+    text, images = _batch(processor)[2]
+    short = processor.tokenizer.encode(text, add_special_tokens=False)
+    assert short.count(IMAGE_TOKEN_ID) == 2
+    by_ids = llm.generate({"prompt_token_ids": short, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    chat = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_pil", "image_pil": images[0]},
+                    {"type": "image_url", "image_url": {"url": _data_url(images[1])}},
+                    {"type": "text", "text": "Compare these two pictures."},
+                ],
+            }
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )
+    for got in (by_ids[0], chat[0]):
+        assert list(got.prompt_token_ids) == list(outs[2].prompt_token_ids)
+        assert got.outputs[0].token_ids == outs[2].outputs[0].token_ids
+    _clean(llm)
+
+
+def test_chunked_prefill_preemption_prefix_caching_and_n_leave_outputs_unchanged(
+    llava_dir: str, hf: tuple[Any, Any], reference: Any
+) -> None:
+    batch = _inputs(_batch(hf[1]))
+    ref = reference[0]
+
+    def same(outs: list[Any]) -> None:
+        check_greedy_close(
+            [o.outputs[0] for o in ref],
+            [o.outputs[0] for o in outs],
+            TOPK,
+            logprob_atol=1e-4,
+            min_exact_fraction=1.0,
+            names=("off", "on"),
+        )
+
+    # chunks of 32 tokens: every image spans several chunks, and the encoder cache holds one image at a time
+    chunked = LLM(llava_dir, max_model_len=1024, enable_prefix_caching=False, max_num_batched_tokens=32)
+    same(chunked.generate(batch, GREEDY, use_tqdm=False))
+    _clean(chunked)
+    del chunked
+
+    # too few blocks for the batch: requests are preempted and computed again
+    tight = LLM(
+        llava_dir,
+        max_model_len=384,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=24,
+    )
+    same(tight.generate(batch, GREEDY, use_tqdm=False))
+    assert tight.llm_engine.core.scheduler.num_preemptions > 0
+    _clean(tight)
+    del tight
+
+    # prefix caching, twice over (the second pass from the cache), with a large encoder cache: each distinct
+    # image is encoded once, whatever the chunks, the second pass and the n=2 siblings
+    cached = LLM(llava_dir, max_model_len=1024, max_num_batched_tokens=48, encoder_cache_size=4096)
+    same(cached.generate(batch, GREEDY, use_tqdm=False))
+    again = cached.generate(batch, GREEDY, use_tqdm=False)
+    same(again)
+    assert all(o.num_cached_tokens > 0 for o, (_, im) in zip(again, _batch(hf[1])) if im)
+    two = cached.generate(batch[:1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)
+    assert len(two[0].outputs) == 2
+    assert cached.llm_engine.core.scheduler.encoder_cache.num_encoded == len(IMAGES)
+    _clean(cached)
+
+
+def test_the_encoder_budget_spreads_images_over_steps_while_decodes_go_on(llava_dir: str, hf: tuple[Any, Any]) -> None:
+    """One image's tokens a step (max_num_encoder_input_tokens=64): a prompt of three images is encoded over three
+    steps, its chunks stopping before an image the step cannot encode, and a running decode gets a token in
+    every one of them."""
+    llm = LLM(llava_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_encoder_input_tokens=64)
+    engine = llm.llm_engine
+    runner = engine.core.runner
+    engine.add_request("talk", "Once upon a time", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    engine.step()  # its prompt: decoding from the next step on
+    text = _chat(hf[1], 3, "Describe all three.")
+    engine.add_request("look", {"prompt": text, "multi_modal_data": {"image": IMAGES[:3]}}, GREEDY)
+    encoded, talked = [], []
+    while "look" in engine.core.scheduler.requests and not engine.core.scheduler.requests["look"].first_token_time:
+        before, tokens = runner.num_encoder_tokens, len(runner.states["talk"].token_ids)
+        engine.step()
+        encoded.append(runner.num_encoder_tokens - before)
+        talked.append(len(runner.states["talk"].token_ids) - tokens)
+    assert encoded == [64, 64, 64], encoded
+    assert all(n == 1 for n in talked), talked
+    llm._drain()
+    while engine.has_unfinished_requests():
+        engine.step()
+    _clean(llm)
+
+
+def test_prefix_cache_reuses_an_image_and_never_shares_another(llava_dir: str, hf: tuple[Any, Any]) -> None:
+    processor = hf[1]
+    llm = LLM(llava_dir, max_model_len=1024)
+    question = "Look at this picture closely and then tell me, in as much detail as you can, " * 6
+    text = _chat(processor, 1, question)
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES[0]}}, GREEDY, use_tqdm=False)[0]
+    same = llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES[0]}}, GREEDY, use_tqdm=False)[0]
+    other = llm.generate({"prompt": text, "multi_modal_data": {"image": _image(99, (64, 64))}}, GREEDY, use_tqdm=False)[
+        0
+    ]
+    n = len(first.prompt_token_ids)
+    assert same.num_cached_tokens >= 0.9 * n
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    image_at = list(first.prompt_token_ids).index(IMAGE_TOKEN_ID)
+    assert other.num_cached_tokens <= image_at  # not one block that holds part of the image
+    assert (
+        other.outputs[0].token_ids != first.outputs[0].token_ids
+        or other.outputs[0].logprobs != first.outputs[0].logprobs
+    )
+    _clean(llm)
+
+
+def test_bad_images_are_refused_by_name_and_the_engine_serves_on(
+    llava_dir: str, hf: tuple[Any, Any], reference: Any, tmp_path: Any
+) -> None:
+    outs, llm = reference
+    text = _chat(hf[1], 1, "What is this?")
+    png = _data_url(IMAGES[0])
+    raw = base64.b64decode(png.split(",", 1)[1])
+    tiff = io.BytesIO()
+    IMAGES[0].save(tiff, format="TIFF")
+    cases = {
+        "not an image": b"hello, I am not a picture",
+        "truncated": raw[: len(raw) // 2],
+        "unsupported format": tiff.getvalue(),
+        "too many pixels": PIL.new("RGB", (5000, 4000)),
+        "bad base64": "data:image/png;base64,@@@@",
+        "not allowed domain": "https://example.com/cat.png",
+        "file not allowed": f"file://{tmp_path}/x.png",
+        "unknown scheme": "ftp://example.com/cat.png",
+    }
+    for what, image in cases.items():
+        with pytest.raises(InvalidParameterError) as e:
+            llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+        assert e.value.param.startswith("multi_modal_data.image"), (what, e.value)
+    with pytest.raises(InvalidParameterError, match="limit_mm_per_prompt"):
+        llm.generate({"prompt": _chat(hf[1], 5, "Many."), "multi_modal_data": {"image": IMAGES}}, GREEDY)
+    with pytest.raises(InvalidParameterError, match="placeholders do not match"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES[:2]}}, GREEDY)
+    with pytest.raises(InvalidParameterError, match="no image"):
+        llm.generate(text, GREEDY)
+    with pytest.raises(InvalidParameterError, match="unsupported modality"):
+        llm.generate({"prompt": text, "multi_modal_data": {"video": IMAGES[0]}}, GREEDY)
+    # still serving, every block back
+    again = llm.generate(_inputs(_batch(hf[1]))[:1], GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    _clean(llm)
+
+
+def test_a_text_only_model_refuses_images(tiny_model_factory: Any) -> None:
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=256, num_gpu_blocks_override=32)
+    with pytest.raises(InvalidParameterError, match="text-only model") as e:
+        llm.generate({"prompt": "Hi", "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
+    assert e.value.param == "multi_modal_data"
+
+
+def test_siglip_tower_over_another_text_model_matches_transformers(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Any
+) -> None:
+    """SigLIP (no class token, "full" features) over a tiny Qwen2 (q/k/v biases): the tower and the text class
+    are each the registry's, whatever the pair."""
+    from transformers import AutoModelForCausalLM, AutoProcessor, LlavaForConditionalGeneration
+
+    text = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32)
+    path = str(
+        benchmark_module("vision_models").build_llava(
+            tmp_path_factory.mktemp("llava-siglip"), text_model=text, vision="siglip"
+        )
+    )
+    processor = AutoProcessor.from_pretrained(path)
+    batch = [(_chat(processor, 1, "What is it?"), IMAGES[4:5]), (_chat(processor, 2, "And these?"), IMAGES[:2])]
+    llm = LLM(path, max_model_len=512, num_gpu_blocks_override=64)
+    outs = llm.generate(_inputs(batch), GREEDY, use_tqdm=False)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids, extra = [], []
+    for (t, images), out in zip(batch, outs):
+        inp = processor(text=t, images=images, return_tensors="pt")
+        ids.append(inp["input_ids"][0].tolist())
+        extra.append({"pixel_values": inp["pixel_values"]})
+        assert list(out.prompt_token_ids) == ids[-1]
+    ref = hf_greedy(model, ids, max_new_tokens=16, topk=TOPK, first_inputs=extra)
+    check_greedy_close(ref, [o.outputs[0] for o in outs], TOPK, logprob_atol=1e-4, min_exact_fraction=1.0)
+
+
+def test_server_answers_images_sent_as_data_urls(llava_dir: str, reference: Any) -> None:
+    from openai import BadRequestError, OpenAI
+
+    want = reference[0][2]  # two images and a question, offline
+    server = Server(llava_dir, "--max-model-len", "1024", "--num-gpu-blocks-override", "256")
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+        def ask(fmt: str) -> list[dict[str, Any]]:
+            images = [{"type": "image_url", "image_url": {"url": _data_url(im, fmt)}} for im in IMAGES[1:3]]
+            return [{"role": "user", "content": [*images, {"type": "text", "text": "Compare these two pictures."}]}]
+
+        kw: dict[str, Any] = dict(model=MODEL, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        resp = client.chat.completions.create(messages=ask("PNG"), **kw)  # PNG: the offline run's very pixels
+        assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert resp.choices[0].message.content == want.outputs[0].text
+        stream = client.chat.completions.create(messages=ask("PNG"), stream=True, **kw)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.outputs[0].text
+        jpeg = client.chat.completions.create(messages=ask("JPEG"), **kw)  # other pixels, the same placeholders
+        assert jpeg.usage.prompt_tokens == len(want.prompt_token_ids) and jpeg.usage.completion_tokens == 16
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        with pytest.raises(BadRequestError, match="image"):
+            client.chat.completions.create(model=MODEL, messages=bad, max_tokens=4)
+        assert client.chat.completions.create(messages=ask("PNG"), **kw).choices[0].message.content  # serving on
+        # encoder work in /metrics and the dashboard's feed: 4 distinct images encoded (2 PNG, 2 JPEG). A PNG
+        # request after the first gets its prompt from the prefix cache but for the last block, which holds the
+        # second image's last tokens: that image is looked up again, and found in the encoder cache
+        import httpx
+
+        assert server.metric("pagedllm:encoder_images_total") == 4
+        assert server.metric("pagedllm:encoder_tokens_total") == 4 * 64
+        assert server.metric("pagedllm:mm_cache_queries_total") == 4 + 2
+        assert server.metric("pagedllm:mm_cache_hits_total") == 2
+        totals = httpx.get(f"{server.url}/v1/engine/state").json()["totals"]
+        assert totals["encoder_images"] == 4 and totals["mm_cache_hits"] == 2
+    finally:
+        server.stop()
