@@ -308,11 +308,68 @@ def test_siglip_tower_over_another_text_model_matches_transformers(
     check_greedy_close(ref, [o.outputs[0] for o in outs], TOPK, logprob_atol=1e-4, min_exact_fraction=1.0)
 
 
-def test_server_answers_images_sent_as_data_urls(llava_dir: str, reference: Any) -> None:
+class _Pictures:
+    """A local HTTP server of images: ``/<delay seconds>/<name>.png``, ``/big.png`` (200 kB), anything else 404."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+        import time
+
+        png = base64.b64decode(_data_url(IMAGES[0]).split(",", 1)[1])
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                parts = self.path.strip("/").split("/")
+                if parts == ["big.png"]:
+                    body = png + b"\0" * 200_000
+                elif len(parts) == 2 and parts[1].endswith(".png"):
+                    time.sleep(float(parts[0]))
+                    body = png
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                try:
+                    self.wfile.write(body)
+                except OSError:  # the client gave up (a timeout)
+                    pass
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+def test_server_answers_images_sent_as_data_urls(llava_dir: str, reference: Any, tmp_path: Any) -> None:
     from openai import BadRequestError, OpenAI
 
     want = reference[0][2]  # two images and a question, offline
-    server = Server(llava_dir, "--max-model-len", "1024", "--num-gpu-blocks-override", "256")
+    pictures = _Pictures()
+    IMAGES[0].save(tmp_path / "local.png")
+    server = Server(
+        llava_dir,
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        "256",
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "--media-fetch-timeout",
+        "2",
+        "--max-image-bytes",
+        "100000",
+        "--allowed-local-media-path",
+        str(tmp_path),
+    )
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
 
@@ -343,5 +400,36 @@ def test_server_answers_images_sent_as_data_urls(llava_dir: str, reference: Any)
         assert server.metric("pagedllm:mm_cache_hits_total") == 2
         totals = httpx.get(f"{server.url}/v1/engine/state").json()["totals"]
         assert totals["encoder_images"] == 4 and totals["mm_cache_hits"] == 2
+
+        def one(url: str) -> Any:
+            content = [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in this picture?"},
+            ]
+            return client.chat.completions.create(messages=[{"role": "user", "content": content}], **kw)
+
+        # an allowed host's URL is fetched, and a local file under the allowed folder read: the same pixels
+        fetched, local = one(f"{pictures.url}/0/cat.png"), one(f"file://{tmp_path}/local.png")
+        assert fetched.choices[0].message.content == local.choices[0].message.content == reference[0][0].outputs[0].text
+        # a slow fetch holds up no other request: a text request sent after it finishes first
+        import concurrent.futures
+        import time
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(lambda: (one(f"{pictures.url}/1.5/slow.png"), time.monotonic()))
+            time.sleep(0.3)
+            text = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw)
+            text_done = time.monotonic()
+            assert text.choices[0].message.content and slow.result()[1] > text_done
+        for url, why in (
+            (f"{pictures.url}/5/late.png", "fetching the image failed"),  # past --media-fetch-timeout
+            (f"{pictures.url}/big.png", "larger than 100000 bytes"),
+            (f"{pictures.url}/nothing", "HTTP 404"),
+            (pictures.url.replace("127.0.0.1", "localhost") + "/0/cat.png", "does not fetch images from 'localhost'"),
+            (f"file://{tmp_path}/../outside.png", "outside the allowed local media path"),
+        ):
+            with pytest.raises(BadRequestError, match=why):
+                one(url)
     finally:
         server.stop()
+        pictures.close()

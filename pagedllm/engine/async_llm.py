@@ -104,6 +104,9 @@ class AsyncLLM:
         # one thread: HF tokenizers are not safe to share across threads, and one is enough to
         # keep the event loop free
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-prepare")
+        # a request's images are fetched and decoded on threads of their own before its tokenization: a slow
+        # URL holds up no other request's
+        self._media = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-media")
         # outputs go to the event loops from a thread of their own: waking a loop (call_soon_threadsafe)
         # cost the engine thread 0.7 ms a step in a served run (16 streams), waiting to get the GIL back
         # from the loop it had just woken; now this thread waits, and the loop's work runs while the
@@ -119,6 +122,7 @@ class AsyncLLM:
         except BaseException:
             self._outbox.put(None)
             self._prep.shutdown(wait=False)
+            self._media.shutdown(wait=False)
             raise
 
     @classmethod
@@ -171,6 +175,7 @@ class AsyncLLM:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         size = len(prompts) * params.n
         self._check_room(size)  # a full queue answers before any tokenization
+        prompts = [await self._read_images(p) for p in prompts]
         prepared: list[PreparedRequest] = await self.prepare(
             lambda: [
                 self.engine.make_request(
@@ -187,6 +192,17 @@ class AsyncLLM:
             ]
         )
         return self._register(ids, prepared, size)
+
+    async def _read_images(self, prompt: PromptType) -> PromptType:
+        """A prompt whose ``multi_modal_data`` images (URLs, bytes) are read into PIL images, all at once on the
+        media threads; any other prompt as it is (the engine refuses images a text-only model is sent)."""
+        mm = self.engine.mm_processor
+        if mm is None or not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+            return prompt
+        items = mm.image_items(prompt["multi_modal_data"])
+        loop = asyncio.get_running_loop()
+        images = await asyncio.gather(*(loop.run_in_executor(self._media, mm.load, x, i) for i, x in enumerate(items)))
+        return {**prompt, "multi_modal_data": {"image": list(images)}}
 
     async def encode(
         self,
@@ -265,6 +281,7 @@ class AsyncLLM:
         self._outbox.put(None)
         self._courier.join(timeout)
         self._prep.shutdown(wait=False, cancel_futures=True)
+        self._media.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()  # the worker processes / Ray actors
 
     def _check_alive(self) -> None:

@@ -91,7 +91,8 @@ class MultiModalProcessor:
             features.append(MultiModalFeature("image", content_hash(pv), offset, length, pv))
         return ids, features
 
-    def _images(self, data: Any) -> list[Any]:
+    def image_items(self, data: Any) -> list[Any]:
+        """``multi_modal_data``'s images as given (URLs, bytes, PIL images), checked against the limits."""
         if not isinstance(data, dict):
             raise InvalidParameterError("multi_modal_data must be a dict such as {'image': image}", "multi_modal_data")
         unknown = set(data) - {"image"}
@@ -106,7 +107,14 @@ class MultiModalProcessor:
             raise InvalidParameterError(
                 f"the prompt has {len(items)} images, more than limit_mm_per_prompt allows ({limit})", FIELD
             )
-        return [load_image(item, self.config, f"{FIELD}[{i}]") for i, item in enumerate(items)]
+        return list(items)
+
+    def load(self, item: Any, index: int) -> Any:
+        """One image read (fetched, decoded) under the limits: an RGB PIL image."""
+        return load_image(item, self.config, f"{FIELD}[{index}]")
+
+    def _images(self, data: Any) -> list[Any]:
+        return [self.load(item, i) for i, item in enumerate(self.image_items(data))]
 
     def _counts(self, pixels: Any) -> list[int]:
         """Each processed image's number of placeholder tokens, as the checkpoint's processor counts them
