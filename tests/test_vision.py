@@ -214,6 +214,21 @@ def test_the_encoder_budget_spreads_images_over_steps_while_decodes_go_on(llava_
     _clean(llm)
 
 
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}], ids=["tp3", "pp2"])
+def test_tensor_and_pipeline_parallelism_give_one_process_tokens(
+    llava_dir: str, hf: tuple[Any, Any], reference: Any, parallel: dict
+) -> None:
+    """Every rank holds the tower (tp: each encodes the step's images itself); under pp only the first stage
+    does, and embeds."""
+    outs, _ = reference
+    llm = LLM(llava_dir, max_model_len=1024, enable_prefix_caching=False, num_gpu_blocks_override=128, **parallel)
+    try:
+        got = llm.generate(_inputs(_batch(hf[1]))[:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids[:8] for o in outs[:3]]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_prefix_cache_reuses_an_image_and_never_shares_another(llava_dir: str, hf: tuple[Any, Any]) -> None:
     processor = hf[1]
     llm = LLM(llava_dir, max_model_len=1024)
