@@ -9,6 +9,7 @@ its ``metadata``; there is no second list of defaults anywhere else.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -411,6 +412,11 @@ class EngineConfig:
                 _positive(name, getattr(s, name))
         mm = self.multimodal
         mm.limits()
+        if mm.allowed_local_media_path is not None and not os.path.isdir(mm.allowed_local_media_path):
+            raise InvalidParameterError(
+                f"allowed_local_media_path {mm.allowed_local_media_path!r} is not a directory",
+                "allowed_local_media_path",
+            )
         _positive("max_image_pixels", mm.max_image_pixels)
         _positive("max_image_bytes", mm.max_image_bytes)
         t = mm.media_fetch_timeout

@@ -272,3 +272,124 @@ def test_random_workloads_match_the_unconstrained_run(seed):
         max_model_len=14 * BS,
     )
     assert out == ref
+
+
+# -- images: the scheduler's record of the runner's encoder cache ------------------------------------------------
+
+
+class FakeEncoderRunner:
+    """Mirrors the encoder cache as the model runner keeps it, and checks every chunk finds the images it reads."""
+
+    def __init__(self) -> None:
+        self.cache: set[str] = set()
+        self.features: dict[str, list] = {}
+        self.computed: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+        self.encoded = 0
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.features.pop(rid, None)
+        for new in so.new_reqs:
+            self.features[new.req_id] = new.mm_features
+            self.computed[new.req_id] = new.num_computed_tokens
+            self.tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+        for c in so.cached_reqs:
+            assert self.computed[c.req_id] == c.num_computed_tokens
+        for h in so.freed_encoder_inputs:  # first the evictions, then the step's encodings
+            self.cache.remove(h)
+        for rid, indices in so.scheduled_encoder_inputs.items():
+            for k in indices:
+                self.cache.add(self.features[rid][k].identifier)
+                self.encoded += 1
+        sampled = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            start = self.computed[rid]
+            for f in self.features[rid]:
+                if f.offset < start + n and f.end > start:
+                    assert f.identifier in self.cache, f"{rid} reads {f.identifier} at {start}..{start + n}: not held"
+            self.computed[rid] += n
+            if self.computed[rid] == self.tokens[rid]:
+                sampled[rid] = [7]
+                self.tokens[rid] += 1
+        return ModelRunnerOutput(sampled)
+
+
+def _image_request(rid: str, parts: list, max_tokens: int = 3) -> Request:
+    """``parts``: text lengths (int) and images (identifier, length), in prompt order."""
+    from pagedllm.multimodal import MultiModalFeature
+
+    ids: list[int] = []
+    features = []
+    for p in parts:
+        if isinstance(p, int):
+            ids += [(len(ids) * 7 + len(rid)) % 50 + 1 for _ in range(p)]
+        else:
+            features.append(MultiModalFeature("image", p[0], len(ids), p[1], None))
+            ids += [999] * p[1]
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens, mm_features=features)
+
+
+def _run_images(
+    requests: list[Request], budget: int, cache: int, batched: int, num_blocks: int = 400
+) -> FakeEncoderRunner:
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=batched, enable_chunked_prefill=True),
+        CacheConfig(block_size=BS, enable_prefix_caching=True),
+        num_blocks=num_blocks,
+        max_model_len=4096,
+        encoder=(budget, cache),
+    )
+    runner = FakeEncoderRunner()
+    pending = list(requests)
+    for step in range(5000):
+        if pending and step % 3 == 0:  # arrivals spread over the run
+            sched.add_request(pending.pop(0))
+        if not pending and not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        sched.update_from_output(so, runner.execute(so))
+        sched.check_invariants()
+    else:
+        raise AssertionError("the requests never finished: a request waits on encoder cache room forever")
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+    enc = sched.encoder_cache
+    assert enc is not None and all(not readers for readers in enc.readers.values())  # nobody holds an image
+    return runner
+
+
+def test_a_chunk_that_reads_a_cached_image_and_encodes_another_fits_the_encoder_cache():
+    """A cache of one image: the second prompt reads X (cached from the first) and reaches Y in the same chunk;
+    Y waits for the next step, when X is behind it and can be evicted."""
+    runner = _run_images(
+        [_image_request("a", [3, ("X", 8), 2]), _image_request("b", [5, ("X", 8), 1, ("Y", 8), 2])],
+        budget=8,
+        cache=8,
+        batched=64,
+    )
+    assert runner.encoded == 2  # X once (b reads it from the cache), then Y in X's place
+
+
+def test_the_same_image_twice_in_a_prompt_never_stalls_it():
+    _run_images([_image_request("a", [2, ("X", 8), 3, ("Y", 8), 3, ("X", 8), 2])], budget=8, cache=8, batched=64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_image_workloads_always_find_their_images(seed):
+    rng = random.Random(seed)
+    pool = [(f"img{i}", rng.randint(2, 12)) for i in range(4)]
+    biggest = max(n for _, n in pool)
+    requests = []
+    for i in range(12):
+        parts: list = [rng.randint(1, 6)]
+        for _ in range(rng.randint(0, 3)):
+            parts += [rng.choice(pool), rng.randint(0, 5)]
+        requests.append(_image_request(f"r{i}", parts, max_tokens=rng.randint(1, 4)))
+    budget = rng.randint(biggest, 2 * biggest)
+    _run_images(
+        requests,
+        budget=budget,
+        cache=rng.randint(budget, 3 * biggest),
+        batched=rng.choice([4, 9, 16, 64]),
+        num_blocks=rng.choice([30, 60, 400]),  # few: preemption
+    )

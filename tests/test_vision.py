@@ -336,8 +336,25 @@ class _Pictures:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 parts = self.path.strip("/").split("/")
+                if parts == ["trickle.png"]:  # a byte every 0.2 s: each read is quick, the whole fetch is not
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(png)))
+                    self.end_headers()
+                    try:
+                        for b in png[:50]:
+                            self.wfile.write(bytes([b]))
+                            self.wfile.flush()
+                            time.sleep(0.2)
+                    except OSError:
+                        pass
+                    return
+                encoding = None
                 if parts == ["big.png"]:
                     body = png + b"\0" * 200_000
+                elif parts == ["gz.png"]:  # 20 MB of zeros in 20 kB
+                    import gzip
+
+                    body, encoding = gzip.compress(png + b"\0" * 20_000_000), "gzip"
                 elif len(parts) == 2 and parts[1].endswith(".png"):
                     time.sleep(float(parts[0]))
                     body = png
@@ -345,6 +362,8 @@ class _Pictures:
                     self.send_error(404)
                     return
                 self.send_response(200)
+                if encoding:
+                    self.send_header("Content-Encoding", encoding)
                 self.send_header("Content-Type", "image/png")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -362,6 +381,66 @@ class _Pictures:
 
     def close(self) -> None:
         self.httpd.shutdown()
+
+
+def test_reading_images_keeps_to_the_limits(tmp_path: Any) -> None:
+    """The media reader alone: files only under the allowed folder and only regular ones, fetches within the
+    whole-fetch deadline and the byte limit as sent (no decompression), malformed URLs as errors naming the
+    field."""
+    import os
+
+    from pagedllm.config import MultiModalSection
+    from pagedllm.multimodal.media import load_image
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    IMAGES[0].save(allowed / "ok.png")
+    IMAGES[0].save(tmp_path / "secret.png")
+    os.symlink(tmp_path / "secret.png", allowed / "link.png")
+    os.mkfifo(allowed / "fifo.png")
+    pictures = _Pictures()
+    config = MultiModalSection(
+        allowed_local_media_path=str(allowed),
+        allowed_media_domains="127.0.0.1",
+        media_fetch_timeout=1.0,
+        max_image_bytes=100_000,
+    )
+    try:
+        assert load_image(f"file://{allowed}/ok.png", config, "f").size == IMAGES[0].size
+        assert load_image(f"{pictures.url}/0/ok.png", config, "f").size == IMAGES[0].size
+        for url, why in (
+            (f"file://{allowed}/link.png", "outside the allowed local media path"),
+            (f"file://{allowed}/fifo.png", "not a regular file"),
+            (f"file://{allowed}", "not a regular file"),
+            (f"file://{allowed}/missing.png", "cannot read"),
+            (f"file://{allowed}/a%00b.png", "NUL"),
+            (f"{pictures.url}/trickle.png", "took longer than 1.0 s"),
+            (f"{pictures.url}/gz.png", "Content-Encoding 'gzip'"),
+            ("http://[::1", "not a valid URL"),
+            ("http://127.0.0.1:99999/x.png", "not a valid URL"),
+        ):
+            with pytest.raises(InvalidParameterError, match=why) as e:
+                load_image(url, config, "f")
+            assert e.value.param == "f"
+    finally:
+        pictures.close()
+
+
+def test_without_chunked_prefill_a_prompts_images_must_fit_one_step(llava_dir: str, hf: tuple[Any, Any]) -> None:
+    llm = LLM(
+        llava_dir,
+        max_model_len=1024,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=1024,
+        max_num_encoder_input_tokens=128,
+        num_gpu_blocks_override=128,
+    )
+    two = {"prompt": _chat(hf[1], 2, "Compare."), "multi_modal_data": {"image": IMAGES[:2]}}
+    assert llm.generate(two, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    three = {"prompt": _chat(hf[1], 3, "Compare."), "multi_modal_data": {"image": IMAGES[:3]}}
+    with pytest.raises(InvalidParameterError, match="take 192 tokens, more than one step's encoder budget"):
+        llm.generate(three, GREEDY, use_tqdm=False)
+    _clean(llm)
 
 
 def test_server_answers_images_sent_as_data_urls(llava_dir: str, reference: Any, tmp_path: Any) -> None:

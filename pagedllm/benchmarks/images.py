@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 
-def make_image_prompts(model_path: str, num_prompts: int, min_len: int, max_len: int, seed: int) -> list[dict]:
-    """``{"prompt": chat text with one placeholder per image, "multi_modal_data": {"image": [...]}}`` each."""
+def make_image_prompts(model_path: str, texts: list[list[int]], seed: int) -> list[dict]:
+    """``{"prompt": chat text with one placeholder per image, "multi_modal_data": {"image": [...]}}`` for each
+    text (token ids: the W64 workload's)."""
     import numpy as np
     from PIL import Image
     from transformers import AutoProcessor
 
-    from pagedllm.benchmarks.offline import make_w64
-
     processor = AutoProcessor.from_pretrained(model_path)
-    texts = make_w64(processor.tokenizer, num_prompts, min_len, max_len, seed)
     rng = random.Random(seed)
     gen = np.random.default_rng(seed)
     prompts = []
@@ -35,13 +34,14 @@ def make_image_prompts(model_path: str, num_prompts: int, min_len: int, max_len:
     return prompts
 
 
-def run_transformers_images(prompts: list[dict], output_len: int, model_path: str, batch_size: int) -> dict:
-    """transformers' generate on the same prompts, ``batch_size`` at a time (left-padded)."""
+def run_transformers_images(
+    prompts: list[dict], output_len: int, model_path: str, batch_size: int, progress: Callable[[Any], Any]
+) -> dict:
+    """transformers' generate on the same prompts, ``batch_size`` at a time (left-padded); ``progress(bar)``: a
+    stopping criterion that only advances the bar."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from pagedllm.benchmarks.offline import _progress
 
     processor = AutoProcessor.from_pretrained(model_path)
     processor.tokenizer.padding_side = "left"
@@ -67,7 +67,7 @@ def run_transformers_images(prompts: list[dict], output_len: int, model_path: st
                 min_new_tokens=output_len,
                 do_sample=False,
                 pad_token_id=pad,
-                stopping_criteria=_progress(bar),
+                stopping_criteria=progress(bar),
             )
             outputs += out[:, inputs["input_ids"].shape[1] :].tolist()
     return {"elapsed_s": time.perf_counter() - t, "outputs": outputs, "prompt_tokens": prompt_tokens}

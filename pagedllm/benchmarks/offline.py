@@ -674,7 +674,7 @@ def _cmd_throughput(args) -> int:
     if args.dataset_name == "images":
         from pagedllm.benchmarks.images import make_image_prompts
 
-        prompts = make_image_prompts(resolve_model(args.model).path, args.num_prompts, lo, hi, args.seed)
+        prompts = make_image_prompts(resolve_model(args.model).path, prompts, args.seed)
     n_prompt, n_out = sum(map(len, prompts)), args.num_prompts * args.output_len
     results: dict = {
         "workload": {
@@ -706,7 +706,9 @@ def _cmd_throughput(args) -> int:
         elif args.dataset_name == "images":
             from pagedllm.benchmarks.images import run_transformers_images
 
-            run = run_transformers_images(prompts, args.output_len, resolve_model(args.model).path, args.hf_batch_size)
+            run = run_transformers_images(
+                prompts, args.output_len, resolve_model(args.model).path, args.hf_batch_size, _progress
+            )
         else:
             run = run_transformers(prompts, args.output_len, args.model, args.hf_batch_size)
         outputs[name] = run["outputs"]

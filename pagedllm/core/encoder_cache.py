@@ -50,6 +50,13 @@ class EncoderCacheManager:
         """Room for an image of ``num_tokens`` once every unread image is evicted."""
         return self.used - self.unread_tokens + num_tokens <= self.capacity
 
+    def is_unread(self, identifier: str) -> bool:
+        return identifier in self.unread
+
+    def pinned_size(self, identifiers: set[str]) -> int:
+        """Tokens of these cached images (each unread now, and about to be read)."""
+        return sum(self.sizes[h] for h in identifiers)
+
     def add(self, identifier: str, num_tokens: int, req_id: str) -> None:
         """Record an image the runner encodes this step, read by ``req_id``; evicts unread images for room."""
         assert identifier not in self.sizes and self.fits(num_tokens), "add only what fits and is not cached"

@@ -351,16 +351,22 @@ class Scheduler:
         encode: list[int] = []
         read: list[int] = []
         pending = 0  # tokens of the images this request encodes in this step
+        pinned: set[str] = set()  # cached images nobody reads yet that this chunk reads: no longer evictable room
         for k, f in enumerate(req.mm_features):
             if f.offset >= start + n:
                 break
             if f.end <= start:
                 continue  # computed already: its KV is in the cache
-            if cache.has(f.identifier):
+            h = f.identifier
+            if any(req.mm_features[j].identifier == h for j in encode):
+                continue  # the same image twice in one chunk: encoded once
+            if cache.has(h):
+                if cache.is_unread(h) and h not in pinned:
+                    if not cache.fits(pending + cache.pinned_size(pinned | {h})):
+                        return max(0, f.offset - start), (encode, read)  # reading it would leave no room
+                    pinned.add(h)
                 read.append(k)
-            elif any(req.mm_features[j].identifier == f.identifier for j in encode):
-                continue  # the same image twice in one prompt: encoded once
-            elif f.length <= encoder_budget - pending and cache.fits(pending + f.length):
+            elif f.length <= encoder_budget - pending and cache.fits(pending + f.length + cache.pinned_size(pinned)):
                 encode.append(k)
                 pending += f.length
             else:
@@ -384,13 +390,15 @@ class Scheduler:
         return spent
 
     def _release_images(self, req: Request, computed: int) -> None:
-        """``req`` stops reading the images whose placeholders end at or before ``computed``."""
+        """``req`` stops reading the images whose placeholders end at or before ``computed`` (one it reads again
+        later in its prompt is read, or encoded, again then: holding it meanwhile could leave no room for the
+        images between)."""
         cache = self.encoder_cache
         if cache is None:
             return
-        ahead = {f.identifier for f in req.mm_features if f.end > computed}  # the same image later in the prompt
+        reading = {f.identifier for f in req.mm_features if f.offset < computed < f.end}  # partly computed
         for f in req.mm_features:
-            if f.end <= computed and f.identifier not in ahead:
+            if f.end <= computed and f.identifier not in reading:
                 cache.release(f.identifier, req.request_id)
 
     def _allocate(self, req: Request, n: int, hits=None, num_hit_tokens: int = 0):

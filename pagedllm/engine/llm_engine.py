@@ -14,7 +14,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.warmup import WARMUP_BLOCKS, warm_up
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, UnsupportedModelError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -513,6 +513,16 @@ class LLMEngine:
         budget = sc.max_num_encoder_input_tokens or max(sc.max_num_batched_tokens, processor.max_tokens_per_image())
         self.encoder_budget = (budget, sc.encoder_cache_size or budget)
         processor.max_image_tokens = min(self.encoder_budget)
+        if not sc.enable_chunked_prefill:
+            processor.max_prompt_image_tokens = min(self.encoder_budget)
+        from pagedllm.models.llava import image_tokens
+
+        expected, made = image_tokens(self.hf_config.multimodal_config), processor.max_tokens_per_image()
+        if made != expected:
+            raise UnsupportedModelError(
+                f"{self.source.name}: its processor makes {made} placeholder tokens an image, but its vision tower "
+                f"gives {expected} rows; the processor's image size or patch size does not match the tower's"
+            )
         return processor
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:

@@ -170,9 +170,13 @@ class LLM:
         prompts: list[PromptType] = []
         for conv in conversations:
             conv, images = self._image_parts(conv)
+            template = chat_template
+            mm = self.llm_engine.mm_processor
+            if images and template is None and mm is not None:  # the processor's template knows image parts
+                template = mm.chat_template()
             prompt: dict[str, Any] = {
                 "prompt_token_ids": self.apply_chat_template(
-                    conv, chat_template, add_generation_prompt, chat_template_kwargs, tools
+                    conv, template, add_generation_prompt, chat_template_kwargs, tools
                 )
             }
             if images:

@@ -53,6 +53,11 @@ class LlavaForConditionalGeneration:
     def __init__(self, cfg: Any, parallel: ParallelState | None = None):
         super().__init__(cfg, parallel)  # type: ignore[call-arg]  # the text class, next in the MRO
         mm = cfg.multimodal_config
+        if getattr(mm, "quantization_config", None) is not None:
+            raise UnsupportedModelError(
+                "quantized vision-language checkpoints (AWQ, GPTQ, FP8) do not load yet; a float checkpoint can run "
+                "with quantization='int8' or 'int4'"
+            )
         self.image_token_id = int(mm.image_token_id)
         self.select_strategy = mm.vision_feature_select_strategy
         if self.select_strategy not in ("default", "full"):
@@ -129,6 +134,14 @@ class LlavaForConditionalGeneration:
         """The text model's (the tower and projector check their own)."""
         text = {n: p for n, p in params.items() if not n.startswith(self._VISION)}
         return super()._expected_loads(text)  # type: ignore[misc]
+
+
+def image_tokens(mm: Any) -> int:
+    """Rows an image's features take (a LLaVA config): a token per patch, CLIP's class token dropped by the
+    "default" strategy."""
+    vc = mm.vision_config
+    clip = vc.model_type == "clip_vision_model"
+    return (vc.image_size // vc.patch_size) ** 2 + int(clip) - int(mm.vision_feature_select_strategy == "default")
 
 
 def _whole(tensor: Any) -> torch.Tensor:

@@ -59,7 +59,13 @@ class _ModelRegistry:
         mm = getattr(hf_config, "multimodal_config", None)
         if mm is not None:
             text_cls = self.resolve_for_config(_text_only(hf_config))
-            return self.resolve(getattr(mm, "architectures", None)).for_text_model(text_cls)  # type: ignore[attr-defined]
+            cls = self.resolve(getattr(mm, "architectures", None))
+            if not hasattr(cls, "for_text_model"):
+                raise UnsupportedModelError(
+                    f"{cls.__name__} has a vision_config and a text_config: a vision-language model's class must "
+                    "build over its text model's (see pagedllm.models.llava.LlavaForConditionalGeneration)"
+                )
+            return cls.for_text_model(text_cls)
         archs = getattr(hf_config, "architectures", None)
         if not archs:
             model_type: str = getattr(hf_config, "model_type", "")

@@ -11,6 +11,8 @@ import base64
 import binascii
 import io
 import os
+import stat
+import time
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +66,11 @@ def read_url(url: str, config: MultiModalSection, field: str) -> bytes:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidParameterError(f"{field}: the data: URL's payload is not valid base64", field) from None
-    parsed = urllib.parse.urlparse(url)
+    try:
+        parsed = urllib.parse.urlparse(url)
+        parsed.port  # noqa: B018 -- raises on a port out of range
+    except ValueError as e:
+        raise InvalidParameterError(f"{field}: not a valid URL ({e})", field) from None
     if parsed.scheme == "file":
         return _read_local(urllib.parse.unquote(parsed.path), config, field)
     if parsed.scheme in ("http", "https"):
@@ -77,24 +83,39 @@ def read_url(url: str, config: MultiModalSection, field: str) -> bytes:
 
 
 def _read_local(path: str, config: MultiModalSection, field: str) -> bytes:
+    """A regular file under the allowed folder: the path is checked where it was opened (a symlink swapped in
+    after a check cannot lead out), and at most max_image_bytes + 1 bytes are read."""
     root = config.allowed_local_media_path
     if root is None:
         raise InvalidParameterError(
             f"{field}: file:// image URLs are off; the server allows them under --allowed-local-media-path", field
         )
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    if os.path.commonpath([real, base]) != base:
-        raise InvalidParameterError(f"{field}: {path!r} is outside the allowed local media path", field)
+    limit = config.max_image_bytes
+    base = os.path.realpath(root)
+    outside = InvalidParameterError(f"{field}: {path!r} is outside the allowed local media path", field)
+    if "\0" in path:
+        raise InvalidParameterError(f"{field}: the file path holds a NUL character", field)
+    if os.path.commonpath([os.path.realpath(path), base]) != base:
+        raise outside  # never opened
     try:
-        size = os.path.getsize(real)
-        if size > config.max_image_bytes:
-            raise InvalidParameterError(
-                f"{field}: the image is larger than {config.max_image_bytes} bytes (max_image_bytes)", field
-            )
-        with open(real, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not block the open
     except OSError as e:
         raise InvalidParameterError(f"{field}: cannot read {path!r}: {e.strerror}", field) from None
+    try:
+        opened = os.path.realpath(f"/proc/self/fd/{fd}") if os.path.isdir("/proc/self/fd") else os.path.realpath(path)
+        if os.path.commonpath([opened, base]) != base:  # a link swapped in between the check and the open
+            raise outside
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidParameterError(f"{field}: {path!r} is not a regular file", field)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise InvalidParameterError(f"{field}: cannot read {path!r}: {e.strerror}", field) from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise InvalidParameterError(f"{field}: the image is larger than {limit} bytes (max_image_bytes)", field)
+    return data
 
 
 def _fetch(url: str, parsed: urllib.parse.ParseResult, config: MultiModalSection, field: str) -> bytes:
@@ -108,19 +129,39 @@ def _fetch(url: str, parsed: urllib.parse.ParseResult, config: MultiModalSection
     import httpx
 
     limit = config.max_image_bytes
+    timeout = config.media_fetch_timeout
+    deadline = time.monotonic() + timeout  # for the whole fetch: each read's timeout alone lets a trickle go on
+    too_large = InvalidParameterError(f"{field}: the image is larger than {limit} bytes (max_image_bytes)", field)
     try:
-        with httpx.stream("GET", url, timeout=config.media_fetch_timeout, follow_redirects=False) as r:
+        # the body as sent (no decompression: a small gzip could unpack past any limit), no redirect, no
+        # credentials or proxies from the environment
+        with httpx.stream(
+            "GET",
+            url,
+            timeout=timeout,
+            follow_redirects=False,
+            headers={"Accept-Encoding": "identity"},
+            trust_env=False,
+        ) as r:
             if r.status_code != 200:
                 raise InvalidParameterError(f"{field}: fetching the image answered HTTP {r.status_code}", field)
+            encoding = r.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise InvalidParameterError(f"{field}: the image was sent with Content-Encoding {encoding!r}", field)
+            length = r.headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                raise too_large
             body = bytearray()
-            for chunk in r.iter_bytes():
+            for chunk in r.iter_raw():
                 body += chunk
                 if len(body) > limit:
+                    raise too_large
+                if time.monotonic() > deadline:
                     raise InvalidParameterError(
-                        f"{field}: the image is larger than {limit} bytes (max_image_bytes)", field
+                        f"{field}: fetching the image took longer than {timeout} s (media_fetch_timeout)", field
                     )
             return bytes(body)
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise InvalidParameterError(f"{field}: fetching the image failed: {type(e).__name__}", field) from None
 
 

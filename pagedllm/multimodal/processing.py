@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.errors import InvalidParameterError, UnsupportedModelError
+from pagedllm.errors import InvalidParameterError
 from pagedllm.multimodal.inputs import MultiModalFeature, content_hash
 from pagedllm.multimodal.media import load_image
 
@@ -26,7 +26,12 @@ class MultiModalProcessor:
         self.path = path
         self.config = config
         self.limits = config.limits()
-        self.image_token_id = int(hf_config.multimodal_config.image_token_id)
+        mm = hf_config.multimodal_config
+        self.image_token_id = int(mm.image_token_id)
+        self.patch_size = int(mm.vision_config.patch_size)  # where the processor does not say its own
+        self.select_strategy = getattr(mm, "vision_feature_select_strategy", "default")
+        # without chunked prefill a prompt's images are all encoded in its one step (the engine sets it)
+        self.max_prompt_image_tokens: int | None = None
         self.max_image_tokens = 1 << 62  # the most placeholder tokens one image may have (the engine sets it)
         self._hf: Any = None
         self._lock = threading.Lock()
@@ -84,11 +89,19 @@ class MultiModalProcessor:
         for i, ((offset, length), pv) in enumerate(zip(places, pixels)):
             if length > self.max_image_tokens:
                 raise InvalidParameterError(
-                    f"{FIELD}[{i}]: the image takes {length} tokens, more than the encoder's budget of "
-                    f"{self.max_image_tokens} (max_num_encoder_input_tokens)",
+                    f"{FIELD}[{i}]: the image takes {length} tokens, more than the encoder's step budget or cache "
+                    f"holds ({self.max_image_tokens}: max_num_encoder_input_tokens, encoder_cache_size)",
                     FIELD,
                 )
             features.append(MultiModalFeature("image", content_hash(pv), offset, length, pv))
+        total = sum(f.length for f in features)
+        if self.max_prompt_image_tokens is not None and total > self.max_prompt_image_tokens:
+            raise InvalidParameterError(
+                f"the prompt's images take {total} tokens, more than one step's encoder budget and cache hold "
+                f"({self.max_prompt_image_tokens}); without chunked prefill all of a prompt's images are encoded in "
+                "its one step: send fewer images, or raise max_num_encoder_input_tokens and encoder_cache_size",
+                FIELD,
+            )
         return ids, features
 
     def image_items(self, data: Any) -> list[Any]:
@@ -120,12 +133,9 @@ class MultiModalProcessor:
         """Each processed image's number of placeholder tokens, as the checkpoint's processor counts them
         (``LlavaProcessor``: a token per patch of the processed image, the class token counted or not)."""
         hf = self.hf_processor
-        patch = getattr(hf, "patch_size", None)
-        if not patch:
-            raise UnsupportedModelError(f"{type(hf).__name__} does not say its patch size: image tokens unknown")
-        extra = (getattr(hf, "num_additional_image_tokens", 0) or 0) - (
-            1 if hf.vision_feature_select_strategy == "default" else 0
-        )
+        patch = getattr(hf, "patch_size", None) or self.patch_size
+        strategy = getattr(hf, "vision_feature_select_strategy", None) or self.select_strategy
+        extra = (getattr(hf, "num_additional_image_tokens", 0) or 0) - (1 if strategy == "default" else 0)
         return [(int(p.shape[-2]) // patch) * (int(p.shape[-1]) // patch) + extra for p in pixels]
 
     def _expand(self, ids: list[int], pixels: Any) -> list[int]:

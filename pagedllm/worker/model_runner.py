@@ -300,7 +300,8 @@ class ModelRunner:
             out = model.encode_images(pixels)
             for f, rows in zip(features, out):
                 assert rows.shape[0] == f.length, f"image encoded to {rows.shape[0]} rows for {f.length} placeholders"
-                self.encoder_cache[f.identifier] = rows
+                # its own copy: a view would keep the whole batch's output alive until every image of it is evicted
+                self.encoder_cache[f.identifier] = rows.clone() if len(features) > 1 else rows
                 self.num_encoder_tokens += f.length
 
     def _inputs_embeds(

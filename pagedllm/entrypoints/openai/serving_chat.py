@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.common import (
 )
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.state import ServerState, ServerStateDep
+from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 
 router = APIRouter(route_class=JSONBodyRoute)
@@ -91,15 +92,20 @@ async def start_chat(
     prompt: dict[str, Any] = {"prompt_token_ids": ids}
     if images:  # read and processed with the request, off the event loop
         prompt["multi_modal_data"] = {"image": images}
-    streams = await llm.add_requests(
-        [prompt],
-        params,
-        rid,
-        req.priority,
-        lora_request=lora,
-        trace_headers=trace_headers,
-        max_tokens_must_fit=True,
-    )
+    try:
+        streams = await llm.add_requests(
+            [prompt],
+            params,
+            rid,
+            req.priority,
+            lora_request=lora,
+            trace_headers=trace_headers,
+            max_tokens_must_fit=True,
+        )
+    except InvalidParameterError as e:
+        if images and (e.param or "").startswith("multi_modal_data"):  # the images came in the messages
+            raise InvalidParameterError(str(e), "messages") from None
+        raise
     if lora is not None:
         state.metrics.lora_requests.labels(state.served_model_name, lora.lora_name).inc()
     parser = state.tool_parser.for_tools(tools) if choice == "auto" and state.tool_parser and tools else None
@@ -188,6 +194,8 @@ def chat_prompt(
             has_image = any(p["type"] == "image" for p in parts)
             content = parts if has_image else "".join(p["text"] for p in parts)
         conv.append({**m.model_dump(exclude_none=True), "content": content or ""})
+    if images and template is None and mm_template is not None:  # the processor's knows image parts
+        template = mm_template() or None
     try:
         text = tok.apply_chat_template(
             conv,
