@@ -215,7 +215,7 @@ def test_schema_check_agrees_with_json_schemas_meta_schema(schema):
 
 def test_tools_reach_the_chat_template():
     from pagedllm.entrypoints.openai.protocol import ChatMessage
-    from pagedllm.entrypoints.openai.server import _chat_ids
+    from pagedllm.entrypoints.openai.server import _chat_prompt
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(None))
@@ -225,5 +225,5 @@ def test_tools_reach_the_chat_template():
     )
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     msgs = [ChatMessage(role="user", content="hi")]
-    assert tok.decode(_chat_ids(tok, msgs, template, True, None, tools)) == "[TOOL get_weather]hi"
-    assert tok.decode(_chat_ids(tok, msgs, template, True, None, None)) == "hi"
+    assert tok.decode(_chat_prompt(tok, msgs, template, True, None, tools)[0]) == "[TOOL get_weather]hi"
+    assert tok.decode(_chat_prompt(tok, msgs, template, True, None, None)[0]) == "hi"

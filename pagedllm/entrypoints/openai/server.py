@@ -38,7 +38,7 @@ from pagedllm.entrypoints.openai.errors import (
     json_error_message,
 )
 from pagedllm.entrypoints.openai.limits import RequestLimits
-from pagedllm.entrypoints.openai.serving_chat import chat_ids as _chat_ids  # noqa: F401 (tests import it here)
+from pagedllm.entrypoints.openai.serving_chat import chat_prompt as _chat_prompt  # noqa: F401 (tests import it here)
 from pagedllm.entrypoints.openai.state import ServerState
 from pagedllm.errors import EngineDeadError, InvalidParameterError
 

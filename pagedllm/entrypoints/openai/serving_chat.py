@@ -138,18 +138,6 @@ def chat_response(
     return P.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_info(finals, usage_details))
 
 
-def chat_ids(
-    tok: Any,
-    messages: list[P.ChatMessage],
-    template: str | None,
-    add_generation_prompt: bool,
-    kwargs: dict | None,
-    tools: list[dict] | None = None,
-) -> list[int]:
-    """The conversation's prompt token ids (text parts only)."""
-    return chat_prompt(tok, messages, template, add_generation_prompt, kwargs, tools)[0]
-
-
 def chat_prompt(
     tok: Any,
     messages: list[P.ChatMessage],
@@ -184,7 +172,11 @@ def chat_prompt(
                     images.append(_image_url(part, len(images), max_images))
                     parts.append({"type": "image"})
                 else:
-                    also = " and 'image_url'" if max_images is not None else " (this model takes no images)"
+                    also = (
+                        " and 'image_url'"
+                        if max_images is not None
+                        else " here (images go to a vision-language model's chat completions)"
+                    )
                     raise APIError(
                         400,
                         f"unsupported content part type {kind!r}; only 'text'{also}",

@@ -10,7 +10,7 @@ from pagedllm import __version__
 from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai.common import JSONBodyRoute
 from pagedllm.entrypoints.openai.errors import APIError, error_response
-from pagedllm.entrypoints.openai.serving_chat import chat_ids
+from pagedllm.entrypoints.openai.serving_chat import chat_prompt
 from pagedllm.entrypoints.openai.state import ServerStateDep
 from pagedllm.entrypoints.openai.tool_calls import MAX_TOOLS, check_tool_schemas
 
@@ -67,8 +67,8 @@ async def tokenize(req: P.TokenizeRequest, state: ServerStateDep):
     check_tool_schemas(tools)
     tok = llm.tokenizer
     if req.messages is not None:
-        ids = await llm.prepare(
-            chat_ids, tok, req.messages, None, req.add_generation_prompt, req.chat_template_kwargs, tools or None
+        ids, _ = await llm.prepare(  # text parts only: an image part is refused (images are not tokenized here)
+            chat_prompt, tok, req.messages, None, req.add_generation_prompt, req.chat_template_kwargs, tools or None
         )
     else:
         ids = await llm.prepare(lambda: tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
