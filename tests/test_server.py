@@ -283,6 +283,13 @@ def test_invalid_parameters_get_400_in_openai_shape(server, body, param):
     assert param in (err["param"] or "") or param in err["message"]
 
 
+def test_an_image_to_a_text_only_model_is_400(server):
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=_headers(), json={"model": MODEL, "messages": messages})
+    assert "image_url" in _err(r, 400, "messages")["message"]
+
+
 def test_prompt_over_context_says_both_numbers(server):
     r = httpx.post(
         f"{server.url}/v1/completions", headers=_headers(), json={"model": MODEL, "prompt": [5] * 300, "max_tokens": 4}
