@@ -40,7 +40,6 @@ class EncoderCacheManager:
         self.unread_tokens = 0  # of which unread (room that evicting gives back)
         self._freed: list[str] = []
         self.num_encoded = 0  # images granted an encoding, ever
-        self.num_encoded_tokens = 0
         self.stats = EncoderStats()  # since the last SchedulerStats
 
     def has(self, identifier: str) -> bool:
@@ -71,7 +70,6 @@ class EncoderCacheManager:
         self.readers[identifier] = {req_id}
         self.used += num_tokens
         self.num_encoded += 1
-        self.num_encoded_tokens += num_tokens
         self.stats.queries += 1
         self.stats.images += 1
         self.stats.tokens += num_tokens

@@ -76,11 +76,6 @@ class LlavaForConditionalGeneration:
                 getattr(mm, "multimodal_projector_bias", True),
             )
 
-    def image_token_count(self) -> int:
-        """Placeholder tokens per image (every image is the tower's fixed grid of patches)."""
-        assert self.vision_tower is not None, "only the first pipeline stage holds the tower"
-        return self.vision_tower.num_positions - (1 if self.select_strategy == "default" else 0)
-
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[B, 3, H, W]`` → ``[B, image tokens, text hidden]``: what takes each image's placeholders."""
         assert self.vision_tower is not None and self.multi_modal_projector is not None

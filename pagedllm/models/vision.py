@@ -108,10 +108,6 @@ class VisionTransformer(nn.Module):
         self.pre_layrnorm = nn.LayerNorm(h, eps=cfg.layer_norm_eps) if self.clip else None
         self.layers = nn.ModuleList(VisionLayer(cfg) for _ in range(self.num_layers))
 
-    @property
-    def num_positions(self) -> int:
-        return self.position_embedding.num_embeddings
-
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """``[B, 3, H, W]`` → each read layer's output ``[B, positions, hidden]`` (CLIP's class token first)."""
         size = tuple(pixel_values.shape[-2:])

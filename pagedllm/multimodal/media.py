@@ -41,7 +41,7 @@ def load_image(source: Any, config: MultiModalSection, field: str) -> Image.Imag
     Image = _pil()
     if isinstance(source, Image.Image):
         _check_pixels(source.width, source.height, config, field)
-        return source.convert("RGB")
+        return source if source.mode == "RGB" else source.convert("RGB")  # (read already: no second copy)
     if isinstance(source, (bytes, bytearray)):
         return decode_image(bytes(source), config, field)
     if isinstance(source, str):
