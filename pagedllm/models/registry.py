@@ -26,6 +26,7 @@ _BUILTIN = {
     "BertModel": "pagedllm.models.bert:BertModel",  # pooling (sentence embeddings)
     # vision-language: built over the text model's class (see resolve_for_config)
     "LlavaForConditionalGeneration": "pagedllm.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "pagedllm.models.qwen2_vl:Qwen2VLForConditionalGeneration",
 }
 
 
@@ -34,6 +35,7 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl_text": "Qwen2ForCausalLM",  # a Qwen2-VL's text model (its M-RoPE: pagedllm.models.qwen2_vl)
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -63,7 +65,7 @@ class _ModelRegistry:
             if not hasattr(cls, "for_text_model"):
                 raise UnsupportedModelError(
                     f"{cls.__name__} has a vision_config and a text_config: a vision-language model's class must "
-                    "build over its text model's (see pagedllm.models.llava.LlavaForConditionalGeneration)"
+                    "build over its text model's (see pagedllm.models.vlm.VisionLanguageModel)"
                 )
             return cls.for_text_model(text_cls)
         archs = getattr(hf_config, "architectures", None)

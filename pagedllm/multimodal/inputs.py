@@ -20,16 +20,19 @@ class MultiModalFeature:
     identifier: str
     offset: int  # the first placeholder token's position in the prompt
     length: int  # placeholder tokens: the encoder output's rows
-    pixel_values: Any  # torch.Tensor [3, H, W], as the checkpoint's processor made it
+    # torch.Tensor as the checkpoint's processor made it: [3, H, W] for a fixed-size family (LLaVA), the image's
+    # flattened patches [t * h * w, channels * frames * patch²] for a dynamic-resolution one (Qwen2-VL)
+    pixel_values: Any
+    grid_thw: tuple[int, int, int] | None = None  # a dynamic-resolution image's patch grid (frames, rows, columns)
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
 
-def content_hash(pixel_values: Any) -> str:
-    """sha256 of a processed image: its shape, dtype and values."""
+def content_hash(pixel_values: Any, grid_thw: tuple[int, int, int] | None = None) -> str:
+    """sha256 of a processed image: its shape, grid, dtype and values."""
     t = pixel_values.contiguous()
-    h = hashlib.sha256(f"{tuple(t.shape)}:{t.dtype}".encode())
+    h = hashlib.sha256(f"{tuple(t.shape)}:{grid_thw}:{t.dtype}".encode())
     h.update(t.numpy().tobytes())
     return h.hexdigest()

@@ -9,11 +9,12 @@ to the image's count.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, UnsupportedModelError
 from pagedllm.multimodal.inputs import MultiModalFeature, content_hash
 from pagedllm.multimodal.media import load_image
 
@@ -24,11 +25,12 @@ class MultiModalProcessor:
     def __init__(self, path: str, hf_config: Any, config: Any):
         """``hf_config``: the text view (``multimodal_config`` set); ``config``: the engine's MultiModalSection."""
         self.path = path
+        self.hf_config = hf_config
         self.config = config
         self.limits = config.limits()
         mm = hf_config.multimodal_config
         self.image_token_id = int(mm.image_token_id)
-        self.patch_size = int(mm.vision_config.patch_size)  # where the processor does not say its own
+        self.patch_size = int(mm.vision_config.patch_size)  # where a LLaVA processor does not say its own
         self.select_strategy = getattr(mm, "vision_feature_select_strategy", "default")
         # without chunked prefill a prompt's images are all encoded in its one step (the engine sets it)
         self.max_prompt_image_tokens: int | None = None
@@ -40,17 +42,54 @@ class MultiModalProcessor:
     def hf_processor(self) -> Any:
         with self._lock:  # requests are processed on several threads
             if self._hf is None:
-                from transformers import AutoProcessor
+                if self.hf_config.multimodal_config.model_type in SPLIT_PROCESSOR_TYPES:
+                    self._hf = SplitProcessor(self.path)
+                else:
+                    from transformers import AutoProcessor
 
-                self._hf = AutoProcessor.from_pretrained(self.path, local_files_only=True)
+                    self._hf = AutoProcessor.from_pretrained(self.path, local_files_only=True)
             return self._hf
 
     def max_tokens_per_image(self) -> int:
-        """The placeholder tokens of the largest image the processor makes (a fixed grid: any image's)."""
+        """The placeholder tokens of the largest image the processor makes: any image's for a fixed grid
+        (LLaVA), the pixel limit's for dynamic resolution (Qwen2-VL: ``max_pixels`` in merged patches)."""
+        ip = self.hf_processor.image_processor
+        merge = getattr(ip, "merge_size", None)
+        if merge is not None:
+            size = getattr(ip, "size", None) or {}
+            max_pixels = getattr(ip, "max_pixels", None) or size.get("longest_edge") or size.get("max_pixels")
+            if max_pixels is None:
+                raise UnsupportedModelError(f"{self.path}: its image processor states no max_pixels")
+            return int(max_pixels) // (int(ip.patch_size) * int(merge)) ** 2
         from PIL import Image
 
-        pixels = self.hf_processor.image_processor([Image.new("RGB", (224, 224))], return_tensors="pt")["pixel_values"]
-        return self._counts(pixels)[0]
+        pixels, grids = _per_image(ip([Image.new("RGB", (224, 224))], return_tensors="pt"))
+        return self._counts(pixels, grids)[0]
+
+    def check_matches_model(self, name: str) -> None:
+        """The processor makes what the vision tower reads (a start-up check): for a fixed grid, as many
+        placeholders as the tower gives rows; for dynamic resolution, the tower's patch and merge sizes."""
+        mm = self.hf_config.multimodal_config
+        ip = self.hf_processor.image_processor
+        if getattr(ip, "merge_size", None) is not None:
+            vc = mm.vision_config
+            made = (int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size))
+            expected = (int(vc.patch_size), int(vc.spatial_merge_size), int(vc.temporal_patch_size))
+            if made != expected:
+                raise UnsupportedModelError(
+                    f"{name}: its processor cuts images into patches of {made[0]} pixels, merged {made[1]}x{made[1]}"
+                    f" over {made[2]} frames, but its vision tower takes {expected[0]}, {expected[1]}x"
+                    f"{expected[1]} and {expected[2]}"
+                )
+            return
+        from pagedllm.models.llava import image_tokens
+
+        expected_rows, made_rows = image_tokens(mm), self.max_tokens_per_image()
+        if made_rows != expected_rows:
+            raise UnsupportedModelError(
+                f"{name}: its processor makes {made_rows} placeholder tokens an image, but its vision tower "
+                f"gives {expected_rows} rows; the processor's image size or patch size does not match the tower's"
+            )
 
     def chat_template(self) -> str | None:
         return getattr(self.hf_processor, "chat_template", None)
@@ -67,6 +106,9 @@ class MultiModalProcessor:
             self.check_no_placeholders(ids)
             return ids, []
         hf = self.hf_processor
+        if ids is None and isinstance(hf, SplitProcessor):
+            assert text is not None
+            ids = hf.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if ids is None:
             assert text is not None
             placeholder = self._token_text()
@@ -77,23 +119,23 @@ class MultiModalProcessor:
             except ValueError as e:  # the processor's own checks
                 raise InvalidParameterError(f"{FIELD}: {e}", FIELD) from None
             ids = out["input_ids"][0].tolist()
-            pixels = out["pixel_values"]
+            pixels, grids = _per_image(out)
         else:
-            pixels = hf.image_processor(images, return_tensors="pt")["pixel_values"]
-            ids = self._expand(ids, pixels)
-        counts = self._counts(pixels)
+            pixels, grids = _per_image(hf.image_processor(images, return_tensors="pt"))
+            ids = self._expand(ids, pixels, grids)
+        counts = self._counts(pixels, grids)
         places = _split(_runs(ids, self.image_token_id), counts)
         if places is None:
             raise InvalidParameterError(self._mismatch(len(images)), FIELD)
         features = []
-        for i, ((offset, length), pv) in enumerate(zip(places, pixels)):
+        for i, ((offset, length), pv, grid) in enumerate(zip(places, pixels, grids)):
             if length > self.max_image_tokens:
                 raise InvalidParameterError(
                     f"{FIELD}[{i}]: the image takes {length} tokens, more than the encoder's step budget or cache "
                     f"holds ({self.max_image_tokens}: max_num_encoder_input_tokens, encoder_cache_size)",
                     FIELD,
                 )
-            features.append(MultiModalFeature("image", content_hash(pv), offset, length, pv))
+            features.append(MultiModalFeature("image", content_hash(pv, grid), offset, length, pv, grid))
         total = sum(f.length for f in features)
         if self.max_prompt_image_tokens is not None and total > self.max_prompt_image_tokens:
             raise InvalidParameterError(
@@ -129,16 +171,20 @@ class MultiModalProcessor:
     def _images(self, data: Any) -> list[Any]:
         return [self.load(item, i) for i, item in enumerate(self.image_items(data))]
 
-    def _counts(self, pixels: Any) -> list[int]:
+    def _counts(self, pixels: list[Any], grids: list[tuple[int, int, int] | None]) -> list[int]:
         """Each processed image's number of placeholder tokens, as the checkpoint's processor counts them
-        (``LlavaProcessor``: a token per patch of the processed image, the class token counted or not)."""
+        (``LlavaProcessor``: a token per patch of the processed image, the class token counted or not;
+        ``Qwen2VLProcessor``: a token per merged block of its grid)."""
         hf = self.hf_processor
+        if grids and grids[0] is not None:
+            merge = int(hf.image_processor.merge_size)
+            return [t * h * w // merge**2 for t, h, w in grids]  # type: ignore[misc]
         patch = getattr(hf, "patch_size", None) or self.patch_size
         strategy = getattr(hf, "vision_feature_select_strategy", None) or self.select_strategy
         extra = (getattr(hf, "num_additional_image_tokens", 0) or 0) - (1 if strategy == "default" else 0)
         return [(int(p.shape[-2]) // patch) * (int(p.shape[-1]) // patch) + extra for p in pixels]
 
-    def _expand(self, ids: list[int], pixels: Any) -> list[int]:
+    def _expand(self, ids: list[int], pixels: list[Any], grids: list[tuple[int, int, int] | None]) -> list[int]:
         """One placeholder token per image → each image's count of them."""
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(pixels):
@@ -149,7 +195,7 @@ class MultiModalProcessor:
             )
         out: list[int] = []
         last = 0
-        for offset, count in zip(at, self._counts(pixels)):
+        for offset, count in zip(at, self._counts(pixels, grids)):
             out += ids[last:offset] + [self.image_token_id] * count
             last = offset + 1
         return out + ids[last:]
@@ -168,6 +214,45 @@ class MultiModalProcessor:
 
     def _token_text(self) -> str:
         return str(getattr(self.hf_processor, "image_token", None) or f"token {self.image_token_id}")
+
+
+# families whose transformers processor needs torchvision (for its video half): their text is tokenized and each
+# image token expanded here, as for token-id prompts
+SPLIT_PROCESSOR_TYPES = ("qwen2_vl",)
+
+
+class SplitProcessor:
+    """A checkpoint's tokenizer and image processor, standing in for its composite processor (whose video half
+    needs torchvision): the same attributes the engine reads."""
+
+    def __init__(self, path: str):
+        import os
+
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        self.image_token = "<|image_pad|>"
+        self.chat_template = self.tokenizer.chat_template
+        for name in ("chat_template.jinja", "chat_template.json"):  # the processor's own, where it has one
+            file = os.path.join(path, name)
+            if os.path.isfile(file):
+                with open(file, encoding="utf-8") as f:
+                    text = f.read()
+                self.chat_template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+                break
+
+
+def _per_image(out: Any) -> tuple[list[Any], list[tuple[int, int, int] | None]]:
+    """A processor's output as one pixel tensor per image and its grid: LLaVA's ``pixel_values`` is
+    ``[images, 3, H, W]``; Qwen2-VL's holds every image's patches one after another, ``image_grid_thw`` saying
+    how many are each image's."""
+    pixels = out["pixel_values"]
+    grid = out.get("image_grid_thw")
+    if grid is None:
+        return list(pixels), [None] * len(pixels)
+    grids = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
+    return list(pixels.split([t * h * w for t, h, w in grids])), list(grids)
 
 
 def _split(runs: list[tuple[int, int]], counts: list[int]) -> list[tuple[int, int]] | None:

@@ -58,6 +58,8 @@ class _ReqState:
     group_block_ids: list[list[int]] = field(default_factory=list)  # the local groups' tables (kv_groups)
     pooling_params: Any = None  # a pooling request's PoolingParams
     mm_features: list[Any] = field(default_factory=list)  # its images (MultiModalFeature), by prompt position
+    # M-RoPE (Qwen2-VL) for a prompt with images: its [3, prompt length] positions, and the delta of later tokens'
+    mrope: tuple[torch.Tensor, int] | None = None
 
     @property
     def lora_int_id(self) -> int:
@@ -139,6 +141,9 @@ class ModelRunner:
                 pooling_params=new.pooling_params,
                 mm_features=new.mm_features,
             )
+            if new.mm_features and getattr(self.model, "uses_mrope", False):
+                st = self.states[new.req_id]
+                st.mrope = cast(Any, self.model).mrope_positions(st.num_prompt_tokens, st.mm_features)
             if self.proposer is not None:
                 self.proposer.add(new.req_id, new.num_computed_tokens)
         for c in so.cached_reqs:
@@ -155,14 +160,18 @@ class ModelRunner:
             if st is not None:
                 st.token_ids.extend(tokens)
 
-    def _forward(self, batch: Any, inputs_embeds: torch.Tensor | None = None) -> Any:
+    def _forward(
+        self, batch: Any, inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> Any:
         """The model on this rank's layers: a later pipeline stage starts from the previous one's
         activations, an earlier one hands its own on. ``inputs_embeds``: the first stage's input rows, where
-        a prompt's images take some of them."""
+        a prompt's images take some of them; ``positions``: the rotary positions where they are not the
+        tokens' own (M-RoPE)."""
         ps = self.ps
         extra = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}  # (a user's model may lack it)
+        positions = batch.positions if positions is None else positions
         if ps.pp_size == 1:
-            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
+            return self.model(batch.input_ids, positions, self.kv_caches, batch.meta, **extra)
         from pagedllm.models.llama import IntermediateTensors
 
         inter = None
@@ -170,7 +179,7 @@ class ModelRunner:
             shape = (batch.input_ids.shape[0], self._lm.config.hidden_size)
             dtype = next(self._lm.layers[0].parameters()).dtype
             inter = IntermediateTensors(*ps.recv_from_prev_stage([shape, shape], dtype))
-        out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, intermediate=inter, **extra)
+        out = self.model(batch.input_ids, positions, self.kv_caches, batch.meta, intermediate=inter, **extra)
         if not ps.is_last_stage:
             ps.send_to_next_stage([out.hidden, out.residual])
         return out
@@ -245,7 +254,7 @@ class ModelRunner:
                 step_lora = self.lora.state.active(lora_rows)
         embeds = self._inputs_embeds(order, row_starts, so, batch.offsets, batch.input_ids)
         with step_lora:
-            hidden = self._forward(batch, embeds)
+            hidden = self._forward(batch, embeds, self._mrope_positions(order, row_starts, batch))
         self.num_tokens_computed += so.total_num_scheduled_tokens
         for rid in order:  # the scheduler already counted these tokens (drafts too) as computed
             self.states[rid].num_computed_tokens += num[rid]
@@ -289,20 +298,38 @@ class ModelRunner:
             self.encoder_cache.pop(identifier, None)
         if not self.ps.is_first_stage:
             return
-        by_shape: dict[tuple[int, ...], list[Any]] = {}
+        by_shape: dict[tuple[Any, ...], list[Any]] = {}
         for rid, indices in so.scheduled_encoder_inputs.items():
             for k in indices:
                 f = self.states[rid].mm_features[k]
-                by_shape.setdefault(tuple(f.pixel_values.shape), []).append(f)
+                by_shape.setdefault((tuple(f.pixel_values.shape), f.grid_thw), []).append(f)
         model = cast(Any, self.model)
-        for features in by_shape.values():
+        for (_, grid), features in by_shape.items():
             pixels = torch.stack([f.pixel_values for f in features]).to(self.device)
-            out = model.encode_images(pixels)
+            out = model.encode_images(pixels, grid) if grid is not None else model.encode_images(pixels)
             for f, rows in zip(features, out):
                 assert rows.shape[0] == f.length, f"image encoded to {rows.shape[0]} rows for {f.length} placeholders"
                 # its own copy: a view would keep the whole batch's output alive until every image of it is evicted
                 self.encoder_cache[f.identifier] = rows.clone() if len(features) > 1 else rows
                 self.num_encoder_tokens += f.length
+
+    def _mrope_positions(self, order: list[str], row_starts: list[int], batch: Any) -> torch.Tensor | None:
+        """M-RoPE positions for this step where a request with images has rows in it (None: the tokens' own):
+        ``[3, T]`` where a prompt row's three differ, else the one row they share. A row in a prompt takes its
+        column of the prompt's table, a later row its position plus the prompt's delta."""
+        if not any(self.states[rid].mrope is not None for rid in order):
+            return None
+        out = batch.positions.unsqueeze(0).repeat(3, 1)
+        for i, rid in enumerate(order):
+            mrope = self.states[rid].mrope
+            if mrope is None:
+                continue
+            table, delta = mrope
+            a, b, start = batch.offsets[i], batch.offsets[i + 1], row_starts[i]
+            in_prompt = max(0, min(b - a, table.shape[1] - start))
+            out[:, a : a + in_prompt] = table[:, start : start + in_prompt].to(out.device)
+            out[:, a + in_prompt : b] += delta
+        return out[0] if torch.equal(out[0], out[1]) and torch.equal(out[0], out[2]) else out
 
     def _inputs_embeds(
         self, order: list[str], row_starts: list[int], so: SchedulerOutput, offsets: list[int], input_ids: torch.Tensor
