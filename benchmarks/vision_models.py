@@ -3,6 +3,7 @@ weights, saved as ordinary Hugging Face directories with transformers' own class
 
     python benchmarks/vision_models.py llava OUT_DIR [--vision clip|siglip]   # kept if OUT_DIR holds one
     python benchmarks/vision_models.py qwen2_vl OUT_DIR [--text smollm2|qwen2.5-coder-0.5b]
+    python benchmarks/vision_models.py qwen2_5_vl OUT_DIR [--text smollm2|qwen2.5-coder-0.5b]
 
 No small vision-language model with trained weights installs here (no package on PyPI ships a vision tower's
 weights), so the checkpoints are built the way transformers' own tests build theirs. ``llava`` joins
@@ -153,16 +154,29 @@ def qwen_0_5b_text_model() -> Any:
 
 
 def build_qwen2_vl(
-    out: Path, text_model: Any = None, tokenizer: Any = None, seed: int = 0, max_image_tokens: int = 256
+    out: Path,
+    text_model: Any = None,
+    tokenizer: Any = None,
+    seed: int = 0,
+    max_image_tokens: int = 256,
+    version: str = "2",
 ) -> Path:
     """A Qwen2-VL checkpoint in ``out``: ``text_model`` (SmolLM2 when None; a Llama's q/k/v get zero biases) as
     the language model with M-RoPE over its head size, a seeded random 2-layer Qwen2-VL tower (14-pixel
     patches, 2x2 merge) and its patch merger; images take from 4 to ``max_image_tokens`` tokens each.
+    ``version`` "2.5": Qwen2.5-VL's tower instead (4 blocks, the 2nd and 4th attending to the whole image, the
+    others within windows of 2x2 merged tokens).
     ``tokenizer``: the text model's (SmolLM2's when None); Qwen2-VL's vision tokens are added where missing."""
     import shutil
 
     import torch
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from pagedllm.model_loader import load_tokenizer, resolve_model
@@ -198,16 +212,21 @@ def build_qwen2_vl(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    vision_config = dict(
-        depth=2,
-        embed_dim=128,
-        hidden_size=tc.hidden_size,
-        num_heads=4,
-        mlp_ratio=2,
-        patch_size=14,
-        spatial_merge_size=2,
-    )
-    config = Qwen2VLConfig(
+    if version == "2":
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision_config: dict[str, Any] = dict(depth=2, embed_dim=128, hidden_size=tc.hidden_size, mlp_ratio=2)
+    else:
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision_config = dict(
+            depth=4,
+            hidden_size=128,
+            intermediate_size=256,
+            out_hidden_size=tc.hidden_size,
+            window_size=56,
+            fullatt_block_indexes=[1, 3],
+        )
+    vision_config.update(num_heads=4, patch_size=14, spatial_merge_size=2)
+    config = config_cls(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
@@ -218,7 +237,7 @@ def build_qwen2_vl(
     )
     config.vision_config.initializer_range = 0.2
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     text_state = text_model.state_dict()
     vocab = text_state["model.embed_tokens.weight"].shape[0]
     state = {}
@@ -250,7 +269,7 @@ def build_qwen2_vl(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("family", choices=["llava", "qwen2_vl"])
+    parser.add_argument("family", choices=["llava", "qwen2_vl", "qwen2_5_vl"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--vision", choices=["clip", "siglip"], default="clip", help="llava's tower")
     parser.add_argument("--text", choices=["smollm2", "qwen2.5-coder-0.5b"], default="smollm2", help="qwen2_vl's")
@@ -260,14 +279,16 @@ def main() -> None:
         return
     if args.family == "llava":
         print(build_llava(args.out, vision=args.vision))
-    elif args.text == "smollm2":
-        print(build_qwen2_vl(args.out))
     else:
+        version = "2" if args.family == "qwen2_vl" else "2.5"
+        if args.text == "smollm2":
+            print(build_qwen2_vl(args.out, version=version))
+            return
         from transformers import AutoTokenizer
 
         text = qwen_0_5b_text_model()
-        path = text.config._name_or_path
-        print(build_qwen2_vl(args.out, text, AutoTokenizer.from_pretrained(path, gguf_file=text.config.gguf_file)))
+        tokenizer = AutoTokenizer.from_pretrained(text.config._name_or_path, gguf_file=text.config.gguf_file)
+        print(build_qwen2_vl(args.out, text, tokenizer, version=version))
 
 
 if __name__ == "__main__":

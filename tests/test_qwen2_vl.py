@@ -1,12 +1,12 @@
-"""Image input on Qwen2-VL checkpoints: SmolLM2-135M's real text weights as a Qwen2-VL text model (q/k/v biases
-zero, M-RoPE over its 64-wide heads) joined to a Qwen2-VL tower and patch merger with seeded random weights
-(``benchmarks/vision_models.py qwen2_vl``), against transformers' ``Qwen2VLForConditionalGeneration`` on the same
+"""Image input on Qwen2-VL and Qwen2.5-VL checkpoints: SmolLM2-135M's real text weights as a Qwen2-VL text model
+(q/k/v biases zero, M-RoPE over its 64-wide heads) joined to a Qwen2-VL (or Qwen2.5-VL) tower and patch merger
+with seeded random weights (``benchmarks/vision_models.py qwen2_vl``), against transformers' class on the same
 directory and the same images.
 
 What is checked beyond LLaVA's path: images at their own resolution (each size its own grid and token count),
-the 2-D rotary positions inside the tower, the 2×2 patch merge, and M-RoPE positions in the text model for the
-prompt's image and text tokens and for every decoded token after them. An answer cannot describe an image: the
-tower's weights are random.
+the 2-D rotary positions inside the tower, the 2×2 patch merge, Qwen2.5-VL's windowed blocks, and M-RoPE
+positions in the text model for the prompt's image and text tokens and for every decoded token after them. An
+answer cannot describe an image: the tower's weights are random.
 """
 
 from __future__ import annotations
@@ -71,14 +71,13 @@ def reference(qwen2_vl_dir: str) -> tuple[list[Any], LLM]:
     return outs, llm
 
 
-def test_qwen2_vl_greedy_matches_transformers_with_m_rope_on_images_of_every_size(
-    qwen2_vl_dir: str, reference: Any
-) -> None:
-    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+def _matches_transformers(path: str, outs: list[Any]) -> None:
+    """``outs`` (greedy, BATCH) against transformers' class on ``path``: the same image tokens, the same
+    tokens and logprobs."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    outs, _ = reference
-    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
-    image_processor = AutoImageProcessor.from_pretrained(qwen2_vl_dir)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    image_processor = AutoImageProcessor.from_pretrained(path)
     image_token = model.config.image_token_id
     ids, extra, deltas = [], [], []
     for (_, images), out in zip(BATCH, outs):
@@ -100,6 +99,29 @@ def test_qwen2_vl_greedy_matches_transformers_with_m_rope_on_images_of_every_siz
         ref, [o.outputs[0] for o in outs], TOPK, logprob_atol=1e-4, min_exact_fraction=1.0, names=("hf", "ours")
     )
     assert result.max_logprob_diff < 1e-4
+
+
+def test_qwen2_vl_greedy_matches_transformers_with_m_rope_on_images_of_every_size(
+    qwen2_vl_dir: str, reference: Any
+) -> None:
+    _matches_transformers(qwen2_vl_dir, reference[0])
+
+
+def test_qwen2_5_vl_windowed_tower_matches_transformers_also_in_chunks(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_hf_model: Any
+) -> None:
+    """Qwen2.5-VL's tower: RMSNorm and gated-MLP blocks, two of four attending within windows of 2x2 merged
+    tokens (every image here spans several, the edge ones cut short); the text side is Qwen2-VL's."""
+    vm = benchmark_module("vision_models")
+    path = str(vm.build_qwen2_vl(tmp_path_factory.mktemp("qwen2_5_vl"), text_model=smollm2_hf_model, version="2.5"))
+    llm = LLM(path, max_model_len=1024, enable_prefix_caching=False, enable_chunked_prefill=False)
+    outs = llm.generate(INPUTS, GREEDY, use_tqdm=False)
+    _matches_transformers(path, outs)
+    del llm
+    chunked = LLM(path, max_model_len=1024, max_num_batched_tokens=32)
+    again = chunked.generate(INPUTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    _clean(chunked)
 
 
 def test_token_id_prompts_and_chat_image_parts_give_the_same_tokens(qwen2_vl_dir: str, reference: Any) -> None:

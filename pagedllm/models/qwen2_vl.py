@@ -1,4 +1,5 @@
-"""Qwen2-VL (transformers' ``Qwen2VLForConditionalGeneration``): images at their own resolution, a ViT with 2-D
+"""Qwen2-VL and Qwen2.5-VL (transformers' ``Qwen2VLForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration``): images at their own resolution, a ViT with 2-D
 rotary positions over 14-pixel patches, a 2×2 patch merger into the text model's width, and M-RoPE in the text
 model: each image token's rotary position is (t, h, w) on the image's grid, text tokens' the same number three
 times.
@@ -20,6 +21,7 @@ from torch import nn
 
 from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.models.vision import activation
 from pagedllm.models.vlm import VisionLanguageModel, load_module
@@ -32,31 +34,70 @@ class Qwen2VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int) -> torch.Tensor:
-        """``x``: ``[rows, dim]``, ``groups`` equal runs of rows that attend among themselves (an image's frame);
-        ``cos``/``sin``: ``[rows, 1, head_dim / 2]``."""
-        rows, dim = x.shape
-        q, k, v = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim).unbind(1)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """``x``: ``[B, n, dim]``, B images of one grid; ``groups``: ``[G, L]`` index tensors into the n rows,
+        each row attending only among its L (a frame, or a window); ``cos``/``sin``: ``[n, 1, head_dim / 2]``."""
+        b, n, dim = x.shape
+        h, d = self.num_heads, self.head_dim
+        q, k, v = self.qkv(x).view(b * n, 3, h, d).unbind(1)
+        cos, sin = cos.repeat(b, 1, 1), sin.repeat(b, 1, 1)
         q, k = apply_rotary(q.contiguous(), cos, sin), apply_rotary(k.contiguous(), cos, sin)
-        q, k, v = (t.view(groups, rows // groups, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
-        return self.proj(o.transpose(1, 2).reshape(rows, dim))
+        q, k, v = (t.view(b, n, h, d) for t in (q, k, v))
+        if len(groups) == 1 and groups[0].shape[0] == 1:  # one group of every row: no gather
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=d**-0.5)
+            return self.proj(o.transpose(1, 2).reshape(b, n, dim))
+        out = torch.empty_like(q)
+        for idx in groups:
+            g, length = idx.shape
+            flat = idx.reshape(-1).to(x.device)
+            qg, kg, vg = (t[:, flat].reshape(b * g, length, h, d).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qg, kg, vg, scale=d**-0.5)
+            out[:, flat] = o.transpose(1, 2).reshape(b, g * length, h, d)
+        return self.proj(out.view(b, n, dim))
+
+
+class GatedVisionMLP(nn.Module):
+    """Qwen2.5-VL's: gate, up and down projections with biases."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden), nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class Qwen2VisionBlock(nn.Module):
-    def __init__(self, vc: Any):
+    def __init__(self, vc: Any, dim: int, v2_5: bool):
         super().__init__()
-        dim = vc.embed_dim
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm1, self.norm2 = (RMSNorm(dim, 1e-6) if v2_5 else nn.LayerNorm(dim, eps=1e-6) for _ in range(2))
         self.attn = Qwen2VisionAttention(dim, vc.num_heads)
-        hidden = int(dim * vc.mlp_ratio)
-        self.mlp = nn.ModuleDict({"fc1": nn.Linear(dim, hidden), "fc2": nn.Linear(hidden, dim)})
-        self.act = activation(vc.hidden_act)
+        self.mlp: nn.Module = (
+            GatedVisionMLP(dim, vc.intermediate_size, vc.hidden_act)
+            if v2_5
+            else VisionMLP(dim, int(dim * vc.mlp_ratio), vc.hidden_act)
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, groups)
-        return x + self.mlp["fc2"](self.act(self.mlp["fc1"](self.norm2(x))))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
+    ) -> torch.Tensor:
+        b, n, dim = x.shape
+        x = x + self.attn(self.norm1(x.reshape(b * n, dim)).view(b, n, dim), cos, sin, groups)
+        return x + self.mlp(self.norm2(x.reshape(b * n, dim))).view(b, n, dim)
 
 
 class PatchEmbed(nn.Module):
@@ -69,12 +110,13 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """Layernorm, then each 2×2 block's four patches side by side through a two-layer MLP."""
+    """A norm (Qwen2.5-VL's RMSNorm, Qwen2-VL's layernorm), then each 2×2 block's four patches side by side
+    through a two-layer MLP."""
 
-    def __init__(self, dim: int, merge: int, out_dim: int):
+    def __init__(self, dim: int, merge: int, out_dim: int, v2_5: bool):
         super().__init__()
         self.merged = dim * merge**2
-        self.ln_q = nn.LayerNorm(dim, eps=1e-6)
+        self.ln_q: nn.Module = RMSNorm(dim, 1e-6) if v2_5 else nn.LayerNorm(dim, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, out_dim))
         self.out_dim = out_dim
 
@@ -83,19 +125,26 @@ class PatchMerger(nn.Module):
 
 
 class Qwen2VisionTransformer(nn.Module):
-    """transformers' ``Qwen2VisionTransformerPretrainedModel``: 3-D patch embedding (two frames of 14×14 pixels:
-    an image is its frame twice), 2-D rotary positions laid out in 2×2 merge blocks, pre-norm blocks, and the
-    patch merger (layernorm, four patches' features side by side, a two-layer MLP into the text width)."""
+    """transformers' ``Qwen2VisionTransformerPretrainedModel`` and, with ``v2_5``,
+    ``Qwen2_5_VisionTransformerPretrainedModel``: 3-D patch embedding (two frames of 14×14 pixels: an image is
+    its frame twice), 2-D rotary positions laid out in 2×2 merge blocks, pre-norm blocks, and the patch merger
+    (four patches' features side by side, a two-layer MLP into the text width).
 
-    def __init__(self, vc: Any, out_dim: int):
+    Qwen2.5-VL's blocks are RMSNorm and gated-MLP ones, and all but its ``fullatt_block_indexes`` attend within
+    windows of ``window_size`` pixels: its rows are put in window order (whole merge blocks move) before the
+    blocks, and the merged tokens back in the image's order after the merger."""
+
+    def __init__(self, vc: Any, out_dim: int, v2_5: bool = False):
         super().__init__()
         self.channels, self.patch, self.frames = vc.in_channels, vc.patch_size, vc.temporal_patch_size
         self.merge = vc.spatial_merge_size
-        dim = self.dim = vc.embed_dim
+        dim = self.dim = vc.hidden_size if v2_5 else vc.embed_dim
         head_dim = dim // vc.num_heads
         self.patch_embed = PatchEmbed(self.channels, dim, (self.frames, self.patch, self.patch))
-        self.blocks = nn.ModuleList(Qwen2VisionBlock(vc) for _ in range(vc.depth))
-        self.merger = PatchMerger(dim, self.merge, out_dim)
+        self.blocks = nn.ModuleList(Qwen2VisionBlock(vc, dim, v2_5) for _ in range(vc.depth))
+        self.merger = PatchMerger(dim, self.merge, out_dim, v2_5)
+        self.window = vc.window_size // self.merge // self.patch if v2_5 else 0  # in merged tokens
+        self.full_attention = set(vc.fullatt_block_indexes) if v2_5 else set(range(vc.depth))
         theta = float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         spatial = head_dim // 2  # half the rotated pairs turn with the row, half with the column
         self.inv_freq = 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial)
@@ -111,18 +160,49 @@ class Qwen2VisionTransformer(nn.Module):
         angles = angles.repeat(t, 1).unsqueeze(1)
         return angles.cos(), angles.sin()
 
+    def windows(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Qwen2.5-VL's window order of the merged tokens (transformers' ``get_vision_window_index``: windows of
+        ``window``×``window`` merged tokens, row-major, the last row and column of windows cut short), and the
+        windows as index groups over the patch rows in that order, windows of one size together."""
+        t, h, w = grid
+        gh, gw, ws = h // self.merge, w // self.merge, self.window
+        order, sizes = [], []
+        for frame in range(t):
+            index = torch.arange(frame * gh * gw, (frame + 1) * gh * gw).view(gh, gw)
+            for r in range(0, gh, ws):
+                for c in range(0, gw, ws):
+                    cell = index[r : r + ws, c : c + ws].reshape(-1)
+                    order.append(cell)
+                    sizes.append(cell.numel() * self.merge**2)
+        by_size: dict[int, list[torch.Tensor]] = {}
+        start = 0
+        for size in sizes:
+            by_size.setdefault(size, []).append(torch.arange(start, start + size))
+            start += size
+        return torch.cat(order), [torch.stack(rows) for rows in by_size.values()]
+
     def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """``[B, patches, channels × frames × 14 × 14]`` (B images of one grid) → ``[B, patches / 4, out_dim]``."""
         b, n, _ = pixel_values.shape
         t, h, w = grid
+        unit = self.merge**2
         if n != t * h * w or h % self.merge or w % self.merge:
             raise UnsupportedModelError(f"an image of {n} patches reached the tower with the grid {grid}")
         x = self.patch_embed(pixel_values.reshape(-1, self.channels, self.frames, self.patch, self.patch))
-        x = x.view(b * n, self.dim)
-        cos, sin = (c.repeat(b, 1, 1).to(x.device) for c in self.rotary(grid))
-        for block in self.blocks:
-            x = block(x, cos, sin, b * t)  # each frame of each image attends to itself
-        return self.merger(x).view(b, n // self.merge**2, -1)
+        x = x.view(b, n, self.dim)
+        cos, sin = (c.to(x.device) for c in self.rotary(grid))
+        frames = [torch.arange(n).view(t, n // t)]  # each frame attends to itself
+        windows, order = frames, None
+        if self.window:
+            order, windows = self.windows(grid)
+            rows = (order.view(-1, 1) * unit + torch.arange(unit)).view(-1)  # whole merge blocks move
+            x, cos, sin = x[:, rows.to(x.device)], cos[rows], sin[rows]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in self.full_attention else windows)
+        out = self.merger(x.reshape(b * n, self.dim)).view(b, n // unit, -1)
+        if order is not None:
+            out = out[:, torch.argsort(order).to(out.device)]
+        return out
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -153,6 +233,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     VISION_PREFIXES = ("visual.",)
     uses_mrope = True
+    v2_5 = False  # Qwen2.5-VL's tower (windowed attention, RMSNorm, gated MLPs)
 
     def __init__(self, cfg: Any, parallel: ParallelState | None = None):
         super().__init__(cfg, parallel)
@@ -164,7 +245,8 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.visual: Qwen2VisionTransformer | None = None
         if self.ps.is_first_stage:
             vc = mm.vision_config
-            self.visual = Qwen2VisionTransformer(vc, getattr(vc, "out_hidden_size", None) or vc.hidden_size)
+            out_dim = vc.out_hidden_size if self.v2_5 else vc.hidden_size
+            self.visual = Qwen2VisionTransformer(vc, out_dim, self.v2_5)
             if self.visual.merger.out_dim != cfg.hidden_size:
                 raise UnsupportedModelError(
                     f"the patch merger gives {self.visual.merger.out_dim} features, the text model takes "
@@ -199,3 +281,10 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         assert self.visual is not None
         tower = {n.removeprefix("visual."): t for n, t in weights}
         return {f"visual.{n}" for n in load_module(self.visual, tower, "vision tower")}
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: Qwen2-VL's M-RoPE text model and processing, its own tower (see
+    :class:`Qwen2VisionTransformer`)."""
+
+    v2_5 = True

@@ -27,6 +27,7 @@ _BUILTIN = {
     # vision-language: built over the text model's class (see resolve_for_config)
     "LlavaForConditionalGeneration": "pagedllm.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "pagedllm.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "pagedllm.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 
@@ -36,6 +37,7 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_vl_text": "Qwen2ForCausalLM",  # a Qwen2-VL's text model (its M-RoPE: pagedllm.models.qwen2_vl)
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",

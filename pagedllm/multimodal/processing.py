@@ -218,7 +218,7 @@ class MultiModalProcessor:
 
 # families whose transformers processor needs torchvision (for its video half): their text is tokenized and each
 # image token expanded here, as for token-id prompts
-SPLIT_PROCESSOR_TYPES = ("qwen2_vl",)
+SPLIT_PROCESSOR_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 class SplitProcessor:
