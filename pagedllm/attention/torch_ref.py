@@ -54,6 +54,16 @@ def paged_attention(
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
         q_len, seq_len = end - start, seq_lens[i]
+        spans = meta.bidirectional.get(i) if meta.bidirectional else None
+        if spans:  # Gemma 3's images in this chunk: a mask of its own
+            k_start = 0
+            if sliding_window is not None:  # from the block of the first key the chunk's first query sees
+                k_start = max(0, seq_len - q_len - sliding_window + 1) // meta.block_size * meta.block_size
+            ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size, k_start)
+            out[start:end] = _prefill(
+                q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale, sliding_window, k_start, spans
+            )
+            continue
         if prefill is not None and prefill(
             q[start:end],
             k[start:end],
@@ -88,12 +98,32 @@ def _gather(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block
     return kv[0], kv[1]
 
 
-def _prefill(q, k, v, ctx_len: int, scale: float, sliding_window: int | None, k_start: int = 0) -> torch.Tensor:
-    """q: [Q, H, D] at positions ctx_len.. ; k, v: [S, KVH, D] at positions k_start..k_start + S - 1."""
+def _prefill(
+    q,
+    k,
+    v,
+    ctx_len: int,
+    scale: float,
+    sliding_window: int | None,
+    k_start: int = 0,
+    spans: list[tuple[int, int]] | None = None,
+) -> torch.Tensor:
+    """q: [Q, H, D] at positions ctx_len.. ; k, v: [S, KVH, D] at positions k_start..k_start + S - 1. ``spans``:
+    [start, end) positions whose tokens also see each other's later ones (transformers' ``blockwise_overlay``:
+    causal or in one span, then inside the window)."""
     q_len, seq_len = q.shape[0], k.shape[0]
     # with a batch dimension: 3-D inputs take a CPU path about 3x slower (8.2 vs 2.8 ms at 300 tokens)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if ctx_len == 0 and sliding_window is None:
+    if spans:
+        q_pos = torch.arange(ctx_len, ctx_len + q_len, device=q.device)[:, None]
+        k_pos = torch.arange(k_start, k_start + seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        for a, b in spans:
+            mask |= (q_pos >= a) & (q_pos < b) & (k_pos >= a) & (k_pos < b)
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    elif ctx_len == 0 and sliding_window is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         q_pos = torch.arange(ctx_len, ctx_len + q_len, device=q.device)[:, None]

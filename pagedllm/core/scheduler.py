@@ -121,8 +121,11 @@ class Scheduler:
         kv_groups: KVGroups | None = None,
         pooling_needs_kv: bool = True,
         encoder: tuple[int, int] | None = None,
+        whole_images: bool = False,
     ):
         self.config = sched
+        # Gemma 3: an image's tokens attend to each other both ways, so a chunk never ends inside an image
+        self.whole_images = whole_images
         # vision-language models (``encoder``: the encoder's tokens per step, the encoder cache's size in tokens):
         # the budget, and the record of the runner's encoder cache
         self.encoder_budget = encoder[0] if encoder is not None else 0
@@ -342,6 +345,20 @@ class Scheduler:
 
     # -- images (vision-language models) ---------------------------------------------
     def _fit_images(self, req: Request, start: int, n: int, encoder_budget: int) -> tuple[int, tuple[list, list]]:
+        """:meth:`_fit_encoder`, and under ``whole_images`` the chunk cut before an image it would end inside (to
+        nothing where it starts inside one it cannot finish: it waits for a step with room)."""
+        n, (encode, read) = self._fit_encoder(req, start, n, encoder_budget)
+        if self.whole_images:
+            end = start + n
+            for f in req.mm_features:
+                if f.offset < end < f.end:
+                    n = max(0, f.offset - start)
+                    encode = [k for k in encode if req.mm_features[k].offset < start + n]
+                    read = [k for k in read if req.mm_features[k].offset < start + n]
+                    break
+        return n, (encode, read)
+
+    def _fit_encoder(self, req: Request, start: int, n: int, encoder_budget: int) -> tuple[int, tuple[list, list]]:
         """Tokens ``[start, start + n)`` of ``req`` as far as this step can give their images: an image its chunk
         reaches is read from the encoder cache, or encoded where the step's encoder budget and the cache's room
         allow; the chunk stops before the first that is neither. Returns the tokens and (images to encode,

@@ -59,6 +59,7 @@ class EngineCore:
         kv_groups: KVGroups | None = None,
         pooling_needs_kv: bool = True,
         encoder: tuple[int, int] | None = None,
+        whole_images: bool = False,
     ):
         self.config = config
         self.structured = structured
@@ -80,6 +81,7 @@ class EngineCore:
             kv_groups=kv_groups,
             pooling_needs_kv=pooling_needs_kv,
             encoder=encoder,
+            whole_images=whole_images,
         )
         self._aborted: list[Request] = []
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage

@@ -144,6 +144,7 @@ class LLMEngine:
             )
         self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len, mc.max_logprobs, eos)
         self.encoder_budget: tuple[int, int] | None = None  # set for a vision-language model
+        self.whole_images = False  # set for Gemma 3: no prefill chunk ends inside an image
         self.mm_processor = self._multimodal_processor()
         try:
             with stage("warmup"):  # on a core of its own, dropped after: the engine's own starts untouched
@@ -174,6 +175,7 @@ class LLMEngine:
             self.kv_groups,
             pooling_needs_kv=not self.pooling_encoder,
             encoder=self.encoder_budget,
+            whole_images=self.whole_images,
         )
 
     def _pooling_runner(self) -> PoolingConfig | None:
@@ -516,6 +518,20 @@ class LLMEngine:
         if not sc.enable_chunked_prefill:
             processor.max_prompt_image_tokens = min(self.encoder_budget)
         processor.check_matches_model(self.source.name)
+        from pagedllm.models.registry import ModelRegistry
+
+        self.whole_images = getattr(ModelRegistry.resolve_for_config(self.hf_config), "bidirectional_images", False)
+        if (
+            self.whole_images
+            and sc.enable_chunked_prefill
+            and processor.max_tokens_per_image() > min(sc.max_num_batched_tokens, budget)
+        ):
+            raise InvalidParameterError(
+                f"{self.source.name}: an image's {processor.max_tokens_per_image()} tokens are prefilled in one "
+                f"chunk (they attend to each other both ways); max_num_batched_tokens "
+                f"({sc.max_num_batched_tokens}) and max_num_encoder_input_tokens must hold them",
+                "max_num_batched_tokens",
+            )
         return processor
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:

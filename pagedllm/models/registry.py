@@ -28,6 +28,7 @@ _BUILTIN = {
     "LlavaForConditionalGeneration": "pagedllm.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "pagedllm.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "pagedllm.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "pagedllm.models.gemma3_vision:Gemma3ForConditionalGeneration",
 }
 
 

@@ -84,7 +84,9 @@ class VisionTransformer(nn.Module):
 
     KINDS = ("clip_vision_model", "siglip_vision_model")
 
-    def __init__(self, cfg: Any, feature_layers: list[int]):
+    def __init__(self, cfg: Any, feature_layers: list[int], post_layernorm: bool = False):
+        """``post_layernorm``: the last layer's output goes through the tower's final layernorm (SigLIP's
+        ``last_hidden_state``, which Gemma 3 reads); only with ``feature_layers`` ``[-1]``."""
         super().__init__()
         if cfg.model_type not in self.KINDS:
             raise UnsupportedModelError(
@@ -107,6 +109,9 @@ class VisionTransformer(nn.Module):
         self.position_embedding = nn.Embedding(num_patches + int(self.clip), h)
         self.pre_layrnorm = nn.LayerNorm(h, eps=cfg.layer_norm_eps) if self.clip else None
         self.layers = nn.ModuleList(VisionLayer(cfg) for _ in range(self.num_layers))
+        if post_layernorm and self.read != [num_layers]:
+            raise UnsupportedModelError("the post-layernorm applies to the last layer's output only")
+        self.post_layernorm = nn.LayerNorm(h, eps=cfg.layer_norm_eps) if post_layernorm else None
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """``[B, 3, H, W]`` → each read layer's output ``[B, positions, hidden]`` (CLIP's class token first)."""
@@ -127,6 +132,8 @@ class VisionTransformer(nn.Module):
         states = {0: x}
         for i, layer in enumerate(self.layers, 1):
             x = states[i] = layer(x, b)
+        if self.post_layernorm is not None:
+            states[self.num_layers] = self.post_layernorm(states[self.num_layers])
         return [states[k].view(b, t, h) for k in self.read]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -136,7 +143,9 @@ class VisionTransformer(nn.Module):
         loaded = set()
         for name, tensor in weights:
             name = name.removeprefix("vision_model.").replace("encoder.layers.", "layers.")
-            if name.startswith(("post_layernorm.", "head.")) or "position_ids" in name:
+            if (name.startswith("post_layernorm.") and self.post_layernorm is None) or name.startswith("head."):
+                continue
+            if "position_ids" in name:
                 continue
             if name.startswith("layers.") and int(name.split(".")[1]) >= self.num_layers:
                 continue

@@ -82,6 +82,15 @@ class MultiModalProcessor:
                     f"{expected[1]} and {expected[2]}"
                 )
             return
+        if getattr(self.hf_processor, "image_seq_length", None) is not None:  # Gemma 3
+            size = self._processed_size()
+            if size != (mm.vision_config.image_size,) * 2 or self.max_tokens_per_image() != mm.mm_tokens_per_image:
+                raise UnsupportedModelError(
+                    f"{name}: its processor makes {size[0]}x{size[1]} images of {self.max_tokens_per_image()} tokens,"
+                    f" but its vision tower takes {mm.vision_config.image_size} pixels a side and gives "
+                    f"{mm.mm_tokens_per_image} tokens"
+                )
+            return
         from pagedllm.models.llava import image_tokens
 
         expected_rows, made_rows = image_tokens(mm), self.max_tokens_per_image()
@@ -90,6 +99,12 @@ class MultiModalProcessor:
                 f"{name}: its processor makes {made_rows} placeholder tokens an image, but its vision tower "
                 f"gives {expected_rows} rows; the processor's image size or patch size does not match the tower's"
             )
+
+    def _processed_size(self) -> tuple[int, int]:
+        from PIL import Image
+
+        pixels = self.hf_processor.image_processor([Image.new("RGB", (224, 224))], return_tensors="pt")["pixel_values"]
+        return int(pixels.shape[-2]), int(pixels.shape[-1])
 
     def chat_template(self) -> str | None:
         return getattr(self.hf_processor, "chat_template", None)
@@ -121,6 +136,12 @@ class MultiModalProcessor:
             ids = out["input_ids"][0].tolist()
             pixels, grids = _per_image(out)
         else:
+            if getattr(hf, "image_seq_length", None) is not None:
+                raise InvalidParameterError(
+                    "Gemma 3 takes images with a text prompt (its processor puts each image's tokens between "
+                    "<start_of_image> and <end_of_image>, with blank lines): send 'prompt', not 'prompt_token_ids'",
+                    "prompt_token_ids",
+                )
             pixels, grids = _per_image(hf.image_processor(images, return_tensors="pt"))
             ids = self._expand(ids, pixels, grids)
         counts = self._counts(pixels, grids)
@@ -176,6 +197,8 @@ class MultiModalProcessor:
         (``LlavaProcessor``: a token per patch of the processed image, the class token counted or not;
         ``Qwen2VLProcessor``: a token per merged block of its grid)."""
         hf = self.hf_processor
+        if getattr(hf, "image_seq_length", None) is not None:  # Gemma 3: pooled to a fixed count
+            return [int(hf.image_seq_length)] * len(pixels)
         if grids and grids[0] is not None:
             merge = int(hf.image_processor.merge_size)
             return [t * h * w // merge**2 for t, h, w in grids]  # type: ignore[misc]
