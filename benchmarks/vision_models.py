@@ -145,14 +145,16 @@ QWEN2_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{ '<image>' }}", "{{ '<|vision_
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def qwen_0_5b_text_model() -> Any:
-    """Qwen2.5-Coder-0.5B-Instruct from its GGUF (``benchmarks/real_models.py fetch``), as transformers loads it."""
+def qwen_0_5b_text_model() -> tuple[Any, Any]:
+    """Qwen2.5-Coder-0.5B-Instruct from its GGUF (``benchmarks/real_models.py fetch``), as transformers loads it,
+    and its tokenizer."""
     import real_models as rm  # its neighbour in benchmarks/
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = rm.fetch(rm.REFERENCE_MODEL)
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def build_qwen2_vl(
@@ -387,11 +389,7 @@ def main() -> None:
         if args.text == "smollm2":
             print(build_qwen2_vl(args.out, version=version))
             return
-        from transformers import AutoTokenizer
-
-        text = qwen_0_5b_text_model()
-        tokenizer = AutoTokenizer.from_pretrained(text.config._name_or_path, gguf_file=text.config.gguf_file)
-        print(build_qwen2_vl(args.out, text, tokenizer, version=version))
+        print(build_qwen2_vl(args.out, *qwen_0_5b_text_model(), version=version))
 
 
 if __name__ == "__main__":
