@@ -60,10 +60,24 @@ def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(vm.build_gemma3(tmp_path_factory.mktemp("gemma3"), text, load_tokenizer(resolve_model(None))))
 
 
+CHAT = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "image_pil", "image_pil": IMAGES[1]},
+            {"type": "image_pil", "image_pil": IMAGES[2]},
+            {"type": "text", "text": "Compare these two pictures."},
+        ],
+    }
+]
+
+
 @pytest.fixture(scope="module")
 def reference(gemma3_dir: str) -> list[Any]:
+    """The batch, and last a chat with two images (its template rendered to token ids: each
+    <start_of_image> expanded to the image's whole sequence)."""
     llm = LLM(gemma3_dir, max_model_len=1024, enable_prefix_caching=False, enable_chunked_prefill=False)
-    outs = llm.generate(INPUTS, GREEDY, use_tqdm=False)
+    outs = llm.generate(INPUTS, GREEDY, use_tqdm=False) + llm.chat(CHAT, GREEDY, use_tqdm=False)
     _clean(llm)
     return outs
 
@@ -80,6 +94,15 @@ def test_gemma3_greedy_matches_transformers_with_images_attending_both_ways(gemm
         assert list(out.prompt_token_ids) == ids[-1]  # the processor's placeholders, 16 tokens an image
         assert ids[-1].count(model.config.image_token_id) == 16 * len(images)
         extra.append({k: v for k, v in inp.items() if k not in ("input_ids", "attention_mask")} if images else {})
+    chat = list(reference[-1].prompt_token_ids)  # the chat's: each image's sequence between its markers
+    assert chat.count(model.config.image_token_id) == 32 and chat.count(model.config.boi_token_id) == 2
+    ids.append(chat)
+    extra.append(
+        {
+            "pixel_values": processor.image_processor(IMAGES[1:3], return_tensors="pt")["pixel_values"],
+            "token_type_ids": torch.tensor([[int(t == model.config.image_token_id) for t in chat]]),
+        }
+    )
     assert max(len(i) for i in ids) > 2 * 32  # past the sliding layer's window
     ref = hf_greedy(model, ids, max_new_tokens=16, topk=TOPK, first_inputs=extra)
     result = check_greedy_close(
@@ -103,10 +126,11 @@ def test_chunks_never_split_an_image_and_prefix_caching_and_preemption_leave_out
 
     # 24-token chunks: each stops before an image it cannot hold whole (an image is 16 tokens with its markers)
     chunked = LLM(gemma3_dir, max_model_len=1024, max_num_batched_tokens=24)
-    same(chunked.generate(INPUTS, GREEDY, use_tqdm=False))
-    again = chunked.generate(INPUTS, GREEDY, use_tqdm=False)  # from the prefix cache, chunks starting mid-image
+    same(chunked.generate(INPUTS, GREEDY, use_tqdm=False) + chunked.chat(CHAT, GREEDY, use_tqdm=False))
+    # from the prefix cache, chunks starting mid-image
+    again = chunked.generate(INPUTS, GREEDY, use_tqdm=False) + chunked.chat(CHAT, GREEDY, use_tqdm=False)
     same(again)
-    assert all(o.num_cached_tokens > 0 for o, (_, im) in zip(again, BATCH) if im)
+    assert all(o.num_cached_tokens > 0 for o, (_, im) in zip(again, BATCH + [("", IMAGES[1:3])]) if im)
     _clean(chunked)
     del chunked
     tight = LLM(
@@ -116,7 +140,7 @@ def test_chunks_never_split_an_image_and_prefix_caching_and_preemption_leave_out
         max_num_batched_tokens=64,
         num_gpu_blocks_override=14,
     )
-    same(tight.generate(INPUTS, GREEDY, use_tqdm=False))
+    same(tight.generate(INPUTS, GREEDY, use_tqdm=False) + tight.chat(CHAT, GREEDY, use_tqdm=False))
     assert tight.llm_engine.core.scheduler.num_preemptions > 0
     _clean(tight)
 
@@ -125,7 +149,7 @@ def test_gemma3_refuses_what_it_cannot_do_by_name(gemma3_dir: str) -> None:
     with pytest.raises(InvalidParameterError, match="max_num_batched_tokens"):
         LLM(gemma3_dir, max_model_len=1024, max_num_batched_tokens=8)
     llm = LLM(gemma3_dir, max_model_len=512, num_gpu_blocks_override=64)
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidParameterError, match="one <start_of_image>") as e:
         llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
-    assert e.value.param == "prompt_token_ids"
+    assert e.value.param == "multi_modal_data.image"
     _clean(llm)

@@ -230,3 +230,20 @@ def test_pipeline_parallelism_gives_one_process_tokens(qwen2_vl_dir: str, refere
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids[:8] for o in outs[:4]]
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_bad_images_and_placeholders_are_refused_by_name(reference: Any) -> None:
+    from pagedllm.errors import InvalidParameterError
+
+    outs, llm = reference
+    text = _chat(1, "What is this?")
+    with pytest.raises(InvalidParameterError) as e:  # the image processor's own limit: an aspect ratio over 200
+        llm.generate({"prompt": text, "multi_modal_data": {"image": PIL.new("RGB", (3000, 10))}}, GREEDY)
+    assert e.value.param == "multi_modal_data.image"
+    with pytest.raises(InvalidParameterError, match="placeholders do not match"):
+        llm.generate({"prompt": _chat(2, "Two?"), "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
+    with pytest.raises(InvalidParameterError, match="no image"):
+        llm.generate(text, GREEDY)
+    again = llm.generate(INPUTS[:1], GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    _clean(llm)

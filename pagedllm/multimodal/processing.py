@@ -121,6 +121,7 @@ class MultiModalProcessor:
             self.check_no_placeholders(ids)
             return ids, []
         hf = self.hf_processor
+        from_text = ids is None
         if ids is None and isinstance(hf, SplitProcessor):
             assert text is not None
             ids = hf.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -136,14 +137,14 @@ class MultiModalProcessor:
             ids = out["input_ids"][0].tolist()
             pixels, grids = _per_image(out)
         else:
-            if getattr(hf, "image_seq_length", None) is not None:
-                raise InvalidParameterError(
-                    "Gemma 3 takes images with a text prompt (its processor puts each image's tokens between "
-                    "<start_of_image> and <end_of_image>, with blank lines): send 'prompt', not 'prompt_token_ids'",
-                    "prompt_token_ids",
-                )
-            pixels, grids = _per_image(hf.image_processor(images, return_tensors="pt"))
-            ids = self._expand(ids, pixels, grids)
+            try:
+                pixels, grids = _per_image(hf.image_processor(images, return_tensors="pt"))
+            except ValueError as e:  # the image processor's own checks (Qwen2-VL: an aspect ratio over 200)
+                raise InvalidParameterError(f"{FIELD}: {e}", FIELD) from None
+            if getattr(hf, "image_seq_length", None) is not None:  # Gemma 3
+                ids = self._expand_gemma3(ids, len(images), from_text)
+            else:
+                ids = self._expand(ids, pixels, grids, from_text)
         counts = self._counts(pixels, grids)
         places = _split(_runs(ids, self.image_token_id), counts)
         if places is None:
@@ -207,10 +208,14 @@ class MultiModalProcessor:
         extra = (getattr(hf, "num_additional_image_tokens", 0) or 0) - (1 if strategy == "default" else 0)
         return [(int(p.shape[-2]) // patch) * (int(p.shape[-1]) // patch) + extra for p in pixels]
 
-    def _expand(self, ids: list[int], pixels: list[Any], grids: list[tuple[int, int, int] | None]) -> list[int]:
+    def _expand(
+        self, ids: list[int], pixels: list[Any], grids: list[tuple[int, int, int] | None], from_text: bool = False
+    ) -> list[int]:
         """One placeholder token per image → each image's count of them."""
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(pixels):
+            if from_text:
+                raise InvalidParameterError(self._mismatch(len(pixels)), FIELD)
             raise InvalidParameterError(
                 f"prompt_token_ids must hold one image token ({self.image_token_id}) per image: "
                 f"{len(at)} for {len(pixels)} image(s)",
@@ -220,6 +225,28 @@ class MultiModalProcessor:
         last = 0
         for offset, count in zip(at, self._counts(pixels, grids)):
             out += ids[last:offset] + [self.image_token_id] * count
+            last = offset + 1
+        return out + ids[last:]
+
+    def _expand_gemma3(self, ids: list[int], num_images: int, from_text: bool) -> list[int]:
+        """Each ``<start_of_image>`` → the image's whole sequence as Gemma 3's processor writes it (blank lines,
+        the marker, its tokens, the end marker), tokenized on its own (as vLLM does for a token-id prompt, and
+        what a chat prompt is here)."""
+        hf = self.hf_processor
+        boi = hf.tokenizer.convert_tokens_to_ids(hf.boi_token)
+        at = [i for i, t in enumerate(ids) if t == boi]
+        if len(at) != num_images:
+            if from_text:
+                raise InvalidParameterError(self._mismatch(num_images), FIELD)
+            raise InvalidParameterError(
+                f"prompt_token_ids must hold one {hf.boi_token} ({boi}) per image: {len(at)} for {num_images} image(s)",
+                FIELD,
+            )
+        sequence = hf.tokenizer.encode(hf.full_image_sequence, add_special_tokens=False)
+        out: list[int] = []
+        last = 0
+        for offset in at:
+            out += ids[last:offset] + sequence
             last = offset + 1
         return out + ids[last:]
 

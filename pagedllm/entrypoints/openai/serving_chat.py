@@ -103,7 +103,8 @@ async def start_chat(
             max_tokens_must_fit=True,
         )
     except InvalidParameterError as e:
-        if images and (e.param or "").startswith("multi_modal_data"):  # the images came in the messages
+        # the images, and the one token a chat prompt holds for each, came in the messages
+        if images and (e.param or "").startswith(("multi_modal_data", "prompt_token_ids")):
             raise InvalidParameterError(str(e), "messages") from None
         raise
     if lora is not None:
