@@ -41,6 +41,24 @@ CHAT_TEMPLATE = (
 )
 
 
+def _fresh_tokenizer(out: Path, tokenizer: Any, tokens: list[str], **kwargs: Any) -> Any:
+    """A copy of ``tokenizer`` (SmolLM2's when None), reloaded through ``out``, with ``tokens`` added as special
+    tokens where it lacks them; ``out`` is made."""
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = out / "_tokenizer"
+    (tokenizer if tokenizer is not None else load_tokenizer(resolve_model(None))).save_pretrained(tok_dir)
+    fresh = AutoTokenizer.from_pretrained(tok_dir, **kwargs)
+    missing = [t for t in tokens if t not in fresh.get_vocab()]
+    if missing:
+        fresh.add_special_tokens({"additional_special_tokens": missing})
+    return fresh
+
+
 def smollm2_text_model() -> Any:
     """SmolLM2-135M-Instruct from the embedded GGUF, as transformers loads it (float32)."""
     import torch
@@ -59,7 +77,6 @@ def build_llava(out: Path, text_model: Any = None, vision: str = "clip", seed: i
     2-layer CLIP (or SigLIP) tower on ``image_size`` pixels in 8-pixel patches, and the MLP projector."""
     import torch
     from transformers import (
-        AutoTokenizer,
         CLIPVisionConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
@@ -69,15 +86,9 @@ def build_llava(out: Path, text_model: Any = None, vision: str = "clip", seed: i
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-    from pagedllm.model_loader import load_tokenizer, resolve_model
-
     text_model = text_model if text_model is not None else smollm2_text_model()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok_dir = out / "_tokenizer"
-    load_tokenizer(resolve_model(None)).save_pretrained(tok_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer = _fresh_tokenizer(out, None, [IMAGE_TOKEN])
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     tower = dict(
         hidden_size=96,
@@ -134,9 +145,7 @@ def build_llava(out: Path, text_model: Any = None, vision: str = "clip", seed: i
     processor.save_pretrained(out)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
-    import shutil
 
-    shutil.rmtree(tok_dir)
     return out
 
 
@@ -171,11 +180,9 @@ def build_qwen2_vl(
     ``version`` "2.5": Qwen2.5-VL's tower instead (4 blocks, the 2nd and 4th attending to the whole image, the
     others within windows of 2x2 merged tokens).
     ``tokenizer``: the text model's (SmolLM2's when None); Qwen2-VL's vision tokens are added where missing."""
-    import shutil
 
     import torch
     from transformers import (
-        AutoTokenizer,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
@@ -183,17 +190,9 @@ def build_qwen2_vl(
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from pagedllm.model_loader import load_tokenizer, resolve_model
-
     text_model = text_model if text_model is not None else smollm2_text_model()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok_dir = out / "_tokenizer"
-    (tokenizer if tokenizer is not None else load_tokenizer(resolve_model(None))).save_pretrained(tok_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    missing = [t for t in QWEN2_VL_TOKENS if t not in tokenizer.get_vocab()]
-    if missing:
-        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+    tokenizer = _fresh_tokenizer(out, tokenizer, QWEN2_VL_TOKENS)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS}
     tc = text_model.config
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
@@ -267,7 +266,6 @@ def build_qwen2_vl(
     image_processor.save_pretrained(out)
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
-    shutil.rmtree(tok_dir)
     return out
 
 
@@ -295,20 +293,13 @@ def build_gemma3(out: Path, text_model: Any, tokenizer: Any, seed: int = 0, imag
     seeded random 2-layer SigLIP tower on ``image_size`` pixels in 8-pixel patches, pooled 2x2 to
     ``(image_size / 16)²`` tokens an image, and the projector; ``tokenizer`` gains Gemma 3's image tokens
     where it lacks them."""
-    import shutil
 
     import torch
-    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok_dir = out / "_tokenizer"
-    tokenizer.save_pretrained(tok_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir, extra_special_tokens=GEMMA3_TOKENS)
-    missing = [t for t in GEMMA3_TOKENS.values() if t not in tokenizer.get_vocab()]
-    if missing:
-        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+    tokenizer = _fresh_tokenizer(out, tokenizer, list(GEMMA3_TOKENS.values()), extra_special_tokens=GEMMA3_TOKENS)
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in GEMMA3_TOKENS.items()}
     tc = text_model.config
     tokens = (image_size // 16) ** 2
@@ -366,7 +357,6 @@ def build_gemma3(out: Path, text_model: Any, tokenizer: Any, seed: int = 0, imag
     processor.save_pretrained(out)
     tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
-    shutil.rmtree(tok_dir)
     return out
 
 

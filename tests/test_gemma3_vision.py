@@ -19,7 +19,14 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError
 
-from utils import benchmark_module, check_greedy_close, hf_greedy, make_tiny_model
+from utils import (
+    benchmark_module,
+    check_engine_clean,
+    check_greedy_close,
+    check_outputs_unchanged,
+    hf_greedy,
+    make_tiny_model,
+)
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -43,12 +50,6 @@ BATCH = [
     ("Once upon a time", []),
 ]
 INPUTS = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in BATCH]
-
-
-def _clean(llm: LLM) -> None:
-    s = llm.llm_engine.core.scheduler
-    s.check_invariants()
-    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def reference(gemma3_dir: str) -> list[Any]:
     <start_of_image> expanded to the image's whole sequence)."""
     llm = LLM(gemma3_dir, max_model_len=1024, enable_prefix_caching=False, enable_chunked_prefill=False)
     outs = llm.generate(INPUTS, GREEDY, use_tqdm=False) + llm.chat(CHAT, GREEDY, use_tqdm=False)
-    _clean(llm)
+    check_engine_clean(llm)
     return outs
 
 
@@ -114,24 +115,16 @@ def test_gemma3_greedy_matches_transformers_with_images_attending_both_ways(gemm
 def test_chunks_never_split_an_image_and_prefix_caching_and_preemption_leave_outputs_unchanged(
     gemma3_dir: str, reference: Any
 ) -> None:
-    def same(outs: list[Any]) -> None:
-        check_greedy_close(
-            [o.outputs[0] for o in reference],
-            [o.outputs[0] for o in outs],
-            TOPK,
-            logprob_atol=1e-4,
-            min_exact_fraction=1.0,
-            names=("off", "on"),
-        )
-
     # 24-token chunks: each stops before an image it cannot hold whole (an image is 16 tokens with its markers)
     chunked = LLM(gemma3_dir, max_model_len=1024, max_num_batched_tokens=24)
-    same(chunked.generate(INPUTS, GREEDY, use_tqdm=False) + chunked.chat(CHAT, GREEDY, use_tqdm=False))
+    check_outputs_unchanged(
+        reference, chunked.generate(INPUTS, GREEDY, use_tqdm=False) + chunked.chat(CHAT, GREEDY, use_tqdm=False)
+    )
     # from the prefix cache, chunks starting mid-image
     again = chunked.generate(INPUTS, GREEDY, use_tqdm=False) + chunked.chat(CHAT, GREEDY, use_tqdm=False)
-    same(again)
+    check_outputs_unchanged(reference, again)
     assert all(o.num_cached_tokens > 0 for o, (_, im) in zip(again, BATCH + [("", IMAGES[1:3])]) if im)
-    _clean(chunked)
+    check_engine_clean(chunked)
     del chunked
     tight = LLM(
         gemma3_dir,
@@ -140,9 +133,11 @@ def test_chunks_never_split_an_image_and_prefix_caching_and_preemption_leave_out
         max_num_batched_tokens=64,
         num_gpu_blocks_override=14,
     )
-    same(tight.generate(INPUTS, GREEDY, use_tqdm=False) + tight.chat(CHAT, GREEDY, use_tqdm=False))
+    check_outputs_unchanged(
+        reference, tight.generate(INPUTS, GREEDY, use_tqdm=False) + tight.chat(CHAT, GREEDY, use_tqdm=False)
+    )
     assert tight.llm_engine.core.scheduler.num_preemptions > 0
-    _clean(tight)
+    check_engine_clean(tight)
 
 
 def test_gemma3_refuses_what_it_cannot_do_by_name(gemma3_dir: str) -> None:
@@ -152,4 +147,4 @@ def test_gemma3_refuses_what_it_cannot_do_by_name(gemma3_dir: str) -> None:
     with pytest.raises(InvalidParameterError, match="one <start_of_image>") as e:
         llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
     assert e.value.param == "multi_modal_data.image"
-    _clean(llm)
+    check_engine_clean(llm)

@@ -21,7 +21,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from utils import benchmark_module, check_greedy_close, hf_greedy
+from utils import benchmark_module, check_engine_clean, check_greedy_close, check_outputs_unchanged, hf_greedy
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -50,12 +50,6 @@ BATCH = [
 INPUTS = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in BATCH]
 
 
-def _clean(llm: LLM) -> None:
-    s = llm.llm_engine.core.scheduler
-    s.check_invariants()
-    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
-
-
 @pytest.fixture(scope="module")
 def qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_model: Any) -> str:
     vm = benchmark_module("vision_models")
@@ -67,7 +61,7 @@ def reference(qwen2_vl_dir: str) -> tuple[list[Any], LLM]:
     """Our outputs with every scheduler feature off and room for the whole batch in one step."""
     llm = LLM(qwen2_vl_dir, max_model_len=1024, enable_prefix_caching=False, enable_chunked_prefill=False)
     outs = llm.generate(INPUTS, GREEDY, use_tqdm=False)
-    _clean(llm)
+    check_engine_clean(llm)
     return outs, llm
 
 
@@ -121,7 +115,7 @@ def test_qwen2_5_vl_windowed_tower_matches_transformers_also_in_chunks(
     chunked = LLM(path, max_model_len=1024, max_num_batched_tokens=32)
     again = chunked.generate(INPUTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
-    _clean(chunked)
+    check_engine_clean(chunked)
 
 
 def test_token_id_prompts_and_chat_image_parts_give_the_same_tokens(qwen2_vl_dir: str, reference: Any) -> None:
@@ -150,7 +144,7 @@ def test_token_id_prompts_and_chat_image_parts_give_the_same_tokens(qwen2_vl_dir
     for got in (by_ids[0], chat[0]):
         assert list(got.prompt_token_ids) == list(outs[2].prompt_token_ids)
         assert got.outputs[0].token_ids == outs[2].outputs[0].token_ids
-    _clean(llm)
+    check_engine_clean(llm)
 
 
 def test_chunked_prefill_preemption_prefix_caching_and_n_leave_outputs_unchanged(
@@ -158,20 +152,10 @@ def test_chunked_prefill_preemption_prefix_caching_and_n_leave_outputs_unchanged
 ) -> None:
     ref = reference[0]
 
-    def same(outs: list[Any]) -> None:
-        check_greedy_close(
-            [o.outputs[0] for o in ref],
-            [o.outputs[0] for o in outs],
-            TOPK,
-            logprob_atol=1e-4,
-            min_exact_fraction=1.0,
-            names=("off", "on"),
-        )
-
     # chunks of 32 tokens: images and the M-RoPE positions after them span chunks
     chunked = LLM(qwen2_vl_dir, max_model_len=1024, enable_prefix_caching=False, max_num_batched_tokens=32)
-    same(chunked.generate(INPUTS, GREEDY, use_tqdm=False))
-    _clean(chunked)
+    check_outputs_unchanged(ref, chunked.generate(INPUTS, GREEDY, use_tqdm=False))
+    check_engine_clean(chunked)
     del chunked
 
     # too few blocks for the batch: requests are preempted and computed again
@@ -182,21 +166,21 @@ def test_chunked_prefill_preemption_prefix_caching_and_n_leave_outputs_unchanged
         max_num_batched_tokens=128,
         num_gpu_blocks_override=24,
     )
-    same(tight.generate(INPUTS, GREEDY, use_tqdm=False))
+    check_outputs_unchanged(ref, tight.generate(INPUTS, GREEDY, use_tqdm=False))
     assert tight.llm_engine.core.scheduler.num_preemptions > 0
-    _clean(tight)
+    check_engine_clean(tight)
     del tight
 
     # prefix caching, twice over (the second pass from the cache), and n=2 siblings
     cached = LLM(qwen2_vl_dir, max_model_len=1024, max_num_batched_tokens=48, encoder_cache_size=4096)
-    same(cached.generate(INPUTS, GREEDY, use_tqdm=False))
+    check_outputs_unchanged(ref, cached.generate(INPUTS, GREEDY, use_tqdm=False))
     again = cached.generate(INPUTS, GREEDY, use_tqdm=False)
-    same(again)
+    check_outputs_unchanged(ref, again)
     assert all(o.num_cached_tokens > 0 for o, (_, im) in zip(again, BATCH) if im)
     two = cached.generate(INPUTS[:1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)
     assert len(two[0].outputs) == 2
     assert cached.llm_engine.core.scheduler.encoder_cache.num_encoded == len(IMAGES)
-    _clean(cached)
+    check_engine_clean(cached)
 
 
 def test_prefix_cache_reuses_an_image_and_never_shares_another(qwen2_vl_dir: str) -> None:
@@ -212,7 +196,7 @@ def test_prefix_cache_reuses_an_image_and_never_shares_another(qwen2_vl_dir: str
     image_at = list(first.prompt_token_ids).index(llm.llm_engine.mm_processor.image_token_id)
     assert other.num_cached_tokens <= image_at  # the same size and grid, other pixels: not one image block shared
     assert other.outputs[0].logprobs != first.outputs[0].logprobs
-    _clean(llm)
+    check_engine_clean(llm)
 
 
 def test_pipeline_parallelism_gives_one_process_tokens(qwen2_vl_dir: str, reference: Any) -> None:
@@ -246,4 +230,4 @@ def test_bad_images_and_placeholders_are_refused_by_name(reference: Any) -> None
         llm.generate(text, GREEDY)
     again = llm.generate(INPUTS[:1], GREEDY, use_tqdm=False)
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    _clean(llm)
+    check_engine_clean(llm)

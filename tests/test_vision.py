@@ -19,7 +19,15 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError
 
-from utils import MODEL, Server, benchmark_module, check_greedy_close, hf_greedy
+from utils import (
+    MODEL,
+    Server,
+    benchmark_module,
+    check_engine_clean,
+    check_greedy_close,
+    check_outputs_unchanged,
+    hf_greedy,
+)
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -78,18 +86,12 @@ def _inputs(batch: list[tuple[str, list[Any]]]) -> list[Any]:
     return [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in batch]
 
 
-def _clean(llm: LLM) -> None:
-    s = llm.llm_engine.core.scheduler
-    s.check_invariants()
-    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
-
-
 @pytest.fixture(scope="module")
 def reference(llava_dir: str, hf: tuple[Any, Any]) -> tuple[list[Any], Any]:
     """Our outputs with every scheduler feature off and room for the whole batch in one step."""
     llm = LLM(llava_dir, max_model_len=1024, enable_prefix_caching=False, enable_chunked_prefill=False)
     outs = llm.generate(_inputs(_batch(hf[1])), GREEDY, use_tqdm=False)
-    _clean(llm)
+    check_engine_clean(llm)
     return outs, llm
 
 
@@ -138,7 +140,7 @@ def test_token_id_prompts_and_chat_parts_give_the_same_tokens(hf: tuple[Any, Any
     for got in (by_ids[0], chat[0]):
         assert list(got.prompt_token_ids) == list(outs[2].prompt_token_ids)
         assert got.outputs[0].token_ids == outs[2].outputs[0].token_ids
-    _clean(llm)
+    check_engine_clean(llm)
 
 
 def test_chunked_prefill_preemption_prefix_caching_and_n_leave_outputs_unchanged(
@@ -147,20 +149,10 @@ def test_chunked_prefill_preemption_prefix_caching_and_n_leave_outputs_unchanged
     batch = _inputs(_batch(hf[1]))
     ref = reference[0]
 
-    def same(outs: list[Any]) -> None:
-        check_greedy_close(
-            [o.outputs[0] for o in ref],
-            [o.outputs[0] for o in outs],
-            TOPK,
-            logprob_atol=1e-4,
-            min_exact_fraction=1.0,
-            names=("off", "on"),
-        )
-
     # chunks of 32 tokens: every image spans several chunks, and the encoder cache holds one image at a time
     chunked = LLM(llava_dir, max_model_len=1024, enable_prefix_caching=False, max_num_batched_tokens=32)
-    same(chunked.generate(batch, GREEDY, use_tqdm=False))
-    _clean(chunked)
+    check_outputs_unchanged(ref, chunked.generate(batch, GREEDY, use_tqdm=False))
+    check_engine_clean(chunked)
     del chunked
 
     # too few blocks for the batch: requests are preempted and computed again
@@ -171,22 +163,22 @@ def test_chunked_prefill_preemption_prefix_caching_and_n_leave_outputs_unchanged
         max_num_batched_tokens=64,
         num_gpu_blocks_override=24,
     )
-    same(tight.generate(batch, GREEDY, use_tqdm=False))
+    check_outputs_unchanged(ref, tight.generate(batch, GREEDY, use_tqdm=False))
     assert tight.llm_engine.core.scheduler.num_preemptions > 0
-    _clean(tight)
+    check_engine_clean(tight)
     del tight
 
     # prefix caching, twice over (the second pass from the cache), with a large encoder cache: each distinct
     # image is encoded once, whatever the chunks, the second pass and the n=2 siblings
     cached = LLM(llava_dir, max_model_len=1024, max_num_batched_tokens=48, encoder_cache_size=4096)
-    same(cached.generate(batch, GREEDY, use_tqdm=False))
+    check_outputs_unchanged(ref, cached.generate(batch, GREEDY, use_tqdm=False))
     again = cached.generate(batch, GREEDY, use_tqdm=False)
-    same(again)
+    check_outputs_unchanged(ref, again)
     assert all(o.num_cached_tokens > 0 for o, (_, im) in zip(again, _batch(hf[1])) if im)
     two = cached.generate(batch[:1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)
     assert len(two[0].outputs) == 2
     assert cached.llm_engine.core.scheduler.encoder_cache.num_encoded == len(IMAGES)
-    _clean(cached)
+    check_engine_clean(cached)
 
 
 def test_the_encoder_budget_spreads_images_over_steps_while_decodes_go_on(llava_dir: str, hf: tuple[Any, Any]) -> None:
@@ -211,7 +203,7 @@ def test_the_encoder_budget_spreads_images_over_steps_while_decodes_go_on(llava_
     llm._drain()
     while engine.has_unfinished_requests():
         engine.step()
-    _clean(llm)
+    check_engine_clean(llm)
 
 
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}], ids=["tp3", "pp2"])
@@ -248,7 +240,7 @@ def test_prefix_cache_reuses_an_image_and_never_shares_another(llava_dir: str, h
         other.outputs[0].token_ids != first.outputs[0].token_ids
         or other.outputs[0].logprobs != first.outputs[0].logprobs
     )
-    _clean(llm)
+    check_engine_clean(llm)
 
 
 def test_bad_images_are_refused_by_name_and_the_engine_serves_on(
@@ -285,7 +277,7 @@ def test_bad_images_are_refused_by_name_and_the_engine_serves_on(
     # still serving, every block back
     again = llm.generate(_inputs(_batch(hf[1]))[:1], GREEDY, use_tqdm=False)
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    _clean(llm)
+    check_engine_clean(llm)
 
 
 def test_a_text_only_model_refuses_images(tiny_model_factory: Any) -> None:
@@ -440,7 +432,7 @@ def test_without_chunked_prefill_a_prompts_images_must_fit_one_step(llava_dir: s
     three = {"prompt": _chat(hf[1], 3, "Compare."), "multi_modal_data": {"image": IMAGES[:3]}}
     with pytest.raises(InvalidParameterError, match="take 192 tokens, more than one step's encoder budget"):
         llm.generate(three, GREEDY, use_tqdm=False)
-    _clean(llm)
+    check_engine_clean(llm)
 
 
 def test_server_answers_images_sent_as_data_urls(llava_dir: str, reference: Any, tmp_path: Any) -> None:

@@ -335,6 +335,25 @@ def _fmt(step: Mapping[int, Any]) -> str:
 MODEL = "tiny"  # the served model name of test servers
 
 
+def check_engine_clean(llm: Any) -> None:
+    """The scheduler's invariants hold and every KV block is free again (nothing left running)."""
+    s = llm.llm_engine.core.scheduler
+    s.check_invariants()
+    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
+
+
+def check_outputs_unchanged(reference: Sequence[Any], outs: Sequence[Any], topk: int = 5) -> None:
+    """``outs`` (RequestOutputs, greedy, with logprobs) equal ``reference``'s: a scheduler feature on vs off."""
+    check_greedy_close(
+        [o.outputs[0] for o in reference],
+        [o.outputs[0] for o in outs],
+        topk,
+        logprob_atol=1e-4,
+        min_exact_fraction=1.0,
+        names=("off", "on"),
+    )
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     """Return once ``url``/health answers 200; raise if the server exits or never gets there."""
     import httpx

@@ -54,29 +54,21 @@ def paged_attention(
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
         q_len, seq_len = end - start, seq_lens[i]
-        spans = meta.bidirectional.get(i) if meta.bidirectional else None
-        if spans:  # Gemma 3's images in this chunk: a mask of its own
-            k_start = 0
-            if q_len == seq_len:  # nothing cached before this chunk: its own K/V, as for text
-                ki, vi = k[start:end], v[start:end]
-            else:
-                if sliding_window is not None:  # from the block of the first key the chunk's first query sees
-                    k_start = max(0, seq_len - q_len - sliding_window + 1) // meta.block_size * meta.block_size
-                ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size, k_start)
-            out[start:end] = _prefill(
-                q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale, sliding_window, k_start, spans
+        spans = meta.bidirectional.get(i) if meta.bidirectional else None  # Gemma 3's images: a mask of their own
+        if (
+            not spans
+            and prefill is not None
+            and prefill(
+                q[start:end],
+                k[start:end],
+                v[start:end],
+                kv_cache,
+                meta.block_tables[i],
+                seq_len - q_len,
+                scale,
+                sliding_window,
+                out[start:end],
             )
-            continue
-        if prefill is not None and prefill(
-            q[start:end],
-            k[start:end],
-            v[start:end],
-            kv_cache,
-            meta.block_tables[i],
-            seq_len - q_len,
-            scale,
-            sliding_window,
-            out[start:end],
         ):
             continue
         k_start = 0
@@ -87,7 +79,7 @@ def paged_attention(
                 k_start = max(0, seq_len - q_len - sliding_window + 1) // meta.block_size * meta.block_size
             ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size, k_start)
         out[start:end] = _prefill(
-            q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale, sliding_window, k_start
+            q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale, sliding_window, k_start, spans
         )
     return out
 

@@ -21,7 +21,7 @@ from torch import nn
 from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.vision import VisionTransformer
-from pagedllm.models.vlm import VisionLanguageModel, load_module
+from pagedllm.models.vlm import VisionLanguageModel, load_tower_and_projector
 
 
 class Gemma3Projector(nn.Module):
@@ -78,8 +78,4 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
 
     def load_vision_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
         assert self.vision_tower is not None and self.multi_modal_projector is not None
-        tower = [(n.removeprefix("vision_tower."), t) for n, t in weights if n.startswith("vision_tower.")]
-        loaded = {f"vision_tower.{n}" for n in self.vision_tower.load_weights(tower)}
-        proj = {n.removeprefix("multi_modal_projector."): t for n, t in weights if n.startswith("multi_")}
-        loaded |= {f"multi_modal_projector.{n}" for n in load_module(self.multi_modal_projector, proj, "projector")}
-        return loaded
+        return load_tower_and_projector(self.vision_tower, self.multi_modal_projector, weights)

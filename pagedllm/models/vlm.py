@@ -91,6 +91,15 @@ class VisionLanguageModel:
         return super()._expected_loads(text)  # type: ignore[misc]
 
 
+def load_tower_and_projector(tower: Any, projector: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+    """A ``vision_tower.`` (``tower.load_weights``) and a ``multi_modal_projector.`` (every parameter) from the
+    vision half's weights, as LLaVA and Gemma 3 name them."""
+    part = [(n.removeprefix("vision_tower."), t) for n, t in weights if n.startswith("vision_tower.")]
+    loaded = {f"vision_tower.{n}" for n in tower.load_weights(part)}
+    proj = {n.removeprefix("multi_modal_projector."): t for n, t in weights if n.startswith("multi_modal_projector.")}
+    return loaded | {f"multi_modal_projector.{n}" for n in load_module(projector, proj, "projector")}
+
+
 def load_module(module: nn.Module, weights: dict[str, torch.Tensor], what: str) -> set[str]:
     """Every parameter of ``module`` from ``weights`` (its own names), shapes checked; a missing or unexpected
     name is an error naming ``what``."""
