@@ -512,7 +512,7 @@ class LLMEngine:
         processor = MultiModalProcessor(self.source.path, self.hf_config, self.config.multimodal)
         sc = self.config.scheduler_config
         # by default at least one image a step (vLLM's rule), whatever max_num_batched_tokens is
-        budget = sc.max_num_encoder_input_tokens or max(sc.max_num_batched_tokens, processor.max_tokens_per_image())
+        budget = sc.max_num_encoder_input_tokens or max(sc.max_num_batched_tokens, processor.max_tokens_per_image)
         self.encoder_budget = (budget, sc.encoder_cache_size or budget)
         processor.max_image_tokens = min(self.encoder_budget)
         if not sc.enable_chunked_prefill:
@@ -524,10 +524,10 @@ class LLMEngine:
         if (
             self.whole_images
             and sc.enable_chunked_prefill
-            and processor.max_tokens_per_image() > min(sc.max_num_batched_tokens, budget)
+            and processor.max_tokens_per_image > min(sc.max_num_batched_tokens, budget)
         ):
             raise InvalidParameterError(
-                f"{self.source.name}: an image's {processor.max_tokens_per_image()} tokens are prefilled in one "
+                f"{self.source.name}: an image's {processor.max_tokens_per_image} tokens are prefilled in one "
                 f"chunk (they attend to each other both ways); max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) and max_num_encoder_input_tokens must hold them",
                 "max_num_batched_tokens",

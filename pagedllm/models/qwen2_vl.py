@@ -23,7 +23,7 @@ from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagedllm.models.vision import activation
+from pagedllm.models.vision import VisionMLP, activation
 from pagedllm.models.vlm import VisionLanguageModel, load_module
 
 
@@ -69,16 +69,6 @@ class GatedVisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class Qwen2VisionBlock(nn.Module):

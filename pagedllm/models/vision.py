@@ -54,11 +54,13 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: Any):
+    """``fc2(act(fc1(x)))``: CLIP's, SigLIP's and Qwen2-VL's."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = activation(cfg.hidden_act)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -71,7 +73,7 @@ class VisionLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
         self.self_attn = VisionAttention(cfg)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, b: int) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), b)

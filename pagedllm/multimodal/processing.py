@@ -9,6 +9,7 @@ to the image's count.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Sequence
@@ -50,9 +51,11 @@ class MultiModalProcessor:
                     self._hf = AutoProcessor.from_pretrained(self.path, local_files_only=True)
             return self._hf
 
+    @functools.cached_property
     def max_tokens_per_image(self) -> int:
         """The placeholder tokens of the largest image the processor makes: any image's for a fixed grid
-        (LLaVA), the pixel limit's for dynamic resolution (Qwen2-VL: ``max_pixels`` in merged patches)."""
+        (LLaVA, Gemma 3), the pixel limit's for dynamic resolution (Qwen2-VL: ``max_pixels`` in merged
+        patches)."""
         ip = self.hf_processor.image_processor
         merge = getattr(ip, "merge_size", None)
         if merge is not None:
@@ -61,10 +64,7 @@ class MultiModalProcessor:
             if max_pixels is None:
                 raise UnsupportedModelError(f"{self.path}: its image processor states no max_pixels")
             return int(max_pixels) // (int(ip.patch_size) * int(merge)) ** 2
-        from PIL import Image
-
-        pixels, grids = _per_image(ip([Image.new("RGB", (224, 224))], return_tensors="pt"))
-        return self._counts(pixels, grids)[0]
+        return self._counts([self._probe], [None])[0]
 
     def check_matches_model(self, name: str) -> None:
         """The processor makes what the vision tower reads (a start-up check): for a fixed grid, as many
@@ -83,28 +83,29 @@ class MultiModalProcessor:
                 )
             return
         if getattr(self.hf_processor, "image_seq_length", None) is not None:  # Gemma 3
-            size = self._processed_size()
-            if size != (mm.vision_config.image_size,) * 2 or self.max_tokens_per_image() != mm.mm_tokens_per_image:
+            size = tuple(int(n) for n in self._probe.shape[-2:])
+            if size != (mm.vision_config.image_size,) * 2 or self.max_tokens_per_image != mm.mm_tokens_per_image:
                 raise UnsupportedModelError(
-                    f"{name}: its processor makes {size[0]}x{size[1]} images of {self.max_tokens_per_image()} tokens,"
+                    f"{name}: its processor makes {size[0]}x{size[1]} images of {self.max_tokens_per_image} tokens,"
                     f" but its vision tower takes {mm.vision_config.image_size} pixels a side and gives "
                     f"{mm.mm_tokens_per_image} tokens"
                 )
             return
         from pagedllm.models.llava import image_tokens
 
-        expected_rows, made_rows = image_tokens(mm), self.max_tokens_per_image()
+        expected_rows, made_rows = image_tokens(mm), self.max_tokens_per_image
         if made_rows != expected_rows:
             raise UnsupportedModelError(
                 f"{name}: its processor makes {made_rows} placeholder tokens an image, but its vision tower "
                 f"gives {expected_rows} rows; the processor's image size or patch size does not match the tower's"
             )
 
-    def _processed_size(self) -> tuple[int, int]:
+    @functools.cached_property
+    def _probe(self) -> Any:
+        """A fixed-size processor's pixels for any image (one 224x224 image processed once)."""
         from PIL import Image
 
-        pixels = self.hf_processor.image_processor([Image.new("RGB", (224, 224))], return_tensors="pt")["pixel_values"]
-        return int(pixels.shape[-2]), int(pixels.shape[-1])
+        return self.hf_processor.image_processor([Image.new("RGB", (224, 224))], return_tensors="pt")["pixel_values"][0]
 
     def chat_template(self) -> str | None:
         return getattr(self.hf_processor, "chat_template", None)
@@ -141,10 +142,13 @@ class MultiModalProcessor:
                 pixels, grids = _per_image(hf.image_processor(images, return_tensors="pt"))
             except ValueError as e:  # the image processor's own checks (Qwen2-VL: an aspect ratio over 200)
                 raise InvalidParameterError(f"{FIELD}: {e}", FIELD) from None
-            if getattr(hf, "image_seq_length", None) is not None:  # Gemma 3
-                ids = self._expand_gemma3(ids, len(images), from_text)
+            if getattr(hf, "image_seq_length", None) is not None:  # Gemma 3: <start_of_image> marks each image
+                marker = hf.tokenizer.convert_tokens_to_ids(hf.boi_token)
+                sequence = hf.tokenizer.encode(hf.full_image_sequence, add_special_tokens=False)
+                ids = self._expand(ids, marker, [sequence] * len(images), from_text)
             else:
-                ids = self._expand(ids, pixels, grids, from_text)
+                counts = self._counts(pixels, grids)
+                ids = self._expand(ids, self.image_token_id, [[self.image_token_id] * n for n in counts], from_text)
         counts = self._counts(pixels, grids)
         places = _split(_runs(ids, self.image_token_id), counts)
         if places is None:
@@ -208,44 +212,21 @@ class MultiModalProcessor:
         extra = (getattr(hf, "num_additional_image_tokens", 0) or 0) - (1 if strategy == "default" else 0)
         return [(int(p.shape[-2]) // patch) * (int(p.shape[-1]) // patch) + extra for p in pixels]
 
-    def _expand(
-        self, ids: list[int], pixels: list[Any], grids: list[tuple[int, int, int] | None], from_text: bool = False
-    ) -> list[int]:
-        """One placeholder token per image → each image's count of them."""
-        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(at) != len(pixels):
+    def _expand(self, ids: list[int], marker: int, sequences: list[list[int]], from_text: bool) -> list[int]:
+        """Each image's one ``marker`` token → its sequence (its placeholders: as many image tokens as it takes;
+        Gemma 3: the processor's whole image sequence, tokenized on its own, as vLLM does)."""
+        at = [i for i, t in enumerate(ids) if t == marker]
+        if len(at) != len(sequences):
             if from_text:
-                raise InvalidParameterError(self._mismatch(len(pixels)), FIELD)
+                raise InvalidParameterError(self._mismatch(len(sequences)), FIELD)
             raise InvalidParameterError(
-                f"prompt_token_ids must hold one image token ({self.image_token_id}) per image: "
-                f"{len(at)} for {len(pixels)} image(s)",
+                f"prompt_token_ids must hold one {self.hf_processor.tokenizer.convert_ids_to_tokens(marker)} "
+                f"({marker}) per image: {len(at)} for {len(sequences)} image(s)",
                 FIELD,
             )
         out: list[int] = []
         last = 0
-        for offset, count in zip(at, self._counts(pixels, grids)):
-            out += ids[last:offset] + [self.image_token_id] * count
-            last = offset + 1
-        return out + ids[last:]
-
-    def _expand_gemma3(self, ids: list[int], num_images: int, from_text: bool) -> list[int]:
-        """Each ``<start_of_image>`` → the image's whole sequence as Gemma 3's processor writes it (blank lines,
-        the marker, its tokens, the end marker), tokenized on its own (as vLLM does for a token-id prompt, and
-        what a chat prompt is here)."""
-        hf = self.hf_processor
-        boi = hf.tokenizer.convert_tokens_to_ids(hf.boi_token)
-        at = [i for i, t in enumerate(ids) if t == boi]
-        if len(at) != num_images:
-            if from_text:
-                raise InvalidParameterError(self._mismatch(num_images), FIELD)
-            raise InvalidParameterError(
-                f"prompt_token_ids must hold one {hf.boi_token} ({boi}) per image: {len(at)} for {num_images} image(s)",
-                FIELD,
-            )
-        sequence = hf.tokenizer.encode(hf.full_image_sequence, add_special_tokens=False)
-        out: list[int] = []
-        last = 0
-        for offset in at:
+        for offset, sequence in zip(at, sequences):
             out += ids[last:offset] + sequence
             last = offset + 1
         return out + ids[last:]

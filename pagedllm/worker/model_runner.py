@@ -254,7 +254,7 @@ class ModelRunner:
                 step_lora = self.lora.state.active(lora_rows)
         embeds = self._inputs_embeds(order, row_starts, so, batch.offsets, batch.input_ids)
         if getattr(self.model, "bidirectional_images", False):
-            self._mark_bidirectional(order, row_starts, batch, so.scheduled_spec_tokens)
+            self._mark_bidirectional(order, row_starts, batch)
         with step_lora:
             hidden = self._forward(batch, embeds, self._mrope_positions(order, row_starts, batch))
         self.num_tokens_computed += so.total_num_scheduled_tokens
@@ -315,24 +315,21 @@ class ModelRunner:
                 self.encoder_cache[f.identifier] = rows.clone() if len(features) > 1 else rows
                 self.num_encoder_tokens += f.length
 
-    def _mark_bidirectional(self, order: list[str], row_starts: list[int], batch: Any, spec: dict) -> None:
+    def _mark_bidirectional(self, order: list[str], row_starts: list[int], batch: Any) -> None:
         """Gemma 3: each prefill chunk's image spans in the attention metadata (``meta.bidirectional``), by the
-        request's row there (decode rows come first, a row each token)."""
+        request's row there (a prefill row starts where its segment does; decode rows are a token each)."""
+        meta = batch.meta
+        rows = {meta.query_start_loc[r]: r for r in range(meta.num_decodes, len(meta.seq_lens_cpu))}
         spans: dict[int, list[tuple[int, int]]] = {}
-        row = 0
         for i, rid in enumerate(order):
-            n = batch.offsets[i + 1] - batch.offsets[i]
-            if n == 1 or rid in spec:  # decode rows: a row a token
-                row += n
-                continue
-            start = row_starts[i]
-            mine = [(f.offset, f.end) for f in self.states[rid].mm_features if f.offset < start + n and f.end > start]
-            if mine:
+            row = rows.get(batch.offsets[i])
+            start, end = row_starts[i], row_starts[i] + batch.offsets[i + 1] - batch.offsets[i]
+            mine = [(f.offset, f.end) for f in self.states[rid].mm_features if f.offset < end and f.end > start]
+            if row is not None and mine:
                 spans[row] = mine
-            row += 1
         if spans:
-            for meta in [batch.meta, *(batch.meta.groups or [])]:
-                meta.bidirectional = spans
+            for m in [meta, *(meta.groups or [])]:
+                m.bidirectional = spans
 
     def _mrope_positions(self, order: list[str], row_starts: list[int], batch: Any) -> torch.Tensor | None:
         """M-RoPE positions for this step where a request with images has rows in it (None: the tokens' own):
