@@ -59,6 +59,30 @@ def _fresh_tokenizer(out: Path, tokenizer: Any, tokens: list[str], **kwargs: Any
     return fresh
 
 
+def _load_language_model(model: Any, text_model: Any, zero_missing_biases: bool = False) -> None:
+    """``text_model``'s weights as ``model``'s language model (transformers v5 names), in place: rows the
+    vocabulary grew by (the vision tokens) drawn at random, the head tied where the text model ties it;
+    ``zero_missing_biases``: q/k/v biases the text model lacks (a Llama as a Qwen2 text model) are zero."""
+    import torch
+
+    text_state = text_model.state_dict()
+    vocab = text_state["model.embed_tokens.weight"].shape[0]
+    state = {
+        k if k.startswith("lm_head.") else f"model.language_model.{k.removeprefix('model.')}": v
+        for k, v in text_state.items()
+    }
+    for name, param in model.state_dict().items():
+        if zero_missing_biases and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) and name not in state:
+            state[name] = torch.zeros_like(param)
+        elif name in state and state[name].shape != param.shape:  # the vocabulary grew by the vision tokens
+            grown = torch.empty_like(param).normal_(0, 0.02)
+            grown[:vocab] = state[name]
+            state[name] = grown
+    model.load_state_dict(state, strict=False)
+    if text_model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
 def smollm2_text_model() -> Any:
     """SmolLM2-135M-Instruct from the embedded GGUF, as transformers loads it (float32)."""
     import torch
@@ -241,24 +265,7 @@ def build_qwen2_vl(
     config.vision_config.initializer_range = 0.2
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    text_state = text_model.state_dict()
-    vocab = text_state["model.embed_tokens.weight"].shape[0]
-    state = {}
-    for k, v in text_state.items():
-        if k.startswith("lm_head."):
-            state[k] = v
-        else:
-            state[f"model.language_model.{k.removeprefix('model.')}"] = v
-    for name, param in model.state_dict().items():
-        if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) and name not in state:
-            state[name] = torch.zeros_like(param)  # a Llama text model's projections have no bias
-        elif name in state and state[name].shape != param.shape:  # the vocabulary grew by the vision tokens
-            grown = torch.empty_like(param).normal_(0, 0.02)
-            grown[:vocab] = state[name]
-            state[name] = grown
-    model.load_state_dict(state, strict=False)
-    if tc.tie_word_embeddings:
-        model.tie_weights()
+    _load_language_model(model, text_model, zero_missing_biases=True)
     model.save_pretrained(out)
     # the image processor and the tokenizer, as a Qwen2-VL repository has them (transformers' Qwen2VLProcessor
     # needs torchvision for its video half)
@@ -333,19 +340,7 @@ def build_gemma3(out: Path, text_model: Any, tokenizer: Any, seed: int = 0, imag
     with torch.no_grad():
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.1)
         model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.1)
-    text_state = text_model.state_dict()
-    vocab = text_state["model.embed_tokens.weight"].shape[0]
-    state = {}
-    for k, v in text_state.items():
-        state[k if k.startswith("lm_head.") else f"model.language_model.{k.removeprefix('model.')}"] = v
-    for name, param in model.state_dict().items():
-        if name in state and state[name].shape != param.shape:  # the vocabulary grew by the image tokens
-            grown = torch.empty_like(param).normal_(0, 0.02)
-            grown[:vocab] = state[name]
-            state[name] = grown
-    model.load_state_dict(state, strict=False)
-    if tc.tie_word_embeddings:
-        model.tie_weights()
+    _load_language_model(model, text_model)
     model.save_pretrained(out)
     image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
     processor = Gemma3Processor(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,7 +24,9 @@ from utils import (
     check_greedy_close,
     check_outputs_unchanged,
     hf_greedy,
+    image_chat_batch,
     make_tiny_model,
+    noise_image,
 )
 
 PIL = pytest.importorskip("PIL.Image")
@@ -33,22 +34,10 @@ PIL = pytest.importorskip("PIL.Image")
 TOPK = 5
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=TOPK, ignore_eos=True)
 SIZES = [(100, 160), (224, 224), (150, 300), (60, 400), (300, 240)]
-IMAGES = [
-    PIL.fromarray(np.random.default_rng(i).integers(0, 256, (*s, 3), dtype=np.uint8)) for i, s in enumerate(SIZES)
-]
+IMAGES = [noise_image(i, size) for i, size in enumerate(SIZES)]
 
 
-def _chat(num_images: int, question: str) -> str:
-    return f"<|im_start|>user\n{'<start_of_image>' * num_images}{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
-BATCH = [
-    (_chat(1, "What is in this picture?"), IMAGES[:1]),
-    (_chat(0, "Write a haiku about the sea."), []),
-    (_chat(2, "Compare these two pictures."), IMAGES[1:3]),
-    (_chat(3, "Describe all three in one line each."), [IMAGES[3], IMAGES[4], IMAGES[0]]),
-    ("Once upon a time", []),
-]
+BATCH = image_chat_batch("<start_of_image>", IMAGES)
 INPUTS = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in BATCH]
 
 

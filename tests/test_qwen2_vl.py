@@ -15,13 +15,20 @@ import base64
 import io
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 
-from utils import benchmark_module, check_engine_clean, check_greedy_close, check_outputs_unchanged, hf_greedy
+from utils import (
+    benchmark_module,
+    check_engine_clean,
+    check_greedy_close,
+    check_outputs_unchanged,
+    hf_greedy,
+    image_chat_batch,
+    noise_image,
+)
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -29,9 +36,7 @@ TOPK = 5
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=TOPK, ignore_eos=True)
 # (height, width): each a different grid of 28-pixel blocks, from 2x14 to 11x9
 SIZES = [(100, 160), (224, 224), (150, 300), (60, 400), (300, 240)]
-IMAGES = [
-    PIL.fromarray(np.random.default_rng(i).integers(0, 256, (*s, 3), dtype=np.uint8)) for i, s in enumerate(SIZES)
-]
+IMAGES = [noise_image(i, size) for i, size in enumerate(SIZES)]
 IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
@@ -39,14 +44,7 @@ def _chat(num_images: int, question: str) -> str:
     return f"<|im_start|>user\n{IMAGE_PART * num_images}{question}<|im_end|>\n<|im_start|>assistant\n"
 
 
-BATCH = [
-    (_chat(1, "What is in this picture?"), IMAGES[:1]),
-    (_chat(0, "Write a haiku about the sea."), []),
-    (_chat(2, "Compare these two pictures."), IMAGES[1:3]),
-    (_chat(3, "Describe all three in one line each."), [IMAGES[3], IMAGES[4], IMAGES[0]]),
-    ("Once upon a time", []),
-    (_chat(1, "Is this the same picture as before?"), IMAGES[2:3]),
-]
+BATCH = image_chat_batch(IMAGE_PART, IMAGES)
 INPUTS = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in BATCH]
 
 

@@ -12,7 +12,6 @@ import base64
 import io
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,6 +26,7 @@ from utils import (
     check_greedy_close,
     check_outputs_unchanged,
     hf_greedy,
+    noise_image,
 )
 
 PIL = pytest.importorskip("PIL.Image")
@@ -35,11 +35,6 @@ TOPK = 5
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=TOPK, ignore_eos=True)
 IMAGE_TOKEN_ID = 49152  # "<image>", added after SmolLM2's 49152 tokens
 SIZES = [(50, 80), (64, 64), (120, 90), (33, 200), (300, 240)]  # (height, width): smaller, equal, larger
-
-
-def _image(seed: int, size: tuple[int, int]) -> Any:
-    rng = np.random.default_rng(seed)
-    return PIL.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
 def _data_url(image: Any, fmt: str = "PNG") -> str:
@@ -62,7 +57,7 @@ def hf(llava_dir: str) -> tuple[Any, Any]:
     return model, AutoProcessor.from_pretrained(llava_dir)
 
 
-IMAGES = [_image(i, size) for i, size in enumerate(SIZES)]
+IMAGES = [noise_image(i, size) for i, size in enumerate(SIZES)]
 
 
 def _chat(processor: Any, num_images: int, question: str) -> str:
@@ -228,9 +223,9 @@ def test_prefix_cache_reuses_an_image_and_never_shares_another(llava_dir: str, h
     text = _chat(processor, 1, question)
     first = llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES[0]}}, GREEDY, use_tqdm=False)[0]
     same = llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES[0]}}, GREEDY, use_tqdm=False)[0]
-    other = llm.generate({"prompt": text, "multi_modal_data": {"image": _image(99, (64, 64))}}, GREEDY, use_tqdm=False)[
-        0
-    ]
+    other = llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": noise_image(99, (64, 64))}}, GREEDY, use_tqdm=False
+    )[0]
     n = len(first.prompt_token_ids)
     assert same.num_cached_tokens >= 0.9 * n
     assert same.outputs[0].token_ids == first.outputs[0].token_ids

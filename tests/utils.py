@@ -335,6 +335,31 @@ def _fmt(step: Mapping[int, Any]) -> str:
 MODEL = "tiny"  # the served model name of test servers
 
 
+def noise_image(seed: int, size: tuple[int, int]) -> Any:
+    """A PIL RGB image of seeded uniform noise, ``size`` = (height, width)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def image_chat_batch(image_part: str, images: Sequence[Any]) -> list[tuple[str, list[Any]]]:
+    """(ChatML prompt, its images): text-only prompts beside prompts of 1 to 3 of ``images`` (5 of them), one
+    image twice; ``image_part`` is where each image goes in the family's prompt."""
+
+    def chat(num_images: int, question: str) -> str:
+        return f"<|im_start|>user\n{image_part * num_images}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+    return [
+        (chat(1, "What is in this picture?"), [images[0]]),
+        (chat(0, "Write a haiku about the sea."), []),
+        (chat(2, "Compare these two pictures."), [images[1], images[2]]),
+        (chat(3, "Describe all three in one line each."), [images[3], images[4], images[0]]),
+        ("Once upon a time", []),
+        (chat(1, "Is this the same picture as before?"), [images[2]]),
+    ]
+
+
 def check_engine_clean(llm: Any) -> None:
     """The scheduler's invariants hold and every KV block is free again (nothing left running)."""
     s = llm.llm_engine.core.scheduler
