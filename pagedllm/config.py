@@ -470,14 +470,39 @@ class EngineConfig:
             size = c.kv_offloading_size
             if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
                 raise InvalidParameterError(f"kv_offloading_size must be > 0 GiB, got {size!r}", "kv_offloading_size")
+        kt = self.kv_transfer_config
+        if kt is not None and kt.kv_connector == "MooncakeConnector":
+            tiers.remove("kv_transfer_config")  # (it reads a request's blocks by id, not by their hashes)
+            for name, value in (
+                ("tensor_parallel_size", p.tensor_parallel_size),
+                ("pipeline_parallel_size", p.pipeline_parallel_size),
+            ):
+                if value != 1:
+                    raise InvalidParameterError(
+                        f"kv_transfer_config: MooncakeConnector runs one rank per engine; {name}={value} is not "
+                        "supported yet (run the producer and consumer unsharded, or use DiskConnector)",
+                        name,
+                    )
+            if c.kv_offloading_size is not None:
+                raise InvalidParameterError(
+                    "kv_offloading_size cannot be combined with MooncakeConnector yet (one KV connector per engine)",
+                    "kv_offloading_size",
+                )
+            spec = self.speculative_config
+            if spec is not None and spec.needs_draft_kv:
+                raise InvalidParameterError(
+                    f"kv_transfer_config: MooncakeConnector with speculative_config.method={spec.method!r} is not "
+                    "supported yet: it moves the target model's KV only",
+                    "kv_transfer_config",
+                )
         if tiers and not c.enable_prefix_caching:
             raise InvalidParameterError(
                 f"{tiers[0]} needs enable_prefix_caching: the KV tiers find blocks by their prefix hashes", tiers[0]
             )
-        if "kv_transfer_config" in tiers and self.lora_config.enable_lora:
+        if kt is not None and self.lora_config.enable_lora:
             raise InvalidParameterError(
-                "kv_transfer_config with enable_lora is not supported yet: a block's hash "
-                "names its adapter by an id that means nothing after a restart",
+                "kv_transfer_config with enable_lora is not supported yet: a KV block does not say which "
+                "adapter computed it",
                 "kv_transfer_config",
             )
         if s.preemption_mode == "swap" and c.kv_offloading_size is None:

@@ -54,3 +54,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # one entry per prompt token (None for the first), when SamplingParams.prompt_logprobs is set
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # from the KV connector, once finished (a prefill engine's: where the prompt's KV blocks wait), as vLLM's
+    kv_transfer_params: dict | None = None

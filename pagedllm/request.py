@@ -78,6 +78,9 @@ class Request:
     pooling_params: PoolingParams | None = None
     # the prompt's images (vision-language models), in prompt order: where their placeholders are, their hashes
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # what the KV connector says of the finished request (a producer: where its prompt's blocks wait for the
+    # decode engine), returned with its output as vLLM's kv_transfer_params
+    kv_transfer_params: dict | None = None
 
     @property
     def lora_int_id(self) -> int:

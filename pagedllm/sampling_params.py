@@ -166,6 +166,9 @@ class SamplingParams:
     """Per-request callables applied to the request's logits row after penalties and bias."""
     structured_outputs: StructuredOutputsParams | dict | None = None
     """Constrain the output to a JSON schema, regex, choice list or grammar (see StructuredOutputsParams)."""
+    extra_args: dict[str, Any] | None = None
+    """What travels with the request to the engine's plugins, as vLLM has it; ``kv_transfer_params`` is read by
+    the KV connector (disaggregated prefill / decode, see MooncakeConnector)."""
 
     # Filled in by the engine (bind_eos), as vLLM has them: the ids min_tokens masks (stop_token_ids and the
     # model's EOS, whatever ignore_eos says), the ids that end generation (EOS only without ignore_eos), and
@@ -192,6 +195,8 @@ class SamplingParams:
             raise InvalidParameterError(
                 "structured_outputs must be a StructuredOutputsParams or a dict", "structured_outputs"
             )
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise InvalidParameterError("extra_args must be a dict", "extra_args")
         self._all_stop_token_ids = self._finish_token_ids = frozenset(self.stop_token_ids)
 
     def _validate(self) -> None:

@@ -106,6 +106,7 @@ def test_prefill_body_keeps_the_prompt_and_asks_for_one_token():
         "tools": body["tools"],
         "max_tokens": 1,
         "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},  # vLLM's protocol: hold the blocks for a decode engine
     }
 
 

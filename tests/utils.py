@@ -405,15 +405,19 @@ def _free_port() -> int:
 class Server:
     """`pagedllm serve` on a tiny model in a subprocess, on a free loopback port; healthy on return."""
 
-    def __init__(self, model_dir: str, *extra: str, port: int | None = None):
+    def __init__(self, model_dir: str, *extra: str, port: int | None = None, host: str = "127.0.0.1", prefix=()):
+        """``host``: the address it listens on; ``prefix``: what runs the command (``ip netns exec NS``)."""
         self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         cmd = [
+            *prefix,
             sys.executable,
             "-m",
             "pagedllm.entrypoints.cli",
             "serve",
             model_dir,
+            "--host",
+            host,
             "--port",
             str(self.port),
             "--served-model-name",

@@ -64,6 +64,9 @@ class KVCacheManager:
         # group 0's lists: every consumer that knows of one table (KV connectors, the dashboard) reads these.
         # Group 0 is full attention: it frees nothing behind a window, so its lists never hold None.
         self.req_blocks = cast(dict[str, list[KVCacheBlock]], self.groups[0].req_blocks)
+        # blocks a finished request left behind for someone else to read (a KV connector's producer keeps a
+        # prefill's blocks until its consumer has pulled them): key -> blocks, one reference each
+        self.holds: dict[str, list[KVCacheBlock]] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -227,6 +230,15 @@ class KVCacheManager:
             g.num_freed.pop(request.request_id, None)
             self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
+    def hold(self, key: str, blocks: list[KVCacheBlock]) -> None:
+        """Keep ``blocks`` (a request's, before it is freed) until :meth:`release_hold`: a reference each."""
+        assert key not in self.holds, f"{key} is held twice"
+        self.pool.touch(blocks)
+        self.holds[key] = blocks
+
+    def release_hold(self, key: str) -> None:
+        self.pool.free_blocks(reversed(self.holds.pop(key)))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """Group 0's block ids of a request."""
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -248,5 +260,8 @@ class KVCacheManager:
                 for b in blocks:
                     if b is not None:
                         held[b.block_id] = held.get(b.block_id, 0) + 1
+        for kept in self.holds.values():
+            for k in kept:
+                held[k.block_id] = held.get(k.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == held.get(block.block_id, 0), f"ref count != holders for {block}"

@@ -27,6 +27,7 @@ from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs  # n
 if TYPE_CHECKING:
     from pagedllm.core.kv_groups import KVGroups
     from pagedllm.kv_transfer import KVConnectorMetadata, KVConnectorStats
+    from pagedllm.kv_transfer.mooncake import MooncakeScheduler
     from pagedllm.kv_transfer.offload import OffloadScheduler
 
 
@@ -117,7 +118,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         speculative: bool = False,
         max_loras: int = 1,
-        kv_connector: OffloadScheduler | None = None,
+        kv_connector: OffloadScheduler | MooncakeScheduler | None = None,
         kv_groups: KVGroups | None = None,
         pooling_needs_kv: bool = True,
         encoder: tuple[int, int] | None = None,
@@ -141,6 +142,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, kv_groups)
         if kv_connector is not None:
             self.kv.pool.on_evict = kv_connector.on_primary_evict
+            kv_connector.bind(self.kv)
         self.requests: dict[str, Request] = {}
         self.waiting = _WaitQueue(sched.scheduling_policy)
         self.running: list[Request] = []
@@ -192,6 +194,8 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted_now = False
         now = time.monotonic()
+        if self.connector is not None:
+            self.connector.start_step()
 
         if self.config.scheduling_policy == "priority":
             # serve the most important first, so victims (taken from the unserved tail) are the least
@@ -612,7 +616,7 @@ class Scheduler:
             new_preemptions,
             self.kv.stats.reset(),
             spec,
-            self.connector.stats.take() if self.connector is not None else None,
+            self.connector.take_stats() if self.connector is not None else None,
             self.encoder_cache.stats.take() if self.encoder_cache is not None else None,
             self.encoder_cache.used / self.encoder_cache.capacity if self.encoder_cache is not None else 0.0,
         )

@@ -342,7 +342,9 @@ class AsyncLLM:
             while not self._stopping:
                 busy = self.engine.has_unfinished_requests()
                 try:
-                    cmd = self._commands.get(block=not busy)  # sleep only when there is nothing to compute
+                    # sleep only when there is nothing to compute (a KV connector holding blocks for a peer wakes
+                    # it now and then to free them once released or timed out)
+                    cmd = self._commands.get(block=not busy, timeout=None if busy else self.engine.idle_wake_s())
                     while True:
                         if cmd[0] == "stop":
                             return

@@ -16,6 +16,7 @@ from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 if TYPE_CHECKING:
     from pagedllm.core.kv_groups import KVGroups
     from pagedllm.executor import Executor
+    from pagedllm.kv_transfer.mooncake import MooncakeScheduler
     from pagedllm.kv_transfer.offload import OffloadScheduler
     from pagedllm.structured_output import StructuredOutputManager
     from pagedllm.worker.model_runner import ModelRunner
@@ -55,7 +56,7 @@ class EngineCore:
         num_blocks: int,
         max_model_len: int,
         structured: StructuredOutputManager | None = None,
-        kv_connector: OffloadScheduler | None = None,
+        kv_connector: OffloadScheduler | MooncakeScheduler | None = None,
         kv_groups: KVGroups | None = None,
         pooling_needs_kv: bool = True,
         encoder: tuple[int, int] | None = None,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pagedllm.core.kv_groups import KVGroups
     from pagedllm.engine.pooling import PoolingConfig
     from pagedllm.kv_transfer.disk import DiskIndex
+    from pagedllm.kv_transfer.mooncake import MooncakeScheduler
     from pagedllm.kv_transfer.offload import OffloadScheduler
     from pagedllm.lora import LoRARequest
     from pagedllm.lora.adapter import AdapterCache
@@ -92,18 +93,21 @@ class LLMEngine:
                 self._pooling_max_model_len(num_blocks) if self.is_pooling else self._resolve_max_model_len(num_blocks)
             )
             offload_slots, block_bytes, disk = 0, 0, None
-            if config.cache_config.kv_offloading_size is not None or config.kv_transfer_config is not None:
+            kt = config.kv_transfer_config
+            mooncake = kt is not None and kt.kv_connector == "MooncakeConnector"
+            worker_half: tuple | None = None
+            if config.cache_config.kv_offloading_size is not None or kt is not None:
                 layouts = self.executor.collective_rpc("kv_block_layout")  # per rank: one block's shape, dtype
                 block_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in layouts)
-                offload_slots = self._offload_slots(block_bytes)
-                disk = self._disk_tier(layouts, block_bytes)
-            self.executor.init_cache(
-                num_blocks,
-                self.max_model_len,
-                offload_slots,
-                None if disk is None else (str(disk.root.parent), disk.fingerprint),
-                self.kv_groups,
-            )
+                if mooncake:
+                    assert kt is not None  # (config validation refused what MooncakeConnector cannot run)
+                    worker_half = ("mooncake", kt.mooncake_options())
+                else:
+                    offload_slots = self._offload_slots(block_bytes)
+                    disk = self._disk_tier(layouts, block_bytes)
+                    if disk is not None:
+                        worker_half = ("disk", str(disk.root.parent), disk.fingerprint)
+            self.executor.init_cache(num_blocks, self.max_model_len, offload_slots, worker_half, self.kv_groups)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -131,8 +135,10 @@ class LLMEngine:
         self.structured = StructuredOutputManager(  # the grammar library loads with the first constrained request
             self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"])
         )
-        connector = None
-        if offload_slots or disk is not None:
+        connector: OffloadScheduler | MooncakeScheduler | None = None
+        if mooncake:
+            connector = self._mooncake_scheduler(layouts[0], block_bytes)
+        elif offload_slots or disk is not None:
             from pagedllm.kv_transfer.offload import OffloadScheduler
 
             connector = OffloadScheduler(
@@ -163,7 +169,10 @@ class LLMEngine:
         )
 
     def _new_core(
-        self, structured: StructuredOutputManager | None, connector: OffloadScheduler | None, num_blocks: int
+        self,
+        structured: StructuredOutputManager | None,
+        connector: OffloadScheduler | MooncakeScheduler | None,
+        num_blocks: int,
     ) -> EngineCore:
         return EngineCore(
             self.config,
@@ -288,15 +297,18 @@ class LLMEngine:
         logger.info("KV offload tier: %d blocks (%.2f GiB of RAM)", slots, slots * block_bytes / (1 << 30))
         return slots
 
-    def _disk_tier(self, layouts: list[tuple[torch.Size, torch.dtype]], block_bytes: int) -> DiskIndex | None:
-        kt = self.config.kv_transfer_config
-        if kt is None:
-            return None
-        from pagedllm.kv_transfer.disk import DiskIndex, model_fingerprint
+    def _check_kv_transfer_params(self, params: object) -> None:
+        from pagedllm.kv_transfer.mooncake import MooncakeScheduler, check_kv_transfer_params
 
-        path, max_gb = kt.disk_options()
+        kt = self.config.kv_transfer_config
+        connector = self.core.scheduler.connector
+        layout = connector.layout if isinstance(connector, MooncakeScheduler) else None
+        check_kv_transfer_params(params, None if kt is None else kt.kv_role, layout)
+
+    def _kv_identity(self, layouts: list[tuple[torch.Size, torch.dtype]]) -> dict:
+        """Everything besides the model's files that changes the KV values a block holds."""
         mc, cc, pc = self.config.model_config, self.config.cache_config, self.config.parallel_config
-        identity = {
+        return {
             "dtype": str(self.dtype),
             "kv": [str(d) for _, d in layouts],
             "q": mc.quantization,
@@ -305,6 +317,40 @@ class LLMEngine:
             "pp": pc.pipeline_parallel_size,
             "ep": pc.enable_expert_parallel,
         }
+
+    def _mooncake_scheduler(self, layout: tuple[torch.Size, torch.dtype], block_bytes: int) -> MooncakeScheduler:
+        from pagedllm.kv_transfer.disk import model_fingerprint
+        from pagedllm.kv_transfer.mooncake import MooncakeScheduler
+
+        kt = self.config.kv_transfer_config
+        assert kt is not None
+        shape, dtype = layout
+        identity = self._kv_identity([layout])
+        info = self.executor.collective_rpc("kv_connector_info")[0]
+        return MooncakeScheduler(
+            kt.kv_role,
+            kt.mooncake_options(),
+            self.config.cache_config.block_size,
+            block_bytes,
+            info,
+            {
+                "model": model_fingerprint(self.source.path, identity),
+                "layers": shape[0],
+                "block_size": shape[2],
+                "kv_heads": shape[3],
+                "head_dim": shape[4],
+                "kv_dtype": str(dtype).removeprefix("torch."),
+            },
+        )
+
+    def _disk_tier(self, layouts: list[tuple[torch.Size, torch.dtype]], block_bytes: int) -> DiskIndex | None:
+        kt = self.config.kv_transfer_config
+        if kt is None:
+            return None
+        from pagedllm.kv_transfer.disk import DiskIndex, model_fingerprint
+
+        path, max_gb = kt.disk_options()
+        identity = self._kv_identity(layouts)
         try:
             disk = DiskIndex(
                 path,
@@ -476,6 +522,8 @@ class LLMEngine:
             raise InvalidParameterError(f"priority must be an integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise InvalidParameterError("priority needs scheduling_policy='priority'", "priority")
+        if params.extra_args is not None and "kv_transfer_params" in params.extra_args:
+            self._check_kv_transfer_params(params.extra_args["kv_transfer_params"])
         children = []
         for i in range(params.n):
             child_params = (
@@ -613,7 +661,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (worker processes or Ray actors); the engine serves nothing after this."""
+        if (connector := self.core.scheduler.connector) is not None:
+            connector.close()
         self.executor.shutdown()
+
+    def idle_wake_s(self) -> float | None:
+        """How long the engine may sleep with nothing to compute (None: until a request comes)."""
+        connector = self.core.scheduler.connector
+        return connector.idle_wake_s() if connector is not None else None
 
     def step(self) -> list[RequestOutput]:
         outputs, to_stop = self.output_processor.process(self.core.step())

@@ -255,6 +255,7 @@ class OutputProcessor:
             max(req.num_cached_tokens, 0),
             metrics,
             plp,
+            req.kv_transfer_params if finished else None,
         )
 
     @staticmethod

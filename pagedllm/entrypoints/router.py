@@ -28,8 +28,10 @@ not know (the router restarted) is looked for on each healthy backend in turn.
 
 ``pagedllm disagg-proxy --prefill URL --decode URL`` is the same router with prefill
 engines in front: each request first goes to a prefill engine as a one-token request
-(its prompt's KV blocks are written to the KV tier it shares with the decode engines),
-then to a decode engine, which finds the blocks there and streams the answer.
+(vLLM's protocol: with ``kv_transfer_params: {"do_remote_decode": true}``), then to a
+decode engine, which streams the answer. The prompt's KV blocks reach it through the KV
+tier the engines share (DiskConnector), or over the network (MooncakeConnector: the
+prefill engine's answer says where its blocks wait, and the decode request carries that).
 """
 
 import asyncio
@@ -243,24 +245,29 @@ class Router:
         pick = rendezvous(prefix_key(body, self.config.block_chars, self.config.prefix_blocks), live)
         return least if pick.load - least.load > self.config.balance_threshold else pick
 
-    async def prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
-        """Disaggregated serving: have a prefill engine compute the prompt (one token, nothing returned) so its
-        KV blocks reach the shared tier before the decode engine looks. Any failure only costs the decode
-        engine the prompt's computation."""
+    async def prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict | None:
+        """Disaggregated serving: have a prefill engine compute the prompt (one token) so its KV blocks reach the
+        decode engine: through the shared tier (DiskConnector), or by the decode engine reading them where the
+        prefill engine holds them (MooncakeConnector: the ``kv_transfer_params`` it answers, returned here for
+        the decode request). Any failure only costs the decode engine the prompt's computation."""
         import time
 
         urls = self.config.prefill
         self._rr += 1
         url = urls[self._rr % len(urls)]
         t0 = time.monotonic()
+        params = None
         try:
             resp = await self._client.post(f"{url}{path}", json=prefill_body(body), headers=headers)
             outcome = str(resp.status_code)
+            if resp.status_code == 200:
+                params = _json_field(resp.content, "kv_transfer_params")
         except Exception as e:
             outcome = "unreachable"
             logger.warning("prefill engine %s failed (%s); the decode engine computes the prompt", url, e)
         self.m_prefills.labels(url, outcome).inc()
         self.m_prefill_seconds.inc(time.monotonic() - t0)
+        return params if isinstance(params, dict) else None
 
     async def forward(self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str]) -> Any:
         """Send the request to a backend (retrying where it never started); the response to return."""
@@ -268,7 +275,9 @@ class Router:
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 
         if self.config.prefill and path != _RESPONSES:  # (a response's prompt is the decode engine's to compute)
-            await self.prefill(path, body, headers)
+            params = await self.prefill(path, body, headers)
+            if params is not None:  # where the decode engine finds the prompt's blocks
+                raw = json.dumps({**body, "kv_transfer_params": params}).encode()
 
         tried: set[str] = set()
         last = "no healthy backend"
@@ -410,7 +419,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request a prefill engine gets: the same prompt (the same tokens, so the same block hashes), one
     greedy token."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    out.update(max_tokens=1, temperature=0)
+    out.update(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True})
     return out
 
 

@@ -25,10 +25,10 @@ class Executor:
         num_blocks: int,
         max_model_len: int,
         num_offload_slots: int = 0,
-        disk: tuple[str, str] | None = None,
+        connector: tuple | None = None,
         kv_groups: Any = None,
     ) -> None:
-        self.collective_rpc("init_cache", num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
+        self.collective_rpc("init_cache", num_blocks, max_model_len, num_offload_slots, connector, kv_groups)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``Worker.method(*args)`` on every rank; their results in rank order."""
@@ -100,10 +100,10 @@ class DistributedExecutor(Executor):
         num_blocks: int,
         max_model_len: int,
         num_offload_slots: int = 0,
-        disk: tuple[str, str] | None = None,
+        connector: tuple | None = None,
         kv_groups: Any = None,
     ) -> None:
-        super().init_cache(num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
+        super().init_cache(num_blocks, max_model_len, num_offload_slots, connector, kv_groups)
         self._started = True
 
     def submit(self, so: SchedulerOutput) -> None:

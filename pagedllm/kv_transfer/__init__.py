@@ -19,6 +19,12 @@ into the freshly allocated blocks before anything reads them.
 The block pool stays the single owner of primary blocks: a connector only
 hears about a cached block when the pool evicts it (and may save it then), and
 gets new blocks only through the scheduler's normal allocation.
+
+Two connectors: the offload tiers (:mod:`~pagedllm.kv_transfer.offload`: a RAM
+pool, and ``DiskConnector``'s directory, found by block hash) and
+``MooncakeConnector`` (:mod:`~pagedllm.kv_transfer.mooncake`: a decode engine
+reads one request's blocks straight out of its prefill engine's cache, where
+the producer holds them for it through the block pool's ``hold``).
 """
 
 from pagedllm.kv_transfer.config import CONNECTORS, ROLES, KVTransferConfig

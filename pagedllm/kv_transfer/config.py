@@ -8,7 +8,7 @@ from typing import Any
 
 from pagedllm.errors import InvalidParameterError
 
-CONNECTORS = ("DiskConnector",)
+CONNECTORS = ("DiskConnector", "MooncakeConnector")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
@@ -58,8 +58,14 @@ class KVTransferConfig:
                 f"kv_transfer_config.{sorted(raw)[0]}",
             )
         config = cls(name, role, extra)
-        config.disk_options()  # raises on a bad option
+        if name == "DiskConnector":  # raises on a bad option
+            config.disk_options()
+        else:
+            config.mooncake_options()
         return config
+
+    def mooncake_options(self) -> MooncakeOptions:
+        return _mooncake_options(self.kv_connector_extra_config)
 
     def disk_options(self) -> tuple[str, float]:
         """DiskConnector's (path, max_size_gb)."""
@@ -78,3 +84,42 @@ class KVTransferConfig:
                 f"{where}: unknown keys {sorted(extra)}; valid: path, max_size_gb", f"{where}.{sorted(extra)[0]}"
             )
         return path, float(size)
+
+
+@dataclass(slots=True, frozen=True)
+class MooncakeOptions:
+    """MooncakeConnector's ``kv_connector_extra_config``."""
+
+    host: str = "127.0.0.1"  # the address the peer engine reaches this one at (transfer engine and side channel)
+    protocol: str = "tcp"  # the Transfer Engine's transport: tcp, or rdma where the NICs have it
+    side_channel_port: int = 0  # a producer's release channel (0: any free port; the proxy learns it per request)
+    hold_timeout_s: float = 120.0  # a producer frees a finished prefill's blocks if no consumer pulled them by then
+
+
+def _mooncake_options(extra: dict) -> MooncakeOptions:
+    where = "kv_transfer_config.kv_connector_extra_config"
+    extra = dict(extra)
+    d = MooncakeOptions()
+    host = extra.pop("host", d.host)
+    if not isinstance(host, str) or not host:
+        raise InvalidParameterError(f"{where}.host must be a host name or IP address, got {host!r}", f"{where}.host")
+    protocol = extra.pop("protocol", d.protocol)
+    if protocol not in ("tcp", "rdma"):
+        raise InvalidParameterError(f"{where}.protocol must be tcp or rdma, got {protocol!r}", f"{where}.protocol")
+    port = extra.pop("side_channel_port", d.side_channel_port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidParameterError(
+            f"{where}.side_channel_port must be a port number (0: any free one), got {port!r}",
+            f"{where}.side_channel_port",
+        )
+    timeout = extra.pop("hold_timeout_s", d.hold_timeout_s)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidParameterError(
+            f"{where}.hold_timeout_s must be > 0 seconds, got {timeout!r}", f"{where}.hold_timeout_s"
+        )
+    if extra:
+        raise InvalidParameterError(
+            f"{where}: unknown keys {sorted(extra)}; valid: host, protocol, side_channel_port, hold_timeout_s",
+            f"{where}.{sorted(extra)[0]}",
+        )
+    return MooncakeOptions(host, protocol, port, float(timeout))

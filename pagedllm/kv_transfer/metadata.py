@@ -17,9 +17,27 @@ class KVConnectorMetadata:
     disk_deletes: list[bytes] = field(default_factory=list)  # block hashes whose files go
     disk_saves: list[tuple[int, bytes]] = field(default_factory=list)  # (primary block id, hash): after the forward
     disk_loads: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, primary block id)
+    remote_pulls: list[RemotePull] = field(default_factory=list)  # MooncakeConnector: blocks to read from a producer
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads or self.disk_deletes or self.disk_saves or self.disk_loads)
+        return bool(
+            self.saves or self.loads or self.disk_deletes or self.disk_saves or self.disk_loads or self.remote_pulls
+        )
+
+
+@dataclass(slots=True)
+class RemotePull:
+    """MooncakeConnector: read a producer's blocks of one prefilled request into this engine's blocks, then
+    release them on the producer (whose answer says whether they stayed held throughout the read). With no
+    blocks it is only the release (the prompt was computed here after all)."""
+
+    session: str  # the producer's transfer engine, "host:rpc_port"
+    side_channel: tuple[str, int]  # the producer's release channel
+    engine_id: str  # the producer engine (a restarted one has another)
+    remote_request_id: str
+    base: int  # the producer's KV cache buffer: its address and blocks per layer
+    num_blocks: int
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # (producer block id, local block id)
 
 
 @dataclass(slots=True)
@@ -33,6 +51,14 @@ class KVConnectorStats:
     disk_bytes_saved: int = 0
     disk_bytes_loaded: int = 0
     swapped_out: int = 0  # preempted requests whose partial last block was swapped out
+    # MooncakeConnector: a consumer's pulls (bytes, requests, failed ones: recomputed), a producer's blocks held
+    # for consumers (requests now; bytes released after a consumer read them; holds that timed out unread)
+    remote_bytes_pulled: int = 0
+    remote_pulls: int = 0
+    remote_pull_failures: int = 0
+    remote_bytes_served: int = 0
+    remote_hold_timeouts: int = 0
+    remote_pending: int = 0  # a gauge: the producer's requests whose blocks wait for a consumer, now
     save_seconds: float = 0.0  # worker time spent copying (the driver rank's)
     load_seconds: float = 0.0
 

@@ -57,6 +57,21 @@ class OffloadScheduler:
         self._meta = KVConnectorMetadata()
         self.stats = KVConnectorStats()
 
+    def bind(self, kv: object) -> None:
+        pass  # (the block pool tells it of evictions through on_evict)
+
+    def start_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def idle_wake_s(self) -> float | None:
+        return None
+
+    def take_stats(self) -> KVConnectorStats:
+        return self.stats.take()
+
     # -- lookups at admission -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens past ``num_computed_tokens`` (the primary hit, block aligned) that the tiers can supply.

@@ -30,6 +30,7 @@ from pagedllm.worker.runner_output import ModelRunnerOutput, SampleLogprobs
 
 if TYPE_CHECKING:
     from pagedllm.engine.pooling import PoolingConfig
+    from pagedllm.kv_transfer.mooncake import MooncakeWorker
     from pagedllm.kv_transfer.offload import OffloadWorker
     from pagedllm.lora.manager import LoRAManager
     from pagedllm.models.llama import LlamaForCausalLM
@@ -80,7 +81,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         parallel: ParallelState | None = None,
         lora: LoRAManager | None = None,
-        kv_connector: OffloadWorker | None = None,
+        kv_connector: OffloadWorker | MooncakeWorker | None = None,
         pooling: PoolingConfig | None = None,
     ):
         self.model = model

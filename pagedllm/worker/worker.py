@@ -26,6 +26,8 @@ from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
+    from pagedllm.kv_transfer.mooncake import MooncakeWorker
+    from pagedllm.kv_transfer.offload import OffloadWorker
     from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
     from pagedllm.models.spec_heads import EagleHead, MedusaHead
     from pagedllm.spec_decode.config import SpeculativeConfig
@@ -159,6 +161,12 @@ class Worker:
             [len(m.layers), 2, self.config.cache_config.block_size, *m.kv_cache_shape_per_layer]
         ), self.kv_cache_dtype
 
+    def kv_connector_info(self) -> dict | None:
+        """Where the KV connector's worker half can be reached (MooncakeConnector: its transfer engine)."""
+        assert self.runner is not None, "init_cache() first"
+        info = getattr(self.runner.kv_connector, "info", None)
+        return info() if info is not None else None
+
     def layer_windows(self) -> list[int | None]:
         """Each of this rank's layers' sliding window (None: full attention)."""
         return [layer.self_attn.sliding_window for layer in _layers(self._lm)]
@@ -168,18 +176,19 @@ class Worker:
         num_blocks: int,
         max_model_len: int,
         num_offload_slots: int = 0,
-        disk: tuple[str, str] | None = None,
+        connector: tuple | None = None,
         kv_groups: Any = None,
     ) -> None:
         """Allocate the KV cache (``num_blocks``, the smallest any rank allows) and, with an offload tier, its
-        RAM pool of ``num_offload_slots`` blocks, and with a disk tier its (path, model fingerprint); build the
+        RAM pool of ``num_offload_slots`` blocks, and the KV connector's worker half (``connector``: ``("disk",
+        path, model fingerprint)`` or ``("mooncake", MooncakeOptions)``); build the
         runner. With ``kv_groups`` (:class:`~pagedllm.core.kv_groups.KVGroups`) a block holds one group's layers:
         a cache tensor per slot, shared by the layers of every group in that slot."""
         with timed_stage(self.stages, "kv_cache"):
-            self._init_cache(num_blocks, max_model_len, num_offload_slots, disk, kv_groups)
+            self._init_cache(num_blocks, max_model_len, num_offload_slots, connector, kv_groups)
 
     def _init_cache(
-        self, num_blocks: int, max_model_len: int, num_offload_slots: int, disk: tuple[str, str] | None, kv_groups: Any
+        self, num_blocks: int, max_model_len: int, num_offload_slots: int, connector: tuple | None, kv_groups: Any
     ) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         if self.encoder:
@@ -237,13 +246,17 @@ class Worker:
             from pagedllm.lora.manager import LoRAManager
 
             lora = LoRAManager(self._lm, lc.max_loras, lc.max_lora_rank, self.lora_cache)
-        connector = None
-        if num_offload_slots or disk is not None:
+        worker_half: OffloadWorker | MooncakeWorker | None = None
+        if connector is not None and connector[0] == "mooncake":
+            from pagedllm.kv_transfer.mooncake import MooncakeWorker
+
+            worker_half = MooncakeWorker(caches[0], connector[1])
+        elif num_offload_slots or connector is not None:
             from pagedllm.kv_transfer.disk import DiskStore
             from pagedllm.kv_transfer.offload import OffloadWorker
 
-            store = None if disk is None else DiskStore(disk[0], disk[1], self.ps.rank)
-            connector = OffloadWorker(caches[0], num_offload_slots, store)
+            store = None if connector is None else DiskStore(connector[1], connector[2], self.ps.rank)
+            worker_half = OffloadWorker(caches[0], num_offload_slots, store)
         self.runner = ModelRunner(
             self._lm,
             caches[0],
@@ -256,7 +269,7 @@ class Worker:
             max_model_len=max_model_len,
             parallel=self.ps,
             lora=lora,
-            kv_connector=connector,
+            kv_connector=worker_half,
             pooling=self.pooling,
         )
 

@@ -75,6 +75,25 @@ class ServerMetrics:
                 self.kv_tier_bytes.labels(m, tier, direction)
         for direction in ("save", "load"):
             self.kv_transfer_seconds.labels(m, direction)
+        self.kv_remote_bytes = counter(
+            "kv_transfer_bytes",
+            "MooncakeConnector: KV bytes a consumer read from producers (pull), and a producer's held bytes "
+            "that consumers read and released (serve).",
+            extra=["direction"],
+        )
+        for direction in ("pull", "serve"):
+            self.kv_remote_bytes.labels(m, direction)
+        self.kv_remote_pulls = counter("kv_transfer_pulls", "MooncakeConnector: requests whose prompt KV was read.")
+        self.kv_remote_failures = counter(
+            "kv_transfer_failures",
+            "MooncakeConnector: reads that failed (producer gone, blocks no longer held); the prompt was recomputed.",
+        )
+        self.kv_remote_timeouts = counter(
+            "kv_transfer_hold_timeouts", "MooncakeConnector: prefills whose blocks no consumer pulled in time (freed)."
+        )
+        self.kv_remote_pending = gauge(
+            "kv_transfer_pending", "MooncakeConnector: prefills whose blocks a producer holds for a consumer."
+        )
         self.kv_swaps = counter(
             "kv_preemption_swaps",
             "Preempted requests whose partial last block was swapped to the RAM tier (preemption_mode='swap').",
@@ -172,6 +191,12 @@ class ServerMetrics:
             self.kv_transfer_seconds.labels(self.model_name, "save").inc(kv.save_seconds)
             self.kv_transfer_seconds.labels(self.model_name, "load").inc(kv.load_seconds)
             self.kv_swaps.inc(kv.swapped_out)
+            self.kv_remote_bytes.labels(self.model_name, "pull").inc(kv.remote_bytes_pulled)
+            self.kv_remote_bytes.labels(self.model_name, "serve").inc(kv.remote_bytes_served)
+            self.kv_remote_pulls.inc(kv.remote_pulls)
+            self.kv_remote_failures.inc(kv.remote_pull_failures)
+            self.kv_remote_timeouts.inc(kv.remote_hold_timeouts)
+            self.kv_remote_pending.set(kv.remote_pending)
         enc = stats.encoder
         if enc is not None:
             self.mm_cache_queries.inc(enc.queries)

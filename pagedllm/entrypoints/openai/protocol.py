@@ -64,6 +64,8 @@ class _SamplingRequest(BaseModel):
     # and OpenAI's response_format ({"type": "json_schema", "json_schema": {"schema": ...}} | {"type": "json_object"})
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # disaggregated prefill / decode (vLLM's field): what a prefill engine answered, for the decode engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _structured(self) -> dict[str, Any] | None:
         rf = self.response_format
@@ -111,6 +113,7 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured() if structured is ... else structured,
+            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params},
         )
 
 
@@ -234,6 +237,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's: where the prompt's KV blocks wait
 
 
 class TopLogprob(BaseModel):
@@ -282,6 +286,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's: where the prompt's KV blocks wait
 
 
 class DeltaToolCall(BaseModel):

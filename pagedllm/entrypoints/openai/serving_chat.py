@@ -136,7 +136,13 @@ def chat_response(
                 logprobs=chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
             )
         )
-    return P.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_info(finals, usage_details))
+    return P.ChatCompletionResponse(
+        id=rid,
+        model=model,
+        choices=choices,
+        usage=usage_info(finals, usage_details),
+        kv_transfer_params=finals[0].kv_transfer_params,
+    )
 
 
 def chat_prompt(

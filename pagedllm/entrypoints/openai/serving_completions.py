@@ -29,6 +29,8 @@ async def completions(req: P.CompletionRequest, raw: Request, state: ServerState
     llm = state.generator()
     lora = state.check_model(req.model)
     prompts = completion_prompts(req.prompt)
+    if req.kv_transfer_params is not None and len(prompts) > 1:
+        raise APIError(400, "kv_transfer_params takes one prompt", "invalid_request_error", "kv_transfer_params")
     params = req.to_sampling_params()
     rid = P.random_id("cmpl")
     streams = await llm.add_requests(
@@ -65,6 +67,7 @@ async def completions(req: P.CompletionRequest, raw: Request, state: ServerState
         model=req.model or state.served_model_name,
         choices=choices,
         usage=usage_info(finals, state.enable_prompt_tokens_details),
+        kv_transfer_params=finals[0].kv_transfer_params,
     )
 
 
