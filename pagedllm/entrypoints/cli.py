@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli_args import HelpFormatter, add_command, add_engine_args, add_log_level_flag, engine_kwargs
@@ -79,9 +81,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _checked_serve_config(args: argparse.Namespace) -> EngineConfig:
+    """:func:`_checked_config`, and the server's own flags."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    config = _checked_config(args)
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not config.lora_config.enable_lora:
+        raise SystemExit("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if args.engine_state_interval <= 0:
+        raise SystemExit("--engine-state-interval must be > 0 seconds")
+    if args.max_stored_responses < 1:
+        raise SystemExit("--max-stored-responses must be >= 1")
+    return config
 
+
+def server_app(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> tuple[Any, str]:
+    """The FastAPI app `pagedllm serve ARGS` serves, and the served model's name: every request handler, limit
+    and engine setting of the flags (the Ray Serve deployment builds its replicas' apps here too). Bad flags
+    fail here, before the model loads."""
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine.warmup import render_chat_template
     from pagedllm.entrypoints.openai.limits import RequestLimits
@@ -89,17 +106,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.model_loader import DEFAULT_MODEL_NAME
 
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
-    _check_keep_alive(args)
-    config = _checked_config(args)  # before the socket opens; a bad argument fails once, not in every replica
+    config = _checked_serve_config(args)
     lora_modules = _lora_modules(args.lora_modules or [])
-    if (lora_modules or args.allow_runtime_lora_updating) and not config.lora_config.enable_lora:
-        raise SystemExit("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
-    if config.parallel_config.data_parallel_size > 1:
-        from pagedllm.entrypoints.data_parallel import serve_data_parallel
-
-        return serve_data_parallel(args, args.argv)
     name = config.model_config.served_model_name or config.model_config.model or DEFAULT_MODEL_NAME
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
@@ -113,7 +121,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             render_chat_template(engine.tokenizer)  # compiled before `ready`, as the warm-up does the model's own
         return engine
 
+    app = build_app(
+        factory,
+        name,
+        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
+        max_queue_len=args.max_queue_len,
+        max_body_bytes=args.max_request_body_bytes,
+        limits=limits,
+        on_ready=on_ready,
+        trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        trace_file=args.trace_file,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        engine_state_interval=args.engine_state_interval,
+        max_stored_responses=args.max_stored_responses,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+    )
+    return app, name
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    _check_keep_alive(args)
+    config = _checked_serve_config(args)  # before the socket opens; a bad argument fails once, not in every replica
+    if config.parallel_config.data_parallel_size > 1:
+        from pagedllm.entrypoints.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args, args.argv)
     server = None
+    name = ""
 
     def ready() -> None:
         while server is None or not server.started:  # the socket is bound, so /health answers 200 now
@@ -126,28 +165,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             time.monotonic() - _STARTED,
         )
 
-    if args.engine_state_interval <= 0:
-        raise SystemExit("--engine-state-interval must be > 0 seconds")
-    if args.max_stored_responses < 1:
-        raise SystemExit("--max-stored-responses must be >= 1")
-    app = build_app(
-        factory,
-        name,
-        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-        max_queue_len=args.max_queue_len,
-        max_body_bytes=args.max_request_body_bytes,
-        limits=limits,
-        on_ready=ready,
-        trust_request_chat_template=args.trust_request_chat_template,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        trace_file=args.trace_file,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
-        lora_modules=lora_modules,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        engine_state_interval=args.engine_state_interval,
-        max_stored_responses=args.max_stored_responses,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-    )
+    app, name = server_app(args, ready)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

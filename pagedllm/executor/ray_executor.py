@@ -76,7 +76,10 @@ class RayExecutor(DistributedExecutor):
             config.model_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
-        have = ray.available_resources()
+        # inside a Ray Serve replica with a bundle per rank after its own (pagedllm.serve_ray): place them there
+        current = ray.util.get_current_placement_group()
+        first = 1 if current is not None and len(current.bundle_specs) > self.world_size else None
+        have = ray.available_resources() if first is None else dict.fromkeys(bundle, float("inf"))
         for key, amount in bundle.items():
             if have.get(key, 0.0) < amount * self.world_size:
                 raise InvalidParameterError(
@@ -86,8 +89,15 @@ class RayExecutor(DistributedExecutor):
                     "in all)",
                     "tensor_parallel_size",
                 )
-        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        ready: list[Any] = [True]
+        if first is not None:
+            assert current is not None
+            self._pg: Any = current
+            self._own_pg = False  # (its owner, Serve, removes it)
+        else:
+            first, self._own_pg = 0, True
+            self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+            ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(self._pg)
             raise InvalidParameterError(
@@ -102,7 +112,9 @@ class RayExecutor(DistributedExecutor):
             actor_cls.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=first + rank
+                ),
             ).remote()
             for rank in range(self.world_size)
         ]
@@ -163,7 +175,7 @@ class RayExecutor(DistributedExecutor):
             except Exception:
                 pass
         self.actors = []
-        if getattr(self, "_pg", None) is not None:
+        if getattr(self, "_pg", None) is not None and getattr(self, "_own_pg", True):
             try:
                 self._remove_pg(self._pg)
             except Exception:
