@@ -238,15 +238,25 @@ def _ingress_class() -> type:
     class PagedLLMIngress:
         """Forwards every request to an engine replica; retries where a replica died before answering."""
 
-        def __init__(self, engine: Any, max_attempts: int = 3):
+        def __init__(self, engine: Any, max_body_bytes: int, max_attempts: int = 3):
             self.engine = engine
+            self.max_body_bytes = max_body_bytes
             self.max_attempts = max_attempts
 
         @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
         async def forward(self, request: Request, path: str) -> Any:
             import ray
 
-            body = await request.body()
+            chunks, size = [], 0
+            async for chunk in request.stream():  # bounded before it is held (the server's own limit)
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    return JSONResponse(
+                        {"error": {"message": f"request body over {self.max_body_bytes} bytes", "type": "too_large"}},
+                        status_code=413,
+                    )
+                chunks.append(chunk)
+            body = b"".join(chunks)
             headers = [(k, v) for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS]
             last = ""
             for attempt in range(self.max_attempts):
@@ -261,7 +271,7 @@ def _ingress_class() -> type:
                         break
                 except StopAsyncIteration:
                     return Response(status_code=502)
-                except ray.exceptions.RayError as e:
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:  # a dead replica
                     last = f"{type(e).__name__}: {e}"
                     logger.warning("engine replica failed before answering (attempt %d): %s", attempt + 1, last)
                     continue
@@ -287,15 +297,17 @@ async def _bodies(gen: Any) -> AsyncIterator[tuple[str, bytes]]:
 
 
 async def _relay(first: bytes, gen: Any) -> AsyncIterator[bytes]:
-    if first:
-        yield first
     try:
+        if first:
+            yield first
         async for _, chunk in _bodies(gen):
             yield chunk
     except Exception as e:  # the replica died mid-stream: the client already has part of it
         logger.warning("engine replica failed mid-stream: %s", e)
         err = {"error": {"message": f"the engine replica failed mid-stream: {e}", "type": "server_error"}}
         yield f"data: {json.dumps(err)}\n\n".encode()
+    finally:  # (also when the client went away: the replica's request is cancelled, and the engine aborts it)
+        gen.cancel()
 
 
 # -- building the application ----------------------------------------------------------------------------------
@@ -307,13 +319,15 @@ def build_app(
     max_ongoing_requests: int = 64,
     router_kwargs: dict | None = None,
     replica_cpus: float = 1.0,
+    replica_gpus: float = 0.0,
 ) -> Any:
     """The Ray Serve application for `pagedllm serve ARGV` (the same flags): pass it to ``serve.run``.
 
     ``num_replicas`` fixes the replica count; ``autoscaling_config`` (Ray Serve's: ``min_replicas``,
     ``max_replicas``, ``target_ongoing_requests``, ``upscale_delay_s``, ...) scales it instead.
-    ``router_kwargs`` go to :class:`PrefixAwareRouter`. Each replica holds ``replica_cpus`` CPUs, and with
-    ``--distributed-executor-backend ray`` one more bundle of a CPU per tensor / pipeline rank."""
+    ``router_kwargs`` go to :class:`PrefixAwareRouter`. Each replica holds ``replica_cpus`` CPUs and
+    ``replica_gpus`` GPUs; with ``--distributed-executor-backend ray``, one more bundle per tensor / pipeline rank
+    instead (a CPU, and a GPU where ``replica_gpus`` is set), where the engine places its workers."""
     from ray.serve.config import RequestRouterConfig
 
     from pagedllm.entrypoints.cli import _checked_serve_config, build_parser
@@ -328,7 +342,7 @@ def build_app(
     options: dict[str, Any] = {
         "name": "PagedLLMEngine",
         "max_ongoing_requests": max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": replica_cpus},
+        "ray_actor_options": {"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         "request_router_config": RequestRouterConfig(
             request_router_class=PrefixAwareRouter,  # type: ignore[arg-type]  # (a class or its import path)
             request_router_kwargs=router_kwargs or {},
@@ -342,13 +356,17 @@ def build_app(
     world = pc.tensor_parallel_size * pc.pipeline_parallel_size
     if world > 1 and pc.distributed_executor_backend == "ray":
         # the replica's bundle, then one per rank: its workers are placed in it (pagedllm.executor.ray_executor)
-        options["placement_group_bundles"] = [{"CPU": replica_cpus}] + [{"CPU": 1.0}] * world
+        rank = {"CPU": 1.0, "GPU": 1.0} if replica_gpus else {"CPU": 1.0}
+        options["placement_group_bundles"] = [{"CPU": replica_cpus}] + [rank] * world
         options["placement_group_strategy"] = "PACK"
         del options["ray_actor_options"]
     deployment: Any = serve.deployment  # (its stubs type only the decorator-with-options form)
     engine = deployment(PagedLLMEngine).options(**options)
-    ingress = deployment(_ingress_class()).options(name="PagedLLMIngress", ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine.bind(list(argv)))
+    # the ingress only forwards: it must not be what limits the app's concurrency (Serve's default is 5)
+    ingress = deployment(_ingress_class()).options(
+        name="PagedLLMIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
+    )
+    return ingress.bind(engine.bind(list(argv)), args.max_request_body_bytes)
 
 
 def app_builder(args: dict[str, Any]) -> Any:
@@ -377,6 +395,7 @@ def app_builder(args: dict[str, Any]) -> Any:
         max_ongoing_requests=int(args.pop("max_ongoing_requests", 64)),
         router_kwargs=router,
         replica_cpus=float(args.pop("replica_cpus", 1.0)),
+        replica_gpus=float(args.pop("replica_gpus", 0.0)),
     )
     if args:
         raise SystemExit(f"pagedllm.serve_ray: unknown arguments {sorted(args)}")

@@ -228,10 +228,22 @@ def test_a_read_that_fails_is_recomputed(pair, alone):
     producer, consumer = pair
     failures = _metric(consumer, "pagedllm:kv_transfer_failures_total")
     params = _prefill(producer, PROMPTS[2])
+    expected = _texts(alone.url, _body(PROMPTS[2]))
     bad = {**params, "remote_base": 8}  # an address the producer never registered: its engine refuses the read
-    assert _decode(consumer, PROMPTS[2], bad) == _texts(alone.url, _body(PROMPTS[2]))
+    assert _decode(consumer, PROMPTS[2], bad) == expected
     assert _metric(consumer, "pagedllm:kv_transfer_failures_total") == failures + 1
-    _clean(producer)  # the consumer still released the producer's blocks
+    # other blocks of the producer's (another request's, say): the read works, but the producer releases a hold
+    # only to whoever read the blocks it holds, so the consumer learns the read is not the prompt's
+    elsewhere = {
+        **params,
+        "remote_block_ids": [(b + 1) % params["remote_num_blocks"] for b in params["remote_block_ids"]],
+    }
+    assert _decode(consumer, PROMPTS[2], elsewhere) == expected
+    assert _metric(consumer, "pagedllm:kv_transfer_failures_total") == failures + 2
+    assert _metric(producer, "pagedllm:kv_transfer_pending") == 1  # still held for the rightful consumer
+    assert _decode(consumer, PROMPTS[2], params) == expected
+    assert _metric(consumer, "pagedllm:kv_transfer_failures_total") == failures + 2
+    _clean(producer)
     _clean(consumer)
 
 
@@ -293,6 +305,22 @@ def test_kv_transfer_params_that_cannot_be_used_here_are_a_400_naming_the_field(
         (consumer, {**params, "remote_port": "x"}, "kv_transfer_params.remote_port"),
         (consumer, {**params, "surprise": 1}, "kv_transfer_params.surprise"),
         (consumer, [1], "kv_transfer_params"),
+        (consumer, {**params, "remote_base": -1}, "kv_transfer_params.remote_base"),
+        (consumer, {**params, "remote_base": 1 << 64}, "kv_transfer_params.remote_base"),
+        (consumer, {**params, "remote_side_channel_port": 1 << 63}, "kv_transfer_params.remote_side_channel_port"),
+        (consumer, {**params, "remote_port": 0}, "kv_transfer_params.remote_port"),
+        (
+            consumer,
+            {**params, "remote_block_ids": params["remote_block_ids"][:-1]},
+            "kv_transfer_params.remote_block_ids",
+        ),
+        (
+            consumer,
+            {**params, "remote_block_ids": [params["remote_num_blocks"]] * len(params["remote_block_ids"])},
+            "kv_transfer_params.remote_block_ids",
+        ),
+        (consumer, {**params, "remote_num_blocks": 0}, "kv_transfer_params.remote_num_blocks"),
+        (consumer, {**params, "remote_host": "h" * 300}, "kv_transfer_params.remote_host"),
     ]
     for server, bad, field in cases:
         r = httpx.post(f"{server.url}/v1/completions", json=_body(PROMPTS[3], kv_transfer_params=bad), timeout=60)
@@ -304,6 +332,12 @@ def test_kv_transfer_params_that_cannot_be_used_here_are_a_400_naming_the_field(
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    r = httpx.post(
+        f"{producer.url}/v1/completions",
+        json=_body(PROMPTS[3], stream=True, kv_transfer_params={"do_remote_decode": True}),
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.do_remote_decode", r.text
     assert _decode(consumer, PROMPTS[3], params)  # the real params still serve
     _clean(producer)
 
@@ -385,7 +419,7 @@ def test_a_pull_of_scattered_blocks_reads_every_byte_and_releases_the_hold():
 
     from pagedllm.kv_transfer.config import MooncakeOptions
     from pagedllm.kv_transfer.metadata import KVConnectorMetadata, RemotePull
-    from pagedllm.kv_transfer.mooncake import MooncakeWorker, _Holds, _SideChannel
+    from pagedllm.kv_transfer.mooncake import MooncakeWorker, _Holds, _SideChannel, where_digest
     from pagedllm.worker.kv_cache import allocate_kv_caches
 
     layers, blocks = 48, 96
@@ -396,15 +430,17 @@ def test_a_pull_of_scattered_blocks_reads_every_byte_and_releases_the_hold():
     producer, consumer = MooncakeWorker(theirs, MooncakeOptions()), MooncakeWorker(mine, MooncakeOptions())
     holds = _Holds()
     holds.deadline["req"] = float("inf")
+    info = producer.info()
+    theirs_ids = list(range(blocks))
+    holds.where["req"] = where_digest(theirs_ids, info["base"], blocks)
     channel = _SideChannel(("127.0.0.1", 0), "engine", holds)
     threading.Thread(target=channel.serve_forever, daemon=True).start()
     try:
         rng = random.Random(0)
         pairs = list(zip(rng.sample(range(blocks), 40), rng.sample(range(blocks), 40)))
-        info = producer.info()
-        pull = RemotePull(
-            f"127.0.0.1:{info['rpc_port']}", channel.server_address[:2], "engine", "req", info["base"], blocks, pairs
-        )
+        address = f"127.0.0.1:{info['rpc_port']}"
+        where = where_digest(theirs_ids, info["base"], blocks)
+        pull = RemotePull(address, channel.server_address[:2], "engine", "req", info["base"], blocks, where, pairs)
         assert len(consumer._ranges(pull)[2]) > 2048
         consumer.execute(KVConnectorMetadata(remote_pulls=[pull]))
         assert consumer.failed == [] and holds.released == ["req"]

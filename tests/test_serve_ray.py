@@ -36,7 +36,8 @@ def _argv(model: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    # logical CPUs: the fixed app's two replicas, the scaling app's two and the TP replica's three bundles at once
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR")
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -276,8 +276,9 @@ class Router:
 
         if self.config.prefill and path != _RESPONSES:  # (a response's prompt is the decode engine's to compute)
             params = await self.prefill(path, body, headers)
-            if params is not None:  # where the decode engine finds the prompt's blocks
-                raw = json.dumps({**body, "kv_transfer_params": params}).encode()
+            if params is not None or "kv_transfer_params" in body:  # only a prefill engine's, never a client's
+                clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+                raw = json.dumps(clean if params is None else {**clean, "kv_transfer_params": params}).encode()
 
         tried: set[str] = set()
         last = "no healthy backend"

@@ -75,10 +75,14 @@ class RayExecutor(DistributedExecutor):
         use_gpu = config.model_config.device == "cuda" or (
             config.model_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
-        bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
-        # inside a Ray Serve replica with a bundle per rank after its own (pagedllm.serve_ray): place them there
+        # inside a Ray Serve replica with a bundle per rank after its own (pagedllm.serve_ray): place them there,
+        # with what those bundles hold
         current = ray.util.get_current_placement_group()
         first = 1 if current is not None and len(current.bundle_specs) > self.world_size else None
+        if first is not None:
+            assert current is not None
+            use_gpu = all(b.get("GPU", 0) >= 1 for b in current.bundle_specs[1 : 1 + self.world_size])
+        bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
         have = ray.available_resources() if first is None else dict.fromkeys(bundle, float("inf"))
         for key, amount in bundle.items():
             if have.get(key, 0.0) < amount * self.world_size:

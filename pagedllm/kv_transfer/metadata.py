@@ -37,6 +37,7 @@ class RemotePull:
     remote_request_id: str
     base: int  # the producer's KV cache buffer: its address and blocks per layer
     num_blocks: int
+    where: str  # mooncake.where_digest of the producer's blocks, base and num_blocks: checked at the release
     blocks: list[tuple[int, int]] = field(default_factory=list)  # (producer block id, local block id)
 
 

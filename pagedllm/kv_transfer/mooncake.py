@@ -55,6 +55,9 @@ from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger("pagedllm")
 
+MAX_TOKENS = 1 << 24  # bounds on a request's kv_transfer_params (a prompt's tokens, a producer's blocks)
+MAX_BLOCKS = 1 << 26
+MAX_HELD_FRACTION = 0.5  # of a producer's KV cache, at most, held for consumers (past it: no params, no hold)
 MAX_BATCH = 1024  # ranges per batched read: the Transfer Engine fails larger batches (measured: 2,000 pass, 4,000 fail)
 
 # what a producer's answer carries (vLLM's names where it has one), beside do_remote_prefill
@@ -75,6 +78,12 @@ _REMOTE_KEYS = {
 
 def tokens_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
+
+
+def where_digest(block_ids: list[int], base: int, num_blocks: int) -> str:
+    """Names the memory a consumer reads: the producer releases a hold only to a consumer that read the blocks
+    it holds (a client's own kv_transfer_params cannot point a consumer at another request's blocks)."""
+    return hashlib.sha256(json.dumps([list(block_ids), base, num_blocks]).encode()).hexdigest()
 
 
 def check_kv_transfer_params(params: Any, role: str | None, layout: dict | None) -> None:
@@ -109,18 +118,47 @@ def check_kv_transfer_params(params: Any, role: str | None, layout: dict | None)
     for key, kind in _REMOTE_KEYS.items():
         value = params.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise InvalidParameterError(f"{where}.{key} must be a {kind.__name__}, got {value!r}", f"{where}.{key}")
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in params["remote_block_ids"]):
-        raise InvalidParameterError(f"{where}.remote_block_ids must be block numbers", f"{where}.remote_block_ids")
+            shown = repr(value)[:80]
+            raise InvalidParameterError(f"{where}.{key} must be a {kind.__name__}, got {shown}", f"{where}.{key}")
     theirs = params["remote_layout"]
-    for key in sorted(set(layout) | set(theirs)):
+    for key in sorted(set(layout) | set(theirs), key=str)[:32]:
         if theirs.get(key) != layout.get(key):
             raise InvalidParameterError(
-                f"{where}.remote_layout: the prefill engine's KV cache differs from this engine's in {key} "
-                f"({theirs.get(key)!r} there, {layout.get(key)!r} here): both must run the same model files with "
-                "the same block size, KV dtype and parallelism",
+                f"{where}.remote_layout: the prefill engine's KV cache differs from this engine's in {str(key)[:40]} "
+                f"({repr(theirs.get(key))[:80]} there, {layout.get(key)!r} here): both must run the same model files "
+                "with the same block size, KV dtype and parallelism",
                 f"{where}.remote_layout",
             )
+    # the numbers become addresses this engine reads from: each within what a producer with this layout has
+    n, blocks = params["remote_num_tokens"], params["remote_num_blocks"]
+    if not 1 <= n <= MAX_TOKENS:
+        raise InvalidParameterError(
+            f"{where}.remote_num_tokens must be 1 to {MAX_TOKENS}", f"{where}.remote_num_tokens"
+        )
+    if not 1 <= blocks <= MAX_BLOCKS:
+        raise InvalidParameterError(
+            f"{where}.remote_num_blocks must be 1 to {MAX_BLOCKS}", f"{where}.remote_num_blocks"
+        )
+    ids = params["remote_block_ids"]
+    if len(ids) != -(-n // layout["block_size"]):
+        raise InvalidParameterError(
+            f"{where}.remote_block_ids must hold one block per {layout['block_size']} of the remote_num_tokens",
+            f"{where}.remote_block_ids",
+        )
+    if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < blocks for b in ids):
+        raise InvalidParameterError(
+            f"{where}.remote_block_ids must be block numbers below remote_num_blocks", f"{where}.remote_block_ids"
+        )
+    itemsize = torch.empty((), dtype=getattr(torch, layout["kv_dtype"])).element_size()
+    cache = layout["layers"] * 2 * blocks * layout["block_size"] * layout["kv_heads"] * layout["head_dim"] * itemsize
+    if not 0 < params["remote_base"] < (1 << 64) - cache:
+        raise InvalidParameterError(f"{where}.remote_base is not an address", f"{where}.remote_base")
+    for key in ("remote_port", "remote_side_channel_port"):
+        if not 1 <= params[key] <= 65535:
+            raise InvalidParameterError(f"{where}.{key} must be a port number", f"{where}.{key}")
+    for key in ("remote_host", "remote_engine_id", "remote_request_id", "remote_tokens_sha256"):
+        if not 0 < len(params[key]) <= 256:
+            raise InvalidParameterError(f"{where}.{key} must be 1 to 256 characters", f"{where}.{key}")
 
 
 class _Holds:
@@ -128,14 +166,16 @@ class _Holds:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.deadline: dict[str, float] = {}  # request id -> when its hold times out
+        self.deadline: dict[str, float] = {}  # hold id -> when it times out
+        self.where: dict[str, str] = {}  # hold id -> its where_digest
         self.released: list[str] = []  # released by a consumer, to free on the engine thread
 
-    def release(self, rid: str) -> bool:
-        """True when the blocks were held until now (so a read that came before saw them whole)."""
+    def release(self, rid: str, where: str) -> bool:
+        """True when these very blocks were held until now (so a read that came before saw them whole)."""
         with self.lock:
-            if self.deadline.pop(rid, None) is None:
+            if rid not in self.deadline or self.where.get(rid) != where:
                 return False
+            del self.deadline[rid], self.where[rid]
             self.released.append(rid)
             return True
 
@@ -158,24 +198,24 @@ class _SideChannelHandler(socketserver.StreamRequestHandler):
         assert isinstance(server, _SideChannel)
         try:
             msg = json.loads(self.rfile.readline(4096))
-            rid, engine = msg["release"], msg["engine_id"]
-        except (ValueError, KeyError, TypeError, OSError):
+            rid, engine, where = msg["release"], msg["engine_id"], msg["where"]
+        except (ValueError, KeyError, TypeError, OSError, RecursionError):
             return
-        held = engine == server.engine_id and isinstance(rid, str) and server.holds.release(rid)
+        held = engine == server.engine_id and isinstance(rid, str) and server.holds.release(rid, where)
         try:
             self.wfile.write(json.dumps({"held": held}).encode() + b"\n")
         except OSError:
             pass
 
 
-def release_remote(address: tuple[str, int], engine_id: str, rid: str, timeout: float = 10.0) -> bool:
+def release_remote(address: tuple[str, int], engine_id: str, rid: str, where: str, timeout: float = 5.0) -> bool:
     """Release a request's blocks on its producer: True when they were held until now."""
     try:
         with socket.create_connection(address, timeout=timeout) as s:
-            s.sendall(json.dumps({"release": rid, "engine_id": engine_id}).encode() + b"\n")
+            s.sendall(json.dumps({"release": rid, "engine_id": engine_id, "where": where}).encode() + b"\n")
             answer = s.makefile("rb").readline(4096)
         return json.loads(answer).get("held") is True
-    except (OSError, ValueError, AttributeError) as e:
+    except (OSError, ValueError, AttributeError, OverflowError) as e:
         logger.warning("MooncakeConnector: could not release %s on %s:%d (%s)", rid, *address, e)
         return False
 
@@ -280,6 +320,7 @@ class MooncakeScheduler:
             params["remote_request_id"],
             params["remote_base"],
             params["remote_num_blocks"],
+            where_digest(params["remote_block_ids"], params["remote_base"], params["remote_num_blocks"]),
             blocks,
         )
 
@@ -305,10 +346,22 @@ class MooncakeScheduler:
         ):
             return
         blocks: list[KVCacheBlock] = self.kv.req_blocks[rid][: -(-n // self.block_size)]
+        held = sum(len(b) for b in self.kv.holds.values())
+        if held + len(blocks) > self.kv.num_blocks * MAX_HELD_FRACTION:
+            logger.warning(
+                "MooncakeConnector: %d of %d blocks already wait for consumers; %s's are not held (its decode "
+                "engine computes the prompt)",
+                held,
+                self.kv.num_blocks,
+                rid,
+            )
+            return
         hold = f"{rid}@{uuid.uuid4().hex[:12]}"  # request ids may come back (offline ones, a client's own)
         self.kv.hold(hold, blocks)
+        ids = [b.block_id for b in blocks]
         with self._holds.lock:
             self._holds.deadline[hold] = time.monotonic() + self.options.hold_timeout_s
+            self._holds.where[hold] = where_digest(ids, self.worker["base"], self.worker["num_blocks"])
         self._held_bytes[hold] = len(blocks) * self.block_bytes
         request.kv_transfer_params = {
             "do_remote_prefill": True,
@@ -318,7 +371,7 @@ class MooncakeScheduler:
             "remote_port": self.worker["rpc_port"],
             "remote_side_channel_port": self._server.server_address[1],
             "remote_request_id": hold,
-            "remote_block_ids": [b.block_id for b in blocks],
+            "remote_block_ids": ids,
             "remote_num_tokens": n,
             "remote_tokens_sha256": tokens_digest(request.prompt_token_ids),
             "remote_base": self.worker["base"],
@@ -333,7 +386,7 @@ class MooncakeScheduler:
             released, self._holds.released = self._holds.released, []
             expired = [rid for rid, t in self._holds.deadline.items() if t <= now]
             for rid in expired:
-                del self._holds.deadline[rid]
+                del self._holds.deadline[rid], self._holds.where[rid]
         for rid in released:
             self.kv.release_hold(rid)
             self.stats.remote_bytes_served += self._held_bytes.pop(rid)
@@ -393,6 +446,12 @@ class MooncakeWorker:
             ) from None
         self.kv_caches = kv_caches
         c = kv_caches[0]
+        if c.device.type != "cpu":
+            raise InvalidParameterError(
+                f"kv_transfer_config: MooncakeConnector reads KV caches in CPU memory only so far; this one is on "
+                f"{c.device}",
+                "kv_transfer_config.kv_connector",
+            )
         self.num_blocks = c.shape[1]
         self.block_bytes = c[0, 0].numel() * c.element_size()  # one layer's K (or V) of one block
         self.layer_bytes = 2 * self.num_blocks * self.block_bytes
@@ -437,19 +496,16 @@ class MooncakeWorker:
         for pull in meta.remote_pulls:
             ok = True
             if pull.blocks:
-                mine, theirs, lens = self._ranges(pull)
-                ok = all(  # (a batch of more than a few thousand ranges is refused by the engine: -1)
-                    self.engine.batch_transfer_sync_read(
-                        pull.session, mine[i : i + MAX_BATCH], theirs[i : i + MAX_BATCH], lens[i : i + MAX_BATCH]
-                    )
-                    == 0
-                    for i in range(0, len(lens), MAX_BATCH)
-                )
+                try:
+                    ok = self._read(pull)
+                except Exception as e:  # whatever a peer (or a request's parameters) does, the engine goes on
+                    logger.warning("MooncakeConnector: reading %s's blocks failed: %s", pull.remote_request_id, e)
+                    ok = False
                 if not ok:
                     logger.warning(
                         "MooncakeConnector: reading %s's blocks from %s failed", pull.remote_request_id, pull.session
                     )
-            held = release_remote(pull.side_channel, pull.engine_id, pull.remote_request_id)
+            held = release_remote(pull.side_channel, pull.engine_id, pull.remote_request_id, pull.where)
             if pull.blocks and ok and not held:
                 logger.warning(
                     "MooncakeConnector: %s's blocks were no longer held on %s (timed out?); recomputing",
@@ -459,6 +515,16 @@ class MooncakeWorker:
             if pull.blocks and not (ok and held):
                 self.failed += [local for _, local in pull.blocks]
         self.load_seconds += time.perf_counter() - t0
+
+    def _read(self, pull: RemotePull) -> bool:
+        mine, theirs, lens = self._ranges(pull)
+        return all(  # (a batch of more than a few thousand ranges is refused by the engine: -1)
+            self.engine.batch_transfer_sync_read(
+                pull.session, mine[i : i + MAX_BATCH], theirs[i : i + MAX_BATCH], lens[i : i + MAX_BATCH]
+            )
+            == 0
+            for i in range(0, len(lens), MAX_BATCH)
+        )
 
     def after_forward(self, meta: KVConnectorMetadata) -> None:
         pass  # (a consumer only reads)

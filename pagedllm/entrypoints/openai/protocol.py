@@ -88,6 +88,12 @@ class _SamplingRequest(BaseModel):
         )
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, structured: Any = ...) -> SamplingParams:
+        kt = self.kv_transfer_params
+        if self.stream and isinstance(kt, dict) and kt.get("do_remote_decode"):
+            raise InvalidParameterError(
+                "kv_transfer_params.do_remote_decode: the answer that says where the blocks wait is not streamed",
+                "kv_transfer_params.do_remote_decode",
+            )
         defaults = SamplingParams()
         return SamplingParams(
             n=self.n,
