@@ -130,6 +130,14 @@ def _texts(url: str, body: dict) -> list[str]:
     return [texts[i] for i in sorted(texts)]
 
 
+def _chat(url: str, content: str) -> dict:
+    """A greedy chat answer's message."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 10, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]
+
+
 def _prefill(producer: Server, prompt: str) -> dict:
     """What a producer answers the proxy: the prompt computed, its blocks held, where they are."""
     r = httpx.post(
@@ -181,17 +189,7 @@ def test_the_pair_answers_what_one_server_answers_computing_one_token_per_prompt
             for k in ("prompt_tokens", "kv_transfer_pulls", "kv_transfer_failures")
         }
         got = [_texts(proxy.url, b) for b in workload]
-        chat = httpx.post(
-            f"{proxy.url}/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": PROMPTS[0]}],
-                "max_tokens": 10,
-                "temperature": 0,
-            },
-            timeout=120,
-        )
-        assert chat.status_code == 200, chat.text
+        chat = _chat(proxy.url, PROMPTS[0])
         after = {k: _metric(consumer, f"pagedllm:{k}_total") for k in before}
         # the consumer computed one token of each prompt (the last: its logits sample the first output token)
         assert after["prompt_tokens"] - before["prompt_tokens"] == len(workload) + 1
@@ -199,17 +197,7 @@ def test_the_pair_answers_what_one_server_answers_computing_one_token_per_prompt
         assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
         assert _metric(consumer, "pagedllm:kv_transfer_bytes_total", direction="pull") > 0
         assert got == [_texts(alone.url, {**b, "stream": False}) for b in workload]
-        reference = httpx.post(
-            f"{alone.url}/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": PROMPTS[0]}],
-                "max_tokens": 10,
-                "temperature": 0,
-            },
-            timeout=120,
-        )
-        assert chat.json()["choices"][0]["message"] == reference.json()["choices"][0]["message"]
+        assert chat == _chat(alone.url, PROMPTS[0])
         # every hold was released by the consumer, none timed out
         _clean(producer)
         _clean(consumer)
