@@ -226,7 +226,6 @@ class MooncakeScheduler:
     def __init__(
         self, role: str, options: MooncakeOptions, block_size: int, block_bytes: int, worker: dict, layout: dict
     ):
-        self.role = role
         self.options = options
         self.block_size = block_size
         self.block_bytes = block_bytes  # one block, every layer's K and V
@@ -287,8 +286,6 @@ class MooncakeScheduler:
             request.prompt_token_ids
         ):
             return 0  # not the prompt the producer computed (another tokenizer or chat template): compute it here
-        if len(params["remote_block_ids"]) < -(-(n - 1) // self.block_size):
-            return 0
         return max(0, n - 1 - num_computed_tokens)
 
     def update_state_after_alloc(
