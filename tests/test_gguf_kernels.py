@@ -151,6 +151,35 @@ def test_a_nan_row_stays_nan_in_the_gemm_and_leaves_the_others_finite(gemm_from)
     assert y[9].isnan().all() and y[torch.arange(11) != 9].isfinite().all()
 
 
+@pytest.mark.parametrize("m", [1, 5, 9, 40])
+def test_a_fused_projection_in_one_call_is_each_shards_call_bit_for_bit(gemm_from, m):
+    """A Q4_K_M file's q | k | v (Q4_K, Q4_K, Q6_K) with a Q8_0 shard (another rounding block) in one call:
+    each shard's columns equal its own call, through the row kernels and (40 rows) the panel GEMM."""
+    blocks = gemm_from(16)
+    k = 512
+    types = [T.Q4_K, T.Q4_K, T.Q6_K, T.Q8_0]
+    raws = [torch.from_numpy(random_blocks(t, n, k, seed=n)) for t, n in zip(types, [48, 16, 21, 33], strict=True)]
+    x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
+    y = blocks.matmul_a8_parts([int(t) for t in types], x, raws)
+    assert torch.equal(y, torch.cat([blocks.matmul_a8(int(t), x, r) for t, r in zip(types, raws, strict=True)], 1))
+    with pytest.raises(ValueError, match="features"):
+        blocks.matmul_a8_parts([int(T.Q4_K)], torch.randn(1, 256), raws[:1])
+    with pytest.raises(ValueError, match="ggml type 2"):
+        q4_0 = torch.zeros(4, 18 * k // 32, dtype=torch.uint8)
+        blocks.matmul_a8_parts([int(T.Q4_K), int(T.Q4_0)], x, [raws[0], q4_0])
+
+
+def test_an_infinite_input_makes_its_block_nan_and_leaves_the_others_alone(blocks):
+    x = torch.randn(2, 512)
+    x[1, 300] = float("inf")
+    q, d, sums = blocks.quantize(x, 256)
+    assert d[1, 1].isnan() and not q[1, 256:].any() and not sums[1, 16:].any()
+    assert torch.equal(d[0], blocks.quantize(x[:1], 256)[1][0]) and d[1, 0].isfinite()
+    assert blocks.round_activations(x, 256)[1, 256:].isnan().all()
+    y = blocks.matmul_a8(int(T.Q4_K), x, torch.from_numpy(random_blocks(T.Q4_K, 8, 512)))
+    assert y[0].isfinite().all() and y[1].isnan().all()
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 4, 9])
 def test_float_activation_gemv_is_the_dequantized_weights(blocks, qtype, m):
@@ -171,6 +200,22 @@ def test_a_nan_in_the_input_makes_its_row_nan_not_finite(blocks):
 def test_unknown_types_are_refused(blocks):
     with pytest.raises(ValueError, match="ggml type"):
         blocks.matmul_a8(int(T.Q4_0), torch.randn(1, 32), torch.zeros(4, 18, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("activation_bits", [8, None])
+def test_a_stacked_linear_is_its_shards_side_by_side(activation_bits):
+    from pagedllm.layers.gguf_linear import stacked_gguf
+
+    k, sizes, names = 512, [32, 16, 24], ["Q4_K", "Q4_K", "Q6_K"]
+    raws = tuple(torch.from_numpy(random_blocks(T[t], n, k, seed=n)) for t, n in zip(names, sizes, strict=True))
+    bias = torch.randn(sum(sizes))
+    layer = stacked_gguf(names, raws, bias, activation_bits)
+    for m in (1, 3, 40):
+        x = torch.randn(m, k)
+        want = torch.cat([p(x) for p in layer.parts], 1) + bias
+        assert torch.equal(layer(x), want)
+        xb = x.bfloat16()
+        assert torch.equal(layer(xb.view(1, m, k)), layer(xb.float()).bfloat16().view(1, m, -1))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -33,6 +33,8 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                             int64_t BS, float scale, int kv_dtype, const float *fp8_lut);
 
 int gguf_matmul_a8(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K);
+int gguf_matmul_a8_parts(int n, const int *types, const uint8_t *const *raws, const int64_t *Ns, const float *x,
+                         float *y, int64_t M, int64_t K);
 int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K);
 
 /* one linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations, 6 and 7 the
@@ -78,8 +80,22 @@ static void store_kv(void *cache, int64_t kv_dtype, int64_t slot, const float *r
 
 static int linear(const QLinear *l, const float *x, float *y, int64_t T);
 
-/* the parts' outputs into their columns of y [T, l->n] */
+#define MAX_PARTS 8
+
+/* the parts' outputs into their columns of y [T, l->n]: GGUF blocks with int8 activations in one call (x
+ * rounded once, each part's columns written in place; the same numbers as a call a part) */
 static int stacked(const QLinear *l, const float *x, float *y, int64_t T) {
+    int a8 = l->n_parts <= MAX_PARTS;
+    for (int64_t p = 0; p < l->n_parts && a8; p++)
+        a8 = l->parts[p].kind >= GGUF_A8 && l->parts[p].kind < GGUF_F32 && !l->parts[p].n_parts && !l->parts[p].bias;
+    if (a8) {
+        int types[MAX_PARTS];
+        const uint8_t *raws[MAX_PARTS];
+        int64_t ns[MAX_PARTS];
+        for (int64_t p = 0; p < l->n_parts; p++)
+            types[p] = (int)(l->parts[p].kind - GGUF_A8), raws[p] = l->parts[p].qweight, ns[p] = l->parts[p].n;
+        return gguf_matmul_a8_parts((int)l->n_parts, types, raws, ns, x, y, T, l->k) ? -1 : 0;
+    }
     int64_t widest = 0, col = 0;
     for (int64_t p = 0; p < l->n_parts; p++) widest = l->parts[p].n > widest ? l->parts[p].n : widest;
     float *tmp = malloc(T * widest * sizeof(float));

@@ -38,6 +38,7 @@
  * Weight rows are split across OpenMP threads, COLS at a time; rows of x (up to 6 at once: a verification
  * step of speculative decoding with k = 5) share each decoded super-block.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -241,40 +242,71 @@ int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K
 
 /* ---- activations rounded to int8 ------------------------------------------------------------------ */
 
+/* one block of x (`block` elements, a multiple of 16) rounded to int8; any output may be NULL. A block holding
+ * NaN or infinity gets d = NaN and q = 0 (its rows' results NaN, never silently finite). */
+static inline void quantize_block(const float *xb, int block, int8_t *q, float *d, int16_t *bsums, float *xr) {
+#ifdef __AVX512F__
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int j = 0; j < block; j += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(xb + j));
+        vmax = _mm512_max_ps(vmax, a);
+        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); /* NaN or infinite */
+    }
+    const float amax = _mm512_reduce_max_ps(vmax);
+#else
+    float amax = 0.f;
+    int bad = 0;
+    for (int j = 0; j < block; j++) {
+        const float a = fabsf(xb[j]);
+        amax = a > amax ? a : amax;
+        bad |= !(a <= FLT_MAX);
+    }
+#endif
+    const float iscale = amax > 0.f ? 127.f / amax : 0.f;
+    const float db = bad ? NAN : amax > 0.f ? 1.f / iscale : 0.f;
+    if (d) *d = db;
+    if (bad) {
+        if (q) memset(q, 0, block);
+        if (bsums) memset(bsums, 0, block / 16 * sizeof(int16_t));
+        if (xr)
+            for (int j = 0; j < block; j++) xr[j] = 0.f * db;
+        return;
+    }
+#ifdef __AVX512F__
+    const __m512 vs = _mm512_set1_ps(iscale), vd = _mm512_set1_ps(db);
+    for (int j = 0; j < block; j += 16) {
+        /* the product rounded to float, then to the nearest integer, ties to even (llama.cpp's nearest_int) */
+        __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + j), vs));
+        qi = _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        if (q) _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(qi));
+        if (bsums) bsums[j / 16] = (int16_t)_mm512_reduce_add_epi32(qi);
+        if (xr) _mm512_storeu_ps(xr + j, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), vd));
+    }
+#else
+    for (int g = 0; g < block / 16; g++) {
+        int32_t t = 0;
+        for (int j = 16 * g; j < 16 * g + 16; j++) {
+            const int32_t qi = (int32_t)nearbyintf(xb[j] * iscale);
+            const int8_t qj = (int8_t)(qi > 127 ? 127 : qi < -127 ? -127 : qi);
+            t += qj;
+            if (q) q[j] = qj;
+            if (xr) xr[j] = (float)qj * db;
+        }
+        if (bsums) bsums[g] = (int16_t)t;
+    }
+#endif
+}
+
 /* each row of x [M, K] per block of `block` (256 or 32): qx [M, K] int8, d [M, K / block], bsums [M, K / 16]
- * int16 (the sums of q per 16), xr [M, K] = q * d; any output may be NULL. A block holding NaN or infinity
- * gets d = NaN (its rows' results NaN, never silently finite). */
+ * int16 (the sums of q per 16), xr [M, K] = q * d; any output may be NULL. */
 void gguf_quantize_q8(const float *x, int64_t M, int64_t K, int block, int8_t *qx, float *d, int16_t *bsums,
                       float *xr) {
     const int64_t R = M * (K / block);
 #pragma omp parallel for schedule(static) if (R * block > 65536)
-    for (int64_t r = 0; r < R; r++) {
-        const float *xb = x + r * block;
-        float amax = 0.f, s = 0.f;
-        for (int j = 0; j < block; j++) {
-            amax = fmaxf(amax, fabsf(xb[j]));
-            s += xb[j];
-        }
-        const float iscale = amax > 0.f ? 127.f / amax : 0.f;
-        float db = amax > 0.f ? 1.f / iscale : 0.f;
-        if (isnan(s) || isinf(s)) db = NAN;
-        int8_t q[QK];
-        for (int j = 0; j < block; j++) {
-            /* the product rounded to float, then to the nearest integer, ties to even (llama.cpp's nearest_int) */
-            const int32_t qi = (int32_t)nearbyintf(xb[j] * iscale);
-            q[j] = (int8_t)(db == db ? (qi > 127 ? 127 : qi < -127 ? -127 : qi) : 0);
-        }
-        if (d) d[r] = db;
-        if (qx) memcpy(qx + r * block, q, block);
-        if (bsums)
-            for (int g = 0; g < block / 16; g++) {
-                int32_t t = 0;
-                for (int j = 0; j < 16; j++) t += q[16 * g + j];
-                bsums[r * (block / 16) + g] = (int16_t)t;
-            }
-        if (xr)
-            for (int j = 0; j < block; j++) xr[r * block + j] = (float)q[j] * db;
-    }
+    for (int64_t r = 0; r < R; r++)
+        quantize_block(x + r * block, block, qx ? qx + r * block : NULL, d ? d + r : NULL,
+                       bsums ? bsums + r * (block / 16) : NULL, xr ? xr + r * block : NULL);
 }
 
 /* ---- integer dot products, one weight row against mc rows of x ---------------------------------------
@@ -576,7 +608,7 @@ int gguf_has_gemm(void) {
 static int gemm_rows_factor(int type) { return type == Q6_K ? 4 : 1; }
 
 static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
-                        float *y, int64_t M, int64_t N, int64_t K);
+                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
 #endif
 
 /* one weight row against rows m0 .. m0 + mc - 1 (mc a constant in each case: the loops over rows unroll) */
@@ -587,13 +619,14 @@ static inline __attribute__((always_inline)) void dot_rows(int type, int mc, con
     else q32_rows(type, mc, row, K / 32, qx, dx, bs, K, out);
 }
 
-/* y [M, N] = x_rounded [M, K] . W^T from x already rounded (gguf_quantize_q8 with the type's block); 0, or -1
- * for a type these kernels do not read */
-int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw, float *y,
-                   int64_t M, int64_t N, int64_t K) {
+/* y [M, N] (rows ldy floats apart) = x_rounded [M, K] . W^T from x already rounded (gguf_quantize_q8 with the
+ * type's block); 0, or -1 for a type these kernels do not read */
+static int matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw, float *y,
+                     int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (!block_elems(type)) return -1;
 #ifdef GB_AVX512
-    if (M > (int64_t)gguf_gemm_min_rows * gemm_rows_factor(type)) return gguf_gemm_q8(type, qx, dx, bsums, raw, y, M, N, K);
+    if (M > (int64_t)gguf_gemm_min_rows * gemm_rows_factor(type))
+        return gguf_gemm_q8(type, qx, dx, bsums, raw, y, ldy, M, N, K);
 #endif
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type), ab = act_block(type);
 #pragma omp parallel for schedule(static)
@@ -626,11 +659,16 @@ int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *b
                     ROWS_CASES(Q5_0)
                 }
 #undef ROWS_CASES
-                for (int64_t i = 0; i < mc; i++) y[(m0 + i) * N + n] = out[i];
+                for (int64_t i = 0; i < mc; i++) y[(m0 + i) * ldy + n] = out[i];
             }
         }
     }
     return 0;
+}
+
+int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw, float *y,
+                   int64_t M, int64_t N, int64_t K) {
+    return matmul_q8(type, qx, dx, bsums, raw, y, N, M, N, K);
 }
 
 #ifdef GB_AVX512
@@ -737,7 +775,7 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, uint32_t
  * (sums of q_x and dx per group) ng apart */
 static inline __attribute__((always_inline)) void panel_rows(int rt, int G, int64_t K, int64_t ng, const uint32_t *u,
                                                              const float *s, const float *m, const int8_t *qx,
-                                                             const float *xs, const float *dg, float *y, int64_t N,
+                                                             const float *xs, const float *dg, float *y, int64_t ldy,
                                                              __mmask16 mask) {
     __m512 acc[RT];
     for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
@@ -760,12 +798,12 @@ static inline __attribute__((always_inline)) void panel_rows(int rt, int G, int6
             acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(dg[r * ng + g]), acc[r]);
         }
     }
-    for (int r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + r * N, mask, acc[r]);
+    for (int r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 
 /* gguf_matmul_q8 for many rows: same products, the float sums in another order */
 static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
-                        float *y, int64_t M, int64_t N, int64_t K) {
+                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     const int G = group_elems(type), ab = act_block(type);
     const int64_t ng = K / G, row_bytes = K / block_elems(type) * block_bytes(type);
     float *xs = malloc(M * ng * sizeof(float) + 64), *dg = malloc(M * ng * sizeof(float) + 64);
@@ -800,17 +838,17 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
                 const int rt = M - m0 < RT ? (int)(M - m0) : RT;
                 const int8_t *q = qx + m0 * K;
                 const float *xsr = xs + m0 * ng, *dgr = dg + m0 * ng;
-                float *yr = y + m0 * N + n0;
+                float *yr = y + m0 * ldy + n0;
 #define TILES(GG)                                                                                        \
                 switch (rt) {                                                                            \
-                    case 8: panel_rows(8, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
-                    case 7: panel_rows(7, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
-                    case 6: panel_rows(6, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
-                    case 5: panel_rows(5, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
-                    case 4: panel_rows(4, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
-                    case 3: panel_rows(3, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
-                    case 2: panel_rows(2, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;          \
-                    default: panel_rows(1, GG, K, ng, u, s, m, q, xsr, dgr, yr, N, mask); break;         \
+                    case 8: panel_rows(8, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
+                    case 7: panel_rows(7, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
+                    case 6: panel_rows(6, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
+                    case 5: panel_rows(5, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
+                    case 4: panel_rows(4, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
+                    case 3: panel_rows(3, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
+                    case 2: panel_rows(2, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
+                    default: panel_rows(1, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;         \
                 }
                 if (G == 16) {
                     TILES(16)
@@ -827,19 +865,42 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
 }
 #endif
 
+/* y [M, N_0 + ... + N_{n-1}] = x [M, K] . [W_0; ...; W_{n-1}]^T, W_p [N_p, K] of type types[p] (a fused
+ * projection whose shards the file stores in different types): part p's columns of y are gguf_matmul_a8 of
+ * W_p, bit for bit, with x rounded once per block size the parts use; 0, -1 for a type these kernels do not
+ * read, -2 when memory ran out */
+int gguf_matmul_a8_parts(int n, const int *types, const uint8_t *const *raws, const int64_t *Ns, const float *x,
+                         float *y, int64_t M, int64_t K) {
+    int64_t ldy = 0;
+    for (int p = 0; p < n; p++) {
+        if (!block_elems(types[p])) return -1;
+        ldy += Ns[p];
+    }
+    int8_t *qx[2] = {NULL, NULL};
+    float *dx[2] = {NULL, NULL};
+    int16_t *bs[2] = {NULL, NULL};
+    int rc = 0;
+    for (int64_t p = 0, col = 0; p < n && !rc; col += Ns[p], p++) {
+        const int ab = act_block(types[p]), b = ab == QK;
+        if (!qx[b]) {
+            qx[b] = malloc(M * K + 64);
+            dx[b] = malloc(M * (K / ab) * sizeof(float) + 64);
+            bs[b] = malloc(M * (K / 16) * sizeof(int16_t) + 64);
+            if (!qx[b] || !dx[b] || !bs[b]) {
+                rc = -2;
+                break;
+            }
+            gguf_quantize_q8(x, M, K, ab, qx[b], dx[b], bs[b], NULL);
+        }
+        rc = matmul_q8(types[p], qx[b], dx[b], bs[b], raws[p], y + col, ldy, M, Ns[p], K);
+    }
+    for (int b = 0; b < 2; b++) free(qx[b]), free(dx[b]), free(bs[b]);
+    return rc;
+}
+
 /* gguf_matmul_q8 from float x: rounds it (per 256 for the K-quants, per 32 for Q8_0 / Q5_0), then the GEMV */
 int gguf_matmul_a8(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K) {
-    if (!block_elems(type)) return -1;
-    const int ab = act_block(type);
-    int8_t *qx = malloc(M * K + 64);
-    float *dx = malloc(M * (K / ab) * sizeof(float) + 64);
-    int16_t *bs = malloc(M * (K / 16) * sizeof(int16_t) + 64);
-    gguf_quantize_q8(x, M, K, ab, qx, dx, bs, NULL);
-    const int rc = gguf_matmul_q8(type, qx, dx, bs, raw, y, M, N, K);
-    free(qx);
-    free(dx);
-    free(bs);
-    return rc;
+    return gguf_matmul_a8_parts(1, &type, &raw, &N, x, y, M, K);
 }
 
 /* ---- float32 activations ------------------------------------------------------------------------------ */

@@ -93,7 +93,15 @@ class StackedLinear(nn.Module):
         self.bias = _bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        if x.dim() != 2 or x.dtype != torch.float32:
+            return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
+        parts = cast(list[GGUFLinear], list(self.parts))
+        k = parts[0]._kernels
+        if all(p.activation_bits and p.bias is None for p in parts) and (k.has_gemm or x.shape[0] <= SMALL_BATCH):
+            # where each part would run its kernel: all in one call, the input rounded once
+            y = k.matmul_a8_parts([p.qtype for p in parts], x.contiguous(), [p.raw for p in parts])
+        else:
+            y = torch.cat([p(x) for p in parts], dim=-1)
         return y if self.bias is None else y.add_(self.bias)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
