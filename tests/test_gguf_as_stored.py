@@ -137,6 +137,14 @@ def test_a_truncated_file_is_refused_before_loading(tmp_path):
         LLM(str(path), max_model_len=128)
 
 
+def test_a_file_cut_inside_its_vocabulary_is_refused_by_name(tmp_path):
+    path = tmp_path / "vocab_cut.gguf"
+    data = Path(default_model_path()).read_bytes()
+    path.write_bytes(data[: data.index(b"tokenizer.ggml.merges") + 4096])  # mid-way through the merges' strings
+    with pytest.raises(UnsupportedModelError, match=r"vocab_cut\.gguf"):
+        LLM(str(path), max_model_len=128)
+
+
 def test_kv_cache_is_sized_for_what_it_holds(monkeypatch):
     llm = LLM(max_model_len=256, max_num_seqs=4)
     assert llm.llm_engine.num_blocks == 4 * (256 // 16 + 1)

@@ -162,6 +162,11 @@ class _Cursor:
             item_type, count = int(self.scalar("I")), int(self.scalar("Q"))
             if item_type in _SCALAR_FORMATS:
                 self.pos += count * struct.calcsize(self.order + _SCALAR_FORMATS[item_type])
+            elif item_type == _STRING:  # a vocabulary: 150k strings, so one tight loop (struct.error past the end)
+                unpack, buf, pos = struct.Struct(self.order + "Q").unpack_from, self.buf, self.pos
+                for _ in range(count):
+                    pos += 8 + int(unpack(buf, pos)[0])
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.skip_value(item_type)
