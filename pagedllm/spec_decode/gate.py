@@ -1,18 +1,18 @@
 """Back-off by cost: drafting pauses while the engine's decode steps are faster without it.
 
 The rejection back-off (``backoff_after_rejections``) pauses a request whose drafts keep failing. It cannot see a
-draft that is accepted yet does not pay: on a CPU a draft model's own passes (a 0.5B drafting for a 1.5B reads
-a 136M-weight head per drafted token) and the target's k + 1 verification rows can cost more than the tokens
-they save. So the runner times its decode steps, each of them either drafting (it verified drafts) or plain (it neither
+draft that is accepted yet does not pay: on a CPU a draft model's own passes (a 0.5B drafting for a 1.5B reads a
+136M-weight head per drafted token) and the target's k + 1 verification rows can cost more than the tokens they
+save. So the runner times its decode steps, each of them either drafting (it verified drafts) or plain (it neither
 verified nor proposed any), and this gate compares the two rates: tokens emitted per request per second, each an
-exponentially weighted average, drafting's begun afresh after every pause (what paid before a pause says little
-about the text after it). While drafting is the slower, it pauses, then drafts ``probe`` steps to measure it
-again. A pause is long enough that its probe costs at most ``budget`` of it (the probe's tokens, ``probe``
-times the tokens a drafting step emits, each at the plain rate's loss), and twice the last one while drafting
-keeps losing, up to ``max_pause`` steps: drafting at 0.3x costs under 4 % over a long answer, a draft near
-break-even little more. When drafting pays again (a copy-heavy stretch of the answer) the pauses end; and a
-request that arrives at an idle engine (:meth:`restart`), its text being new, is judged by its first drafting
-step alone.
+exponentially weighted average (the plain mean of its first 1 / alpha steps, so that one lucky first step, all
+drafts accepted, does not outweigh the losing ones after it), drafting's begun afresh after every pause (what paid
+before a pause says little about the text after it). While drafting is the slower, it pauses, then drafts ``probe``
+steps to measure it again. A pause is long enough that its probe costs at most ``budget`` of it (the probe's tokens,
+``probe`` times the tokens a drafting step emits, each at the plain rate's loss), and twice the last one while
+drafting keeps losing, up to ``max_pause`` steps: drafting at 0.3x costs under 4 % over a long answer, a draft near
+break-even little more. When drafting pays again (a copy-heavy stretch of the answer) the pauses end; and a request
+that arrives at an idle engine (:meth:`restart`), its text being new, is judged by its first drafting step alone.
 
 Until drafting has been measured once, the gate measures: ``probe`` drafting steps, then ``probe`` plain ones.
 Steps with a prompt chunk in them, and the steps that only propose, are not counted. Greedy outputs do not
@@ -31,6 +31,7 @@ class CostGate:
     ):
         self.probe, self.max_pause, self.budget, self.alpha, self.clock = probe, max_pause, budget, alpha, clock
         self.rate: dict[bool, float | None] = {True: None, False: None}  # drafting? -> tokens / request / s
+        self.samples = {True: 0, False: 0}  # steps in each rate since it was last reset
         self.measured = False  # a drafting step has been timed
         self.per_step = 1.0  # tokens a drafting step emits per request (weighted average)
         self.fresh = 0  # drafting steps measured since the last pause
@@ -84,4 +85,8 @@ class CostGate:
             self.fresh += 1
             self.measured = True
             self.per_step += self.alpha * (tokens_per_request - self.per_step)
-        self.rate[drafting] = rate if old is None else old + self.alpha * (rate - old)
+        # the plain mean of a rate's first 1 / alpha steps, then the weighted average: an average begun at one
+        # lucky step (all drafts accepted) would take many losing steps to fall below the plain rate
+        self.samples[drafting] = 1 if old is None else self.samples[drafting] + 1
+        weight = max(self.alpha, 1 / self.samples[drafting])
+        self.rate[drafting] = rate if old is None else old + weight * (rate - old)
