@@ -306,6 +306,30 @@ def test_cost_backoff_keeps_drafts_that_do_not_pay_out_and_changes_no_token(tiny
     assert gate.paused_steps > 20 and 0 < drafts[True] < drafts[False] / 2
 
 
+def test_the_step_that_verifies_the_last_drafts_before_a_pause_is_not_timed_as_drafting(tiny_dir):
+    """It verifies drafts but proposes none (the gate has just paused drafting): a drafting step's tokens at
+    a fraction of its cost. Timed as drafting, it made drafting look faster than it is."""
+    llm = LLM(str(tiny_dir), max_model_len=256, num_gpu_blocks_override=128, speculative_config=SELF_INT8)
+    gate = llm.llm_engine.core.runner.cost_gate
+    steps: list[list] = []  # per step: [whether the gate allowed drafts (None: not asked), recorded as drafting]
+    record = gate.record
+
+    def allowed() -> bool:  # the gate's answers scripted (its own follow this machine's timings)
+        ok = len(steps) % 3 != 0  # drafting paused every third step
+        steps.append([ok, None])
+        return ok
+
+    def recorded(drafting: bool, tokens: float, seconds: float) -> None:
+        steps[-1][1] = drafting
+        record(drafting, tokens, seconds)
+
+    gate.allow, gate.record = allowed, recorded
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    assert _generate(llm, [COPY], params) == _generate(LLM(str(tiny_dir), max_model_len=256), [COPY], params)
+    assert sum(1 for ok, drafting in steps if ok and drafting) > 5  # drafting steps are timed
+    assert not [s for s in steps if s == [False, True]]
+
+
 def test_disable_by_batch_size(tiny_dir):
     llm = LLM(
         str(tiny_dir),
