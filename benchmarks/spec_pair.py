@@ -3,7 +3,7 @@
     python benchmarks/spec_pair.py [--target qwen2.5-coder-1.5b-instruct-q4_k_m] \\
         [--draft qwen2.5-coder-0.5b-instruct] [--ks 2,4,6] [--ngram-k 4] [--max-tokens 192] \\
         [--quantization gguf] [--draft-quantization gguf] [--backoff-by-cost on|off|both] \\
-        [--adaptive-length on|off|both]
+        [--adaptive-length on|off|both] [--rounds N]
 
 One stream, greedy, three workloads (chat prompts through the target's template):
 
@@ -12,9 +12,11 @@ One stream, greedy, three workloads (chat prompts through the target's template)
 - ``chat``: an explanation in prose.
 
 For each configuration (no speculation; n-gram with k = --ngram-k; the draft model with each k of --ks) one
-engine runs the three workloads after a warm-up: decode tok/s (the request's own timestamps, first token to
-last), the speed-up over no speculation in the same command, whether the tokens equal no speculation's (they
-must: greedy), the acceptance rate, mean accepted length and acceptance per draft position.
+engine runs the three workloads after a warm-up (with --rounds N, every engine is loaded at once and each
+workload answered by each engine in turn, N times, medians reported: it cancels the machine's drift): decode
+tok/s (the request's own timestamps, first token to last), the speed-up over no speculation in the same
+command, whether the tokens equal no speculation's (they must: greedy), the acceptance rate, mean accepted
+length and acceptance per draft position.
 Models named as in ``benchmarks/real_models.py`` are fetched (and checked) first. Prints a table and JSON.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -76,31 +79,61 @@ WORKLOADS = {
 }
 
 
-def _run(target: str, spec: dict | None, max_tokens: int, quantization: str | None) -> dict:
+def _engine(target: str, spec: dict | None, quantization: str | None):
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.offline import spec_report
 
     kwargs = {"speculative_config": spec} if spec else {}
     if quantization:
         kwargs["quantization"] = quantization
-    llm = LLM(target, max_model_len=2048, enable_prefix_caching=False, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm = LLM(target, max_model_len=2048, max_num_seqs=4, enable_prefix_caching=False, **kwargs)
     llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     spec_report(llm)  # counts from here on
-    out: dict = {}
-    for name, prompt in WORKLOADS.items():
-        ids = llm.apply_chat_template([{"role": "user", "content": prompt}])
-        (res,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        m = res.metrics
-        n = len(res.outputs[0].token_ids)
-        out[name] = {
-            "tokens": res.outputs[0].token_ids,
-            "decode_tok_s": (n - 1) / (m.last_token_time - m.first_token_time),
-            "spec": spec_report(llm),
-        }
-    del llm
-    gc.collect()
-    return out
+    return llm
+
+
+def _answer(llm, prompt: str, max_tokens: int) -> tuple[list[int], float]:
+    """One workload's greedy answer: (its tokens, decode tok/s from the first token to the last)."""
+    from pagedllm import SamplingParams
+
+    ids = llm.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    (res,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    m, n = res.metrics, len(res.outputs[0].token_ids)
+    return res.outputs[0].token_ids, (n - 1) / (m.last_token_time - m.first_token_time)
+
+
+def _run_all(target: str, configs: dict, max_tokens: int, quantization: str | None, rounds: int) -> dict:
+    """Each configuration's results: one engine after another (rounds 1), or every engine loaded at once and
+    each workload answered by each in turn, ``rounds`` times (the median rate): this machine's speed drifts
+    by several per cent between minutes, which interleaving cancels out of the ratios."""
+    from pagedllm.benchmarks.offline import spec_report
+
+    results: dict = {}
+    if rounds == 1:
+        for name, spec in configs.items():
+            llm = _engine(target, spec, quantization)
+            results[name] = {}
+            for work, prompt in WORKLOADS.items():
+                tokens, rate = _answer(llm, prompt, max_tokens)
+                results[name][work] = {"tokens": tokens, "decode_tok_s": rate, "spec": spec_report(llm)}
+            del llm
+            gc.collect()
+        return results
+    engines = {name: _engine(target, spec, quantization) for name, spec in configs.items()}
+    rates: dict = {name: {work: [] for work in WORKLOADS} for name in engines}
+    for _ in range(rounds):
+        for work, prompt in WORKLOADS.items():
+            for name, llm in engines.items():
+                tokens, rate = _answer(llm, prompt, max_tokens)
+                rates[name][work].append(rate)
+                results.setdefault(name, {})[work] = {"tokens": tokens, "rates": rates[name][work]}
+    for name, llm in engines.items():  # acceptance over all rounds
+        spec = spec_report(llm)
+        for work in WORKLOADS:
+            r = results[name][work]
+            r["decode_tok_s"], r["spec"] = statistics.median(r["rates"]), spec
+    return results
 
 
 def _variants(configs: dict, mode: str, default: str, suffix: str, change: dict) -> dict:
@@ -137,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         default="off",
         help="speculative_config.adaptive_length of every speculative run; both: each run with it and without",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="load every configuration's engine at once and answer each workload this many times in turn "
+        "(medians; acceptance then counts all rounds together)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
     target, draft = resolve(args.target), resolve(args.draft)
@@ -151,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = _variants(configs, args.adaptive_length, "off", "adaptive", {"adaptive_length": True})
 
     started = time.perf_counter()
-    results = {name: _run(target, spec, args.max_tokens, args.quantization) for name, spec in configs.items()}
+    results = _run_all(target, configs, args.max_tokens, args.quantization, args.rounds)
     base = results["off"]
     report: dict = {
         "target": Path(target).name,
@@ -159,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantization": args.quantization,
         "draft_quantization": args.draft_quantization,
         "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
         "runs": {},
     }
     print(
@@ -171,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "tokens": len(r["tokens"]),
                 "decode_tok_s": round(r["decode_tok_s"], 2),
+                "speedup_each_round": [round(x / base[work]["decode_tok_s"], 3) for x in r.get("rates", ())],
                 "speedup": round(r["decode_tok_s"] / base[work]["decode_tok_s"], 3),
                 "identical_to_off": r["tokens"] == base[work]["tokens"],
                 "acceptance_rate": spec.get("acceptance_rate"),

@@ -282,6 +282,27 @@ def test_a_lucky_first_drafting_step_does_not_keep_a_losing_request_drafting():
     assert steps == [True, True, False, False]
 
 
+def test_a_draft_models_catch_up_after_a_pause_lengthens_the_next_pause():
+    """Each probe after a pause begins with a step in which the draft model catches up on the pause's tokens
+    (0.11 s beyond a 0.04 s plain step for the 0.5B drafting for the 1.5B here): it is part of the probe's
+    cost, so the pause that a near break-even probe earns is long enough to pay for it."""
+    pauses = {}
+    for catchup in (0.0, 0.11):
+        gate = CostGate()
+        for _ in range(2 * gate.probe):  # both modes measured: plain 0.04 s a token, drafting 0.17 s for 4
+            drafting = gate.allow()
+            gate.record(drafting, 4.0 if drafting else 1.0, 0.17 if drafting else 0.04)
+        if catchup:
+            gate.record_catchup(0.04 + catchup)
+        gate.restart()
+        assert gate.allow()
+        gate.record(True, 4.0, 0.17)
+        assert not gate.allow()
+        pauses[catchup] = gate.pause
+    # the catch-up costs 0.11 s x 25 tokens/s = 2.75 plain steps' time more a probe: at 2 % of the pause, 137.5
+    assert pauses[0.0] >= gate.probe and pauses[0.11] - pauses[0.0] in (137, 138), pauses
+
+
 def _slowed(record, factor: float):
     """A gate's record() that sees drafting steps take ``factor`` times their time."""
     return lambda drafting, tokens, seconds: record(drafting, tokens, seconds * (factor if drafting else 1))

@@ -9,10 +9,11 @@ exponentially weighted average (the plain mean of its first 1 / alpha steps, so 
 drafts accepted, does not outweigh the losing ones after it), drafting's begun afresh after every pause (what paid
 before a pause says little about the text after it). While drafting is the slower, it pauses, then drafts ``probe``
 steps to measure it again. A pause is long enough that its probe costs at most ``budget`` of it (the probe's tokens,
-``probe`` times the tokens a drafting step emits, each at the plain rate's loss), and twice the last one while
-drafting keeps losing, up to ``max_pause`` steps: drafting at 0.3x costs under 4 % over a long answer, a draft near
-break-even little more. When drafting pays again (a copy-heavy stretch of the answer) the pauses end; and a request
-that arrives at an idle engine (:meth:`restart`), its text being new, is judged by its first drafting step alone.
+``probe`` times the tokens a drafting step emits, each at the plain rate's loss, and a draft model's catch-up on the
+tokens of the pause), and twice the last one while drafting keeps losing, up to ``max_pause`` steps: drafting at
+0.3x costs under 4 % over a long answer, a draft near break-even little more. When drafting pays again (a copy-heavy
+stretch of the answer) the pauses end; and a request that arrives at an idle engine (:meth:`restart`), its text
+being new, is judged by its first drafting step alone.
 
 Until drafting has been measured once, the gate measures: ``probe`` drafting steps, then ``probe`` plain ones.
 Steps with a prompt chunk in them, and the steps that only propose, are not counted. Greedy outputs do not
@@ -38,6 +39,7 @@ class CostGate:
         self.pause = 0  # the last pause's length, in steps
         self.left = 0  # steps left in the current pause
         self.paused_steps = 0  # all steps the gate has kept drafts out of (tests read it)
+        self.catchup = 0.0  # seconds a draft model's catch-up after a pause adds to its step (weighted average)
 
     def allow(self) -> bool:
         """Whether the coming step may draft: asked once per step that would."""
@@ -54,7 +56,8 @@ class CostGate:
         elif spec < plain:
             # a probe of `probe` drafting steps emits probe * per_step tokens, each plain / spec - 1 plain
             # steps' time slower than plain decoding would: the pause makes that `budget` of it
-            worth = math.ceil(self.probe * self.per_step * (plain / spec - 1) / self.budget)
+            # (and the catch-up of a draft model that sat out the pause, in plain steps' time)
+            worth = math.ceil((self.probe * self.per_step * (plain / spec - 1) + self.catchup * plain) / self.budget)
             self._pause(min(max(self.probe, 2 * self.pause, worth), self.max_pause))
         else:
             self.pause = 0
@@ -74,6 +77,14 @@ class CostGate:
         self.pause = self.left = steps
         self.fresh = 0
         self.rate[True] = None  # measured afresh after the pause
+
+    def record_catchup(self, seconds: float) -> None:
+        """A plain step in which a draft model caught up after a pause and proposed: its time beyond a plain
+        step's is part of what each probe costs."""
+        plain = self.rate[False]
+        if plain is not None and seconds > 0:
+            extra = max(seconds - 1 / plain, 0.0)
+            self.catchup = extra if not self.catchup else self.catchup + self.alpha * (extra - self.catchup)
 
     def record(self, drafting: bool, tokens_per_request: float, seconds: float) -> None:
         """A decode step's outcome: whether it drafted, tokens emitted per request, its time."""

@@ -205,6 +205,8 @@ class ModelRunner:
         if decode and (spec or not out.spec_token_ids) and not (spec and self._gate_refused):
             tokens = sum(len(t) for t in out.sampled.values()) / len(out.sampled)
             self.cost_gate.record(bool(spec), tokens, self.cost_gate.clock() - t0)
+        elif decode and not spec and self.spec_config is not None and self.spec_config.method == "draft_model":
+            self.cost_gate.record_catchup(self.cost_gate.clock() - t0)  # proposed after a pause: caught up
         return out
 
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
