@@ -121,13 +121,13 @@ def _run_all(target: str, configs: dict, max_tokens: int, quantization: str | No
             gc.collect()
         return results
     engines = {name: _engine(target, spec, quantization) for name, spec in configs.items()}
-    rates: dict = {name: {work: [] for work in WORKLOADS} for name in engines}
+    results = {name: {work: {"rates": []} for work in WORKLOADS} for name in engines}
     for _ in range(rounds):
         for work, prompt in WORKLOADS.items():
             for name, llm in engines.items():
-                tokens, rate = _answer(llm, prompt, max_tokens)
-                rates[name][work].append(rate)
-                results.setdefault(name, {})[work] = {"tokens": tokens, "rates": rates[name][work]}
+                r = results[name][work]
+                r["tokens"], rate = _answer(llm, prompt, max_tokens)
+                r["rates"].append(rate)
     for name, llm in engines.items():  # acceptance over all rounds
         spec = spec_report(llm)
         for work in WORKLOADS:
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     target, draft = resolve(args.target), resolve(args.draft)
     configs: dict[str, dict | None] = {"off": None}
     if args.ngram_k:

@@ -431,13 +431,12 @@ class GGUFBlocks:
         self._matmul_a8, self._matmul_f32 = lib.gguf_matmul_a8, lib.gguf_matmul_f32
         self._matmul_a8.argtypes = self._matmul_f32.argtypes = [c_int, p, p, p, i64, i64, i64]
         self._matmul_q8 = lib.gguf_matmul_q8
+        self._matmul_q8.argtypes = [c_int, p, p, p, p, p, i64, i64, i64]
         self._matmul_a8_parts = lib.gguf_matmul_a8_parts
         self._matmul_a8_parts.argtypes = [c_int, p, p, p, p, p, i64, i64]
-        self._matmul_a8_parts.restype = c_int
-        self._matmul_q8.argtypes = [c_int, p, p, p, p, p, i64, i64, i64]
         self._dequantize = lib.gguf_dequantize
         self._dequantize.argtypes = [c_int, p, p, i64, i64]
-        for fn in (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._dequantize):
+        for fn in (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._matmul_a8_parts, self._dequantize):
             fn.restype = c_int
         self._gemm_min_rows = ctypes.c_int.in_dll(lib, "gguf_gemm_min_rows")
         lib.gguf_has_gemm.restype = c_int
@@ -493,7 +492,7 @@ class GGUFBlocks:
     def matmul_a8_parts(self, qtypes: list[int], x: torch.Tensor, raws: list[torch.Tensor]) -> torch.Tensor:
         """x [M, K] float32 contiguous @ [W_0; W_1; ...]^T: [M, sum of N_p], part p's columns matmul_a8(qtypes[p],
         x, raws[p]) bit for bit, with x rounded once per block size (a fused projection's shards, one call)."""
-        ks = {self.in_features(q, r) for q, r in zip(qtypes, raws, strict=True)}
+        ks = {self.in_features(q, r) for q, r in zip(qtypes, raws, strict=True)}  # refuses a type it cannot read
         if ks != {x.shape[1]}:
             raise ValueError(f"x has {x.shape[1]} features, the weights' rows {sorted(ks)}")
         n = len(raws)
@@ -502,7 +501,7 @@ class GGUFBlocks:
         ns = (ctypes.c_int64 * n)(*(r.shape[0] for r in raws))
         y = x.new_empty(x.shape[0], sum(r.shape[0] for r in raws))
         rc = self._matmul_a8_parts(n, types, ptrs, ns, x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1])
-        _check_type(rc, qtypes[0] if rc != -1 else next(q for q in qtypes if q not in GGUF_BLOCKS))
+        _check_type(rc, qtypes[0])  # only -2 (out of memory) is left: in_features refused an unknown type
         return y
 
     def matmul_f32(self, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
