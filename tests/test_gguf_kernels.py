@@ -197,6 +197,68 @@ def test_a_nan_in_the_input_makes_its_row_nan_not_finite(blocks):
     assert y[0].isfinite().all() and y[1].isnan().all()
 
 
+GROUP_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+FLOAT16_FIELDS = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # else (0,)
+
+
+def any_blocks(qtype: T, shape: tuple[int, ...], k: int, seed: int = 0) -> np.ndarray:
+    """Rows of k weights in ``qtype``'s blocks, [*shape, bytes a row] uint8: random bytes (every bit pattern of
+    the quants and scales) with float16 fields of every finite kind: zeros, subnormals, negatives, large."""
+    from gguf import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (*shape, k // block, size), dtype=np.uint8)
+    for off in FLOAT16_FIELDS.get(qtype, (0,)):
+        bits = rng.integers(0, 1 << 16, raw.shape[:-1], dtype=np.uint16)
+        bits[(bits >> 10) & 31 == 31] ^= 1 << 14  # no infinity or NaN
+        bits.flat[:4] = [0, 0x8000, 1, 0x83FF]  # +0, -0 and subnormals
+        raw[..., off : off + 2] = bits[..., None].view(np.uint8)
+    return raw.reshape(*shape, -1)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("qtype", GROUP_TYPES, ids=lambda t: t.name)
+def test_the_group_layout_conversion_is_numpys_bit_for_bit(blocks, qtype):
+    """gguf_blocks.c's gguf_to_groups (what the int4 / int8 layouts of a GGUF load through) against the numpy
+    conversion it replaced, every tensor bit for bit: -0.0 and the float16 subnormals included."""
+    from pagedllm.model_loader.gguf_loader import _identity, _q_blocks_numpy
+
+    raw = any_blocks(qtype, (7,), 768 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 96)
+    want_kind, want = _q_blocks_numpy(raw, qtype, _identity)
+    kind, got = blocks.to_groups(int(qtype), raw)
+    assert kind == want_kind
+    for g, w in zip(got, want, strict=True):
+        assert (g.dtype, g.shape) == (w.dtype, w.shape)
+        assert torch.equal(_bits(g), _bits(w))
+
+
+def test_the_loader_converts_in_c_with_numpys_shapes():
+    """_q_blocks (the loader's entry) runs the C conversion, also for a tensor of more than two dimensions (the
+    experts of a MoE: [E, N, bytes]) and a row permutation, with what numpy gives."""
+    from pagedllm.model_loader import gguf_loader
+
+    assert gguf_loader._group_kernels() is not None
+    raw = any_blocks(T.Q4_K, (3, 4), 512, seed=1)
+    for fix in (gguf_loader._identity, lambda r: r[::-1]):
+        kind, got = gguf_loader._q_blocks(raw, T.Q4_K, fix)
+        want = gguf_loader._q_blocks_numpy(raw, T.Q4_K, fix)[1]
+        assert kind == "int4" and all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
+    assert gguf_loader._q_blocks(raw, T.Q2_K, gguf_loader._identity) is None  # no layout: dequantized instead
+
+
+def test_a_conversion_of_a_type_without_a_layout_or_of_torn_rows_is_refused(blocks):
+    with pytest.raises(ValueError, match="no group layout for ggml type 10"):
+        blocks.to_groups(int(T.Q2_K), np.zeros((2, 84), np.uint8))
+    with pytest.raises(ValueError, match="a multiple of 144 bytes"):
+        blocks.to_groups(int(T.Q4_K), np.zeros((2, 100), np.uint8))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        blocks.to_groups(int(T.Q8_0), np.zeros((2, 136), np.uint8)[:, :68])
+
+
 def test_unknown_types_are_refused(blocks):
     with pytest.raises(ValueError, match="ggml type"):
         blocks.matmul_a8(int(T.Q4_0), torch.randn(1, 32), torch.zeros(4, 18, dtype=torch.uint8))

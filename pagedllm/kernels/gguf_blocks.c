@@ -947,3 +947,134 @@ int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int6
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * A GGUF tensor's blocks in pagedllm's int4 / int8 group layout (pagedllm/layers/quantization.py), the
+ * values gguf_loader._q_blocks computes with numpy, bit for bit, in one pass at the memory's speed: groups of
+ * 32 weights w = q * scale + min, a float32 scale and min per group (Q6_K: a scale per 16, mins 0).
+ *   int4 (Q4_0, Q4_1, Q4_K): q [N, K/2] bytes, byte j of a group holding element j (low) and j + 16 (high);
+ *   int8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): q [N, K] int8.
+ * Q4_0 keeps q 0..15 with min -8d; Q5_0 and Q6_K subtract their offsets (16, 32) from q.
+ * ------------------------------------------------------------------------------------------------------- */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_1 = 7, Q5_K = 13 };
+
+/* the eight types gguf_to_groups converts: elements and bytes of a block (0: another type) */
+static int block_elems_any(int type) {
+    switch (type) {
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+        case Q4_K: case Q5_K: case Q6_K: return 256;
+        default: return 0;
+    }
+}
+
+static int block_bytes_any(int type) {
+    switch (type) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+static void k_scale_min(const uint8_t *p, int j, uint8_t *sc, uint8_t *m) {  /* llama.cpp's get_scale_min_k4 */
+    if (j < 4) {
+        *sc = p[j] & 63;
+        *m = p[j + 4] & 63;
+    } else {
+        *sc = (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4);
+        *m = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+    }
+}
+
+/* one row: K elements from src; q, scales and mins that row's outputs */
+static void row_to_groups(int type, const uint8_t *src, int64_t K, uint8_t *q, float *scales, float *mins) {
+    if (type == Q4_K || type == Q5_K) {
+        const int bb = type == Q4_K ? 144 : 176;
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *b = src + s * bb, *qs = b + bb - 128;
+            const float d = f16(b), dmin = f16(b + 2);
+            for (int g = 0; g < 8; g++) {
+                uint8_t sc, m;
+                k_scale_min(b + 4, g, &sc, &m);
+                scales[s * 8 + g] = d * (float)sc;
+                mins[s * 8 + g] = -(dmin * (float)m);
+                const uint8_t *chunk = qs + (g / 2) * 32;
+                const int shift = (g & 1) * 4;
+                if (type == Q4_K) {  /* byte j: element j's nibble (low), element j + 16's (high), 8 bytes a word */
+                    const uint64_t low = 0x0F0F0F0F0F0F0F0Full;
+                    for (int w = 0; w < 2; w++) {
+                        uint64_t a, b;
+                        memcpy(&a, chunk + 8 * w, 8);
+                        memcpy(&b, chunk + 16 + 8 * w, 8);
+                        const uint64_t v = ((a >> shift) & low) | (((b >> shift) & low) << 4);
+                        memcpy(q + (s * 8 + g) * 16 + 8 * w, &v, 8);
+                    }
+                } else {
+                    uint8_t *out = q + (s * 8 + g) * 32;
+                    for (int l = 0; l < 32; l++)
+                        out[l] = (uint8_t)(((chunk[l] >> shift) & 0xF) | (((b[16 + l] >> g) & 1) << 4));
+                }
+            }
+        }
+    } else if (type == Q6_K) {
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *b = src + s * 210;
+            const float d = f16(b + 208);
+            int8_t *out = (int8_t *)q + s * 256;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                for (int l = 0; l < 32; l++) {
+                    out[128 * h + l] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                    out[128 * h + l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                    out[128 * h + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                    out[128 * h + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                }
+            }
+            for (int j = 0; j < 16; j++) scales[s * 16 + j] = d * (float)(int8_t)b[192 + j];
+            for (int j = 0; j < 8; j++) mins[s * 8 + j] = 0.f;
+        }
+    } else {  /* the blocks of 32 */
+        const int head = type == Q4_1 || type == Q5_1 ? 4 : 2;
+        const int bb = block_bytes_any(type);
+        for (int64_t g = 0; g < K / 32; g++) {
+            const uint8_t *b = src + g * bb;
+            const float d = f16(b);
+            scales[g] = d;
+            mins[g] = type == Q4_1 || type == Q5_1 ? f16(b + 2) : type == Q4_0 ? -8 * d : 0.f;
+            if (type == Q4_0 || type == Q4_1) {
+                memcpy(q + g * 16, b + head, 16);
+            } else if (type == Q8_0) {
+                memcpy(q + g * 32, b + 2, 32);
+            } else {  /* Q5_0 / Q5_1 */
+                uint32_t qh;
+                memcpy(&qh, b + head, 4);
+                const uint8_t *qs = b + head + 4;
+                const int off = type == Q5_0 ? 16 : 0;
+                int8_t *out = (int8_t *)q + g * 32;
+                for (int j = 0; j < 16; j++) {
+                    out[j] = (int8_t)(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - off);
+                    out[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+                }
+            }
+        }
+    }
+}
+
+/* N rows of `type`'s blocks, K elements a row, into q, scales and mins (row-major, sized as above).
+ * 0, or -1 for a type without a layout (or K not a whole number of blocks). */
+int gguf_to_groups(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *q, float *scales, float *mins) {
+    const int64_t elems = block_elems_any(type);
+    if (!elems || K % elems) return -1;
+    const int64_t row_bytes = K / elems * block_bytes_any(type);
+    const int64_t q_row = type == Q4_0 || type == Q4_1 || type == Q4_K ? K / 2 : K;
+    const int64_t s_row = type == Q6_K ? K / 16 : K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        row_to_groups(type, src + n * row_bytes, K, q + n * q_row, scales + n * s_row, mins + n * (K / 32));
+    return 0;
+}

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
 MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 32, 64, 256  # MAX_TASK_HEADS, MAX_BS, MAX_D
@@ -418,6 +422,17 @@ class Kernels:
 
 # the GGUF types gguf_blocks.c reads, by ggml id: (elements, bytes) of a block
 GGUF_BLOCKS = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}  # Q5_0, Q8_0, Q4_K, Q6_K
+# the types GGUFBlocks.to_groups converts to pagedllm's layouts: ggml id -> (layout, elements, bytes of a block)
+GROUP_LAYOUTS = {
+    2: ("int4", 32, 18),  # Q4_0
+    3: ("int4", 32, 20),  # Q4_1
+    6: ("int8", 32, 22),  # Q5_0
+    7: ("int8", 32, 24),  # Q5_1
+    8: ("int8", 32, 34),  # Q8_0
+    12: ("int4", 256, 144),  # Q4_K
+    13: ("int8", 256, 176),  # Q5_K
+    14: ("int8", 256, 210),  # Q6_K
+}
 
 
 class GGUFBlocks:
@@ -436,7 +451,10 @@ class GGUFBlocks:
         self._matmul_a8_parts.argtypes = [c_int, p, p, p, p, p, i64, i64]
         self._dequantize = lib.gguf_dequantize
         self._dequantize.argtypes = [c_int, p, p, i64, i64]
-        for fn in (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._matmul_a8_parts, self._dequantize):
+        self._to_groups = lib.gguf_to_groups
+        self._to_groups.argtypes = [c_int, p, i64, i64, p, p, p]
+        fns = (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._matmul_a8_parts, self._dequantize)
+        for fn in (*fns, self._to_groups):
             fn.restype = c_int
         self._gemm_min_rows = ctypes.c_int.in_dll(lib, "gguf_gemm_min_rows")
         lib.gguf_has_gemm.restype = c_int
@@ -484,6 +502,25 @@ class GGUFBlocks:
         out = torch.empty_like(x)
         self._quantize(x.data_ptr(), x.shape[0], x.shape[1], block, None, None, None, out.data_ptr())
         return out
+
+    def to_groups(self, qtype: int, raw: np.ndarray) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """``raw`` (uint8 [N, bytes a row], C-contiguous) of a type in GROUP_LAYOUTS in pagedllm's int4 / int8
+        group layout: ``(kind, (q, scales, mins))`` as gguf_loader._q_blocks makes it, bit for bit."""
+        import numpy as np
+
+        if qtype not in GROUP_LAYOUTS:
+            raise ValueError(f"gguf_blocks.c has no group layout for ggml type {qtype}; it has {sorted(GROUP_LAYOUTS)}")
+        kind, elems, nbytes = GROUP_LAYOUTS[qtype]
+        if raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[1] % nbytes or not raw.flags.c_contiguous:
+            shape = f"{raw.dtype} {list(raw.shape)}"
+            raise ValueError(f"raw must be C-contiguous uint8 [N, a multiple of {nbytes} bytes], got {shape}")
+        n, k = raw.shape[0], raw.shape[1] // nbytes * elems
+        q = torch.empty(n, k // 2 if kind == "int4" else k, dtype=torch.uint8 if kind == "int4" else torch.int8)
+        scales = torch.empty(n, k // 16 if qtype == 14 else k // 32)
+        mins = torch.empty(n, k // 32)
+        src = raw.ctypes.data if raw.size else None
+        _check_type(self._to_groups(qtype, src, n, k, q.data_ptr(), scales.data_ptr(), mins.data_ptr()), qtype)
+        return kind, (q, scales, mins)
 
     def matmul_a8(self, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 contiguous, rounded per activation_block(qtype), @ W^T: [M, N]; meant for few rows."""

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from pagedllm.kernels.ops import GGUFBlocks
+
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # Architectures whose Q/K rows llama.cpp permuted on conversion.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
@@ -577,7 +579,7 @@ def _q_blocks_in_slices(
     import torch
 
     n = data.shape[0]
-    if n <= _SLICE_ROWS or unpermute is not _identity:
+    if n <= _SLICE_ROWS or unpermute is not _identity or _group_kernels() is not None:  # C: no temporaries
         return _q_blocks(data, qtype, unpermute)
     first = _q_blocks(data[:_SLICE_ROWS], qtype, unpermute)
     if first is None:
@@ -595,7 +597,31 @@ def _q_blocks_in_slices(
     return kind, out
 
 
+def _group_kernels() -> GGUFBlocks | None:
+    """gguf_blocks.c's conversion, where the C kernels can be built (else None: numpy converts)."""
+    from pagedllm import kernels
+
+    k = kernels.try_load()
+    return None if k is None else k.gguf
+
+
 def _q_blocks(
+    data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
+) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """:func:`_q_blocks_numpy`, bit for bit, by gguf_blocks.c's ``gguf_to_groups`` where the kernels can be
+    built: one pass at about the memory's speed, with no temporaries (the 1.5B's 1 GB: 4.7 s in numpy)."""
+    import numpy as np
+
+    from pagedllm.kernels.ops import GROUP_LAYOUTS
+
+    k = _group_kernels() if int(qtype) in GROUP_LAYOUTS else None
+    if k is None:
+        return _q_blocks_numpy(data, qtype, unpermute)
+    n = data.shape[0]
+    return k.to_groups(int(qtype), np.ascontiguousarray(unpermute(np.asarray(data))).reshape(n, -1))
+
+
+def _q_blocks_numpy(
     data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
 ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
     """One quantized tensor's rows of blocks in pagedllm's int4 / int8 layout (groups of 32 with a float32
