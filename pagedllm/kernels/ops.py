@@ -516,8 +516,8 @@ class GGUFBlocks:
             raise ValueError(f"raw must be C-contiguous uint8 [N, a multiple of {nbytes} bytes], got {shape}")
         n, k = raw.shape[0], raw.shape[1] // nbytes * elems
         q = torch.empty(n, k // 2 if kind == "int4" else k, dtype=torch.uint8 if kind == "int4" else torch.int8)
-        scales = torch.empty(n, k // 16 if qtype == 14 else k // 32)
-        mins = torch.empty(n, k // 32)
+        scales = torch.empty(n, k // 16 if qtype == 14 else k // 32, dtype=torch.float32)
+        mins = torch.empty(n, k // 32, dtype=torch.float32)
         src = raw.ctypes.data if raw.size else None
         _check_type(self._to_groups(qtype, src, n, k, q.data_ptr(), scales.data_ptr(), mins.data_ptr()), qtype)
         return kind, (q, scales, mins)

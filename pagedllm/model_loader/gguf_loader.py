@@ -609,7 +609,7 @@ def _q_blocks(
     data: np.ndarray, qtype: Any, unpermute: Callable[[np.ndarray], np.ndarray]
 ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
     """:func:`_q_blocks_numpy`, bit for bit, by gguf_blocks.c's ``gguf_to_groups`` where the kernels can be
-    built: one pass at about the memory's speed, with no temporaries (the 1.5B's 1 GB: 4.7 s in numpy)."""
+    built: one pass at about the memory's speed, with no temporaries (numpy took 5.9 s of the 1.5B's load, C 1.0 s)."""
     import numpy as np
 
     from pagedllm.kernels.ops import GROUP_LAYOUTS
