@@ -23,13 +23,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], env: dict | None = None, cpus: str | None = None) -> tuple[subprocess.Popen, str]:
+def start(
+    cmd: list[str], env: dict | None = None, cpus: str | None = None, wait_s: float = 300
+) -> tuple[subprocess.Popen, str]:
     port = _port()
     full = (["taskset", "-c", cpus] if cpus else []) + cmd + ["--port", str(port)]
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(int(wait_s * 2)):
         try:
             if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
                 return proc, url
@@ -39,6 +41,8 @@ def start(cmd: list[str], env: dict | None = None, cpus: str | None = None) -> t
             log.seek(0)
             raise RuntimeError(f"{cmd} exited: {log.read()[-2000:]}")
         time.sleep(0.5)
+    proc.kill()
+    proc.wait()
     raise RuntimeError(f"{cmd} did not become healthy")
 
 
