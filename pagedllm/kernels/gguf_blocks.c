@@ -52,23 +52,39 @@
 #define GB_AVX512 1
 #endif
 
-enum { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 #define QK 256   /* elements of a K-quant super-block, and of a chunk the float path dequantizes */
 #define COLS 16  /* weight rows a thread takes at a time */
 #define MR 6     /* rows of x sharing each decoded super-block */
 
-static int block_elems(int type) { return type == Q4_K || type == Q6_K ? 256 : type == Q8_0 || type == Q5_0 ? 32 : 0; }
-
-static int block_bytes(int type) {
+/* elements and bytes of a block of the eight types gguf_to_groups converts (0: another type) */
+static int block_elems_any(int type) {
     switch (type) {
-        case Q4_K: return 144;
-        case Q6_K: return 210;
-        case Q8_0: return 34;
-        case Q5_0: return 22;
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+        case Q4_K: case Q5_K: case Q6_K: return 256;
         default: return 0;
     }
 }
+
+static int block_bytes_any(int type) {
+    switch (type) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* the same for the four types the matmul kernels read as stored (0: a type they do not read) */
+static int reads(int type) { return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0; }
+static int block_elems(int type) { return reads(type) ? block_elems_any(type) : 0; }
+static int block_bytes(int type) { return reads(type) ? block_bytes_any(type) : 0; }
 
 /* elements of one block of the activations' rounding: 256 for the K-quants (Q8_K), 32 else (Q8_0) */
 static int act_block(int type) { return block_elems(type); }
@@ -956,31 +972,6 @@ int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int6
  *   int8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): q [N, K] int8.
  * Q4_0 keeps q 0..15 with min -8d; Q5_0 and Q6_K subtract their offsets (16, 32) from q.
  * ------------------------------------------------------------------------------------------------------- */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_1 = 7, Q5_K = 13 };
-
-/* the eight types gguf_to_groups converts: elements and bytes of a block (0: another type) */
-static int block_elems_any(int type) {
-    switch (type) {
-        case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
-        case Q4_K: case Q5_K: case Q6_K: return 256;
-        default: return 0;
-    }
-}
-
-static int block_bytes_any(int type) {
-    switch (type) {
-        case Q4_0: return 18;
-        case Q4_1: return 20;
-        case Q5_0: return 22;
-        case Q5_1: return 24;
-        case Q8_0: return 34;
-        case Q4_K: return 144;
-        case Q5_K: return 176;
-        case Q6_K: return 210;
-        default: return 0;
-    }
-}
-
 static void k_scale_min(const uint8_t *p, int j, uint8_t *sc, uint8_t *m) {  /* llama.cpp's get_scale_min_k4 */
     if (j < 4) {
         *sc = p[j] & 63;

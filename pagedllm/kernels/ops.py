@@ -420,8 +420,6 @@ class Kernels:
         return w
 
 
-# the GGUF types gguf_blocks.c reads, by ggml id: (elements, bytes) of a block
-GGUF_BLOCKS = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}  # Q5_0, Q8_0, Q4_K, Q6_K
 # the types GGUFBlocks.to_groups converts to pagedllm's layouts: ggml id -> (layout, elements, bytes of a block)
 GROUP_LAYOUTS = {
     2: ("int4", 32, 18),  # Q4_0
@@ -433,6 +431,8 @@ GROUP_LAYOUTS = {
     13: ("int8", 256, 176),  # Q5_K
     14: ("int8", 256, 210),  # Q6_K
 }
+# the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
+GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
 
 
 class GGUFBlocks:
