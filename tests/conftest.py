@@ -75,6 +75,56 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")  # the Ray clusters tests start, as the executor's own
 
 
+# Under pytest-xdist (the README's test command runs two workers: on two cores a lone worker leaves them idle
+# about half the time, waiting on servers that start, subprocesses that import and sockets), a test module is
+# one unit of work, so its module-scoped engines and servers are built once. Every module that starts a Ray
+# cluster is in one unit, so two clusters never start side by side. The units that take a minute or more go
+# first, longest first, so the two workers end together rather than one running the soak alone at the end.
+# (xdist's own `--dist loadgroup` cannot do this on pytest 9.2: it marks a group by rewriting the node id,
+# which pytest 9.2 no longer reads; pytest-dev/pytest-xdist#1386.)
+_RAY_MODULES = ("test_distributed", "test_serve_ray")
+_LONGEST_FIRST = (
+    "test_docs_examples",
+    "ray",
+    "test_soak",
+    "test_gemma3",
+    "test_spec_decode",
+    "test_server",
+    "test_vision",
+    "test_spec_heads",
+    "test_router",
+    "test_qwen2_vl",
+    "test_code_health",
+    "test_hostile_requests",
+    "test_real_model",
+    "test_fidelity",
+)
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work of a test: its module, or "ray" for every module that starts a Ray cluster."""
+    module = Path(nodeid.split("::")[0]).stem
+    return "ray" if module in _RAY_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # the units go out in the order the workers collected them
+    return ByUnit(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the longest units first (stable: a module keeps its order)
+        rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding SmolLM2's tokenizer (from the embedded GGUF), saved with ``save_pretrained``."""

@@ -75,15 +75,12 @@ def gguf_weights(default_src: ModelSource) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def transformers_gguf_state_dict(default_src: ModelSource) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
+def transformers_gguf_state_dict(default_src: ModelSource, smollm2_hf_model) -> dict[str, torch.Tensor]:
+    """transformers' own float32 weights from the same GGUF (the session's model, loaded once)."""
+    from pagedllm.model_loader import default_model_path
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_src.path),
-        gguf_file=os.path.basename(default_src.path),
-        dtype=torch.float32,
-    )
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    assert os.path.samefile(default_src.path, default_model_path())
+    return {k: v.detach().clone() for k, v in smollm2_hf_model.state_dict().items()}
 
 
 def _save_tiny_model(path: Path, kind: str, tie: bool, max_shard_size: str | None = None):
