@@ -5,6 +5,7 @@ idle machine; these tests check that an engine after its warm-up is the engine i
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -140,3 +141,66 @@ def test_startup_pauses_the_garbage_collector_and_leaves_it_as_it_was(model_dir,
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def _load_model_spy(monkeypatch: pytest.MonkeyPatch, loading: threading.Event, shutdowns: list[str]) -> None:
+    """Sets ``loading`` when the executor starts loading the weights; notes each executor shutdown."""
+    import pagedllm.executor as executor
+
+    real = executor.make_executor
+
+    def make(*args, **kwargs):
+        ex = real(*args, **kwargs)
+        load, shutdown = ex.load_model, ex.shutdown
+
+        def spied_load():
+            loading.set()
+            return load()
+
+        def spied_shutdown():
+            shutdowns.append("shutdown")
+            return shutdown()
+
+        ex.load_model, ex.shutdown = spied_load, spied_shutdown
+        return ex
+
+    monkeypatch.setattr(executor, "make_executor", make)
+
+
+def test_the_tokenizer_loads_on_a_thread_beside_the_weights(model_dir, monkeypatch):
+    """The tokenizer's load (about a second on a 151k vocabulary) overlaps the weights' loading: a tokenizer
+    that waits until the weights have begun to load would wait forever if it loaded before them, as it did."""
+    import pagedllm.model_loader as model_loader
+
+    loading, shutdowns, seen = threading.Event(), [], {}
+    _load_model_spy(monkeypatch, loading, shutdowns)
+    real = model_loader.load_tokenizer
+
+    def waiting_tokenizer(*args):
+        seen["thread"] = threading.current_thread().name
+        seen["weights began first"] = loading.wait(timeout=30)
+        return real(*args)
+
+    monkeypatch.setattr(model_loader, "load_tokenizer", waiting_tokenizer)
+    llm = LLM(model_dir, **KW)
+    assert seen == {"thread": "pagedllm-tokenizer", "weights began first": True}
+    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert out[0].outputs[0].text and out[0].prompt_token_ids == llm.get_tokenizer()("The quick brown fox").input_ids
+    assert "tokenizer" in llm.llm_engine.startup_stages and not shutdowns
+
+
+def test_a_tokenizer_that_fails_to_load_fails_the_start_and_stops_the_executor(model_dir, monkeypatch):
+    """Its error reaches the caller as it was raised, after the weights loaded beside it, and the executor that
+    holds them is shut down."""
+    import pagedllm.model_loader as model_loader
+
+    loading, shutdowns = threading.Event(), []
+    _load_model_spy(monkeypatch, loading, shutdowns)
+
+    def broken(*args):
+        raise OSError("tokenizer file unreadable")
+
+    monkeypatch.setattr(model_loader, "load_tokenizer", broken)
+    with pytest.raises(OSError, match="tokenizer file unreadable"):
+        LLM(model_dir, **KW)
+    assert loading.is_set() and shutdowns == ["shutdown"]

@@ -7,8 +7,10 @@ import functools
 import gc
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm.config import EngineConfig
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedllm")
 
 _Init = TypeVar("_Init", bound=Callable[..., None])
+_T = TypeVar("_T")
 
 
 def gc_paused(init: _Init) -> _Init:
@@ -69,6 +72,22 @@ def gc_paused(init: _Init) -> _Init:
     return run  # type: ignore[return-value]
 
 
+def in_background(fn: Callable[[], _T], name: str) -> Future[_T]:
+    """``fn()`` on a daemon thread of its own: its result, or what it raised, from the future's ``result()``."""
+    future: Future[_T] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # re-raised by result(), on the thread that waits for it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 class LLMEngine:
     @gc_paused
     def __init__(self, config: EngineConfig):
@@ -93,8 +112,10 @@ class LLMEngine:
         if self.is_pooling:
             config = self.config = self._pooling_engine_config(config)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        with stage("tokenizer"):
-            self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
+        # the tokenizer loads on a thread of its own while the weights map and the KV cache is allocated
+        # (importing transformers and reading a 151k-token vocabulary: about a second that the start no longer
+        # waits for); the config was read first, so that only one thread at a time imports transformers
+        tokenizer = in_background(functools.partial(load_tokenizer, self.source, mc.tokenizer), "pagedllm-tokenizer")
         from pagedllm.executor import make_executor
 
         pc = config.parallel_config
@@ -140,6 +161,8 @@ class LLMEngine:
                     if disk is not None:
                         worker_half = ("disk", str(disk.root.parent), disk.fingerprint)
             self.executor.init_cache(num_blocks, self.max_model_len, offload_slots, worker_half, self.kv_groups)
+            with stage("tokenizer"):  # the seconds the start waited for it, not the seconds it took
+                self.tokenizer = tokenizer.result()
         except BaseException:
             self.executor.shutdown()
             raise

@@ -1064,7 +1064,7 @@ int gguf_to_groups(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *
     const int64_t row_bytes = K / elems * block_bytes_any(type);
     const int64_t q_row = type == Q4_0 || type == Q4_1 || type == Q4_K ? K / 2 : K;
     const int64_t s_row = type == Q6_K ? K / 16 : K / 32;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16)  /* rows, in chunks a thread takes when free: another thread (the tokenizer loading) may share its core */
     for (int64_t n = 0; n < N; n++)
         row_to_groups(type, src + n * row_bytes, K, q + n * q_row, scales + n * s_row, mins + n * (K / 32));
     return 0;

@@ -45,9 +45,9 @@ def cache_root() -> str:
 
 
 def cache_key(source_file: str) -> str:
-    """A key that changes whenever the file or the converting libraries change."""
-    import tokenizers
-    import transformers
+    """A key that changes whenever the file or the converting libraries change (their versions read from
+    the installed metadata: importing transformers costs half a second, which a cache hit need not pay)."""
+    from importlib.metadata import version
 
     path = os.path.abspath(source_file)
     st = os.stat(path)
@@ -56,8 +56,8 @@ def cache_key(source_file: str) -> str:
         path,
         st.st_size,
         st.st_mtime_ns,
-        transformers.__version__,
-        tokenizers.__version__,
+        version("transformers"),
+        version("tokenizers"),
     ]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:32]
 
