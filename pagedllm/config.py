@@ -100,7 +100,9 @@ class CacheConfig:
         "4 GiB (vLLM's CPU default) and half the memory available; VLLM_CPU_KVCACHE_SPACE (GiB) is read when unset.",
     )
     gpu_memory_utilization: float = _f(
-        0.9, "Fraction of GPU memory the engine may use (weights + activations + KV cache)."
+        0.9,
+        "Fraction of GPU memory this engine may use (weights + activations + KV cache): a limit per engine, as in "
+        "vLLM (two engines of 0.45 share one device), and never more than is free at start-up.",
     )
     num_gpu_blocks_override: int | None = _f(
         None, "Use exactly this many KV blocks, whatever the memory budget says (for tests)."

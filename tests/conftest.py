@@ -127,9 +127,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding SmolLM2's tokenizer (from the embedded GGUF), saved with ``save_pretrained``."""
+    """A directory holding SmolLM2's tokenizer (from the embedded GGUF), saved with ``save_pretrained``; or the
+    saved copy that $PAGEDLLM_TEST_TOKENIZER_DIR names, on a machine without the embedded model (a GPU
+    machine that the repository is copied to: docs/development.md)."""
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
+    if os.environ.get("PAGEDLLM_TEST_TOKENIZER_DIR"):
+        return Path(os.environ["PAGEDLLM_TEST_TOKENIZER_DIR"])
     path = tmp_path_factory.mktemp("smollm2-tokenizer")
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path

@@ -204,3 +204,40 @@ def test_a_tokenizer_that_fails_to_load_fails_the_start_and_stops_the_executor(m
     with pytest.raises(OSError, match="tokenizer file unreadable"):
         LLM(model_dir, **KW)
     assert loading.is_set() and shutdowns == ["shutdown"]
+
+
+@pytest.mark.parametrize("failure", ["tokenizer", "budget"])
+def test_a_start_that_fails_frees_the_weights_while_its_error_is_held(model_dir, monkeypatch, failure):
+    """The error's traceback holds the half-built engine (a REPL keeps it as sys.last_value): its executor lets
+    go of the worker, so the weights and KV cache are not held with it. On CUDA a second engine in the process
+    found no memory for its cache after such a start."""
+    import gc
+    import traceback
+    import weakref
+
+    import pagedllm.model_loader as model_loader
+    from pagedllm.errors import EngineDeadError
+    from pagedllm.worker.worker import Worker
+
+    models: list[weakref.ref] = []
+    real_load = Worker.load_model
+
+    def load(self):
+        out = real_load(self)
+        models.append(weakref.ref(self.model))
+        return out
+
+    monkeypatch.setattr(Worker, "load_model", load)
+    kw = dict(KW)
+    if failure == "tokenizer":
+        monkeypatch.setattr(model_loader, "load_tokenizer", lambda *a: (_ for _ in ()).throw(OSError("unreadable")))
+    else:
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=64)
+    with pytest.raises((OSError, ValueError)) as e:
+        LLM(model_dir, **kw)
+    gc.collect()
+    assert len(models) == 1 and models[0]() is None, "the failed start's model is still alive"
+    frames = [frame for frame, _ in traceback.walk_tb(e.value.__traceback__)]
+    engine = next(f.f_locals["self"] for f in frames if isinstance(f.f_locals.get("self"), llm_engine.LLMEngine))
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.executor.worker  # noqa: B018 (the access is what is tested)

@@ -473,9 +473,10 @@ class LLMEngine:
                 sc.max_num_batched_tokens if sc.enable_chunked_prefill else None,
             )
         if capacity < 2:
+            # on CUDA the cache takes gpu_memory_utilization of the device, less what the process already holds
+            setting = "gpu_memory_utilization" if self.device.type == "cuda" else "kv_cache_memory"
             raise InvalidParameterError(
-                f"the KV cache has room for {capacity} tokens: raise kv_cache_memory or num_gpu_blocks_override",
-                "kv_cache_memory",
+                f"the KV cache has room for {capacity} tokens: raise {setting} or num_gpu_blocks_override", setting
             )
         if asked is not None and asked > capacity:
             # a single request must always fit on its own, or preemption could never make progress

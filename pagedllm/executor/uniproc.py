@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.errors import EngineDeadError
 from pagedllm.executor.base import Executor
 from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.worker.worker import Worker
@@ -17,8 +20,25 @@ class UniprocExecutor(Executor):
         self, config: EngineConfig, source: Any, hf_config: Any, stages: dict[str, float], lora_cache: Any = None
     ):
         self.config = config
-        self.worker = Worker(config, source=source, hf_config=hf_config, stages=stages, lora_cache=lora_cache)
+        self._worker: Worker | None = Worker(
+            config, source=source, hf_config=hf_config, stages=stages, lora_cache=lora_cache
+        )
         self._pending: deque[SchedulerOutput] = deque()
+
+    @property
+    def worker(self) -> Worker:
+        if self._worker is None:
+            raise EngineDeadError("the engine was shut down")
+        return self._worker
+
+    def shutdown(self) -> None:
+        """Let go of the worker: its weights and KV cache are freed now, also where something still holds this
+        executor (the traceback of a start that failed holds its engine); on CUDA the memory goes back to the
+        device, where a second engine in the process would size its KV cache from what is free."""
+        worker, self._worker = self._worker, None
+        if worker is not None and worker.device.type == "cuda":
+            del worker
+            torch.cuda.empty_cache()
 
     @property
     def runner(self) -> Any:

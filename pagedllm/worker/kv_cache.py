@@ -35,13 +35,16 @@ def num_blocks_for_budget(
     profiled_peak_bytes: int | None = None,
     wanted_blocks: int | None = None,
 ) -> int:
-    """How many blocks the budget allows: gpu_memory_utilization on CUDA; on CPU :func:`cpu_kv_cache_bytes`
+    """How many blocks the budget allows: on CUDA gpu_memory_utilization of the device less ``profiled_peak_bytes``
+    (the engine's own weights and activations), at most what is free; on CPU :func:`cpu_kv_cache_bytes`
     (``wanted_blocks``: what max_num_seqs requests of max_model_len tokens would fill)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if device.type == "cuda":
-        _, total = torch.cuda.mem_get_info(device)
-        budget = int(total * cache.gpu_memory_utilization) - (profiled_peak_bytes or 0)
+        # this engine's share of the device, less its weights and activation peak, and no more than is free
+        # (other engines and processes hold the rest)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = min(int(total * cache.gpu_memory_utilization) - (profiled_peak_bytes or 0), free)
     else:
         budget = cpu_kv_cache_bytes(cache, per_block, wanted_blocks)
     return max(budget // per_block, 0)

@@ -115,6 +115,9 @@ class Worker:
 
             with timed_stage(self.stages, "kernels"):
                 kernels.try_load()  # waits for a background build, if one is still compiling
+        # on CUDA, what the process held before this engine loaded (another engine's weights and cache) is not
+        # this engine's: gpu_memory_utilization is a limit per engine, as in vLLM
+        held_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = load_model(
             self.source, self.hf_config, self.dtype, self.device, mc.quantization, stages=self.stages, parallel=self.ps
         )
@@ -133,7 +136,7 @@ class Worker:
                 kv_cache.bytes_per_block(len(m.layers), cc.block_size, *m.kv_cache_shape_per_layer, self.kv_cache_dtype)
                 for m in self._kv_models()
             )
-            peak = self._profile_peak(lm) if self.device.type == "cuda" else None
+            peak = self._profile_peak(lm) - held_before if self.device.type == "cuda" else None
             # what max_num_seqs requests of max_model_len tokens fill, a block more each for a partial last one
             max_len = mc.max_model_len or getattr(self.hf_config, "max_position_embeddings", None) or 2048
             wanted = self.config.scheduler_config.max_num_seqs * (-(-max_len // cc.block_size) + 1)
@@ -376,7 +379,8 @@ class Worker:
         return load_model(source, hf_config, self.dtype, self.device, quantization)
 
     def _profile_peak(self, model: LlamaForCausalLM) -> int:
-        """CUDA: memory in use after the weights plus a worst-case activation pass (no KV cache yet)."""
+        """CUDA: the process's memory in use after the weights plus a worst-case activation pass (no KV cache
+        yet)."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         sc = self.config.scheduler_config
