@@ -22,7 +22,7 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.worker.loader import resolve_device, resolve_dtype, timed_stage
+from pagedllm.worker.loader import resolve_device, resolve_dtype, timed_stage, trim_heap
 
 if TYPE_CHECKING:
     import torch
@@ -163,6 +163,7 @@ class LLMEngine:
             self.executor.init_cache(num_blocks, self.max_model_len, offload_slots, worker_half, self.kv_groups)
             with stage("tokenizer"):  # the seconds the start waited for it, not the seconds it took
                 self.tokenizer = tokenizer.result()
+            trim_heap()  # what the tokenizer's load freed (its JSON, ~40 MiB for SmolLM2), as loading's own
         except BaseException:
             self.executor.shutdown()
             raise
