@@ -56,6 +56,19 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 
 #define QK 256   /* elements of a K-quant super-block, and of a chunk the float path dequantizes */
 #define COLS 16  /* weight rows a thread takes at a time */
+/* The one-row kernels read a weight row's blocks in order and ask for the cache lines PF_AHEAD bytes on
+ * (rows lie one after the other, so past a row's end come the next row's). The hardware prefetchers stop at
+ * each 4 KiB page, whose successor lies anywhere in physical memory; a decode step streams ~1 GB of blocks
+ * through them. All of the 1.5B's linears in one pass (M = 1, two threads, the same bits): 17.1 GB/s without,
+ * 18.7 / 19.3 / 18.9 / 18.0 GB/s 2 / 3 / 4 / 8 KiB ahead (medians of 20, alternated in one process). */
+#ifndef PF_AHEAD
+#define PF_AHEAD 3072
+#endif
+#define PREFETCH_AHEAD(b, bytes)                                              \
+    do {                                                                      \
+        for (int pf_ = 0; PF_AHEAD && pf_ < (bytes); pf_ += 64)               \
+            __builtin_prefetch((const char *)(b) + PF_AHEAD + pf_, 0, 3);     \
+    } while (0)
 #define MR 6     /* rows of x sharing each decoded super-block */
 
 /* elements and bytes of a block of the eight types gguf_to_groups converts (0: another type) */
@@ -358,6 +371,7 @@ static inline __attribute__((always_inline)) void q4k_rows(int mc, const uint8_t
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * 144;
+        PREFETCH_AHEAD(b, 144);
         const float d = f16(b), dmin = f16(b + 2);
         uint64_t scw, mnw;
         k4_scales(b + 4, &scw, &mnw);
@@ -391,6 +405,7 @@ static inline __attribute__((always_inline)) void q4k_rows(int mc, const uint8_t
     for (int i = 0; i < mc; i++) acc[i] = accm[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * 144;
+        PREFETCH_AHEAD(b, 144);
         const float d = f16(b), dmin = f16(b + 2);
         uint64_t scw, mnw;
         k4_scales(b + 4, &scw, &mnw);
@@ -452,6 +467,7 @@ static inline __attribute__((always_inline)) void q6k_rows(int mc, const uint8_t
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * 210;
+        PREFETCH_AHEAD(b, 210);
         const float d = f16(b + 208);
         __m512i w[4];
         q6k_decode(b, w);
@@ -479,6 +495,7 @@ static inline __attribute__((always_inline)) void q6k_rows(int mc, const uint8_t
     for (int i = 0; i < mc; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * 210;
+        PREFETCH_AHEAD(b, 210);
         const float d = f16(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192);
         __m256i w[8], s[8];
@@ -547,6 +564,7 @@ static inline __attribute__((always_inline)) void q32_rows(int type, int mc, con
     for (int i = 0; i < mc; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < nb; g++) {
         const uint8_t *b = row + g * bb;
+        PREFETCH_AHEAD(b, 1);  /* one line a block: blocks of at most 34 bytes ask for every line */
         const float d = f16(b);
         __m256i w;
         if (type == Q8_0) {
