@@ -21,7 +21,7 @@ from pagedllm.distributed import ParallelState, init_distributed
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker import kv_cache
 from pagedllm.worker.cpu_share import CpuShare, usable_cores
-from pagedllm.worker.loader import load_model, resolve_device, resolve_dtype, timed_stage
+from pagedllm.worker.loader import keep_activations_in_heap, load_model, resolve_device, resolve_dtype, timed_stage
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.runner_output import ModelRunnerOutput
 
@@ -68,6 +68,8 @@ class Worker:
             threads = min(torch.get_num_threads(), usable_cores())  # a container's quota bounds it too
         if threads:
             torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            keep_activations_in_heap()  # a step's large activations are not mapped and faulted in anew each time
         # a CPU worker gives up threads while other processes hold its cores (cpu_share.py says why)
         self.num_threads = torch.get_num_threads()
         self.cpu_share = CpuShare(self.num_threads) if self.device.type == "cpu" and mc.cpu_threads is None else None
