@@ -133,7 +133,9 @@ def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
     if os.environ.get("PAGEDLLM_TEST_TOKENIZER_DIR"):
-        return Path(os.environ["PAGEDLLM_TEST_TOKENIZER_DIR"])
+        given = Path(os.environ["PAGEDLLM_TEST_TOKENIZER_DIR"])
+        assert (given / "tokenizer_config.json").is_file(), f"PAGEDLLM_TEST_TOKENIZER_DIR={given}: no saved tokenizer"
+        return given
     path = tmp_path_factory.mktemp("smollm2-tokenizer")
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path

@@ -112,10 +112,6 @@ class LLMEngine:
         if self.is_pooling:
             config = self.config = self._pooling_engine_config(config)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        # the tokenizer loads on a thread of its own while the weights map and the KV cache is allocated
-        # (importing transformers and reading a 151k-token vocabulary: about a second that the start no longer
-        # waits for); the config was read first, so that only one thread at a time imports transformers
-        tokenizer = in_background(functools.partial(load_tokenizer, self.source, mc.tokenizer), "pagedllm-tokenizer")
         from pagedllm.executor import make_executor
 
         pc = config.parallel_config
@@ -133,7 +129,15 @@ class LLMEngine:
             )
         self.lora_cache = self._lora_cache()
         self._lora_ids: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path): one adapter per id
-        self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages, self.lora_cache)
+        # the tokenizer loads on a thread of its own while the weights load and the KV cache is allocated
+        # (importing transformers and reading a 151k-token vocabulary: about a second the start no longer waits
+        # for); a draft model's config loads on this thread meanwhile, one at a time (TRANSFORMERS_LOADS)
+        tokenizer = in_background(functools.partial(load_tokenizer, self.source, mc.tokenizer), "pagedllm-tokenizer")
+        try:
+            self.executor = make_executor(config, self.source, self.hf_config, self.startup_stages, self.lora_cache)
+        except BaseException:
+            tokenizer.exception()  # its load ends before the error leaves: nothing runs on after a failed start
+            raise
         try:
             num_blocks, stages = self.executor.load_model()
             for name, seconds in stages.items():  # a remote rank 0's loading stages
@@ -164,55 +168,53 @@ class LLMEngine:
             with stage("tokenizer"):  # the seconds the start waited for it, not the seconds it took
                 self.tokenizer = tokenizer.result()
             trim_heap()  # what the tokenizer's load freed (its JSON, ~40 MiB for SmolLM2), as loading's own
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        self.num_blocks = num_blocks
-        sc = config.scheduler_config
-        if not (self.is_pooling or sc.enable_chunked_prefill) and sc.max_num_batched_tokens < self.max_model_len:
-            # unchunked, a prompt (or a preempted request's recompute) is computed whole in one step: one longer
-            # than the step's budget would wait forever (vLLM's check)
-            self.executor.shutdown()
-            raise InvalidParameterError(
-                f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}) with enable_chunked_prefill=False: a longer prompt could never be "
-                "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill",
-                "max_num_batched_tokens",
-            )
-        if self.is_pooling and sc.max_num_batched_tokens < self.max_model_len:
-            # a pooling prompt is computed whole in one step: the longest must fit the step's budget
-            config = self.config = dataclasses.replace(
-                config, scheduler_config=dataclasses.replace(sc, max_num_batched_tokens=self.max_model_len)
-            )
-        from pagedllm.structured_output import StructuredOutputManager
+            self.num_blocks = num_blocks
+            sc = config.scheduler_config
+            if not (self.is_pooling or sc.enable_chunked_prefill) and sc.max_num_batched_tokens < self.max_model_len:
+                # unchunked, a prompt (or a preempted request's recompute) is computed whole in one step: one longer
+                # than the step's budget would wait forever (vLLM's check)
+                raise InvalidParameterError(
+                    f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
+                    f"({self.max_model_len}) with enable_chunked_prefill=False: a longer prompt could never be "
+                    "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill",
+                    "max_num_batched_tokens",
+                )
+            if self.is_pooling and sc.max_num_batched_tokens < self.max_model_len:
+                # a pooling prompt is computed whole in one step: the longest must fit the step's budget
+                config = self.config = dataclasses.replace(
+                    config, scheduler_config=dataclasses.replace(sc, max_num_batched_tokens=self.max_model_len)
+                )
+            from pagedllm.structured_output import StructuredOutputManager
 
-        so_cfg = config.structured_outputs_config
-        eos = self._eos_token_ids()
-        self.structured = StructuredOutputManager(  # the grammar library loads with the first constrained request
-            self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"])
-        )
-        connector: OffloadScheduler | MooncakeScheduler | None = None
-        if mooncake:
-            connector = self._mooncake_scheduler(layouts[0], block_bytes)
-        elif offload_slots or disk is not None:
-            from pagedllm.kv_transfer.offload import OffloadScheduler
-
-            connector = OffloadScheduler(
-                offload_slots,
-                config.cache_config.block_size,
-                block_bytes,
-                swap=config.scheduler_config.preemption_mode == "swap",
-                disk=disk,
+            so_cfg = config.structured_outputs_config
+            eos = self._eos_token_ids()
+            self.structured = StructuredOutputManager(  # the grammar library loads with the first constrained request
+                self.tokenizer, self.hf_config.vocab_size, eos, so_cfg["backend"], float(so_cfg["compile_timeout"])
             )
-        self.processor = Processor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len, mc.max_logprobs, eos)
-        self.encoder_budget: tuple[int, int] | None = None  # set for a vision-language model
-        self.whole_images = False  # set for Gemma 3: no prefill chunk ends inside an image
-        self.mm_processor = self._multimodal_processor()
-        try:
+            connector: OffloadScheduler | MooncakeScheduler | None = None
+            if mooncake:
+                connector = self._mooncake_scheduler(layouts[0], block_bytes)
+            elif offload_slots or disk is not None:
+                from pagedllm.kv_transfer.offload import OffloadScheduler
+
+                connector = OffloadScheduler(
+                    offload_slots,
+                    config.cache_config.block_size,
+                    block_bytes,
+                    swap=config.scheduler_config.preemption_mode == "swap",
+                    disk=disk,
+                )
+            self.processor = Processor(
+                self.tokenizer, self.hf_config.vocab_size, self.max_model_len, mc.max_logprobs, eos
+            )
+            self.encoder_budget: tuple[int, int] | None = None  # set for a vision-language model
+            self.whole_images = False  # set for Gemma 3: no prefill chunk ends inside an image
+            self.mm_processor = self._multimodal_processor()
             with stage("warmup"):  # on a core of its own, dropped after: the engine's own starts untouched
                 warm_up(self, self._new_core(None, None, min(num_blocks, WARMUP_BLOCKS)))
-        except BaseException:
+        except BaseException:  # a start that fails stops its workers, which let go of what they loaded
             self.executor.shutdown()
+            tokenizer.exception()  # and its tokenizer's load has ended
             raise
         self.core = self._new_core(self.structured, connector, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -474,10 +476,14 @@ class LLMEngine:
                 sc.max_num_batched_tokens if sc.enable_chunked_prefill else None,
             )
         if capacity < 2:
-            # on CUDA the cache takes gpu_memory_utilization of the device, less what the process already holds
-            setting = "gpu_memory_utilization" if self.device.type == "cuda" else "kv_cache_memory"
+            # on CUDA the cache takes the engine's gpu_memory_utilization less its weights and activations, at
+            # most what the device has free
+            if self.device.type == "cuda":
+                setting, advice = "gpu_memory_utilization", "raise gpu_memory_utilization (or free the device's memory)"
+            else:
+                setting, advice = "kv_cache_memory", "raise kv_cache_memory"
             raise InvalidParameterError(
-                f"the KV cache has room for {capacity} tokens: raise {setting} or num_gpu_blocks_override", setting
+                f"the KV cache has room for {capacity} tokens: {advice} or set num_gpu_blocks_override", setting
             )
         if asked is not None and asked > capacity:
             # a single request must always fit on its own, or preemption could never make progress

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from typing import Any
 
@@ -32,12 +33,18 @@ class UniprocExecutor(Executor):
         return self._worker
 
     def shutdown(self) -> None:
-        """Let go of the worker: its weights and KV cache are freed now, also where something still holds this
-        executor (the traceback of a start that failed holds its engine); on CUDA the memory goes back to the
-        device, where a second engine in the process would size its KV cache from what is free."""
+        """Let go of the worker and of its model, draft and runner (which holds the KV cache): they are freed
+        now, also where something still holds this executor or the worker itself (the traceback of a start
+        that failed holds its engine, and the worker where the error came from inside it); on CUDA the memory
+        goes back to the device, where a second engine in the process would size its KV cache from what is
+        free."""
         worker, self._worker = self._worker, None
-        if worker is not None and worker.device.type == "cuda":
+        if worker is None:
+            return
+        worker.model = worker.draft = worker.runner = None
+        if worker.device.type == "cuda":
             del worker
+            gc.collect()  # the start pauses the collector: cycles among the modules are freed here, not later
             torch.cuda.empty_cache()
 
     @property

@@ -23,12 +23,18 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# held while transformers loads a config or tokenizer: the engine loads its tokenizer on a thread of its own
+# while the main thread may load a draft model's config, and transformers' lazy imports are not safe from two
+# threads at once
+TRANSFORMERS_LOADS = threading.RLock()
 
 CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
 # Bump when the content written into an entry changes shape.

@@ -16,13 +16,16 @@ if TYPE_CHECKING:
 def load_config(src: ModelSource) -> Any:
     """The model's config: transformers' from config.json, or for a GGUF the same fields as plain
     attributes (:class:`~pagedllm.model_loader.gguf_loader.GGUFModelConfig`)."""
-    if src.kind == "gguf":
-        from pagedllm.model_loader.gguf_loader import load_gguf_config
+    from pagedllm.model_loader.cache import TRANSFORMERS_LOADS
 
-        return load_gguf_config(src.path)
-    from pagedllm.model_loader.hf_loader import load_hf_config
+    with TRANSFORMERS_LOADS:
+        if src.kind == "gguf":
+            from pagedllm.model_loader.gguf_loader import load_gguf_config
 
-    return load_hf_config(src.path)
+            return load_gguf_config(src.path)
+        from pagedllm.model_loader.hf_loader import load_hf_config
+
+        return load_hf_config(src.path)
 
 
 def iter_weights(

@@ -29,11 +29,12 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> transforme
     """The tokenizer of ``src``, or of ``tokenizer`` (a path or cached org/name) if given."""
     if tokenizer is not None:
         src = resolve_local(tokenizer, what="tokenizer")
-    if src.kind == "gguf":
-        return load_gguf_tokenizer(src.path)
-    from transformers import AutoTokenizer
+    with cache.TRANSFORMERS_LOADS:
+        if src.kind == "gguf":
+            return load_gguf_tokenizer(src.path)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(src.path, local_files_only=True)
 
 
 # Gemma's turn format, for GGUF files that carry no chat template (Gemma 3 270M's has none): a system

@@ -24,6 +24,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else _KV_DTYPES[name]
 
 
+CUDA_MARGIN_BYTES = 256 << 20  # at least this much of a device's free memory is left outside the KV cache
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
@@ -41,10 +44,12 @@ def num_blocks_for_budget(
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if device.type == "cuda":
-        # this engine's share of the device, less its weights and activation peak, and no more than is free
-        # (other engines and processes hold the rest)
+        # this engine's share of the device, less its weights and activation peak; no more than is free (other
+        # engines and processes hold the rest), less a margin for what is allocated later (cuBLAS' workspace,
+        # the allocator's rounding)
         free, total = torch.cuda.mem_get_info(device)
-        budget = min(int(total * cache.gpu_memory_utilization) - (profiled_peak_bytes or 0), free)
+        margin = max(CUDA_MARGIN_BYTES, total // 100)
+        budget = min(int(total * cache.gpu_memory_utilization) - (profiled_peak_bytes or 0), free - margin)
     else:
         budget = cpu_kv_cache_bytes(cache, per_block, wanted_blocks)
     return max(budget // per_block, 0)

@@ -383,8 +383,8 @@ class Worker:
     def _profile_peak(self, model: LlamaForCausalLM) -> int:
         """CUDA: the process's memory in use after the weights plus a worst-case activation pass (no KV cache
         yet)."""
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         sc = self.config.scheduler_config
         hidden = torch.zeros(sc.max_num_batched_tokens, model.config.hidden_size, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
@@ -392,5 +392,5 @@ class Worker:
                 layer.mlp(hidden)
             if model.ps.is_last_stage:
                 model.compute_logits(hidden[: sc.max_num_seqs])
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
