@@ -638,8 +638,9 @@ int gguf_has_gemm(void) {
 }
 
 #ifdef GB_AVX512
-/* Q6_K's panels cost twice the others' to decode (its top bits put back): the GEMM pays from more rows */
-static int gemm_rows_factor(int type) { return type == Q6_K ? 4 : 1; }
+/* Q6_K's panels cost twice the others' to decode (its top bits put back): the GEMM pays from more rows
+ * (measured: at 64 rows of the 1.5B's Q6_K tensors, 94 against the row kernels' 71 GMAC/s; even at 48) */
+static int gemm_rows_factor(int type) { return type == Q6_K ? 3 : 1; }
 
 static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
@@ -711,11 +712,13 @@ int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *b
  * weights and row) dominates. Here NP = 16 weight rows (output columns) are decoded at a time into a panel
  * of unsigned bytes laid out for vpdpbusd: word j of column c holds the column's elements 4j .. 4j + 3,
  * and the 16 columns' words for one j are one vector. A row of x then costs one vpdpbusd (its 4 int8
- * broadcast to every lane) per 64 products, no horizontal sums, and 4 float operations per group of G
- * elements (32; 16 for Q6_K) whatever the type: every type is w = s * u - m per column and group, u 0..255
- * unsigned (Q4_K: s = d sc, m = dmin mn; Q6_K: s = d sc, m = 32 s; Q5_0: s = d, m = 16 d; Q8_0: u = q + 128,
- * s = d, m = 128 d), so y += dx (s (u . q_x) - m sum(q_x)) per group: the same integer dot products as
- * above, summed in another float order. */
+ * broadcast to every lane) per 64 products and no horizontal sums. Each type's weights are u 0..255
+ * unsigned (Q6_K: q; Q5_0: q; Q8_0: q + 128), so a group's integer dot is (u . q_x) less the offset
+ * (Q6_K: 32; Q5_0: 16; Q8_0: 128) times sum(q_x); a super-block's groups are summed in int32 by their
+ * integer scales (vpmulld), and the super-block's (a 32-block's) sum then goes into y with one float
+ * multiply-add (Q4_K: a second for its mins, whose sum is an integer under 2^24 and so exact in floats):
+ * the row kernels' integers, a quarter of the float work of a multiply-add per group, the float sums in
+ * another order than the row kernels' lanes. */
 #define NP 16  /* columns of a panel: one per int32 lane */
 #define RT 8   /* rows of x per register tile */
 
@@ -727,17 +730,27 @@ static inline uint32_t load32(const uint8_t *p) {
     return v;
 }
 
-/* column c of a panel: row `row` of W decoded into u (word j at u[j * NP + c]) and s, m (group g at [g * NP + c]) */
-static void pack_column(int type, const uint8_t *row, int64_t K, int c, uint32_t *u, float *s, float *m) {
+/* A panel's numbers besides its bytes, for column c (group g at [g * NP + c], super-block or block b at
+ * [b * NP + c]): sc the integer scale of a group (Q4_K's 6 bits, Q6_K's int8; 1 for Q8_0 / Q5_0), mn Q4_K's
+ * 6-bit min of a group as a float, d the scale of a super-block (Q8_0 / Q5_0: of a block), dmin Q4_K's. */
+typedef struct {
+    uint32_t *u;
+    int32_t *sc;
+    float *mn, *d, *dmin;
+} panel_t;
+
+/* column c of a panel: row `row` of W decoded into p's u (word j at u[j * NP + c]) and numbers */
+static void pack_column(int type, const uint8_t *row, int64_t K, int c, const panel_t *p) {
+    uint32_t *u = p->u;
     if (type == Q4_K) {
         for (int64_t sb = 0; sb < K / 256; sb++) {
             const uint8_t *b = row + sb * 144;
-            const float d = f16(b), dmin = f16(b + 2);
+            p->d[sb * NP + c] = f16(b), p->dmin[sb * NP + c] = f16(b + 2);
             uint64_t scw, mnw;
             k4_scales(b + 4, &scw, &mnw);
             for (int t = 0; t < 8; t++) {
-                s[(sb * 8 + t) * NP + c] = d * (float)((scw >> 8 * t) & 0xFF);
-                m[(sb * 8 + t) * NP + c] = dmin * (float)((mnw >> 8 * t) & 0xFF);
+                p->sc[(sb * 8 + t) * NP + c] = (int32_t)((scw >> 8 * t) & 0xFF);
+                p->mn[(sb * 8 + t) * NP + c] = (float)((mnw >> 8 * t) & 0xFF);
             }
             for (int cc = 0; cc < 4; cc++)  /* chunk cc: low nibbles elements 64cc + l, high ones 64cc + 32 + l */
                 for (int j = 0; j < 8; j++) {
@@ -749,12 +762,9 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, uint32_t
     } else if (type == Q6_K) {
         for (int64_t sb = 0; sb < K / 256; sb++) {
             const uint8_t *b = row + sb * 210;
-            const float d = f16(b + 208);
+            p->d[sb * NP + c] = f16(b + 208);
             const int8_t *sc = (const int8_t *)(b + 192);
-            for (int t = 0; t < 16; t++) {
-                s[(sb * 16 + t) * NP + c] = d * (float)sc[t];
-                m[(sb * 16 + t) * NP + c] = 32.f * (d * (float)sc[t]);
-            }
+            for (int t = 0; t < 16; t++) p->sc[(sb * 16 + t) * NP + c] = sc[t];
             for (int h = 0; h < 2; h++) {
                 const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
                 uint32_t *o = u + (sb * 64 + 32 * h) * NP + c;  /* word of elements 128h + 4j .. */
@@ -770,10 +780,9 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, uint32_t
     } else {
         for (int64_t g = 0; g < K / 32; g++) {
             uint8_t q[32];
-            float d, off;
             if (type == Q8_0) {
                 const uint8_t *b = row + g * 34;
-                d = f16(b), off = 128.f;
+                p->d[g * NP + c] = f16(b);
                 for (int j = 0; j < 4; j++) {  /* int8 q + 128 */
                     uint64_t v;
                     memcpy(&v, b + 2 + 8 * j, 8);
@@ -783,7 +792,7 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, uint32_t
             } else {  /* Q5_0 */
                 const uint8_t *b = row + g * 22;
                 const uint32_t qh = load32(b + 2);
-                d = f16(b), off = 16.f;
+                p->d[g * NP + c] = f16(b);
                 for (int h = 0; h < 2; h++) {  /* 8 nibbles a time, each with its fifth bit from qh */
                     uint64_t lo, nib;
                     memcpy(&lo, b + 6 + 8 * h, 8);
@@ -799,102 +808,144 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, uint32_t
                     }
                 }
             }
-            s[g * NP + c] = d, m[g * NP + c] = off * d;
             for (int j = 0; j < 8; j++) u[(g * 8 + j) * NP + c] = load32(q + 4 * j);
         }
     }
 }
 
-/* rows m0 .. m0 + rt - 1 of y against one panel (columns n0 .. n0 + nc - 1); x's rows K bytes apart, xs / dg
- * (sums of q_x and dx per group) ng apart */
-static inline __attribute__((always_inline)) void panel_rows(int rt, int G, int64_t K, int64_t ng, const uint32_t *u,
-                                                             const float *s, const float *m, const int8_t *qx,
-                                                             const float *xs, const float *dg, float *y, int64_t ldy,
+/* a[r] = the integer dots of group g (G elements) of the panel with rows 0 .. rt - 1 of x (K bytes apart) */
+static inline __attribute__((always_inline)) void group_dots(int rt, int G, int64_t K, const uint32_t *u, int64_t g,
+                                                             const int8_t *qx, __m512i a[RT]) {
+    for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
+    const uint32_t *ug = u + g * (G / 4) * NP;
+    const int8_t *xg = qx + g * G;
+    for (int j = 0; j < G / 4; j++) {
+        const __m512i w = _mm512_load_si512(ug + j * NP);
+        for (int r = 0; r < rt; r++) {
+            int32_t x4;
+            memcpy(&x4, xg + r * K + 4 * j, 4);
+            a[r] = _mm512_dpbusd_epi32(a[r], w, _mm512_set1_epi32(x4));
+        }
+    }
+}
+
+/* rows 0 .. rt - 1 of y against one panel (its columns the lanes). x's rows K bytes apart; xs (sums of q_x per
+ * group, as integers and as floats) ng apart, dx (x's scales) ndx apart. */
+static inline __attribute__((always_inline)) void panel_rows(int type, int rt, int64_t K, int64_t ng, const panel_t *p,
+                                                             const int8_t *qx, const int32_t *xs, const float *xsf,
+                                                             const float *dx, int64_t ndx, float *y, int64_t ldy,
                                                              __mmask16 mask) {
     __m512 acc[RT];
+    __m512i a[RT], is[RT];
     for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        __m512i a[RT];
-        for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
-        const uint32_t *ug = u + g * (G / 4) * NP;
-        const int8_t *xg = qx + g * G;
-        for (int j = 0; j < G / 4; j++) {
-            const __m512i w = _mm512_load_si512(ug + j * NP);
+    if (type == Q4_K || type == Q6_K) {
+        const int G = type == Q4_K ? 32 : 16, per = 256 / G;
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
+            for (int64_t g = sb * per; g < (sb + 1) * per; g++) {
+                group_dots(rt, G, K, p->u, g, qx, a);
+                const __m512i sv = _mm512_load_si512(p->sc + g * NP);
+                for (int r = 0; r < rt; r++) {
+                    const __m512i t = type == Q4_K ? a[r] : _mm512_sub_epi32(a[r], _mm512_set1_epi32(32 * xs[r * ng + g]));
+                    is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t, sv));
+                }
+            }
+            const __m512 dv = _mm512_load_ps(p->d + sb * NP);
             for (int r = 0; r < rt; r++) {
-                int32_t x4;
-                memcpy(&x4, xg + r * K + 4 * j, 4);
-                a[r] = _mm512_dpbusd_epi32(a[r], w, _mm512_set1_epi32(x4));
+                const __m512 dxv = _mm512_set1_ps(dx[r * ndx + sb]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), acc[r]);
+                if (type == Q4_K) {  /* the mins' sum: integers under 2^24, so exact in floats */
+                    __m512 ms = _mm512_setzero_ps();
+                    for (int64_t g = sb * 8; g < sb * 8 + 8; g++)
+                        ms = _mm512_fmadd_ps(_mm512_load_ps(p->mn + g * NP), _mm512_set1_ps(xsf[r * ng + g]), ms);
+                    acc[r] = _mm512_fnmadd_ps(ms, _mm512_mul_ps(_mm512_load_ps(p->dmin + sb * NP), dxv), acc[r]);
+                }
             }
         }
-        const __m512 sv = _mm512_load_ps(s + g * NP), mv = _mm512_load_ps(m + g * NP);
-        for (int r = 0; r < rt; r++) {
-            const __m512 t = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xs[r * ng + g]), _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), sv));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(dg[r * ng + g]), acc[r]);
+    } else {  /* Q8_0 (weights stored + 128) and Q5_0 (q 0..31): the offset times sum(q_x) comes off */
+        const int off = type == Q8_0 ? 128 : 16;
+        for (int64_t g = 0; g < ng; g++) {
+            group_dots(rt, 32, K, p->u, g, qx, a);
+            const __m512 dv = _mm512_load_ps(p->d + g * NP);
+            for (int r = 0; r < rt; r++) {
+                const __m512i t = _mm512_sub_epi32(a[r], _mm512_set1_epi32(off * xs[r * ng + g]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * ndx + g])), acc[r]);
+            }
         }
     }
     for (int r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 
-/* gguf_matmul_q8 for many rows: same products, the float sums in another order */
+/* gguf_matmul_q8 for many rows: the same integer products, the float sums in another order */
 static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     const int G = group_elems(type), ab = act_block(type);
-    const int64_t ng = K / G, row_bytes = K / block_elems(type) * block_bytes(type);
-    float *xs = malloc(M * ng * sizeof(float) + 64), *dg = malloc(M * ng * sizeof(float) + 64);
-    if (!xs || !dg) {
-        free(xs), free(dg);
+    const int64_t ng = K / G, ndx = K / ab, row_bytes = K / block_elems(type) * block_bytes(type);
+    int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
+    float *xsf = malloc(M * ng * sizeof(float) + 64);
+    if (!xs || !xsf) {
+        free(xs), free(xsf);
         return -2;
     }
     for (int64_t i = 0; i < M; i++)
         for (int64_t g = 0; g < ng; g++) {
             int32_t t = 0;
             for (int h = 0; h < G / 16; h++) t += bsums[i * (K / 16) + g * (G / 16) + h];
-            xs[i * ng + g] = (float)t;
-            dg[i * ng + g] = dx[i * (K / ab) + g * G / ab];
+            xs[i * ng + g] = t, xsf[i * ng + g] = (float)t;
         }
     int failed = 0;
 #pragma omp parallel
     {
-        uint32_t *u = aligned_alloc(64, (size_t)K / 4 * NP * 4);
-        float *s = aligned_alloc(64, (size_t)ng * NP * 4), *m = aligned_alloc(64, (size_t)ng * NP * 4);
-        if (!u || !s || !m) {
+        const size_t nums = (size_t)ng * NP * 4;
+        panel_t p = {aligned_alloc(64, (size_t)K / 4 * NP * 4), aligned_alloc(64, nums), aligned_alloc(64, nums),
+                     aligned_alloc(64, nums), aligned_alloc(64, nums)};
+        const int ok = p.u && p.sc && p.mn && p.d && p.dmin;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NP) {
-            if (!u || !s || !m) continue;
+            if (!ok) continue;
             const int nc = N - n0 < NP ? (int)(N - n0) : NP;
-            if (nc < NP) memset(u, 0, (size_t)K / 4 * NP * 4), memset(s, 0, ng * NP * 4), memset(m, 0, ng * NP * 4);
-            for (int c = 0; c < nc; c++) pack_column(type, raw + (n0 + c) * row_bytes, K, c, u, s, m);
+            if (nc < NP) {
+                memset(p.u, 0, (size_t)K / 4 * NP * 4);
+                memset(p.sc, 0, nums), memset(p.mn, 0, nums), memset(p.d, 0, nums), memset(p.dmin, 0, nums);
+            }
+            for (int c = 0; c < nc; c++) pack_column(type, raw + (n0 + c) * row_bytes, K, c, &p);
             const __mmask16 mask = (__mmask16)((1u << nc) - 1);
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
                 const int rt = M - m0 < RT ? (int)(M - m0) : RT;
                 const int8_t *q = qx + m0 * K;
-                const float *xsr = xs + m0 * ng, *dgr = dg + m0 * ng;
+                const int32_t *xsr = xs + m0 * ng;
+                const float *xsfr = xsf + m0 * ng, *dxr = dx + m0 * ndx;
                 float *yr = y + m0 * ldy + n0;
-#define TILES(GG)                                                                                        \
-                switch (rt) {                                                                            \
-                    case 8: panel_rows(8, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
-                    case 7: panel_rows(7, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
-                    case 6: panel_rows(6, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
-                    case 5: panel_rows(5, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
-                    case 4: panel_rows(4, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
-                    case 3: panel_rows(3, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
-                    case 2: panel_rows(2, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;          \
-                    default: panel_rows(1, GG, K, ng, u, s, m, q, xsr, dgr, yr, ldy, mask); break;         \
+#define TILES(T)                                                                                  \
+                switch (rt) {                                                                     \
+                    case 8: panel_rows(T, 8, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
+                    case 7: panel_rows(T, 7, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
+                    case 6: panel_rows(T, 6, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
+                    case 5: panel_rows(T, 5, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
+                    case 4: panel_rows(T, 4, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
+                    case 3: panel_rows(T, 3, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
+                    case 2: panel_rows(T, 2, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
+                    default: panel_rows(T, 1, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break; \
                 }
-                if (G == 16) {
-                    TILES(16)
+                if (type == Q4_K) {
+                    TILES(Q4_K)
+                } else if (type == Q6_K) {
+                    TILES(Q6_K)
+                } else if (type == Q8_0) {
+                    TILES(Q8_0)
                 } else {
-                    TILES(32)
+                    TILES(Q5_0)
                 }
 #undef TILES
             }
         }
-        free(u), free(s), free(m);
+        free(p.u), free(p.sc), free(p.mn), free(p.d), free(p.dmin);
     }
-    free(xs), free(dg);
+    free(xs), free(xsf);
     return failed ? -2 : 0;
 }
 #endif
