@@ -472,7 +472,13 @@ def _assert_same_tokenizer(got, want) -> None:
     for text in TEXTS:
         assert got(text).input_ids == want(text).input_ids, text
         assert got.decode(want(text).input_ids) == want.decode(want(text).input_ids), text
+        ids = want(text).input_ids
+        assert got.decode(ids, skip_special_tokens=True) == want.decode(ids, skip_special_tokens=True), text
     assert got.special_tokens_map == want.special_tokens_map
+    assert {i: str(t) for i, t in got.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in want.added_tokens_decoder.items()
+    }
+    assert got.get_vocab() == want.get_vocab() and got.all_special_ids == want.all_special_ids
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
         assert getattr(got, attr) == getattr(want, attr), attr
     assert len(got) == len(want)

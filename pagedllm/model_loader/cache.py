@@ -38,7 +38,9 @@ TRANSFORMERS_LOADS = threading.RLock()
 
 CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
 # Bump when the content written into an entry changes shape.
-_FORMAT_VERSION = 2  # 2: configs/ holds the whole config dict of the GGUF, defaults included
+# 2: configs/ holds the whole config dict of the GGUF, defaults included; 3: tokenizers/ hold the added tokens
+# in tokenizer_config.json too (model_loader/tokenizer.py: save_tokenizer)
+_FORMAT_VERSION = 3
 
 
 def cache_root() -> str:

@@ -15,6 +15,7 @@ itself, so ids, special tokens and the chat template are preserved.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -55,21 +56,40 @@ GGUF_CHAT_DEFAULTS = {"gemma3": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>")}
 
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
     from pagedllm.model_loader.gguf_loader import read_gguf_header
 
     tok = cache.load_or_build(
         "tokenizers",
         path,
         build=lambda: convert_gguf_tokenizer(path),
-        save=lambda tok, d: tok.save_pretrained(d),
-        load=lambda d: AutoTokenizer.from_pretrained(d, local_files_only=True),
+        save=save_tokenizer,
+        load=load_saved_tokenizer,
     )
     defaults = GGUF_CHAT_DEFAULTS.get(read_gguf_header(path).architecture)
     if defaults is not None and not getattr(tok, "chat_template", None):
         tok.chat_template = defaults[0]
     return tok
+
+
+def save_tokenizer(tok: transformers.PreTrainedTokenizerBase, directory: str) -> None:
+    """``save_pretrained``, with the added tokens in tokenizer_config.json too: a load then reads them there
+    instead of parsing the whole tokenizer.json in Python (0.2 s for Qwen2.5's 151,646 tokens)."""
+    tok.save_pretrained(directory)
+    config_file = os.path.join(directory, "tokenizer_config.json")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    config["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def load_saved_tokenizer(directory: str) -> transformers.PreTrainedTokenizerBase:
+    """A tokenizer save_tokenizer wrote, through the tokenizers backend straight from its tokenizer.json (the
+    pipeline as converted, bit for bit): the model's own class (Qwen2Tokenizer and the like) would rebuild it
+    from the vocabulary and merges, 0.4-0.7 s more for Qwen2.5's."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
 
 
 def gguf_end_of_turn_id(path: str, tok: transformers.PreTrainedTokenizerBase) -> int | None:
