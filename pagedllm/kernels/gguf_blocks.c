@@ -624,7 +624,7 @@ static inline __attribute__((always_inline)) void q32_rows(int type, int mc, con
 #endif
 }
 
-/* more rows of x than this (times gemm_rows_factor) go to the panel GEMM (AVX-512), fewer to the row kernels;
+/* more rows of x than this (half as many again for Q6_K) go to the panel GEMM (AVX-512), fewer to the row kernels;
  * a variable so that tests can run both paths */
 int gguf_gemm_min_rows = 16;
 
@@ -638,9 +638,12 @@ int gguf_has_gemm(void) {
 }
 
 #ifdef GB_AVX512
-/* Q6_K's panels cost twice the others' to decode (its top bits put back): the GEMM pays from more rows
- * (measured: at 64 rows of the 1.5B's Q6_K tensors, 94 against the row kernels' 71 GMAC/s; even at 48) */
-static int gemm_rows_factor(int type) { return type == Q6_K ? 3 : 1; }
+/* more rows than this take the GEMM: Q6_K's panels cost more to decode (its top bits put back), so it pays
+ * from half as many rows again (measured, the 1.5B's Q6_K tensors: 83 / 89 / 105 / 134 GMAC/s at 16 / 24 / 32
+ * / 48 rows against the row kernels' 99 / 92 / 98 / 94) */
+static int64_t gemm_min_rows(int type) {
+    return type == Q6_K ? 3 * (int64_t)gguf_gemm_min_rows / 2 : gguf_gemm_min_rows;
+}
 
 static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
@@ -660,7 +663,7 @@ static int matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t 
                      int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (!block_elems(type)) return -1;
 #ifdef GB_AVX512
-    if (M > (int64_t)gguf_gemm_min_rows * gemm_rows_factor(type))
+    if (M > gemm_min_rows(type))
         return gguf_gemm_q8(type, qx, dx, bsums, raw, y, ldy, M, N, K);
 #endif
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type), ab = act_block(type);
@@ -813,6 +816,106 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, const pa
     }
 }
 
+/* r[i] holds 16 int32 of row i; after, r[j] holds element j of every row (lane i: row i's) */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16], s[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  /* s[g + e], 128-bit lane k: rows g .. g + 3 at element 4k + e */
+        s[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        s[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        s[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        s[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int e = 0; e < 4; e++) {  /* then the 4 x 4 transpose of 128-bit lanes */
+        const __m512i u0 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0x44), u1 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0xEE);
+        const __m512i u2 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(u0, u2, 0x88), r[4 + e] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(u1, u3, 0x88), r[12 + e] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+}
+
+/* a whole panel of Q4_K rows (16 of them, row_bytes apart) as pack_column packs each: the nibbles 64 bytes of
+ * each row at a time, transposed (16 words of 16 rows: a vector a word) instead of stored 4 bytes at a time */
+static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, const panel_t *p) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
+    const __m512i ff = _mm512_set1_epi32(0xFF);
+    /* word k of the rows' super-block headers (d | dmin, then the 12 bytes of scales): lane c from row c */
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)row_bytes));
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *hb = rows + sb * 144;
+        const __m512i w0 = _mm512_i32gather_epi32(at, hb, 1), u0 = _mm512_i32gather_epi32(at, hb + 4, 1);
+        const __m512i u1 = _mm512_i32gather_epi32(at, hb + 8, 1), u2 = _mm512_i32gather_epi32(at, hb + 12, 1);
+        _mm512_store_ps(p->d + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0)));
+        _mm512_store_ps(p->dmin + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16))));
+        /* k4_scales on 16 rows at once: bytes 0-3 of s (m) are sc[0..3] (mins), of s_hi (m_hi) sc[4..7] */
+        const __m512i sl = _mm512_and_si512(u0, m6), ml = _mm512_and_si512(u1, m6);
+        const __m512i sh = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
+        const __m512i mh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
+                                           _mm512_and_si512(_mm512_srli_epi32(u1, 2), top));
+        for (int t = 0; t < 4; t++) {
+            _mm512_store_si512(p->sc + (sb * 8 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sl, 8 * t), ff));
+            _mm512_store_si512(p->sc + (sb * 8 + 4 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sh, 8 * t), ff));
+            _mm512_store_ps(p->mn + (sb * 8 + t) * NP, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(ml, 8 * t), ff)));
+            _mm512_store_ps(p->mn + (sb * 8 + 4 + t) * NP,
+                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mh, 8 * t), ff)));
+        }
+        for (int h = 0; h < 2; h++) {  /* the file's words 16h .. 16h + 15: word 8cc + j is chunk cc's j-th */
+            __m512i v[16];
+            for (int c = 0; c < NP; c++) v[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 144 + 16 + 64 * h);
+            transpose16(v);
+            for (int w = 0; w < 16; w++) {
+                const int cc = (16 * h + w) / 8, j = (16 * h + w) % 8;
+                _mm512_store_si512(p->u + (sb * 64 + 16 * cc + j) * NP, _mm512_and_si512(v[w], m4));
+                _mm512_store_si512(p->u + (sb * 64 + 16 * cc + 8 + j) * NP, _mm512_and_si512(_mm512_srli_epi16(v[w], 4), m4));
+            }
+        }
+    }
+}
+
+/* the same for Q6_K: ql 64 bytes and qh 64 bytes of the 16 rows at a time, transposed, then pack_column's bit
+ * operations on a word of every row at once */
+static void pack_panel_q6k(const uint8_t *rows, int64_t row_bytes, int64_t K, const panel_t *p) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)row_bytes));
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *hb = rows + sb * 210;
+        /* bytes 206-209: the last two scales, then d (a word that stays inside the block) */
+        _mm512_store_ps(p->d + sb * NP,
+                        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(at, hb + 206, 1), 16))));
+        for (int q = 0; q < 4; q++) {  /* scales 4q .. 4q + 3, each sign-extended from its byte */
+            const __m512i w = _mm512_i32gather_epi32(at, hb + 192 + 4 * q, 1);
+            for (int t = 0; t < 4; t++)
+                _mm512_store_si512(p->sc + (sb * 16 + 4 * q + t) * NP, _mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * t), 24));
+        }
+        __m512i qh[16];
+        for (int c = 0; c < NP; c++) qh[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 128);
+        transpose16(qh);
+        for (int h = 0; h < 2; h++) {
+            __m512i ql[16];
+            for (int c = 0; c < NP; c++) ql[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 64 * h);
+            transpose16(ql);
+            uint32_t *o = p->u + (sb * 64 + 32 * h) * NP;
+            for (int j = 0; j < 8; j++) {
+                const __m512i lo = ql[j], lo32 = ql[8 + j], hi = qh[8 * h + j];
+                _mm512_store_si512(o + j * NP,
+                                   _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 4), m2)));
+                _mm512_store_si512(o + (8 + j) * NP,
+                                   _mm512_or_si512(_mm512_and_si512(lo32, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 2), m2)));
+                _mm512_store_si512(o + (16 + j) * NP,
+                                   _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo, 4), m4), _mm512_and_si512(hi, m2)));
+                _mm512_store_si512(o + (24 + j) * NP, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo32, 4), m4),
+                                                                      _mm512_and_si512(_mm512_srli_epi32(hi, 2), m2)));
+            }
+        }
+    }
+}
+
 /* a[r] = the integer dots of group g (G elements) of the panel with rows 0 .. rt - 1 of x (K bytes apart) */
 static inline __attribute__((always_inline)) void group_dots(int rt, int G, int64_t K, const uint32_t *u, int64_t g,
                                                              const int8_t *qx, __m512i a[RT]) {
@@ -912,7 +1015,12 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
                 memset(p.u, 0, (size_t)K / 4 * NP * 4);
                 memset(p.sc, 0, nums), memset(p.mn, 0, nums), memset(p.d, 0, nums), memset(p.dmin, 0, nums);
             }
-            for (int c = 0; c < nc; c++) pack_column(type, raw + (n0 + c) * row_bytes, K, c, &p);
+            if (type == Q4_K && nc == NP)
+                pack_panel_q4k(raw + n0 * row_bytes, row_bytes, K, &p);
+            else if (type == Q6_K && nc == NP)
+                pack_panel_q6k(raw + n0 * row_bytes, row_bytes, K, &p);
+            else
+                for (int c = 0; c < nc; c++) pack_column(type, raw + (n0 + c) * row_bytes, K, c, &p);
             const __mmask16 mask = (__mmask16)((1u << nc) - 1);
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
                 const int rt = M - m0 < RT ? (int)(M - m0) : RT;
