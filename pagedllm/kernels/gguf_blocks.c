@@ -735,11 +735,12 @@ static inline uint32_t load32(const uint8_t *p) {
 
 /* A panel's numbers besides its bytes, for column c (group g at [g * NP + c], super-block or block b at
  * [b * NP + c]): sc the integer scale of a group (Q4_K's 6 bits, Q6_K's int8; 1 for Q8_0 / Q5_0), mn Q4_K's
- * 6-bit min of a group as a float, d the scale of a super-block (Q8_0 / Q5_0: of a block), dmin Q4_K's. */
+ * 6-bit mins of groups 2k and 2k + 1 as the two int16 of word k (for vpdpwssd), d the scale of a super-block
+ * (Q8_0 / Q5_0: of a block), dmin Q4_K's. */
 typedef struct {
     uint32_t *u;
-    int32_t *sc;
-    float *mn, *d, *dmin;
+    int32_t *sc, *mn;
+    float *d, *dmin;
 } panel_t;
 
 /* column c of a panel: row `row` of W decoded into p's u (word j at u[j * NP + c]) and numbers */
@@ -751,10 +752,9 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, const pa
             p->d[sb * NP + c] = f16(b), p->dmin[sb * NP + c] = f16(b + 2);
             uint64_t scw, mnw;
             k4_scales(b + 4, &scw, &mnw);
-            for (int t = 0; t < 8; t++) {
-                p->sc[(sb * 8 + t) * NP + c] = (int32_t)((scw >> 8 * t) & 0xFF);
-                p->mn[(sb * 8 + t) * NP + c] = (float)((mnw >> 8 * t) & 0xFF);
-            }
+            for (int t = 0; t < 8; t++) p->sc[(sb * 8 + t) * NP + c] = (int32_t)((scw >> 8 * t) & 0xFF);
+            for (int k = 0; k < 4; k++)
+                p->mn[(sb * 4 + k) * NP + c] = (int32_t)(((mnw >> 16 * k) & 0xFF) | ((mnw >> 16 * k) & 0xFF00) << 8);
             for (int cc = 0; cc < 4; cc++)  /* chunk cc: low nibbles elements 64cc + l, high ones 64cc + 32 + l */
                 for (int j = 0; j < 8; j++) {
                     const uint32_t w = load32(b + 16 + 32 * cc + 4 * j);
@@ -860,9 +860,14 @@ static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
         for (int t = 0; t < 4; t++) {
             _mm512_store_si512(p->sc + (sb * 8 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sl, 8 * t), ff));
             _mm512_store_si512(p->sc + (sb * 8 + 4 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sh, 8 * t), ff));
-            _mm512_store_ps(p->mn + (sb * 8 + t) * NP, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(ml, 8 * t), ff)));
-            _mm512_store_ps(p->mn + (sb * 8 + 4 + t) * NP,
-                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mh, 8 * t), ff)));
+        }
+        const __m512i lo16 = _mm512_set1_epi32(0xFF), hi16 = _mm512_set1_epi32(0xFF0000);
+        for (int k = 0; k < 2; k++) {  /* bytes 2k and 2k + 1 into int16 halves */
+            const __m512i a = _mm512_srli_epi32(ml, 16 * k), b = _mm512_srli_epi32(mh, 16 * k);
+            _mm512_store_si512(p->mn + (sb * 4 + k) * NP,
+                               _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_and_si512(_mm512_slli_epi32(a, 8), hi16)));
+            _mm512_store_si512(p->mn + (sb * 4 + 2 + k) * NP,
+                               _mm512_or_si512(_mm512_and_si512(b, lo16), _mm512_and_si512(_mm512_slli_epi32(b, 8), hi16)));
         }
         for (int h = 0; h < 2; h++) {  /* the file's words 16h .. 16h + 15: word 8cc + j is chunk cc's j-th */
             __m512i v[16];
@@ -933,9 +938,10 @@ static inline __attribute__((always_inline)) void group_dots(int rt, int G, int6
 }
 
 /* rows 0 .. rt - 1 of y against one panel (its columns the lanes). x's rows K bytes apart; xs (sums of q_x per
- * group, as integers and as floats) ng apart, dx (x's scales) ndx apart. */
+ * group) ng apart, xs2 (Q4_K: those of groups 2k and 2k + 1 as the two int16 of word k) ng / 2 apart, dx (x's
+ * scales) ndx apart. */
 static inline __attribute__((always_inline)) void panel_rows(int type, int rt, int64_t K, int64_t ng, const panel_t *p,
-                                                             const int8_t *qx, const int32_t *xs, const float *xsf,
+                                                             const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                              const float *dx, int64_t ndx, float *y, int64_t ldy,
                                                              __mmask16 mask) {
     __m512 acc[RT];
@@ -957,11 +963,11 @@ static inline __attribute__((always_inline)) void panel_rows(int type, int rt, i
             for (int r = 0; r < rt; r++) {
                 const __m512 dxv = _mm512_set1_ps(dx[r * ndx + sb]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), acc[r]);
-                if (type == Q4_K) {  /* the mins' sum: integers under 2^24, so exact in floats */
-                    __m512 ms = _mm512_setzero_ps();
-                    for (int64_t g = sb * 8; g < sb * 8 + 8; g++)
-                        ms = _mm512_fmadd_ps(_mm512_load_ps(p->mn + g * NP), _mm512_set1_ps(xsf[r * ng + g]), ms);
-                    acc[r] = _mm512_fnmadd_ps(ms, _mm512_mul_ps(_mm512_load_ps(p->dmin + sb * NP), dxv), acc[r]);
+                if (type == Q4_K) {  /* the mins' sum, two groups a vpdpwssd (|sum(q_x)| <= 32 * 127: an int16) */
+                    __m512i ms = _mm512_setzero_si512();
+                    for (int64_t k = sb * 4; k < sb * 4 + 4; k++)
+                        ms = _mm512_dpwssd_epi32(ms, _mm512_load_si512(p->mn + k * NP), _mm512_set1_epi32(xs2[r * (ng / 2) + k]));
+                    acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(_mm512_load_ps(p->dmin + sb * NP), dxv), acc[r]);
                 }
             }
         }
@@ -985,16 +991,17 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
     const int G = group_elems(type), ab = act_block(type);
     const int64_t ng = K / G, ndx = K / ab, row_bytes = K / block_elems(type) * block_bytes(type);
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
-    float *xsf = malloc(M * ng * sizeof(float) + 64);
-    if (!xs || !xsf) {
-        free(xs), free(xsf);
+    int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);
+    if (!xs || !xs2) {
+        free(xs), free(xs2);
         return -2;
     }
     for (int64_t i = 0; i < M; i++)
         for (int64_t g = 0; g < ng; g++) {
             int32_t t = 0;
             for (int h = 0; h < G / 16; h++) t += bsums[i * (K / 16) + g * (G / 16) + h];
-            xs[i * ng + g] = t, xsf[i * ng + g] = (float)t;
+            xs[i * ng + g] = t;
+            if (g & 1) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)xs[i * ng + g - 1] & 0xFFFF) | (uint32_t)t << 16);
         }
     int failed = 0;
 #pragma omp parallel
@@ -1026,18 +1033,19 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
                 const int rt = M - m0 < RT ? (int)(M - m0) : RT;
                 const int8_t *q = qx + m0 * K;
                 const int32_t *xsr = xs + m0 * ng;
-                const float *xsfr = xsf + m0 * ng, *dxr = dx + m0 * ndx;
+                const int32_t *xs2r = xs2 + m0 * (ng / 2);
+                const float *dxr = dx + m0 * ndx;
                 float *yr = y + m0 * ldy + n0;
 #define TILES(T)                                                                                  \
                 switch (rt) {                                                                     \
-                    case 8: panel_rows(T, 8, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
-                    case 7: panel_rows(T, 7, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
-                    case 6: panel_rows(T, 6, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
-                    case 5: panel_rows(T, 5, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
-                    case 4: panel_rows(T, 4, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
-                    case 3: panel_rows(T, 3, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
-                    case 2: panel_rows(T, 2, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break;  \
-                    default: panel_rows(T, 1, K, ng, &p, q, xsr, xsfr, dxr, ndx, yr, ldy, mask); break; \
+                    case 8: panel_rows(T, 8, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
+                    case 7: panel_rows(T, 7, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
+                    case 6: panel_rows(T, 6, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
+                    case 5: panel_rows(T, 5, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
+                    case 4: panel_rows(T, 4, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
+                    case 3: panel_rows(T, 3, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
+                    case 2: panel_rows(T, 2, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
+                    default: panel_rows(T, 1, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break; \
                 }
                 if (type == Q4_K) {
                     TILES(Q4_K)
@@ -1053,7 +1061,7 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
         }
         free(p.u), free(p.sc), free(p.mn), free(p.d), free(p.dmin);
     }
-    free(xs), free(xsf);
+    free(xs), free(xs2);
     return failed ? -2 : 0;
 }
 #endif
