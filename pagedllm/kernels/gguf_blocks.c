@@ -944,9 +944,10 @@ static inline __attribute__((always_inline)) void panel_rows(int type, int rt, i
                                                              const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                              const float *dx, int64_t ndx, float *y, int64_t ldy,
                                                              __mmask16 mask) {
-    __m512 acc[RT];
+    float accm[RT * NP] __attribute__((aligned(64)));  /* in memory: the registers hold the integer sums */
     __m512i a[RT], is[RT];
-    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
+#define acc_get(r) _mm512_load_ps(accm + (r) * NP)
     if (type == Q4_K || type == Q6_K) {
         const int G = type == Q4_K ? 32 : 16, per = 256 / G;
         for (int64_t sb = 0; sb < K / 256; sb++) {
@@ -962,13 +963,14 @@ static inline __attribute__((always_inline)) void panel_rows(int type, int rt, i
             const __m512 dv = _mm512_load_ps(p->d + sb * NP);
             for (int r = 0; r < rt; r++) {
                 const __m512 dxv = _mm512_set1_ps(dx[r * ndx + sb]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), acc[r]);
+                __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), acc_get(r));
                 if (type == Q4_K) {  /* the mins' sum, two groups a vpdpwssd (|sum(q_x)| <= 32 * 127: an int16) */
                     __m512i ms = _mm512_setzero_si512();
                     for (int64_t k = sb * 4; k < sb * 4 + 4; k++)
                         ms = _mm512_dpwssd_epi32(ms, _mm512_load_si512(p->mn + k * NP), _mm512_set1_epi32(xs2[r * (ng / 2) + k]));
-                    acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(_mm512_load_ps(p->dmin + sb * NP), dxv), acc[r]);
+                    ar = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(_mm512_load_ps(p->dmin + sb * NP), dxv), ar);
                 }
+                _mm512_store_ps(accm + r * NP, ar);
             }
         }
     } else {  /* Q8_0 (weights stored + 128) and Q5_0 (q 0..31): the offset times sum(q_x) comes off */
@@ -978,11 +980,12 @@ static inline __attribute__((always_inline)) void panel_rows(int type, int rt, i
             const __m512 dv = _mm512_load_ps(p->d + g * NP);
             for (int r = 0; r < rt; r++) {
                 const __m512i t = _mm512_sub_epi32(a[r], _mm512_set1_epi32(off * xs[r * ng + g]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * ndx + g])), acc[r]);
+                _mm512_store_ps(accm + r * NP, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * ndx + g])), acc_get(r)));
             }
         }
     }
-    for (int r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+    for (int r = 0; r < rt; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc_get(r));
+#undef acc_get
 }
 
 /* gguf_matmul_q8 for many rows: the same integer products, the float sums in another order */
