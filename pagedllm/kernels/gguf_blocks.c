@@ -624,6 +624,20 @@ static inline __attribute__((always_inline)) void q32_rows(int type, int mc, con
 #endif
 }
 
+/* M(T) with T the constant among the types these kernels read that equals type: the kernels inline per type */
+#define BY_TYPE(type, M)            \
+    do {                            \
+        if ((type) == Q4_K) {       \
+            M(Q4_K)                 \
+        } else if ((type) == Q6_K) { \
+            M(Q6_K)                 \
+        } else if ((type) == Q8_0) { \
+            M(Q8_0)                 \
+        } else {                    \
+            M(Q5_0)                 \
+        }                           \
+    } while (0)
+
 /* more rows of x than this (half as many again for Q6_K) go to the panel GEMM (AVX-512), fewer to the row kernels;
  * a variable so that tests can run both paths */
 int gguf_gemm_min_rows = 16;
@@ -687,15 +701,7 @@ static int matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t 
                     case 2: dot_rows(T, 2, row, q, d, bs, K, out); break; \
                     default: dot_rows(T, 1, row, q, d, bs, K, out); break; \
                 }
-                if (type == Q4_K) {
-                    ROWS_CASES(Q4_K)
-                } else if (type == Q6_K) {
-                    ROWS_CASES(Q6_K)
-                } else if (type == Q8_0) {
-                    ROWS_CASES(Q8_0)
-                } else {
-                    ROWS_CASES(Q5_0)
-                }
+                BY_TYPE(type, ROWS_CASES);
 #undef ROWS_CASES
                 for (int64_t i = 0; i < mc; i++) y[(m0 + i) * ldy + n] = out[i];
             }
@@ -1050,15 +1056,7 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
                     case 2: panel_rows(T, 2, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break;  \
                     default: panel_rows(T, 1, K, ng, &p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask); break; \
                 }
-                if (type == Q4_K) {
-                    TILES(Q4_K)
-                } else if (type == Q6_K) {
-                    TILES(Q6_K)
-                } else if (type == Q8_0) {
-                    TILES(Q8_0)
-                } else {
-                    TILES(Q5_0)
-                }
+                BY_TYPE(type, TILES);
 #undef TILES
             }
         }
