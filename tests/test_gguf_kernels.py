@@ -25,30 +25,20 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf
 BUILDS = {"native": "-march=native", "avx2": "-march=haswell", "plain": "-march=x86-64"}
 
 
-_BUILT: dict[str, GGUFBlocks] = {}
-
-
-def build(name: str, tmp_path_factory) -> GGUFBlocks:
-    """gguf_blocks.c compiled for one instruction set of BUILDS (the package's own build for "native"), once."""
-    if name not in _BUILT:
-        if name == "native":
-            from pagedllm import kernels
-
-            _BUILT[name] = kernels.load().gguf
-        else:
-            cc = os.environ.get("CC", "cc")
-            if shutil.which(cc) is None:
-                pytest.skip("no C compiler")
-            so = tmp_path_factory.mktemp("gguf_blocks") / f"gguf_blocks_{name}.so"
-            flags = ["-O3", BUILDS[name], "-fopenmp", "-shared", "-fPIC"]
-            subprocess.run([cc, *flags, SRC, "-o", str(so)], check=True, capture_output=True)
-            _BUILT[name] = GGUFBlocks(ctypes.CDLL(str(so)))
-    return _BUILT[name]
-
-
 @pytest.fixture(scope="session", params=list(BUILDS))
 def blocks(request, tmp_path_factory) -> GGUFBlocks:
-    return build(request.param, tmp_path_factory)
+    """gguf_blocks.c compiled for one instruction set (the package's own build for "native")."""
+    if request.param == "native":
+        from pagedllm import kernels
+
+        return kernels.load().gguf
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip("no C compiler")
+    so = tmp_path_factory.mktemp("gguf_blocks") / f"gguf_blocks_{request.param}.so"
+    flags = ["-O3", BUILDS[request.param], "-fopenmp", "-shared", "-fPIC"]
+    subprocess.run([cc, *flags, SRC, "-o", str(so)], check=True, capture_output=True)
+    return GGUFBlocks(ctypes.CDLL(str(so)))
 
 
 def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -153,21 +143,17 @@ def test_int8_activation_gemm_is_the_same_function(gemm_from, qtype, m):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(blocks, qtype):
+def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_from, qtype):
     """The row kernels (any count of rows sharing a decoded block) and the panel GEMM (any tile) each compute a
     row alone: its result does not depend on the other rows of its call."""
     n, k, m = 53, 1280, 21
     raw = torch.from_numpy(random_blocks(qtype, n, k, seed=3))
     x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
-    default = blocks.gemm_min_rows
-    try:
-        for rows in (1 << 30, 0):  # the row kernels, then the GEMM (where a build has one)
-            blocks.gemm_min_rows = rows
-            alone = torch.cat([blocks.matmul_a8(int(qtype), x[i : i + 1], raw) for i in range(m)])
-            assert torch.equal(blocks.matmul_a8(int(qtype), x, raw), alone)
-            assert torch.equal(blocks.matmul_a8(int(qtype), x[5:12], raw), alone[5:12])
-    finally:
-        blocks.gemm_min_rows = default
+    for rows in (1 << 30, 0):  # the row kernels, then the GEMM (where a build has one)
+        blocks = gemm_from(rows)
+        alone = torch.cat([blocks.matmul_a8(int(qtype), x[i : i + 1], raw) for i in range(m)])
+        assert torch.equal(blocks.matmul_a8(int(qtype), x, raw), alone)
+        assert torch.equal(blocks.matmul_a8(int(qtype), x[5:12], raw), alone[5:12])
 
 
 def test_a_nan_row_stays_nan_in_the_gemm_and_leaves_the_others_finite(gemm_from):

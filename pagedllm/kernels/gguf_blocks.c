@@ -844,14 +844,19 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
+/* the byte offsets of a panel's 16 rows, row_bytes apart: lane c is row c's (for gathers) */
+static inline __m512i row_offsets(int64_t row_bytes) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32((int)row_bytes));
+}
+
 /* a whole panel of Q4_K rows (16 of them, row_bytes apart) as pack_column packs each: the nibbles 64 bytes of
  * each row at a time, transposed (16 words of 16 rows: a vector a word) instead of stored 4 bytes at a time */
 static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, const panel_t *p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
     const __m512i ff = _mm512_set1_epi32(0xFF);
     /* word k of the rows' super-block headers (d | dmin, then the 12 bytes of scales): lane c from row c */
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32((int)row_bytes));
+    const __m512i at = row_offsets(row_bytes);
     for (int64_t sb = 0; sb < K / 256; sb++) {
         const uint8_t *hb = rows + sb * 144;
         const __m512i w0 = _mm512_i32gather_epi32(at, hb, 1), u0 = _mm512_i32gather_epi32(at, hb + 4, 1);
@@ -867,13 +872,13 @@ static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
             _mm512_store_si512(p->sc + (sb * 8 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sl, 8 * t), ff));
             _mm512_store_si512(p->sc + (sb * 8 + 4 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sh, 8 * t), ff));
         }
-        const __m512i lo16 = _mm512_set1_epi32(0xFF), hi16 = _mm512_set1_epi32(0xFF0000);
+        const __m512i hi16 = _mm512_set1_epi32(0xFF0000);
         for (int k = 0; k < 2; k++) {  /* bytes 2k and 2k + 1 into int16 halves */
             const __m512i a = _mm512_srli_epi32(ml, 16 * k), b = _mm512_srli_epi32(mh, 16 * k);
             _mm512_store_si512(p->mn + (sb * 4 + k) * NP,
-                               _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_and_si512(_mm512_slli_epi32(a, 8), hi16)));
+                               _mm512_or_si512(_mm512_and_si512(a, ff), _mm512_and_si512(_mm512_slli_epi32(a, 8), hi16)));
             _mm512_store_si512(p->mn + (sb * 4 + 2 + k) * NP,
-                               _mm512_or_si512(_mm512_and_si512(b, lo16), _mm512_and_si512(_mm512_slli_epi32(b, 8), hi16)));
+                               _mm512_or_si512(_mm512_and_si512(b, ff), _mm512_and_si512(_mm512_slli_epi32(b, 8), hi16)));
         }
         for (int h = 0; h < 2; h++) {  /* the file's words 16h .. 16h + 15: word 8cc + j is chunk cc's j-th */
             __m512i v[16];
@@ -892,8 +897,7 @@ static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
  * operations on a word of every row at once */
 static void pack_panel_q6k(const uint8_t *rows, int64_t row_bytes, int64_t K, const panel_t *p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32((int)row_bytes));
+    const __m512i at = row_offsets(row_bytes);
     for (int64_t sb = 0; sb < K / 256; sb++) {
         const uint8_t *hb = rows + sb * 210;
         /* bytes 206-209: the last two scales, then d (a word that stays inside the block) */
@@ -1000,7 +1004,7 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
     const int G = group_elems(type), ab = act_block(type);
     const int64_t ng = K / G, ndx = K / ab, row_bytes = K / block_elems(type) * block_bytes(type);
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
-    int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);
+    int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);  /* filled for Q4_K, the one that reads it */
     if (!xs || !xs2) {
         free(xs), free(xs2);
         return -2;
@@ -1010,7 +1014,7 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
             int32_t t = 0;
             for (int h = 0; h < G / 16; h++) t += bsums[i * (K / 16) + g * (G / 16) + h];
             xs[i * ng + g] = t;
-            if (g & 1) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)xs[i * ng + g - 1] & 0xFFFF) | (uint32_t)t << 16);
+            if (type == Q4_K && (g & 1)) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)xs[i * ng + g - 1] & 0xFFFF) | (uint32_t)t << 16);
         }
     int failed = 0;
 #pragma omp parallel
