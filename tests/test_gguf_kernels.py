@@ -156,6 +156,37 @@ def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_
         assert torch.equal(blocks.matmul_a8(int(qtype), x[5:12], raw), alone[5:12])
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, qtype):
+    """A Q4_K / Q6_K weight repacked into panels of 16 rows (where a build has the panel GEMM) runs one kernel
+    at every row count: a row's bits are the same alone (a decode step), beside a few others (a speculative
+    verification, a small batch) or in a prefill chunk, and they are the file layout's GEMM's; its rows and its
+    dequantized values come back as the file's. Elsewhere, and for rows not in whole panels, nothing repacks."""
+    blocks = gemm_from(0)  # the file's layout through the GEMM at every row count: the bits to match
+    n, k, m = 48, 1280, 70
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=5))
+    ptype, packed = blocks.pack(int(qtype), raw)
+    if not blocks.has_gemm:
+        assert ptype == int(qtype) and packed is raw
+        return
+    assert ptype == 100 + int(qtype) and packed.shape == raw.shape and not torch.equal(packed, raw)
+    x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
+    want = blocks.matmul_a8(int(qtype), x, raw)
+    assert torch.equal(torch.cat([blocks.matmul_a8(ptype, x[i : i + 1], packed) for i in range(m)]), want)
+    for rows in (2, 5, 6, 8, 9, 17, 48, 49, 70):  # both sides of 48: panels read in place, then expanded
+        assert torch.equal(blocks.matmul_a8(ptype, x[:rows], packed), want[:rows]), rows
+    assert torch.equal(blocks.matmul_a8(ptype, x[20:29], packed), want[20:29])
+    ids = torch.tensor([0, 47, 16, 15, 3, 3])
+    assert torch.equal(blocks.unpack_rows(ptype, packed, ids), raw[ids])
+    assert torch.equal(blocks.dequantize(ptype, packed), blocks.dequantize(int(qtype), raw))
+    with pytest.raises(IndexError, match="row ids"):
+        blocks.unpack_rows(ptype, packed, torch.tensor([48]))
+    with pytest.raises(ValueError, match="ggml type"):  # the float kernels read the file's layout only
+        blocks.matmul_f32(ptype, x[:1], packed)
+    q8 = torch.from_numpy(random_blocks(T.Q8_0, n, k))
+    assert blocks.pack(int(T.Q8_0), q8)[1] is q8 and blocks.pack(int(qtype), raw[:40])[0] == int(qtype)
+
+
 def test_a_nan_row_stays_nan_in_the_gemm_and_leaves_the_others_finite(gemm_from):
     blocks = gemm_from(0)
     raw = torch.from_numpy(random_blocks(T.Q4_K, 20, 512))
@@ -312,3 +343,27 @@ def test_gguf_linear_is_one_function_at_every_batch_size(qtype, activation_bits)
     for y in (batched, rows):
         assert_matches(y - bias, xr, w)
     assert layer(x.view(2, -1, k)).shape == (2, x.shape[0] // 2, n)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_gguf_mode_linear_on_repacked_panels_is_one_function_bit_for_bit(qtype):
+    """GGUFLinear under int8 activations repacks its Q4_K / Q6_K rows where the CPU has the panel GEMM: every
+    batch size then gives each row the bits it gets alone, and a lookup of its rows (a tied embedding's) is the
+    file's rows dequantized."""
+    from pagedllm import kernels
+    from pagedllm.layers.gguf_linear import GGUFLinear
+
+    n, k = 48, 512
+    raw = random_blocks(qtype, n, k, seed=9)
+    layer = GGUFLinear(torch.from_numpy(raw), int(qtype), torch.randn(n), 8)
+    packs = kernels.load().gguf.has_gemm
+    assert layer.qtype == (100 + int(qtype) if packs else int(qtype)) and layer.file_qtype == int(qtype)
+    assert ("in panels of 16 rows" in repr(layer)) == packs
+    x = torch.randn(70, k)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    if packs:
+        assert torch.equal(layer(x), alone) and torch.equal(layer(x[:5]), alone[:5])
+    w, _ = layer.dequantized()
+    assert torch.equal(w, reference_weights(qtype, raw))
+    ids = torch.tensor([7, 0, 47, 16])
+    assert torch.equal(layer.rows(ids), w[ids])

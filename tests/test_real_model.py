@@ -30,6 +30,18 @@ def _reference() -> tuple[list[dict], list[GreedyResult], int]:
     return ref["prompts"], want, ref["max_tokens"]
 
 
+def _resident_kib(path: str) -> int:
+    """KiB of this process's memory in mappings of ``path`` (/proc/self/smaps' Rss)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+            inside = line.rstrip().endswith(path)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
 @pytest.mark.slow
 def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) -> None:
     prompts, want, n = _reference()
@@ -53,8 +65,10 @@ def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) 
 
 @pytest.mark.slow
 def test_qwen_0_5b_gguf_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) -> None:
-    """The gguf mode (int8 activations) reads the Q4_K / Q6_K ffn_down blocks in place from the file's
-    mapping; not float32's function, but near transformers' greedy path (top 5 wherever they part)."""
+    """The gguf mode (int8 activations) runs the Q4_K / Q6_K ffn_down blocks as the file stores them: in place
+    in the file's mapping, or (where the CPU has the panel GEMM) the same bytes repacked into panels of 16 rows,
+    never widened; not float32's function, but near transformers' greedy path (top 5 wherever they part)."""
+    from pagedllm import kernels
     from pagedllm.layers.gguf_linear import GGUFLinear
 
     prompts, want, n = _reference()
@@ -62,11 +76,17 @@ def test_qwen_0_5b_gguf_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) ->
     model = llm.llm_engine.core.runner.model
     downs = [layer.mlp.down_proj for layer in model.layers]
     assert all(type(d) is GGUFLinear and d.activation_bits == 8 for d in downs)
-    assert {d.qtype for d in downs} == {12, 14}  # Q4_K and Q6_K, half the layers each
-    # the weights are the file's bytes where its mapping holds them, not a copy
+    assert {d.file_qtype for d in downs} == {12, 14}  # Q4_K and Q6_K, half the layers each
     maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines() if str(qwen_0_5b) in line]
     spans = [tuple(int(a, 16) for a in m[0].split("-")) for m in maps]
-    assert all(any(lo <= d.raw.data_ptr() < hi for lo, hi in spans) for d in downs)
+    in_file = [any(lo <= d.raw.data_ptr() < hi for lo, hi in spans) for d in downs]
+    row_bytes = {12: 144, 14: 210}
+    assert all(d.raw.shape == (896, 4864 // 256 * row_bytes[d.file_qtype]) for d in downs)  # the file's size
+    if kernels.load().gguf.has_gemm:  # a copy in panels, the file's pages let go
+        assert {d.qtype for d in downs} == {112, 114} and not any(in_file)
+        assert _resident_kib(str(qwen_0_5b)) < 1024
+    else:  # the file's bytes where its mapping holds them
+        assert {d.qtype for d in downs} == {12, 14} and all(in_file)
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], sp, use_tqdm=False)
     check_greedy_close(

@@ -40,10 +40,11 @@ int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int6
 /* one linear: kind 0 int4, 1 int8, 2 int4 with int8 activations, 3 int8 with int8 activations, 6 and 7 the
  * same with int16 activations, 5 int8 with a scale per 16 (quant_matmul.c's q, scales, mins), 4 float32
  * (qweight its panels, see f32_matmul); GGUF_A8 + t and GGUF_F32 + t: a GGUF's blocks of ggml type t as the
- * file stores them (qweight the rows; gguf_blocks.c), int8 or float32 activations. n_parts > 0: the outputs
+ * file stores them (qweight the rows; gguf_blocks.c; t may be a repacked type, 100 + the file's), int8 or float32
+ * activations. n_parts > 0: the outputs
  * of parts[0 .. n_parts) side by side (a fused projection whose shards have different types); bias after. */
 #define GGUF_A8 100
-#define GGUF_F32 200
+#define GGUF_F32 400
 typedef struct QLinear {
     const void *qweight;
     const float *scales, *mins, *bias; /* bias may be NULL */

@@ -94,16 +94,48 @@ static int block_bytes_any(int type) {
     }
 }
 
-/* the same for the four types the matmul kernels read as stored (0: a type they do not read) */
-static int reads(int type) { return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0; }
-static int block_elems(int type) { return reads(type) ? block_elems_any(type) : 0; }
-static int block_bytes(int type) { return reads(type) ? block_bytes_any(type) : 0; }
+/* Q4_K and Q6_K repacked into panels of 16 rows (gguf_pack_panels, AVX-512 VNNI builds): their type ids
+ * PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a row]. */
+enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K };
+static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
+
+/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, two repacked */
+static int reads(int type) {
+#ifdef GB_AVX512
+    if (type == P_Q4_K || type == P_Q6_K) return 1;
+#endif
+    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
+}
+static int block_elems(int type) { return reads(type) ? block_elems_any(base_type(type)) : 0; }
+static int block_bytes(int type) { return reads(type) ? block_bytes_any(base_type(type)) : 0; }
 
 /* elements of one block of the activations' rounding: 256 for the K-quants (Q8_K), 32 else (Q8_0) */
 static int act_block(int type) { return block_elems(type); }
 
 int gguf_block_elems(int type) { return block_elems(type); }
 int gguf_block_bytes(int type) { return block_bytes(type); }
+
+/* row n of a repacked weight (type PANEL + t, K elements a row) as the file stores it, into out */
+static void unpack_row(int type, const uint8_t *packed, int64_t n, int64_t K, uint8_t *out) {
+    const int bytes = block_bytes(type), words = bytes / 4;
+    const int64_t nsb = K / QK, c = n % 16;
+    const uint8_t *panel = packed + (n / 16) * 16 * nsb * bytes;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *s = panel + sb * 16 * bytes;
+        uint8_t *o = out + sb * bytes;
+        for (int w = 0; w < words; w++) memcpy(o + 4 * w, s + (w * 16 + c) * 4, 4);
+        if (bytes % 4) memcpy(o + 4 * words, s + words * 64 + c * (bytes % 4), bytes % 4);
+    }
+}
+
+/* rows ids[0 .. n - 1] of a repacked weight (type PANEL + t, K elements a row) as the file stores them, into
+ * out [n, bytes a row]; 0, or -1 for a type that is not a repacked one */
+int gguf_unpack_rows(int type, const uint8_t *packed, const int64_t *ids, int64_t n, int64_t K, uint8_t *out) {
+    if (type < PANEL || !reads(type)) return -1;
+    const int64_t row_bytes = K / QK * block_bytes(type);
+    for (int64_t i = 0; i < n; i++) unpack_row(type, packed, ids[i], K, out + i * row_bytes);
+    return 0;
+}
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
@@ -253,6 +285,25 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
     if (!block_elems(type)) return -1;
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type), chunks = (K + QK - 1) / QK;
+    if (type > PANEL) {  /* a row at a time as the file stores it */
+        int failed = 0;
+#pragma omp parallel
+        {
+            uint8_t *row = malloc(row_bytes);
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                if (!row) continue;
+                unpack_row(type, raw, n, K, row);
+                for (int64_t c = 0; c < chunks; c++) dequant_chunk(base_type(type), row, c, K, w + n * K + c * QK);
+            }
+            if (!row) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            free(row);
+        }
+        return failed ? -2 : 0;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t c = 0; c < chunks; c++) {
@@ -677,7 +728,7 @@ static int matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t 
                      int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (!block_elems(type)) return -1;
 #ifdef GB_AVX512
-    if (M > gemm_min_rows(type))
+    if (type > PANEL || M > gemm_min_rows(type))  /* a repacked weight: the one kernel at every row count */
         return gguf_gemm_q8(type, qx, dx, bsums, raw, y, ldy, M, N, K);
 #endif
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type), ab = act_block(type);
@@ -851,16 +902,19 @@ static inline __m512i row_offsets(int64_t row_bytes) {
 }
 
 /* a whole panel of Q4_K rows (16 of them, row_bytes apart) as pack_column packs each: the nibbles 64 bytes of
- * each row at a time, transposed (16 words of 16 rows: a vector a word) instead of stored 4 bytes at a time */
-static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, const panel_t *p) {
+ * each row at a time, transposed (16 words of 16 rows: a vector a word) instead of stored 4 bytes at a time.
+ * With `packed` (a panel gguf_pack_panels repacked; rows unused) the vectors are loaded as they lie. */
+static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, const uint8_t *packed, const panel_t *p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
     const __m512i ff = _mm512_set1_epi32(0xFF);
     /* word k of the rows' super-block headers (d | dmin, then the 12 bytes of scales): lane c from row c */
     const __m512i at = row_offsets(row_bytes);
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *hb = rows + sb * 144;
-        const __m512i w0 = _mm512_i32gather_epi32(at, hb, 1), u0 = _mm512_i32gather_epi32(at, hb + 4, 1);
-        const __m512i u1 = _mm512_i32gather_epi32(at, hb + 8, 1), u2 = _mm512_i32gather_epi32(at, hb + 12, 1);
+        const uint8_t *hb = rows + sb * 144, *pb = packed ? packed + sb * NP * 144 : NULL;
+        const __m512i w0 = packed ? _mm512_load_si512(pb) : _mm512_i32gather_epi32(at, hb, 1);
+        const __m512i u0 = packed ? _mm512_load_si512(pb + 64) : _mm512_i32gather_epi32(at, hb + 4, 1);
+        const __m512i u1 = packed ? _mm512_load_si512(pb + 128) : _mm512_i32gather_epi32(at, hb + 8, 1);
+        const __m512i u2 = packed ? _mm512_load_si512(pb + 192) : _mm512_i32gather_epi32(at, hb + 12, 1);
         _mm512_store_ps(p->d + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0)));
         _mm512_store_ps(p->dmin + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16))));
         /* k4_scales on 16 rows at once: bytes 0-3 of s (m) are sc[0..3] (mins), of s_hi (m_hi) sc[4..7] */
@@ -882,8 +936,12 @@ static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
         }
         for (int h = 0; h < 2; h++) {  /* the file's words 16h .. 16h + 15: word 8cc + j is chunk cc's j-th */
             __m512i v[16];
-            for (int c = 0; c < NP; c++) v[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 144 + 16 + 64 * h);
-            transpose16(v);
+            if (packed) {
+                for (int w = 0; w < 16; w++) v[w] = _mm512_load_si512(pb + (4 + 16 * h + w) * 64);
+            } else {
+                for (int c = 0; c < NP; c++) v[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 144 + 16 + 64 * h);
+                transpose16(v);
+            }
             for (int w = 0; w < 16; w++) {
                 const int cc = (16 * h + w) / 8, j = (16 * h + w) % 8;
                 _mm512_store_si512(p->u + (sb * 64 + 16 * cc + j) * NP, _mm512_and_si512(v[w], m4));
@@ -895,26 +953,35 @@ static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
 
 /* the same for Q6_K: ql 64 bytes and qh 64 bytes of the 16 rows at a time, transposed, then pack_column's bit
  * operations on a word of every row at once */
-static void pack_panel_q6k(const uint8_t *rows, int64_t row_bytes, int64_t K, const panel_t *p) {
+static void pack_panel_q6k(const uint8_t *rows, int64_t row_bytes, int64_t K, const uint8_t *packed, const panel_t *p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
     const __m512i at = row_offsets(row_bytes);
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *hb = rows + sb * 210;
+        const uint8_t *hb = rows + sb * 210, *pb = packed ? packed + sb * NP * 210 : NULL;
         /* bytes 206-209: the last two scales, then d (a word that stays inside the block) */
         _mm512_store_ps(p->d + sb * NP,
-                        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(at, hb + 206, 1), 16))));
+                        packed ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 52 * 64)))
+                               : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(at, hb + 206, 1), 16))));
         for (int q = 0; q < 4; q++) {  /* scales 4q .. 4q + 3, each sign-extended from its byte */
-            const __m512i w = _mm512_i32gather_epi32(at, hb + 192 + 4 * q, 1);
+            const __m512i w = packed ? _mm512_loadu_si512(pb + (48 + q) * 64) : _mm512_i32gather_epi32(at, hb + 192 + 4 * q, 1);
             for (int t = 0; t < 4; t++)
                 _mm512_store_si512(p->sc + (sb * 16 + 4 * q + t) * NP, _mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * t), 24));
         }
         __m512i qh[16];
-        for (int c = 0; c < NP; c++) qh[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 128);
-        transpose16(qh);
+        if (packed) {
+            for (int w = 0; w < 16; w++) qh[w] = _mm512_loadu_si512(pb + (32 + w) * 64);
+        } else {
+            for (int c = 0; c < NP; c++) qh[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 128);
+            transpose16(qh);
+        }
         for (int h = 0; h < 2; h++) {
             __m512i ql[16];
-            for (int c = 0; c < NP; c++) ql[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 64 * h);
-            transpose16(ql);
+            if (packed) {
+                for (int w = 0; w < 16; w++) ql[w] = _mm512_loadu_si512(pb + (16 * h + w) * 64);
+            } else {
+                for (int c = 0; c < NP; c++) ql[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 64 * h);
+                transpose16(ql);
+            }
             uint32_t *o = p->u + (sb * 64 + 32 * h) * NP;
             for (int j = 0; j < 8; j++) {
                 const __m512i lo = ql[j], lo32 = ql[8 + j], hi = qh[8 * h + j];
@@ -998,10 +1065,185 @@ static inline __attribute__((always_inline)) void panel_rows(int type, int rt, i
 #undef acc_get
 }
 
+/* ---- repacked weights: one kernel at every row count ------------------------------------------------
+ * gguf_pack_panels lays a Q4_K or Q6_K weight (N a multiple of 16) out as the kernels below read it: panel p
+ * (rows 16p .. 16p + 15) holds its super-blocks in order, and super-block sb of a panel holds word w (4 bytes)
+ * of each row's block sb as one 64-byte vector (lane c: row 16p + c), w = 0 .. bytes / 4 - 1; Q6_K's two last
+ * bytes (d) follow as 16 pairs. The file's bytes permuted, nothing widened: a row's 144 (210) bytes a super-block
+ * stay 144 (210). The kernels decode a panel's words where they lie (a mask, a shift) instead of decoding it
+ * into a buffer first, so one decode row costs no more than a row kernel's pass and a prefill chunk no more than
+ * the GEMM above; and they compute each row of y as panel_rows does (the same integers, the same float
+ * multiply-adds in the same order), so its bits never depend on how many rows share the call. llama.cpp
+ * repacks Q4_K for the same reasons. */
+
+/* words [w0, w0 + 16) of the blocks of 16 rows (row c at src + c * row_bytes) into vectors w0 .. w0 + 15 */
+static inline __attribute__((always_inline)) void pack_words(const uint8_t *src, int64_t row_bytes, int w0, uint8_t *dst) {
+    __m512i v[16];
+    for (int c = 0; c < NP; c++) v[c] = _mm512_loadu_si512(src + c * row_bytes + 4 * w0);
+    transpose16(v);
+    for (int w = 0; w < 16; w++) _mm512_storeu_si512(dst + (w0 + w) * 64, v[w]);
+}
+
+/* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words */
+static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                             const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, npair = K / 64;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
+    const __m512i ff = _mm512_set1_epi32(0xFF), hi16 = _mm512_set1_epi32(0xFF0000);
+    float accm[RT * NP] __attribute__((aligned(64)));
+    __m512i is[RT];
+    for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = pb + sb * NP * 144;
+        /* vector 0: d | dmin; 1-3: the 12 bytes of scales, as pack_panel_q4k reads them from its gathers */
+        const __m512i w0 = _mm512_load_si512(b), u0 = _mm512_load_si512(b + 64);
+        const __m512i u1 = _mm512_load_si512(b + 128), u2 = _mm512_load_si512(b + 192);
+        const __m512i sl = _mm512_and_si512(u0, m6);
+        const __m512i sh = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
+        PREFETCH_AHEAD(b, NP * 144);
+        for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
+        for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
+            const uint8_t *q = b + 256 + cc * 8 * 64;
+            /* integer sums in chains enough for the latency of vpdpbusd: two a row, four for one or two rows */
+            __m512i al[2][RT], ah[2][RT];
+            const int split = rt <= 2 ? 2 : 1;
+            for (int e = 0; e < split; e++)
+                for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                const __m512i v = _mm512_load_si512(q + 64 * j);
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                const int e = j % split;
+                for (int r = 0; r < rt; r++) {
+                    const uint8_t *xr = (const uint8_t *)qx + r * K + sb * QK + 64 * cc + 4 * j;
+                    al[e][r] = _mm512_dpbusd_epi32(al[e][r], lo, _mm512_set1_epi32(load32(xr)));
+                    ah[e][r] = _mm512_dpbusd_epi32(ah[e][r], hi, _mm512_set1_epi32(load32(xr + 32)));
+                }
+            }
+            const __m512i svl = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
+            const __m512i svh = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
+            for (int r = 0; r < rt; r++) {
+                const __m512i l = split == 2 ? _mm512_add_epi32(al[0][r], al[1][r]) : al[0][r];
+                const __m512i h = split == 2 ? _mm512_add_epi32(ah[0][r], ah[1][r]) : ah[0][r];
+                is[r] = _mm512_add_epi32(is[r], _mm512_add_epi32(_mm512_mullo_epi32(l, svl), _mm512_mullo_epi32(h, svh)));
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0));
+        const __m512 dminv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16)));
+        const __m512i ml = _mm512_and_si512(u1, m6);
+        const __m512i mh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
+                                           _mm512_and_si512(_mm512_srli_epi32(u1, 2), top));
+        __m512i mn[4];
+        for (int k = 0; k < 2; k++) {  /* mins 2k and 2k + 1 as the int16 halves of a lane */
+            const __m512i lo = _mm512_srli_epi32(ml, 16 * k), hi = _mm512_srli_epi32(mh, 16 * k);
+            mn[k] = _mm512_or_si512(_mm512_and_si512(lo, ff), _mm512_and_si512(_mm512_slli_epi32(lo, 8), hi16));
+            mn[2 + k] = _mm512_or_si512(_mm512_and_si512(hi, ff), _mm512_and_si512(_mm512_slli_epi32(hi, 8), hi16));
+        }
+        for (int r = 0; r < rt; r++) {
+            const __m512 dxv = _mm512_set1_ps(dx[r * nsb + sb]);
+            __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), _mm512_load_ps(accm + r * NP));
+            __m512i ms = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) ms = _mm512_dpwssd_epi32(ms, mn[k], _mm512_set1_epi32(xs2[r * npair + sb * 4 + k]));
+            ar = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dminv, dxv), ar);
+            _mm512_store_ps(accm + r * NP, ar);
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(accm + r * NP));
+}
+
+/* the same for a repacked Q6_K panel: panel_rows(Q6_K, ...) on the panel's words */
+static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, ng = K / 16;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    float accm[RT * NP] __attribute__((aligned(64)));
+    __m512i a[RT], is[RT];
+    for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
+        const uint8_t *b = pb + sb * NP * 210;
+        PREFETCH_AHEAD(b, NP * 210);
+        for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
+        if (rt <= 2) {  /* a word's four outputs at once: four chains a row for the latency of vpdpbusd */
+            for (int h = 0; h < 2; h++)
+                for (int jj = 0; jj < 2; jj++) {
+                    __m512i a4[4][2];
+                    for (int t = 0; t < 4; t++)
+                        for (int r = 0; r < rt; r++) a4[t][r] = _mm512_setzero_si512();
+                    for (int j = 4 * jj; j < 4 * jj + 4; j++) {
+                        const __m512i lo = _mm512_loadu_si512(b + (16 * h + j) * 64), lo32 = _mm512_loadu_si512(b + (16 * h + 8 + j) * 64);
+                        const __m512i hi = _mm512_loadu_si512(b + (32 + 8 * h + j) * 64);
+                        const __m512i v[4] = {
+                            _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 4), m2)),
+                            _mm512_or_si512(_mm512_and_si512(lo32, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 2), m2)),
+                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo, 4), m4), _mm512_and_si512(hi, m2)),
+                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo32, 4), m4),
+                                            _mm512_and_si512(_mm512_srli_epi32(hi, 2), m2))};
+                        for (int t = 0; t < 4; t++)
+                            for (int r = 0; r < rt; r++)
+                                a4[t][r] = _mm512_dpbusd_epi32(a4[t][r], v[t], _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
+                    }
+                    for (int t = 0; t < 4; t++) {
+                        const int g = 8 * h + 2 * t + jj;
+                        const __m512i sw = _mm512_loadu_si512(b + (48 + g / 4) * 64);
+                        const __m512i sv = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
+                        for (int r = 0; r < rt; r++) {
+                            const __m512i t32 = _mm512_sub_epi32(a4[t][r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
+                            is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t32, sv));
+                        }
+                    }
+                }
+        } else
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
+                for (int jj = 0; jj < 2; jj++) {
+                    for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
+                    for (int j = 4 * jj; j < 4 * jj + 4; j++) {
+                        const __m512i lo = _mm512_loadu_si512(b + (16 * h + 8 * (t & 1) + j) * 64);
+                        const __m512i hi = _mm512_loadu_si512(b + (32 + 8 * h + j) * 64);
+                        const __m512i low = t < 2 ? _mm512_and_si512(lo, m4) : _mm512_and_si512(_mm512_srli_epi32(lo, 4), m4);
+                        const __m512i top = t == 0   ? _mm512_slli_epi32(hi, 4)
+                                            : t == 1 ? _mm512_slli_epi32(hi, 2)
+                                            : t == 2 ? hi
+                                                     : _mm512_srli_epi32(hi, 2);
+                        const __m512i v = _mm512_or_si512(low, _mm512_and_si512(top, m2));
+                        for (int r = 0; r < rt; r++)
+                            a[r] = _mm512_dpbusd_epi32(a[r], v, _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
+                    }
+                    const int g = 8 * h + 2 * t + jj;
+                    const __m512i sw = _mm512_loadu_si512(b + (48 + g / 4) * 64);
+                    const __m512i sv = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
+                    for (int r = 0; r < rt; r++) {
+                        const __m512i t32 = _mm512_sub_epi32(a[r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
+                        is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t32, sv));
+                    }
+                }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 52 * 64)));
+        for (int r = 0; r < rt; r++) {
+            const __m512 dxv = _mm512_set1_ps(dx[r * nsb + sb]);
+            _mm512_store_ps(accm + r * NP, _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), _mm512_load_ps(accm + r * NP)));
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(accm + r * NP));
+}
+
+/* up to this many rows of x, a repacked weight's panels are read where they lie, each decoded once per tile of
+ * RT rows; more rows expand each panel into bytes once (pack_panel_*), then panel_rows: the same bits */
+#ifndef PACKED_DIRECT_ROWS
+#define PACKED_DIRECT_ROWS 48
+#endif
+
+/* rows 0 .. rt - 1 of y against repacked panel pb (type P_Q4_K or P_Q6_K) */
+static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                              const int32_t *xs, const int32_t *xs2, const float *dx,
+                                                              float *y, int64_t ldy) {
+    if (type == P_Q4_K) packed_q4k(rt, K, pb, qx, xs2, dx, y, ldy);
+    else packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
+}
+
 /* gguf_matmul_q8 for many rows: the same integer products, the float sums in another order */
-static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
+static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int G = group_elems(type), ab = act_block(type);
+    const int type = base_type(ptype), G = group_elems(type), ab = act_block(type);
     const int64_t ng = K / G, ndx = K / ab, row_bytes = K / block_elems(type) * block_bytes(type);
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
     int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);  /* filled for Q4_K, the one that reads it */
@@ -1017,6 +1259,37 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
             if (type == Q4_K && (g & 1)) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)xs[i * ng + g - 1] & 0xFFFF) | (uint32_t)t << 16);
         }
     int failed = 0;
+    if (ptype > PANEL && M <= PACKED_DIRECT_ROWS) {  /* repacked: each panel's words where they lie */
+#pragma omp parallel for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NP)
+            for (int64_t m0 = 0; m0 < M; m0 += RT) {
+                const int rt = M - m0 < RT ? (int)(M - m0) : RT;
+                const uint8_t *pb = raw + n0 * row_bytes;
+                const int8_t *q = qx + m0 * K;
+                const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);
+                const float *dxr = dx + m0 * ndx;
+                float *yr = y + m0 * ldy + n0;
+#define PACKED(T)                                                                      \
+                switch (rt) {                                                          \
+                    case 8: packed_rows(T, 8, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 7: packed_rows(T, 7, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 6: packed_rows(T, 6, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 5: packed_rows(T, 5, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 4: packed_rows(T, 4, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 3: packed_rows(T, 3, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 2: packed_rows(T, 2, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    default: packed_rows(T, 1, K, pb, q, xsr, xs2r, dxr, yr, ldy); break; \
+                }
+                if (ptype == P_Q4_K) {
+                    PACKED(P_Q4_K)
+                } else {
+                    PACKED(P_Q6_K)
+                }
+#undef PACKED
+            }
+        free(xs), free(xs2);
+        return 0;
+    }
 #pragma omp parallel
     {
         const size_t nums = (size_t)ng * NP * 4;
@@ -1035,10 +1308,12 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
                 memset(p.u, 0, (size_t)K / 4 * NP * 4);
                 memset(p.sc, 0, nums), memset(p.mn, 0, nums), memset(p.d, 0, nums), memset(p.dmin, 0, nums);
             }
-            if (type == Q4_K && nc == NP)
-                pack_panel_q4k(raw + n0 * row_bytes, row_bytes, K, &p);
+            if (ptype > PANEL)  /* a repacked panel expanded into bytes once for all of M's tiles */
+                (type == Q4_K ? pack_panel_q4k : pack_panel_q6k)(NULL, 0, K, raw + n0 * row_bytes, &p);
+            else if (type == Q4_K && nc == NP)
+                pack_panel_q4k(raw + n0 * row_bytes, row_bytes, K, NULL, &p);
             else if (type == Q6_K && nc == NP)
-                pack_panel_q6k(raw + n0 * row_bytes, row_bytes, K, &p);
+                pack_panel_q6k(raw + n0 * row_bytes, row_bytes, K, NULL, &p);
             else
                 for (int c = 0; c < nc; c++) pack_column(type, raw + (n0 + c) * row_bytes, K, c, &p);
             const __mmask16 mask = (__mmask16)((1u << nc) - 1);
@@ -1070,6 +1345,31 @@ static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16
     return failed ? -2 : 0;
 }
 #endif
+
+/* W [N, K] of type Q4_K or Q6_K (the file's rows, raw) repacked into out (as many bytes) for the kernel above;
+ * the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a multiple of 16, or
+ * a build without AVX-512 VNNI */
+int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
+#ifdef GB_AVX512
+    if ((type != Q4_K && type != Q6_K) || N % NP || K % QK) return -1;
+    const int bytes = block_bytes(type), words = bytes / 4;
+    const int64_t nsb = K / QK, row_bytes = nsb * bytes;
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NP)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *src = raw + n0 * row_bytes + sb * bytes;
+            uint8_t *dst = out + n0 * row_bytes + sb * NP * bytes;
+            for (int w0 = 0; w0 + 16 <= words; w0 += 16) pack_words(src, row_bytes, w0, dst);
+            if (words % 16) pack_words(src, row_bytes, words - 16, dst);  /* the last 16 words: some twice */
+            for (int c = 0; c < NP && bytes % 4; c++)
+                memcpy(dst + words * 64 + c * (bytes % 4), src + c * row_bytes + 4 * words, bytes % 4);
+        }
+    return PANEL + type;
+#else
+    (void)type, (void)raw, (void)out, (void)N, (void)K;
+    return -1;
+#endif
+}
 
 /* y [M, N_0 + ... + N_{n-1}] = x [M, K] . [W_0; ...; W_{n-1}]^T, W_p [N_p, K] of type types[p] (a fused
  * projection whose shards the file stores in different types): part p's columns of y are gguf_matmul_a8 of
@@ -1114,7 +1414,7 @@ int gguf_matmul_a8(int type, const float *x, const uint8_t *raw, float *y, int64
 /* y [M, N] = x [M, K] . W_dequantized^T, each chunk of 256 weights dequantized as gguf_dequantize does it and
  * multiplied in float32 (four chains a row); 0, or -1 for a type these kernels do not read */
 int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K) {
-    if (!block_elems(type)) return -1;
+    if (!block_elems(type) || type > PANEL) return -1;
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type), chunks = (K + QK - 1) / QK;
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += COLS) {

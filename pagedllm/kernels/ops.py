@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
 
 # limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
@@ -433,6 +435,11 @@ GROUP_LAYOUTS = {
 }
 # the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
 GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
+# Q4_K / Q6_K repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a row, type id 100 + the file's
+GGUF_PANELS = {100 + t: GGUF_BLOCKS[t] for t in (12, 14)}
+
+
+_PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
 
 
 class GGUFBlocks:
@@ -453,8 +460,10 @@ class GGUFBlocks:
         self._dequantize.argtypes = [c_int, p, p, i64, i64]
         self._to_groups = lib.gguf_to_groups
         self._to_groups.argtypes = [c_int, p, i64, i64, p, p, p]
+        self._pack, self._unpack = lib.gguf_pack_panels, lib.gguf_unpack_rows
+        self._pack.argtypes, self._unpack.argtypes = [c_int, p, p, i64, i64], [c_int, p, p, i64, i64, p]
         fns = (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._matmul_a8_parts, self._dequantize)
-        for fn in (*fns, self._to_groups):
+        for fn in (*fns, self._to_groups, self._pack, self._unpack):
             fn.restype = c_int
         self._gemm_min_rows = ctypes.c_int.in_dll(lib, "gguf_gemm_min_rows")
         lib.gguf_has_gemm.restype = c_int
@@ -472,12 +481,48 @@ class GGUFBlocks:
     def gemm_min_rows(self, rows: int) -> None:
         self._gemm_min_rows.value = rows
 
+    def pack(
+        self, qtype: int, raw: torch.Tensor, copied: Callable[[torch.Tensor], object] | None = None
+    ) -> tuple[int, torch.Tensor]:
+        """``(qtype, raw)`` as the integer kernels read it best: a Q4_K or Q6_K weight with a multiple of 16 rows,
+        where the panel GEMM is built, repacked into panels of 16 rows (a new tensor of raw's shape, type id
+        100 + qtype), which one kernel multiplies at every row count, a row's bits the same whatever shares its
+        call; anything else as it is. The float32 kernels (matmul_f32) do not read a repacked weight.
+        ``copied`` is called with each slice of raw's rows once the copy holds it (to let a file's pages go
+        before the next slice is read)."""
+        if qtype not in (12, 14) or not self.has_gemm or raw.shape[0] % 16 or not raw.shape[0]:
+            return qtype, raw
+        k = self.in_features(qtype, raw)
+        raw = raw.contiguous()
+        out = torch.empty_like(raw)
+        for first in range(0, raw.shape[0], _PACK_ROWS):
+            part = raw[first : first + _PACK_ROWS]
+            packed = self._pack(qtype, part.data_ptr(), out[first:].data_ptr(), part.shape[0], k)
+            if packed < 0:
+                return qtype, raw
+            if copied is not None:
+                copied(part)
+        return packed, out
+
+    def unpack_rows(self, qtype: int, raw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of a weight as the file stores them, [len(ids), bytes a row] uint8 (a repacked one's
+        rows put back in order; another's, its rows)."""
+        if qtype not in GGUF_PANELS:
+            return raw.index_select(0, ids)
+        ids = ids.to(torch.int64).contiguous()
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= raw.shape[0]):
+            raise IndexError(f"row ids must lie in [0, {raw.shape[0]})")
+        out = raw.new_empty(len(ids), raw.shape[1])
+        k = self.in_features(qtype, raw)
+        _check_type(self._unpack(qtype, raw.data_ptr(), ids.data_ptr(), len(ids), k, out.data_ptr()), qtype)
+        return out
+
     @staticmethod
     def in_features(qtype: int, raw: torch.Tensor) -> int:
         """K of a weight stored as ``raw`` [N, bytes a row] in ``qtype``'s blocks."""
-        if qtype not in GGUF_BLOCKS:
+        if qtype not in GGUF_BLOCKS and qtype not in GGUF_PANELS:
             _check_type(-1, qtype)
-        elems, nbytes = GGUF_BLOCKS[qtype]
+        elems, nbytes = GGUF_BLOCKS.get(qtype) or GGUF_PANELS[qtype]
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
             raise ValueError(f"raw must be uint8 [N, a multiple of {nbytes} bytes], got {raw.dtype} {list(raw.shape)}")
         return raw.shape[1] // nbytes * elems
@@ -485,7 +530,7 @@ class GGUFBlocks:
     @staticmethod
     def activation_block(qtype: int) -> int:
         """Elements per int8 rounding of the activations: 256 (Q8_K) for the K-quants, 32 (Q8_0) else."""
-        return GGUF_BLOCKS[qtype][0]
+        return (GGUF_BLOCKS.get(qtype) or GGUF_PANELS[qtype])[0]
 
     def quantize(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [M, K] float32 contiguous rounded per ``block`` (256 or 32) elements as the a8 kernels round it:

@@ -48,7 +48,13 @@ class GGUFLinear(nn.Module):
         if activation_bits not in (None, 8):
             raise ValueError(f"GGUFLinear's activations are int8 (8) or float32 (None), not {activation_bits}")
         self._kernels = kernels.load().gguf
-        self.qtype, self.activation_bits = qtype, activation_bits
+        self.file_qtype, self.activation_bits = qtype, activation_bits
+        if activation_bits:  # Q4_K / Q6_K repacked into panels where the CPU runs them (GGUFBlocks.pack)
+            from pagedllm.model_loader.mappings import release_mapped_pages
+
+            # a copy: the pages of the file it was read from need not stay in this process
+            qtype, raw = self._kernels.pack(qtype, raw, copied=release_mapped_pages)
+        self.qtype = qtype
         self.register_buffer("raw", raw if raw.is_contiguous() else raw.contiguous(), persistent=False)
         self.out_features, self.in_features = raw.shape[0], self._kernels.in_features(qtype, raw)
         self.bias = _bias(bias)
@@ -71,13 +77,15 @@ class GGUFLinear(nn.Module):
         return self._kernels.dequantize(self.qtype, self.raw), self.bias
 
     def extra_repr(self) -> str:
-        name = next(n for n, t in GGUF_TYPES.items() if t == self.qtype)
+        name = next(n for n, t in GGUF_TYPES.items() if t == self.file_qtype)
+        layout = " in panels of 16 rows" if self.qtype != self.file_qtype else ""
         act = "int8" if self.activation_bits else "float32"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {name} blocks, {act} activations"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, {name} blocks{layout}, {act} activations"
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W, float32 [len(ids), K]: an embedding lookup in the same table (a tied head's)."""
-        return self._kernels.dequantize(self.qtype, self.raw.index_select(0, ids))
+        return self._kernels.dequantize(self.file_qtype, self._kernels.unpack_rows(self.qtype, self.raw, ids))
 
 
 class StackedLinear(nn.Module):

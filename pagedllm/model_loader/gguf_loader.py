@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_loader import cache
+from pagedllm.model_loader.mappings import map_read_only, release
 
 if TYPE_CHECKING:
     import numpy as np
@@ -430,8 +431,7 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
     if arch in _PERMUTED_QK_ARCHITECTURES:
         n_head = int(header.metadata[f"{arch}.attention.head_count"])
         n_head_kv = int(header.metadata.get(f"{arch}.attention.head_count_kv", n_head))
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapping = map_read_only(path)
     file = np.frombuffer(mapping, dtype=np.uint8)
     plain = {
         GGMLQuantizationType.F32: np.float32,
@@ -464,17 +464,7 @@ def _iter_raw_tensors(path: str) -> Iterator[tuple[str, str, Any, np.ndarray, Ca
         elif arch in _NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
             fix = _minus_one
         yield name_in_file, name, qtype, data, fix
-        _release(mapping, start, n_bytes)
-
-
-def _release(mapping: mmap.mmap, start: int, n_bytes: int) -> None:
-    """Drop a tensor's pages of the file mapping from this process once its consumer is done with them: its
-    copies hold the values now, and the resident set no longer counts the file on top of them (the page cache
-    keeps the pages; a view still pointing there would read them in again)."""
-    page = mmap.PAGESIZE
-    first, end = -(-start // page) * page, (start + n_bytes) // page * page  # whole pages inside the tensor
-    if end > first and hasattr(mapping, "madvise"):
-        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+        release(mapping, start, n_bytes)
 
 
 def _identity(x: np.ndarray) -> np.ndarray:

@@ -42,7 +42,7 @@ _QLinear._fields_ = [
     ("parts", ctypes.POINTER(_QLinear)),
     ("n_parts", ctypes.c_int64),
 ]
-_GGUF_A8, _GGUF_F32 = 100, 200  # decode_loop.c's kinds of a GGUF's blocks as stored: + the ggml type
+_GGUF_A8, _GGUF_F32 = 100, 400  # decode_loop.c's kinds of a GGUF's blocks as stored: + the ggml type (or repacked's)
 
 
 class _Layer(ctypes.Structure):
