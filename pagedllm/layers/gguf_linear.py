@@ -1,18 +1,20 @@
 """A linear layer on a GGUF's quantized blocks as the file stores them (``pagedllm/kernels/gguf_blocks.c``).
 
 The weight is the file's own bytes, ``raw`` [N, bytes a row] uint8 (a view of a read-only mmap is fine):
-nothing is converted or copied at load, and decode reads the 4.5 bits a weight of Q4_K (6.56 of Q6_K)
-instead of a wider layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``).
+nothing is widened at load, and decode reads the 4.5 bits a weight of Q4_K (6.56 of Q6_K) instead of a wider
+layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``).
 
 ``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8
 per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
 float32 activations, the float32 function of the dequantized weights. Either way the layer computes the same
-function at every batch size, up to float summation order. int8: up to a few rows the kernels stream the
-blocks a weight row at a time; more rows (a prefill chunk, a large decode batch) run a GEMM over panels of 16
-weight rows decoded to bytes where the CPU has AVX-512 VNNI (3.2x the float GEMM on a dequantized copy at 512
-rows of the 1.5B's Q4_K MLP; nothing is widened). float32, and int8 without that GEMM: up to ``SMALL_BATCH``
-rows the kernels stream the blocks; more rows dequantize the weight into a buffer shared by every quantized
-layer and run the float32 GEMM (on the rounded input in the int8 mode).
+function at every batch size, up to float summation order. int8, where the CPU has AVX-512 VNNI: a Q4_K / Q6_K
+weight of whole panels is repacked at load into panels of 16 rows (the same bytes permuted; the file's pages
+are let go), and one kernel multiplies every row count, a row's bits the same whatever shares its call; the
+other types stream their blocks a weight row at a time up to a few rows, and more rows (a prefill chunk, a
+large decode batch) run a GEMM over panels of 16 weight rows decoded to bytes (3.2x the float GEMM on a
+dequantized copy at 512 rows of the 1.5B's Q4_K MLP). float32, and int8 without that GEMM: up to
+``SMALL_BATCH`` rows the kernels stream the blocks; more rows dequantize the weight into a buffer shared by
+every quantized layer and run the float32 GEMM (on the rounded input in the int8 mode).
 """
 
 from __future__ import annotations
