@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -265,3 +267,31 @@ def test_fused_decode_loop_leaves_other_models_to_python(tiny_model_factory, nam
     llm = LLM(model=str(tiny_model_factory(name)), num_gpu_blocks_override=64, quantization="int4")
     _greedy_varied(llm)
     assert llm.llm_engine.core.runner.model.fused_decode.steps == 0
+
+
+@pytest.mark.parametrize("window", [None, 21])
+def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(window):
+    """The decode kernel and the prefill kernel (a whole prompt on its own K / V, or a chunk after cached tokens
+    read from the paged cache) walk a row's keys in the same tiles and sums: each token's attention has the same
+    bits whether it was prefilled whole, chunked at any boundary (a one-token last chunk included) or decoded."""
+    torch.manual_seed(3)
+    n, h, kvh, d, bs = 75, 6, 2, 64, 16
+    q, k, v = torch.randn(n, h, d), torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+    blocks = (n + bs - 1) // bs
+    table = torch.randperm(blocks + 3)[:blocks].to(torch.int64)  # blocks anywhere in the cache
+    cache = torch.zeros(2, blocks + 3, bs, kvh, d)
+    slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+    cache.view(2, -1, kvh, d)[0, slots], cache.view(2, -1, kvh, d)[1, slots] = k, v
+    kern, scale = kernels.load(), d**-0.5
+    whole = torch.empty_like(q)
+    kern.prefill_attention(q, k, v, scale, window, whole)
+    for cuts in ([0, 16, 32, 75], [0, 24, 50, 74, 75], [0, 1, 2, 40, 75], [0, 37, 74, 75]):
+        chunked = torch.empty_like(q)
+        for a, b in itertools.pairwise(cuts):
+            kern.paged_prefill_attention(q[a:b], cache, table, a, scale, window, chunked[a:b])
+        assert torch.equal(chunked, whole), cuts
+    for pos in (0, 15, 16, 40, 74):  # the token at pos decoded with pos earlier tokens in the cache
+        start = max(0, pos + 1 - window) if window else 0
+        lens, starts = torch.tensor([pos + 1]), torch.tensor([start])
+        got = kern.paged_decode_attention(q[pos : pos + 1], cache, table[None], lens, starts, scale)
+        assert torch.equal(got[0], whole[pos]), pos

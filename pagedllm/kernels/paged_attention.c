@@ -89,35 +89,6 @@ static inline float exp_shifted(const float *s, float m, float *p, int64_t lo, i
     return sum;
 }
 
-/* s[t] = scale * (q . k_t) for t in [lo, hi). */
-static inline void scores(const float *qg, const float *const *krows, int64_t lo, int64_t hi, int64_t D,
-                          float scale, float *s) {
-    int64_t t = lo;
-#ifdef PAGEDLLM_AVX2
-    if (D % 8 == 0) {  /* eight rows at a time, reduced together: no horizontal sum per dot */
-        for (; t + 8 <= hi; t += 8) {
-            __m256 a[8];
-            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qg + d);
-                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krows[t + i] + d), a[i]);
-            }
-            const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-            const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-            const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-            _mm256_storeu_ps(s + t, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
-        }
-    }
-#endif
-    for (; t < hi; t++) {
-        const float *kt = krows[t];
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
-        s[t] = dot * scale;
-    }
-}
-
 /* acc += sum over t in [lo, hi) of p[t] * v_t. */
 static inline void accumulate(float *acc, const float *p, const float *const *vrows, int64_t lo, int64_t hi,
                               int64_t D) {
@@ -168,69 +139,12 @@ static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, 
     accumulate(acc, s, vrows, lo, hi, D);
 }
 
-void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
-                            const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                            const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
-                            int64_t bs, float scale, int kv_dtype, const float *lut) {
-    const int64_t group = H / KVH, esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;
-    /* A task is one request's run of kv heads. With requests enough to share out, a task takes as many
-     * heads as its buffers hold, so that it reads each block's rows whole (heads lie side by side in a
-     * row); with few requests, one kv head a task keeps every thread busy. */
-    int64_t per_task = 1;
-    if (nd >= 2 * omp_get_max_threads()) {
-        per_task = MAX_TASK_HEADS / group < KVH ? MAX_TASK_HEADS / group : KVH;
-        if (per_task < 1) per_task = 1;
-    }
-    const int64_t splits = (KVH + per_task - 1) / per_task;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < nd * splits; task++) {
-        const int64_t r = task / splits, kh0 = (task % splits) * per_task;
-        const int64_t kh1 = kh0 + per_task < KVH ? kh0 + per_task : KVH, nh = (kh1 - kh0) * group;
-        float acc[MAX_TASK_HEADS][MAX_D], m[MAX_TASK_HEADS], l[MAX_TASK_HEADS], s[MAX_TASK_HEADS][MAX_BS];
-        float kbuf[MAX_BS][MAX_D], vbuf[MAX_BS][MAX_D];
-        const float *qr = q + r * q_stride + kh0 * group * D;
-        for (int64_t h = 0; h < nh; h++) {
-            m[h] = -INFINITY;
-            l[h] = 0.f;
-            for (int64_t d = 0; d < D; d++) acc[h][d] = 0.f;
-        }
-        const int64_t len = seq_lens[r], start = starts[r];
-        for (int64_t b0 = start - start % bs; b0 < len; b0 += bs) {
-            const int64_t *table = block_tables + r * table_stride;
-            const int64_t lo = b0 < start ? start - b0 : 0, hi = len - b0 < bs ? len - b0 : bs;
-            if (b0 + bs < len)
-                prefetch_block(k, v, (table[b0 / bs + 1] * bs * KVH + kh0) * D, bs, KVH * D, (kh1 - kh0) * D * esize,
-                               esize);
-            for (int64_t kh = kh0; kh < kh1; kh++) {
-                const int64_t base = (table[b0 / bs] * bs * KVH + kh) * D;
-                const float *krows[MAX_BS], *vrows[MAX_BS];
-                for (int64_t t = lo; t < hi; t++) {
-                    krows[t] = row(k, base + t * KVH * D, kv_dtype, lut, kbuf[t], D);
-                    vrows[t] = row(v, base + t * KVH * D, kv_dtype, lut, vbuf[t], D);
-                }
-                for (int64_t h = (kh - kh0) * group; h < (kh - kh0 + 1) * group; h++) {
-                    scores(qr + h * D, krows, lo, hi, D, scale, s[h]);
-                    fold_scores(s[h], vrows, lo, hi, D, &m[h], &l[h], acc[h]);
-                }
-            }
-        }
-        for (int64_t h = 0; h < nh; h++) {
-            float *o = out + (r * H + kh0 * group + h) * D;
-            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[h][d] * inv;
-        }
-    }
-}
-
-/* ---- prefill: many queries of one request, flash-style ------------------------------------------------
- * The queries of one request (a prompt, or a chunk of it after ctx cached tokens) at positions ctx ..
- * ctx + Q - 1 attend the keys at or before their own position (and within the sliding window, if any),
- * read in place from the paged cache: no gathered copy of the context, no mask tensor. A task is one kv
- * head and a tile of PF_TOKENS queries, i.e. PF_TOKENS * group rows that share every K / V row it
- * reads. It walks the blocks its tile can see (causal and window skips: blocks past its last query or
- * before its first query's window are never read), 16 keys at a time: the keys are transposed once, a
- * register-blocked product scores 4 rows x 16 keys, scores past a row's own position or window become
- * -inf, and each row folds them into its running max, sum and weighted V (online softmax). */
+/* ---- the scores of 16 keys at a time, shared by decode and prefill -------------------------------------
+ * Decode and prefill give a query row the same bits: both walk its keys in tiles of PF_KEYS at positions
+ * that are multiples of PF_KEYS (the first tile the one holding the row's first key), score a tile with
+ * tile_scores (the query pre-scaled, one multiply-add chain over d a key) and fold it with fold_scores. So a
+ * token's attention does not depend on how its prompt was cut into chunks, on what the prefix cache held,
+ * or on whether it is the last token of a chunk (a decode) or not. */
 #define PF_TOKENS 32
 #define PF_KEYS 16
 #define PF_ROWS (PF_TOKENS * MAX_TASK_HEADS)
@@ -270,6 +184,92 @@ static inline void tile_scores(int mr, const float *q, const float *kt, int64_t 
 #endif
 }
 
+
+/* kt [D][16] = the rows krows[0 .. nk) side by side (key j in column j), zeros past nk */
+static inline void keys_tile(const float *const *krows, int64_t nk, int64_t D, float *kt) {
+    int64_t d0 = 0;
+#if defined(__AVX512F__)
+    for (; d0 + 16 <= D; d0 += 16) {  /* 16 x 16 at a time */
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < nk ? _mm512_loadu_si512(krows[j] + d0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (d0 + i) * PF_KEYS, r[i]);
+    }
+#endif
+    for (int64_t d = d0; d < D; d++)
+        for (int64_t j = 0; j < PF_KEYS; j++) kt[d * PF_KEYS + j] = j < nk ? krows[j][d] : 0.f;
+}
+
+void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
+                            const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                            const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
+                            int64_t bs, float scale, int kv_dtype, const float *lut) {
+    const int64_t group = H / KVH, esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;
+    /* A task is one request's run of kv heads. With requests enough to share out, a task takes as many
+     * heads as its buffers hold, so that it reads each block's rows whole (heads lie side by side in a
+     * row); with few requests, one kv head a task keeps every thread busy. */
+    int64_t per_task = 1;
+    if (nd >= 2 * omp_get_max_threads()) {
+        per_task = MAX_TASK_HEADS / group < KVH ? MAX_TASK_HEADS / group : KVH;
+        if (per_task < 1) per_task = 1;
+    }
+    const int64_t splits = (KVH + per_task - 1) / per_task;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < nd * splits; task++) {
+        const int64_t r = task / splits, kh0 = (task % splits) * per_task;
+        const int64_t kh1 = kh0 + per_task < KVH ? kh0 + per_task : KVH, nh = (kh1 - kh0) * group;
+        float acc[MAX_TASK_HEADS][MAX_D], m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
+        float qs[MAX_TASK_HEADS * MAX_D], kt[MAX_D * PF_KEYS], kbuf[PF_KEYS][MAX_D], vbuf[PF_KEYS][MAX_D];
+        const float *qr = q + r * q_stride + kh0 * group * D;
+        for (int64_t h = 0; h < nh; h++) {
+            m[h] = -INFINITY;
+            l[h] = 0.f;
+            for (int64_t d = 0; d < D; d++) acc[h][d] = 0.f, qs[h * D + d] = qr[h * D + d] * scale;
+        }
+        const int64_t len = seq_lens[r], start = starts[r];
+        const int64_t *table = block_tables + r * table_stride;
+        for (int64_t k0 = start - start % PF_KEYS; k0 < len; k0 += PF_KEYS) {  /* as the prefill tiles them */
+            const int64_t jlo = k0 < start ? start - k0 : 0, nk = len - k0 < PF_KEYS ? len - k0 : PF_KEYS;
+            const int64_t next = k0 + PF_KEYS;  /* a new block after this tile: ask for its rows meanwhile */
+            if (next < len && next % bs == 0)
+                prefetch_block(k, v, (table[next / bs] * bs * KVH + kh0) * D, bs, KVH * D, (kh1 - kh0) * D * esize,
+                               esize);
+            for (int64_t kh = kh0; kh < kh1; kh++) {
+                const float *krows[PF_KEYS], *vrows[PF_KEYS];
+                for (int64_t j = 0; j < nk; j++) {
+                    const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * D;
+                    krows[j] = row(k, at, kv_dtype, lut, kbuf[j], D);
+                    vrows[j] = row(v, at, kv_dtype, lut, vbuf[j], D);
+                }
+                keys_tile(krows, nk, D, kt);
+                const int64_t h0 = (kh - kh0) * group;
+                for (int64_t h = h0; h < h0 + group; h += 4) {
+                    const int mr = h0 + group - h < 4 ? (int)(h0 + group - h) : 4;
+                    float s[4][PF_KEYS];
+                    tile_scores(mr, qs + h * D, kt, D, s);
+                    for (int i = 0; i < mr; i++) fold_scores(s[i], vrows, jlo, nk, D, &m[h + i], &l[h + i], acc[h + i]);
+                }
+            }
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            float *o = out + (r * H + kh0 * group + h) * D;
+            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[h][d] * inv;
+        }
+    }
+}
+
+/* ---- prefill: many queries of one request, flash-style ------------------------------------------------
+ * The queries of one request (a prompt, or a chunk of it after ctx cached tokens) at positions ctx ..
+ * ctx + Q - 1 attend the keys at or before their own position (and within the sliding window, if any),
+ * read in place from the paged cache: no gathered copy of the context, no mask tensor. A task is one kv
+ * head and a tile of PF_TOKENS queries, i.e. PF_TOKENS * group rows that share every K / V row it
+ * reads. It walks the blocks its tile can see (causal and window skips: blocks past its last query or
+ * before its first query's window are never read), 16 keys at a time: the keys are transposed once, a
+ * register-blocked product scores 4 rows x 16 keys, scores past a row's own position or window become
+ * -inf, and each row folds them into its running max, sum and weighted V (online softmax). */
+
 /* k, v: the cache's halves, token rows k_stride / v_stride elements apart (KVH * D); or a chunk's own fresh
  * K/V when nothing was cached before it (ctx 0), as one block of bs >= Q rows (table {0}). */
 void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, int64_t k_stride,
@@ -282,7 +282,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
         float *qt = malloc(PF_TOKENS * group * D * sizeof(float)), *acc = malloc(PF_TOKENS * group * D * sizeof(float));
         float *kt = malloc(D * PF_KEYS * sizeof(float)), *vt = malloc(PF_KEYS * D * sizeof(float));
         float m[PF_ROWS], l[PF_ROWS];
-        float kbuf[MAX_D];
+        float kbuf[PF_KEYS * MAX_D];
         const float *vrows[PF_KEYS];
         for (int64_t j = 0; j < PF_KEYS; j++) vrows[j] = vt + j * D;
 #pragma omp for schedule(dynamic, 1)
@@ -304,20 +304,17 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
             const int64_t first = ctx + t0, last = ctx + t0 + nt - 1;  /* the tile's query positions */
             int64_t lo = window > 0 ? first - window + 1 : 0;
             if (lo < 0) lo = 0;
-            for (int64_t k0 = lo; k0 <= last; k0 += PF_KEYS) {  /* no key before the first query's window is read */
+            lo -= lo % PF_KEYS;  /* tiles at multiples of PF_KEYS, as decode's */
+            for (int64_t k0 = lo; k0 <= last; k0 += PF_KEYS) {  /* no tile before the first query's window is read */
                 const int64_t nk = last + 1 - k0 < PF_KEYS ? last + 1 - k0 : PF_KEYS;
-                for (int64_t j = 0; j < PF_KEYS; j++) {  /* K transposed, V as rows; zeros past nk */
-                    if (j < nk) {
-                        const int64_t pos = k0 + j, slot = table[pos / bs] * bs + pos % bs;
-                        const float *kr = row(k, slot * k_stride + kh * D, kv_dtype, lut, kbuf, D);
-                        for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = kr[d];
-                        const float *vr = row(v, slot * v_stride + kh * D, kv_dtype, lut, vt + j * D, D);
-                        if (vr != vt + j * D) memcpy(vt + j * D, vr, D * sizeof(float));
-                    } else {
-                        for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = 0.f;
-                        memset(vt + j * D, 0, D * sizeof(float));
-                    }
+                const float *krows[PF_KEYS];
+                for (int64_t j = 0; j < nk; j++) {  /* K transposed, V as rows */
+                    const int64_t pos = k0 + j, slot = table[pos / bs] * bs + pos % bs;
+                    krows[j] = row(k, slot * k_stride + kh * D, kv_dtype, lut, kbuf + j * D, D);
+                    const float *vr = row(v, slot * v_stride + kh * D, kv_dtype, lut, vt + j * D, D);
+                    if (vr != vt + j * D) memcpy(vt + j * D, vr, D * sizeof(float));
                 }
+                keys_tile(krows, nk, D, kt);
                 for (int64_t r0 = 0; r0 < rows; r0 += 4) {
                     const int mr = rows - r0 < 4 ? (int)(rows - r0) : 4;
                     float s[4][PF_KEYS];

@@ -26,4 +26,29 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* r[i] holds 16 int32 of row i; after, r[j] holds element j of every row (lane i: row i's) */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16], s[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  /* s[g + e], 128-bit lane k: rows g .. g + 3 at element 4k + e */
+        s[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        s[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        s[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        s[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int e = 0; e < 4; e++) {  /* then the 4 x 4 transpose of 128-bit lanes */
+        const __m512i u0 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0x44), u1 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0xEE);
+        const __m512i u2 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(u0, u2, 0x88), r[4 + e] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(u1, u3, 0x88), r[12 + e] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+}
+#endif
 #endif
