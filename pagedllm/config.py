@@ -72,13 +72,16 @@ class ModelConfig:
     )
     quantization: Literal["gguf", "gguf-exact", "int8", "int4", "w4a8", "w4a16", "fp8", "none"] | None = _f(
         None,
-        "Quantization on CPU. A GGUF file runs as stored by default ('gguf-exact'): each tensor keeps its own "
+        "Quantization on CPU. A GGUF file runs as stored by default: 'gguf' where every quantized tensor is "
+        "Q4_K / Q6_K and the CPU has AVX-512 VNNI (a Q4_K_M file: one kernel at every batch size), else "
+        "'gguf-exact'. 'gguf-exact': each tensor keeps its own "
         "block type (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K; float tensors stay float), nothing "
         "is widened, activations stay float32: the float32 function of the dequantized weights (transformers' "
-        "tokens), the same whatever else a step's batch holds. 'gguf': the same blocks (Q4_K / Q6_K read in place "
-        "from the file's mapping) with activations rounded to int8 for integer dot products, as llama.cpp does: "
-        "faster decode, not float32's function, and a request's tokens may change with the batch it runs in "
-        "(a rounding step moved by another summation order). 'none': widen "
+        "tokens), the same whatever else a step's batch holds. 'gguf': the same blocks (Q4_K / Q6_K repacked into "
+        "panels of 16 rows on AVX-512 VNNI, else read in place from the file's mapping) with activations rounded "
+        "to int8 for integer dot products, as llama.cpp does: faster decode, not float32's function; a request's "
+        "tokens may change with the batch it runs in where a tensor is not in panels (a rounding step moved by "
+        "another summation order). 'none': widen "
         "every weight to --dtype (the old GGUF default; AWQ / GPTQ / FP8 checkpoints are widened too). "
         "Weight-only, float32 activations: 'int8' or 'int4' (groups of 32 with a "
         "scale and a min; a GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K blocks load without a second "

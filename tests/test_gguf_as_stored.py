@@ -9,6 +9,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -160,3 +161,155 @@ def test_kv_cache_is_sized_for_what_it_holds(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     with pytest.raises(InvalidParameterError, match=r"kv_cache_memory asks for .* GiB"):
         LLM(max_model_len=256, kv_cache_memory=1 << 50)
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[str, int]]) -> Path:
+    """A GGUF holding only ``tensors`` (name: (ggml type name, rows)), 256 columns each, zero bytes."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="qwen2")
+    for name, (kind, rows) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if kind == "F32":
+            writer.add_tensor(name, np.zeros((rows, 256), dtype=np.float32))
+        else:
+            writer.add_tensor(name, np.zeros((rows, 256 // block * size), dtype=np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs_in_panels(tmp_path, monkeypatch):
+    """A file whose quantized tensors are all Q4_K / Q6_K in whole panels of 16 rows (a Q4_K_M file) runs
+    'gguf' by default where the CPU has the panel kernels, in one process: one kernel at every batch size.
+    Anything else (a Q8_0 or Q4_1 tensor, rows not in whole panels, another CPU, several ranks) keeps
+    'gguf-exact'; what was asked is kept."""
+    from pagedllm import kernels
+    from pagedllm.model_loader.gguf_loader import all_in_panels
+    from pagedllm.worker.loader import resolve_quantization
+
+    k4m = {"blk.0.attn_q.weight": ("Q4_K", 32), "token_embd.weight": ("Q6_K", 64), "blk.0.attn_norm.weight": ("F32", 1)}
+    files = {
+        "q4_k_m": _write_gguf(tmp_path / "a.gguf", k4m),
+        "with_q8_0": _write_gguf(tmp_path / "b.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q8_0", 32)}),
+        "ragged": _write_gguf(tmp_path / "c.gguf", {**k4m, "blk.0.attn_k.weight": ("Q4_K", 40)}),
+    }
+    panels = kernels.load().gguf.has_gemm
+    assert all_in_panels(str(files["q4_k_m"])) == panels
+    assert not all_in_panels(str(files["with_q8_0"])) and not all_in_panels(str(files["ragged"]))
+
+    def default(name: str, single: bool = True) -> str | None:
+        return resolve_quantization(None, resolve_model(str(files[name])), None, CPU, single)
+
+    assert default("q4_k_m") == ("gguf" if panels else "gguf-exact")
+    assert default("q4_k_m", single=False) == default("with_q8_0") == default("ragged") == "gguf-exact"
+    assert resolve_quantization("gguf-exact", resolve_model(str(files["q4_k_m"])), None, CPU) == "gguf-exact"
+    assert resolve_quantization(None, resolve_model(None), None, CPU) == "gguf-exact"  # SmolLM2's Q4_1
+    monkeypatch.setattr(kernels.load().gguf, "has_gemm", False)  # an AVX2 CPU
+    assert default("q4_k_m") == "gguf-exact"
+
+
+def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """rows x cols weights in valid random Q4_K / Q6_K blocks with small float16 scales, [rows, bytes]."""
+    size = 144 if kind == "Q4_K" else 210
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for off in (0, 2) if kind == "Q4_K" else (208,):
+        scale = rng.uniform(2e-5, 2e-4, (rows, cols // 256, 1)).astype(np.float16)
+        raw[..., off : off + 2] = scale.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
+    """A 2-layer Qwen2 GGUF whose every quantized tensor is Q4_K or Q6_K (v, ffn_down and the tied embedding
+    Q6_K, as a Q4_K_M file has them), random blocks; no tokenizer (the engine is given SmolLM2's)."""
+    import gguf
+
+    rng = np.random.default_rng(11)
+    hidden, ffn, heads, kv_heads, head_dim, layers = 256, 512, 4, 2, 64, 2
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(layers)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+
+    def quant(name: str, kind: str, rows: int, cols: int) -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, _random_k_quant(kind, rows, cols, rng), raw_dtype=qtype)
+
+    def plain(name: str, n: int, value: float | None = None) -> None:
+        data = np.full(n, value, np.float32) if value is not None else rng.normal(0, 0.02, n).astype(np.float32)
+        writer.add_tensor(name, data)
+
+    quant("token_embd.weight", "Q6_K", vocab, hidden)
+    plain("output_norm.weight", hidden, 1.0)
+    for i in range(layers):
+        b = f"blk.{i}"
+        plain(f"{b}.attn_norm.weight", hidden, 1.0)
+        plain(f"{b}.ffn_norm.weight", hidden, 1.0)
+        quant(f"{b}.attn_q.weight", "Q4_K", heads * head_dim, hidden)
+        quant(f"{b}.attn_k.weight", "Q4_K", kv_heads * head_dim, hidden)
+        quant(f"{b}.attn_v.weight", "Q6_K", kv_heads * head_dim, hidden)
+        for name, n in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+            plain(f"{b}.{name}.bias", n)
+        quant(f"{b}.attn_output.weight", "Q4_K", hidden, heads * head_dim)
+        quant(f"{b}.ffn_gate.weight", "Q4_K", ffn, hidden)
+        quant(f"{b}.ffn_up.weight", "Q4_K", ffn, hidden)
+        quant(f"{b}.ffn_down.weight", "Q6_K", hidden, ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.slow
+def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_the_schedule(
+    tmp_path, smollm2_tokenizer_dir
+):
+    """Where the panel kernels run (AVX-512 VNNI), a file of Q4_K / Q6_K tensors runs 'gguf' by default, and a
+    request's logprobs are the same bits however it is scheduled: alone or beside 11 others, its prompt's
+    shared start in the prefix cache or not, prefilled whole or in chunks of 24, its tokens drafted by n-gram
+    lookup and verified, or computed again after a preemption."""
+    from pagedllm import kernels
+    from pagedllm.layers.gguf_linear import GGUFLinear
+
+    if not kernels.load().gguf.has_gemm:
+        pytest.skip("the panel kernels need AVX-512 VNNI; elsewhere the default is gguf-exact")
+    path = _write_tiny_q4_k_m(tmp_path / "tiny-q4_k_m.gguf", 49152)
+    shared = [(37 * j) % 40000 + 100 for j in range(40)]
+    prompts = [shared + [(11 * i + 3 * j) % 40000 + 100 for j in range(3 + 4 * i)] for i in range(12)]
+    prompts[5], prompts[7] = shared[:25], prompts[7][:49]  # chunks of 24 and 1, of 24, 24 and 1
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+    def run(**kw) -> list:
+        llm = LLM(str(path), tokenizer=str(smollm2_tokenizer_dir), max_model_len=256, **kw)
+        model = llm.llm_engine.core.runner.model
+        assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear) and model.layers[0].mlp.down_proj.qtype == 114
+        if kw.get("enable_prefix_caching"):
+            llm.generate([{"prompt_token_ids": shared + [7]}], sp, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        if "num_gpu_blocks_override" in kw:
+            assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        if "speculative_config" in kw:
+            assert sum(o.metrics.spec_num_draft_tokens or 0 for o in outs) > 0
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    alone = run(max_num_seqs=1, enable_prefix_caching=False)
+    assert len({tuple(ids) for ids, _ in alone}) > 1  # the random model does not answer every prompt alike
+    assert run(max_num_seqs=16, enable_prefix_caching=False) == alone
+    assert run(max_num_seqs=16, enable_prefix_caching=True) == alone
+    chunked = dict(enable_prefix_caching=False, max_num_batched_tokens=24, enable_chunked_prefill=True)
+    assert run(max_num_seqs=1, **chunked) == alone  # each prompt alone, so its chunks are cut as above
+    assert run(max_num_seqs=16, **chunked) == alone
+    # drafts verified as a chunk of queries after the cache, and decoded tokens computed again after preemption
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "backoff_after_rejections": 0}
+    assert run(max_num_seqs=16, enable_prefix_caching=False, speculative_config=ngram) == alone
+    assert run(max_num_seqs=16, enable_prefix_caching=False, num_gpu_blocks_override=16) == alone

@@ -403,6 +403,23 @@ def check_gguf_tensors(path: str, as_stored: bool = False) -> None:
         )
 
 
+def all_in_panels(path: str) -> bool:
+    """Whether the int8 kernels hold every quantized tensor of the file in panels of 16 rows on this CPU
+    (``GGUFBlocks.pack``: Q4_K / Q6_K with whole panels of rows, AVX-512 VNNI), where every row count runs one
+    kernel: a Q4_K_M file such as Qwen2.5's is one; files with Q4_1 / Q5_0 / Q8_0 tensors are not."""
+    from pagedllm import kernels
+
+    header = read_gguf_header(path)
+    for name, dims in header.tensor_shapes.items():
+        kind = _ggml_type(header, name, path).name
+        if kind in _PLAIN_TYPES or name in _SKIPPED_TENSORS:
+            continue
+        if kind not in ("Q4_K", "Q6_K") or len(dims) != 2 or dims[1] % 16:
+            return False
+    found = kernels.try_load()
+    return found is not None and found.gguf.has_gemm
+
+
 def reverse_llama_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of Q/K rows (same as transformers' GGUF loader).
 

@@ -60,7 +60,8 @@ def load_model(
     from pagedllm.model_loader.quant_config import checkpoint_scheme
 
     scheme = checkpoint_scheme(hf_config) if source.kind == "hf_dir" else None  # AWQ, GPTQ
-    quantization = resolve_quantization(quantization, source, scheme, device)
+    single = parallel is None or parallel.world_size == 1
+    quantization = resolve_quantization(quantization, source, scheme, device, single)
     if source.kind == "gguf":  # a truncated file, or blocks with no kernel, fail before anything is built
         from pagedllm.layers.quantization import GGUF_MODES
         from pagedllm.model_loader.gguf_loader import check_gguf_tensors
@@ -134,10 +135,14 @@ def load_model(
     return model
 
 
-def resolve_quantization(asked: str | None, source: Any, scheme: Any, device: torch.device) -> str | None:
+def resolve_quantization(
+    asked: str | None, source: Any, scheme: Any, device: torch.device, single: bool = True
+) -> str | None:
     """The weight format a model loads in: what was asked; else an AWQ / GPTQ / FP8 checkpoint's own scheme,
-    and a GGUF's blocks as stored with float32 activations ("gguf-exact") on CPU. "none" widens every weight to
-    the model dtype."""
+    and on CPU a GGUF's blocks as stored: with int8 activations ("gguf", llama.cpp's arithmetic) where every
+    quantized tensor runs in panels of 16 rows (one kernel at every batch size, so a request's tokens do not
+    depend on what shares its steps; one process: ``single``), else with float32 activations ("gguf-exact").
+    "none" widens every weight to the model dtype."""
     from pagedllm.layers.quantization import GGUF_MODES
 
     if asked in GGUF_MODES and source.kind != "gguf":
@@ -152,8 +157,11 @@ def resolve_quantization(asked: str | None, source: Any, scheme: Any, device: to
     if asked is None and scheme is not None:
         return str(scheme.method)  # the checkpoint's own 4- or 8-bit groups, as they are
     if asked is None and source.kind == "gguf" and device.type == "cpu":
-        # float32 activations: the float32 function of the file's weights, whatever a step's batch holds
-        return "gguf-exact"
+        from pagedllm.model_loader.gguf_loader import all_in_panels
+
+        mode = "gguf" if single and all_in_panels(source.path) else "gguf-exact"
+        logger.info("quantization %s: the default for %s on this CPU", mode, source.name)
+        return mode
     return asked
 
 
