@@ -270,21 +270,25 @@ def test_fused_decode_loop_leaves_other_models_to_python(tiny_model_factory, nam
 
 
 @pytest.mark.parametrize("window", [None, 21])
-def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(window):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(window, kv_dtype):
     """The decode kernel and the prefill kernel (a whole prompt on its own K / V, or a chunk after cached tokens
     read from the paged cache) walk a row's keys in the same tiles and sums: each token's attention has the same
-    bits whether it was prefilled whole, chunked at any boundary (a one-token last chunk included) or decoded."""
+    bits whether it was prefilled whole, chunked at any boundary (a one-token last chunk included) or decoded.
+    A narrower cache is read by the whole prompt too, rounded as the chunks and decodes read it."""
+    from pagedllm.attention import cpu_paged
+
     torch.manual_seed(3)
     n, h, kvh, d, bs = 75, 6, 2, 64, 16
     q, k, v = torch.randn(n, h, d), torch.randn(n, kvh, d), torch.randn(n, kvh, d)
     blocks = (n + bs - 1) // bs
     table = torch.randperm(blocks + 3)[:blocks].to(torch.int64)  # blocks anywhere in the cache
-    cache = torch.zeros(2, blocks + 3, bs, kvh, d)
+    cache = torch.zeros(2, blocks + 3, bs, kvh, d, dtype=kv_dtype)
     slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
-    cache.view(2, -1, kvh, d)[0, slots], cache.view(2, -1, kvh, d)[1, slots] = k, v
+    cache.view(2, -1, kvh, d)[0, slots], cache.view(2, -1, kvh, d)[1, slots] = k.to(kv_dtype), v.to(kv_dtype)
     kern, scale = kernels.load(), d**-0.5
     whole = torch.empty_like(q)
-    kern.prefill_attention(q, k, v, scale, window, whole)
+    assert cpu_paged._prefill(q, k, v, cache, table, 0, scale, window, whole)  # the backend's whole prompt
     for cuts in ([0, 16, 32, 75], [0, 24, 50, 74, 75], [0, 1, 2, 40, 75], [0, 37, 74, 75]):
         chunked = torch.empty_like(q)
         for a, b in itertools.pairwise(cuts):

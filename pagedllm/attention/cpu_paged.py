@@ -67,7 +67,8 @@ def _prefill(
     """One request's prefill (chunk) through the kernel; False where the reference path must run it."""
     if not kernel_applies(q, kv_cache) or out.stride(-1) != 1 or out.stride(-2) != q.shape[-1]:
         return False
-    if ctx_len == 0:  # nothing cached before this chunk: its own K/V, as the reference reads them
+    if ctx_len == 0 and kv_cache.dtype == torch.float32:  # nothing cached before: its own K/V, the cache's values
+        # (a narrower cache is read from the cache, rounded as every later chunk and decode will read it)
         if any(t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (k, v)):
             return False
         kernels.load().prefill_attention(q, k, v, scale, sliding_window, out)

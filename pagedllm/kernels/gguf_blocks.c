@@ -880,12 +880,29 @@ static inline __m512i row_offsets(int64_t row_bytes) {
                               _mm512_set1_epi32((int)row_bytes));
 }
 
+/* k4_scales on 16 rows at once, from words 1-3 of their super-blocks (the 12 bytes of scales, lane c row c's):
+ * bytes 0-3 of sl are sc[0..3], of sh sc[4..7]; of ml the mins m[0..3], of mh m[4..7]; mn[k] the mins of
+ * groups 2k and 2k + 1 as the two int16 of a lane (for vpdpwssd) */
+static inline __attribute__((always_inline)) void q4k_scales16(__m512i u0, __m512i u1, __m512i u2, __m512i *sl,
+                                                               __m512i *sh, __m512i mn[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
+    const __m512i ff = _mm512_set1_epi32(0xFF), hi16 = _mm512_set1_epi32(0xFF0000);
+    *sl = _mm512_and_si512(u0, m6);
+    *sh = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
+    const __m512i ml = _mm512_and_si512(u1, m6);
+    const __m512i mh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4), _mm512_and_si512(_mm512_srli_epi32(u1, 2), top));
+    for (int k = 0; k < 2; k++) {
+        const __m512i lo = _mm512_srli_epi32(ml, 16 * k), hi = _mm512_srli_epi32(mh, 16 * k);
+        mn[k] = _mm512_or_si512(_mm512_and_si512(lo, ff), _mm512_and_si512(_mm512_slli_epi32(lo, 8), hi16));
+        mn[2 + k] = _mm512_or_si512(_mm512_and_si512(hi, ff), _mm512_and_si512(_mm512_slli_epi32(hi, 8), hi16));
+    }
+}
+
 /* a whole panel of Q4_K rows (16 of them, row_bytes apart) as pack_column packs each: the nibbles 64 bytes of
  * each row at a time, transposed (16 words of 16 rows: a vector a word) instead of stored 4 bytes at a time.
  * With `packed` (a panel gguf_pack_panels repacked; rows unused) the vectors are loaded as they lie. */
 static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, const uint8_t *packed, const panel_t *p) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
-    const __m512i ff = _mm512_set1_epi32(0xFF);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), ff = _mm512_set1_epi32(0xFF);
     /* word k of the rows' super-block headers (d | dmin, then the 12 bytes of scales): lane c from row c */
     const __m512i at = row_offsets(row_bytes);
     for (int64_t sb = 0; sb < K / 256; sb++) {
@@ -896,23 +913,13 @@ static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
         const __m512i u2 = packed ? _mm512_load_si512(pb + 192) : _mm512_i32gather_epi32(at, hb + 12, 1);
         _mm512_store_ps(p->d + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0)));
         _mm512_store_ps(p->dmin + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16))));
-        /* k4_scales on 16 rows at once: bytes 0-3 of s (m) are sc[0..3] (mins), of s_hi (m_hi) sc[4..7] */
-        const __m512i sl = _mm512_and_si512(u0, m6), ml = _mm512_and_si512(u1, m6);
-        const __m512i sh = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
-        const __m512i mh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
-                                           _mm512_and_si512(_mm512_srli_epi32(u1, 2), top));
+        __m512i sl, sh, mn[4];
+        q4k_scales16(u0, u1, u2, &sl, &sh, mn);
         for (int t = 0; t < 4; t++) {
             _mm512_store_si512(p->sc + (sb * 8 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sl, 8 * t), ff));
             _mm512_store_si512(p->sc + (sb * 8 + 4 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sh, 8 * t), ff));
         }
-        const __m512i hi16 = _mm512_set1_epi32(0xFF0000);
-        for (int k = 0; k < 2; k++) {  /* bytes 2k and 2k + 1 into int16 halves */
-            const __m512i a = _mm512_srli_epi32(ml, 16 * k), b = _mm512_srli_epi32(mh, 16 * k);
-            _mm512_store_si512(p->mn + (sb * 4 + k) * NP,
-                               _mm512_or_si512(_mm512_and_si512(a, ff), _mm512_and_si512(_mm512_slli_epi32(a, 8), hi16)));
-            _mm512_store_si512(p->mn + (sb * 4 + 2 + k) * NP,
-                               _mm512_or_si512(_mm512_and_si512(b, ff), _mm512_and_si512(_mm512_slli_epi32(b, 8), hi16)));
-        }
+        for (int k = 0; k < 4; k++) _mm512_store_si512(p->mn + (sb * 4 + k) * NP, mn[k]);
         for (int h = 0; h < 2; h++) {  /* the file's words 16h .. 16h + 15: word 8cc + j is chunk cc's j-th */
             __m512i v[16];
             if (packed) {
@@ -930,10 +937,18 @@ static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
     }
 }
 
+/* Q6_K's word t (0-3: elements 32t + 4j .. of a half, word j) of every row from a panel's ql words lo (word j)
+ * and lo32 (word j + 8) and qh word hi (word j): pack_panel_q6k's bit operations */
+static inline __attribute__((always_inline)) __m512i q6k_word(__m512i lo, __m512i lo32, __m512i hi, int t) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    const __m512i low = _mm512_and_si512(t < 2 ? (t == 0 ? lo : lo32) : _mm512_srli_epi32(t == 2 ? lo : lo32, 4), m4);
+    const __m512i top = t == 0 ? _mm512_slli_epi32(hi, 4) : t == 1 ? _mm512_slli_epi32(hi, 2) : t == 2 ? hi : _mm512_srli_epi32(hi, 2);
+    return _mm512_or_si512(low, _mm512_and_si512(top, m2));
+}
+
 /* the same for Q6_K: ql 64 bytes and qh 64 bytes of the 16 rows at a time, transposed, then pack_column's bit
  * operations on a word of every row at once */
 static void pack_panel_q6k(const uint8_t *rows, int64_t row_bytes, int64_t K, const uint8_t *packed, const panel_t *p) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
     const __m512i at = row_offsets(row_bytes);
     for (int64_t sb = 0; sb < K / 256; sb++) {
         const uint8_t *hb = rows + sb * 210, *pb = packed ? packed + sb * NP * 210 : NULL;
@@ -962,17 +977,8 @@ static void pack_panel_q6k(const uint8_t *rows, int64_t row_bytes, int64_t K, co
                 transpose16(ql);
             }
             uint32_t *o = p->u + (sb * 64 + 32 * h) * NP;
-            for (int j = 0; j < 8; j++) {
-                const __m512i lo = ql[j], lo32 = ql[8 + j], hi = qh[8 * h + j];
-                _mm512_store_si512(o + j * NP,
-                                   _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 4), m2)));
-                _mm512_store_si512(o + (8 + j) * NP,
-                                   _mm512_or_si512(_mm512_and_si512(lo32, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 2), m2)));
-                _mm512_store_si512(o + (16 + j) * NP,
-                                   _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo, 4), m4), _mm512_and_si512(hi, m2)));
-                _mm512_store_si512(o + (24 + j) * NP, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo32, 4), m4),
-                                                                      _mm512_and_si512(_mm512_srli_epi32(hi, 2), m2)));
-            }
+            for (int j = 0; j < 8; j++)
+                for (int t = 0; t < 4; t++) _mm512_store_si512(o + (8 * t + j) * NP, q6k_word(ql[j], ql[8 + j], qh[8 * h + j], t));
         }
     }
 }
@@ -1067,8 +1073,7 @@ static inline __attribute__((always_inline)) void pack_words(const uint8_t *src,
 static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, npair = K / 64;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
-    const __m512i ff = _mm512_set1_epi32(0xFF), hi16 = _mm512_set1_epi32(0xFF0000);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), ff = _mm512_set1_epi32(0xFF);
     float accm[RT * NP] __attribute__((aligned(64)));
     __m512i is[RT];
     for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
@@ -1077,8 +1082,8 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
         /* vector 0: d | dmin; 1-3: the 12 bytes of scales, as pack_panel_q4k reads them from its gathers */
         const __m512i w0 = _mm512_load_si512(b), u0 = _mm512_load_si512(b + 64);
         const __m512i u1 = _mm512_load_si512(b + 128), u2 = _mm512_load_si512(b + 192);
-        const __m512i sl = _mm512_and_si512(u0, m6);
-        const __m512i sh = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
+        __m512i sl, sh, mn[4];
+        q4k_scales16(u0, u1, u2, &sl, &sh, mn);
         PREFETCH_AHEAD(b, NP * 144);
         for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
         for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
@@ -1108,15 +1113,6 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
         }
         const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0));
         const __m512 dminv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16)));
-        const __m512i ml = _mm512_and_si512(u1, m6);
-        const __m512i mh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
-                                           _mm512_and_si512(_mm512_srli_epi32(u1, 2), top));
-        __m512i mn[4];
-        for (int k = 0; k < 2; k++) {  /* mins 2k and 2k + 1 as the int16 halves of a lane */
-            const __m512i lo = _mm512_srli_epi32(ml, 16 * k), hi = _mm512_srli_epi32(mh, 16 * k);
-            mn[k] = _mm512_or_si512(_mm512_and_si512(lo, ff), _mm512_and_si512(_mm512_slli_epi32(lo, 8), hi16));
-            mn[2 + k] = _mm512_or_si512(_mm512_and_si512(hi, ff), _mm512_and_si512(_mm512_slli_epi32(hi, 8), hi16));
-        }
         for (int r = 0; r < rt; r++) {
             const __m512 dxv = _mm512_set1_ps(dx[r * nsb + sb]);
             __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), _mm512_load_ps(accm + r * NP));
@@ -1133,67 +1129,41 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
 static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    /* a word's outputs scored at once: all four for one or two rows (chains enough for the latency of
+     * vpdpbusd), one for more rows (whose own chains are enough, and whose sums fill the registers) */
+    const int tt = rt <= 2 ? 4 : 1;
     float accm[RT * NP] __attribute__((aligned(64)));
-    __m512i a[RT], is[RT];
+    __m512i a[4][RT], is[RT];
     for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
     for (int64_t sb = 0; sb < nsb; sb++) {
         /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
         const uint8_t *b = pb + sb * NP * 210;
         PREFETCH_AHEAD(b, NP * 210);
         for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
-        if (rt <= 2) {  /* a word's four outputs at once: four chains a row for the latency of vpdpbusd */
-            for (int h = 0; h < 2; h++)
-                for (int jj = 0; jj < 2; jj++) {
-                    __m512i a4[4][2];
-                    for (int t = 0; t < 4; t++)
-                        for (int r = 0; r < rt; r++) a4[t][r] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++)
+            for (int jj = 0; jj < 2; jj++)  /* words 4jj .. 4jj + 3: groups 8h + 2t + jj */
+                for (int t0 = 0; t0 < 4; t0 += tt) {
+                    for (int t = 0; t < tt; t++)
+                        for (int r = 0; r < rt; r++) a[t][r] = _mm512_setzero_si512();
                     for (int j = 4 * jj; j < 4 * jj + 4; j++) {
-                        const __m512i lo = _mm512_loadu_si512(b + (16 * h + j) * 64), lo32 = _mm512_loadu_si512(b + (16 * h + 8 + j) * 64);
+                        const __m512i lo = _mm512_loadu_si512(b + (16 * h + j) * 64);
+                        const __m512i lo32 = _mm512_loadu_si512(b + (16 * h + 8 + j) * 64);
                         const __m512i hi = _mm512_loadu_si512(b + (32 + 8 * h + j) * 64);
-                        const __m512i v[4] = {
-                            _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 4), m2)),
-                            _mm512_or_si512(_mm512_and_si512(lo32, m4), _mm512_and_si512(_mm512_slli_epi32(hi, 2), m2)),
-                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo, 4), m4), _mm512_and_si512(hi, m2)),
-                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo32, 4), m4),
-                                            _mm512_and_si512(_mm512_srli_epi32(hi, 2), m2))};
-                        for (int t = 0; t < 4; t++)
+                        for (int t = 0; t < tt; t++) {
+                            const __m512i v = q6k_word(lo, lo32, hi, t0 + t);
+                            const uint8_t *x = (const uint8_t *)qx + sb * QK + 128 * h + 32 * (t0 + t) + 4 * j;
                             for (int r = 0; r < rt; r++)
-                                a4[t][r] = _mm512_dpbusd_epi32(a4[t][r], v[t], _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
+                                a[t][r] = _mm512_dpbusd_epi32(a[t][r], v, _mm512_set1_epi32(load32(x + r * K)));
+                        }
                     }
-                    for (int t = 0; t < 4; t++) {
-                        const int g = 8 * h + 2 * t + jj;
+                    for (int t = 0; t < tt; t++) {
+                        const int g = 8 * h + 2 * (t0 + t) + jj;
                         const __m512i sw = _mm512_loadu_si512(b + (48 + g / 4) * 64);
                         const __m512i sv = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
                         for (int r = 0; r < rt; r++) {
-                            const __m512i t32 = _mm512_sub_epi32(a4[t][r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
+                            const __m512i t32 = _mm512_sub_epi32(a[t][r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
                             is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t32, sv));
                         }
-                    }
-                }
-        } else
-        for (int h = 0; h < 2; h++)
-            for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
-                for (int jj = 0; jj < 2; jj++) {
-                    for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
-                    for (int j = 4 * jj; j < 4 * jj + 4; j++) {
-                        const __m512i lo = _mm512_loadu_si512(b + (16 * h + 8 * (t & 1) + j) * 64);
-                        const __m512i hi = _mm512_loadu_si512(b + (32 + 8 * h + j) * 64);
-                        const __m512i low = t < 2 ? _mm512_and_si512(lo, m4) : _mm512_and_si512(_mm512_srli_epi32(lo, 4), m4);
-                        const __m512i top = t == 0   ? _mm512_slli_epi32(hi, 4)
-                                            : t == 1 ? _mm512_slli_epi32(hi, 2)
-                                            : t == 2 ? hi
-                                                     : _mm512_srli_epi32(hi, 2);
-                        const __m512i v = _mm512_or_si512(low, _mm512_and_si512(top, m2));
-                        for (int r = 0; r < rt; r++)
-                            a[r] = _mm512_dpbusd_epi32(a[r], v, _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
-                    }
-                    const int g = 8 * h + 2 * t + jj;
-                    const __m512i sw = _mm512_loadu_si512(b + (48 + g / 4) * 64);
-                    const __m512i sv = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
-                    for (int r = 0; r < rt; r++) {
-                        const __m512i t32 = _mm512_sub_epi32(a[r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
-                        is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t32, sv));
                     }
                 }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 52 * 64)));

@@ -31,7 +31,7 @@ def map_read_only(path: str) -> mmap.mmap:
     key = id(mapping)
     with _LOCK:
         _MAPPINGS[key] = (start, start + len(mapping), weakref.ref(mapping))
-    weakref.finalize(mapping, _forget, key)  # runs before the mapping is unmapped
+    weakref.finalize(mapping, _forget, key)  # at its end (meanwhile a dead mapping's weak reference gives None)
     return mapping
 
 
