@@ -874,21 +874,18 @@ static void pack_column(int type, const uint8_t *row, int64_t K, int c, const pa
     }
 }
 
-/* the byte offsets of a panel's 16 rows, row_bytes apart: lane c is row c's (for gathers) */
-static inline __m512i row_offsets(int64_t row_bytes) {
-    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                              _mm512_set1_epi32((int)row_bytes));
-}
-
-/* k4_scales on 16 rows at once, from words 1-3 of their super-blocks (the 12 bytes of scales, lane c row c's):
- * bytes 0-3 of sl are sc[0..3], of sh sc[4..7]; of ml the mins m[0..3], of mh m[4..7]; mn[k] the mins of
- * groups 2k and 2k + 1 as the two int16 of a lane (for vpdpwssd) */
-static inline __attribute__((always_inline)) void q4k_scales16(__m512i u0, __m512i u1, __m512i u2, __m512i *sl,
-                                                               __m512i *sh, __m512i mn[4]) {
+/* k4_scales on 16 rows at once, from words 1-3 (u0, u1, u2) of their super-blocks (the 12 bytes of scales,
+ * lane c row c's): bytes 0-3 of sl are sc[0..3], of sh sc[4..7] */
+static inline __attribute__((always_inline)) void q4k_scales16(__m512i u0, __m512i u2, __m512i *sl, __m512i *sh) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
-    const __m512i ff = _mm512_set1_epi32(0xFF), hi16 = _mm512_set1_epi32(0xFF0000);
     *sl = _mm512_and_si512(u0, m6);
     *sh = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
+}
+
+/* and the mins: mn[k] those of groups 2k and 2k + 1 as the two int16 of a lane (for vpdpwssd) */
+static inline __attribute__((always_inline)) void q4k_mins16(__m512i u1, __m512i u2, __m512i mn[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
+    const __m512i ff = _mm512_set1_epi32(0xFF), hi16 = _mm512_set1_epi32(0xFF0000);
     const __m512i ml = _mm512_and_si512(u1, m6);
     const __m512i mh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4), _mm512_and_si512(_mm512_srli_epi32(u1, 2), top));
     for (int k = 0; k < 2; k++) {
@@ -898,41 +895,29 @@ static inline __attribute__((always_inline)) void q4k_scales16(__m512i u0, __m51
     }
 }
 
-/* a whole panel of Q4_K rows (16 of them, row_bytes apart) as pack_column packs each: the nibbles 64 bytes of
- * each row at a time, transposed (16 words of 16 rows: a vector a word) instead of stored 4 bytes at a time.
- * With `packed` (a panel gguf_pack_panels repacked; rows unused) the vectors are loaded as they lie. */
-static void pack_panel_q4k(const uint8_t *rows, int64_t row_bytes, int64_t K, const uint8_t *packed, const panel_t *p) {
+/* a whole panel of 16 Q4_K rows, repacked (gguf_pack_panels' layout: a vector a word of the 16 rows), as
+ * pack_column packs each row: vector 0 d | dmin, 1-3 the 12 bytes of scales, 4-35 the nibbles */
+static void pack_panel_q4k(const uint8_t *panel, int64_t K, const panel_t *p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), ff = _mm512_set1_epi32(0xFF);
-    /* word k of the rows' super-block headers (d | dmin, then the 12 bytes of scales): lane c from row c */
-    const __m512i at = row_offsets(row_bytes);
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *hb = rows + sb * 144, *pb = packed ? packed + sb * NP * 144 : NULL;
-        const __m512i w0 = packed ? _mm512_load_si512(pb) : _mm512_i32gather_epi32(at, hb, 1);
-        const __m512i u0 = packed ? _mm512_load_si512(pb + 64) : _mm512_i32gather_epi32(at, hb + 4, 1);
-        const __m512i u1 = packed ? _mm512_load_si512(pb + 128) : _mm512_i32gather_epi32(at, hb + 8, 1);
-        const __m512i u2 = packed ? _mm512_load_si512(pb + 192) : _mm512_i32gather_epi32(at, hb + 12, 1);
+        const uint8_t *pb = panel + sb * NP * 144;
+        const __m512i w0 = _mm512_load_si512(pb), u0 = _mm512_load_si512(pb + 64);
+        const __m512i u1 = _mm512_load_si512(pb + 128), u2 = _mm512_load_si512(pb + 192);
         _mm512_store_ps(p->d + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0)));
         _mm512_store_ps(p->dmin + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16))));
         __m512i sl, sh, mn[4];
-        q4k_scales16(u0, u1, u2, &sl, &sh, mn);
+        q4k_scales16(u0, u2, &sl, &sh);
+        q4k_mins16(u1, u2, mn);
         for (int t = 0; t < 4; t++) {
             _mm512_store_si512(p->sc + (sb * 8 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sl, 8 * t), ff));
             _mm512_store_si512(p->sc + (sb * 8 + 4 + t) * NP, _mm512_and_si512(_mm512_srli_epi32(sh, 8 * t), ff));
         }
         for (int k = 0; k < 4; k++) _mm512_store_si512(p->mn + (sb * 4 + k) * NP, mn[k]);
-        for (int h = 0; h < 2; h++) {  /* the file's words 16h .. 16h + 15: word 8cc + j is chunk cc's j-th */
-            __m512i v[16];
-            if (packed) {
-                for (int w = 0; w < 16; w++) v[w] = _mm512_load_si512(pb + (4 + 16 * h + w) * 64);
-            } else {
-                for (int c = 0; c < NP; c++) v[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 144 + 16 + 64 * h);
-                transpose16(v);
-            }
-            for (int w = 0; w < 16; w++) {
-                const int cc = (16 * h + w) / 8, j = (16 * h + w) % 8;
-                _mm512_store_si512(p->u + (sb * 64 + 16 * cc + j) * NP, _mm512_and_si512(v[w], m4));
-                _mm512_store_si512(p->u + (sb * 64 + 16 * cc + 8 + j) * NP, _mm512_and_si512(_mm512_srli_epi16(v[w], 4), m4));
-            }
+        for (int w = 0; w < 32; w++) {  /* nibble word w = 8cc + j: chunk cc's j-th */
+            const __m512i v = _mm512_load_si512(pb + (4 + w) * 64);
+            const int cc = w / 8, j = w % 8;
+            _mm512_store_si512(p->u + (sb * 64 + 16 * cc + j) * NP, _mm512_and_si512(v, m4));
+            _mm512_store_si512(p->u + (sb * 64 + 16 * cc + 8 + j) * NP, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
         }
     }
 }
@@ -946,39 +931,24 @@ static inline __attribute__((always_inline)) __m512i q6k_word(__m512i lo, __m512
     return _mm512_or_si512(low, _mm512_and_si512(top, m2));
 }
 
-/* the same for Q6_K: ql 64 bytes and qh 64 bytes of the 16 rows at a time, transposed, then pack_column's bit
- * operations on a word of every row at once */
-static void pack_panel_q6k(const uint8_t *rows, int64_t row_bytes, int64_t K, const uint8_t *packed, const panel_t *p) {
-    const __m512i at = row_offsets(row_bytes);
+/* the same for a repacked panel of 16 Q6_K rows (vectors 0-31 ql's words, 32-47 qh's, 48-51 the scales, then
+ * d): pack_column's bit operations on a word of every row at once */
+static void pack_panel_q6k(const uint8_t *panel, int64_t K, const panel_t *p) {
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *hb = rows + sb * 210, *pb = packed ? packed + sb * NP * 210 : NULL;
-        /* bytes 206-209: the last two scales, then d (a word that stays inside the block) */
-        _mm512_store_ps(p->d + sb * NP,
-                        packed ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 52 * 64)))
-                               : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(at, hb + 206, 1), 16))));
+        const uint8_t *pb = panel + sb * NP * 210;
+        _mm512_store_ps(p->d + sb * NP, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 52 * 64))));
         for (int q = 0; q < 4; q++) {  /* scales 4q .. 4q + 3, each sign-extended from its byte */
-            const __m512i w = packed ? _mm512_loadu_si512(pb + (48 + q) * 64) : _mm512_i32gather_epi32(at, hb + 192 + 4 * q, 1);
+            const __m512i w = _mm512_loadu_si512(pb + (48 + q) * 64);
             for (int t = 0; t < 4; t++)
                 _mm512_store_si512(p->sc + (sb * 16 + 4 * q + t) * NP, _mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * t), 24));
         }
-        __m512i qh[16];
-        if (packed) {
-            for (int w = 0; w < 16; w++) qh[w] = _mm512_loadu_si512(pb + (32 + w) * 64);
-        } else {
-            for (int c = 0; c < NP; c++) qh[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 128);
-            transpose16(qh);
-        }
         for (int h = 0; h < 2; h++) {
-            __m512i ql[16];
-            if (packed) {
-                for (int w = 0; w < 16; w++) ql[w] = _mm512_loadu_si512(pb + (16 * h + w) * 64);
-            } else {
-                for (int c = 0; c < NP; c++) ql[c] = _mm512_loadu_si512(rows + c * row_bytes + sb * 210 + 64 * h);
-                transpose16(ql);
-            }
             uint32_t *o = p->u + (sb * 64 + 32 * h) * NP;
-            for (int j = 0; j < 8; j++)
-                for (int t = 0; t < 4; t++) _mm512_store_si512(o + (8 * t + j) * NP, q6k_word(ql[j], ql[8 + j], qh[8 * h + j], t));
+            for (int j = 0; j < 8; j++) {
+                const __m512i lo = _mm512_loadu_si512(pb + (16 * h + j) * 64), lo32 = _mm512_loadu_si512(pb + (16 * h + 8 + j) * 64);
+                const __m512i hi = _mm512_loadu_si512(pb + (32 + 8 * h + j) * 64);
+                for (int t = 0; t < 4; t++) _mm512_store_si512(o + (8 * t + j) * NP, q6k_word(lo, lo32, hi, t));
+            }
         }
     }
 }
@@ -1069,6 +1039,18 @@ static inline __attribute__((always_inline)) void pack_words(const uint8_t *src,
     for (int w = 0; w < 16; w++) _mm512_storeu_si512(dst + (w0 + w) * 64, v[w]);
 }
 
+/* one panel: 16 rows of a Q4_K or Q6_K weight (row_bytes apart, nsb super-blocks) repacked into dst */
+static void repack_panel(int type, const uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *dst) {
+    const int bytes = block_bytes(type), words = bytes / 4;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *src = rows + sb * bytes;
+        uint8_t *d = dst + sb * NP * bytes;
+        for (int w0 = 0; w0 + 16 <= words; w0 += 16) pack_words(src, row_bytes, w0, d);
+        if (words % 16) pack_words(src, row_bytes, words - 16, d);  /* the last 16 words: some twice */
+        for (int c = 0; c < NP && bytes % 4; c++) memcpy(d + words * 64 + c * (bytes % 4), src + c * row_bytes + 4 * words, bytes % 4);
+    }
+}
+
 /* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words */
 static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
@@ -1079,11 +1061,11 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
     for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = pb + sb * NP * 144;
-        /* vector 0: d | dmin; 1-3: the 12 bytes of scales, as pack_panel_q4k reads them from its gathers */
+        /* vector 0: d | dmin; 1-3: the 12 bytes of scales, as pack_panel_q4k reads them */
         const __m512i w0 = _mm512_load_si512(b), u0 = _mm512_load_si512(b + 64);
         const __m512i u1 = _mm512_load_si512(b + 128), u2 = _mm512_load_si512(b + 192);
         __m512i sl, sh, mn[4];
-        q4k_scales16(u0, u1, u2, &sl, &sh, mn);
+        q4k_scales16(u0, u2, &sl, &sh);
         PREFETCH_AHEAD(b, NP * 144);
         for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
         for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
@@ -1111,6 +1093,7 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
                 is[r] = _mm512_add_epi32(is[r], _mm512_add_epi32(_mm512_mullo_epi32(l, svl), _mm512_mullo_epi32(h, svh)));
             }
         }
+        q4k_mins16(u1, u2, mn);  /* after the dots: their registers are free again */
         const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0));
         const __m512 dminv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16)));
         for (int r = 0; r < rt; r++) {
@@ -1129,43 +1112,59 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
 static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
-    /* a word's outputs scored at once: all four for one or two rows (chains enough for the latency of
-     * vpdpbusd), one for more rows (whose own chains are enough, and whose sums fill the registers) */
-    const int tt = rt <= 2 ? 4 : 1;
     float accm[RT * NP] __attribute__((aligned(64)));
-    __m512i a[4][RT], is[RT];
+    __m512i a[RT], is[RT];
     for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
     for (int64_t sb = 0; sb < nsb; sb++) {
         /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
         const uint8_t *b = pb + sb * NP * 210;
         PREFETCH_AHEAD(b, NP * 210);
         for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++)
-            for (int jj = 0; jj < 2; jj++)  /* words 4jj .. 4jj + 3: groups 8h + 2t + jj */
-                for (int t0 = 0; t0 < 4; t0 += tt) {
-                    for (int t = 0; t < tt; t++)
-                        for (int r = 0; r < rt; r++) a[t][r] = _mm512_setzero_si512();
+        if (rt <= 2) {  /* a word's four outputs at once: four chains a row for the latency of vpdpbusd */
+            for (int h = 0; h < 2; h++)
+                for (int jj = 0; jj < 2; jj++) {
+                    __m512i a4[4][2];
+                    for (int t = 0; t < 4; t++)
+                        for (int r = 0; r < rt; r++) a4[t][r] = _mm512_setzero_si512();
                     for (int j = 4 * jj; j < 4 * jj + 4; j++) {
-                        const __m512i lo = _mm512_loadu_si512(b + (16 * h + j) * 64);
-                        const __m512i lo32 = _mm512_loadu_si512(b + (16 * h + 8 + j) * 64);
+                        const __m512i lo = _mm512_loadu_si512(b + (16 * h + j) * 64), lo32 = _mm512_loadu_si512(b + (16 * h + 8 + j) * 64);
                         const __m512i hi = _mm512_loadu_si512(b + (32 + 8 * h + j) * 64);
-                        for (int t = 0; t < tt; t++) {
-                            const __m512i v = q6k_word(lo, lo32, hi, t0 + t);
-                            const uint8_t *x = (const uint8_t *)qx + sb * QK + 128 * h + 32 * (t0 + t) + 4 * j;
+                        const __m512i v[4] = {q6k_word(lo, lo32, hi, 0), q6k_word(lo, lo32, hi, 1), q6k_word(lo, lo32, hi, 2),
+                                              q6k_word(lo, lo32, hi, 3)};
+                        for (int t = 0; t < 4; t++)
                             for (int r = 0; r < rt; r++)
-                                a[t][r] = _mm512_dpbusd_epi32(a[t][r], v, _mm512_set1_epi32(load32(x + r * K)));
-                        }
+                                a4[t][r] = _mm512_dpbusd_epi32(a4[t][r], v[t], _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
                     }
-                    for (int t = 0; t < tt; t++) {
-                        const int g = 8 * h + 2 * (t0 + t) + jj;
+                    for (int t = 0; t < 4; t++) {
+                        const int g = 8 * h + 2 * t + jj;
                         const __m512i sw = _mm512_loadu_si512(b + (48 + g / 4) * 64);
                         const __m512i sv = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
                         for (int r = 0; r < rt; r++) {
-                            const __m512i t32 = _mm512_sub_epi32(a[t][r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
+                            const __m512i t32 = _mm512_sub_epi32(a4[t][r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
                             is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t32, sv));
                         }
                     }
                 }
+        } else {  /* one output at a time: the rows' own chains are enough, and their sums fill the registers */
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
+                for (int jj = 0; jj < 2; jj++) {
+                    for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
+                    for (int j = 4 * jj; j < 4 * jj + 4; j++) {
+                        const __m512i l = _mm512_loadu_si512(b + (16 * h + 8 * (t & 1) + j) * 64);  /* ql word j or j + 8 */
+                        const __m512i v = q6k_word(l, l, _mm512_loadu_si512(b + (32 + 8 * h + j) * 64), t);
+                        for (int r = 0; r < rt; r++)
+                            a[r] = _mm512_dpbusd_epi32(a[r], v, _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
+                    }
+                    const int g = 8 * h + 2 * t + jj;
+                    const __m512i sw = _mm512_loadu_si512(b + (48 + g / 4) * 64);
+                    const __m512i sv = _mm512_srai_epi32(_mm512_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
+                    for (int r = 0; r < rt; r++) {
+                        const __m512i t32 = _mm512_sub_epi32(a[r], _mm512_set1_epi32(32 * xs[r * ng + sb * 16 + g]));
+                        is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t32, sv));
+                    }
+                }
+        }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 52 * 64)));
         for (int r = 0; r < rt; r++) {
             const __m512 dxv = _mm512_set1_ps(dx[r * nsb + sb]);
@@ -1244,7 +1243,10 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         const size_t nums = (size_t)ng * NP * 4;
         panel_t p = {aligned_alloc(64, (size_t)K / 4 * NP * 4), aligned_alloc(64, nums), aligned_alloc(64, nums),
                      aligned_alloc(64, nums), aligned_alloc(64, nums)};
-        const int ok = p.u && p.sc && p.mn && p.d && p.dmin;
+        /* a full panel of the file's Q4_K / Q6_K rows is repacked here first, then expanded as a repacked one */
+        const int repacks = ptype < PANEL && (type == Q4_K || type == Q6_K);
+        uint8_t *tmp = repacks ? aligned_alloc(64, (NP * row_bytes + 63) / 64 * 64) : NULL;
+        const int ok = p.u && p.sc && p.mn && p.d && p.dmin && (tmp || !repacks);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1257,12 +1259,13 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 memset(p.u, 0, (size_t)K / 4 * NP * 4);
                 memset(p.sc, 0, nums), memset(p.mn, 0, nums), memset(p.d, 0, nums), memset(p.dmin, 0, nums);
             }
-            if (ptype > PANEL)  /* a repacked panel expanded into bytes once for all of M's tiles */
-                (type == Q4_K ? pack_panel_q4k : pack_panel_q6k)(NULL, 0, K, raw + n0 * row_bytes, &p);
-            else if (type == Q4_K && nc == NP)
-                pack_panel_q4k(raw + n0 * row_bytes, row_bytes, K, NULL, &p);
-            else if (type == Q6_K && nc == NP)
-                pack_panel_q6k(raw + n0 * row_bytes, row_bytes, K, NULL, &p);
+            const uint8_t *panel = ptype > PANEL ? raw + n0 * row_bytes : NULL;
+            if (repacks && nc == NP) {
+                repack_panel(type, raw + n0 * row_bytes, row_bytes, K / QK, tmp);
+                panel = tmp;
+            }
+            if (panel)  /* expanded into bytes once for all of M's tiles */
+                (type == Q4_K ? pack_panel_q4k : pack_panel_q6k)(panel, K, &p);
             else
                 for (int c = 0; c < nc; c++) pack_column(type, raw + (n0 + c) * row_bytes, K, c, &p);
             const __mmask16 mask = (__mmask16)((1u << nc) - 1);
@@ -1288,7 +1291,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 #undef TILES
             }
         }
-        free(p.u), free(p.sc), free(p.mn), free(p.d), free(p.dmin);
+        free(p.u), free(p.sc), free(p.mn), free(p.d), free(p.dmin), free(tmp);
     }
     free(xs), free(xs2);
     return failed ? -2 : 0;
@@ -1301,18 +1304,9 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_AVX512
     if ((type != Q4_K && type != Q6_K) || N % NP || K % QK) return -1;
-    const int bytes = block_bytes(type), words = bytes / 4;
-    const int64_t nsb = K / QK, row_bytes = nsb * bytes;
+    const int64_t row_bytes = K / QK * block_bytes(type);
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NP)
-        for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *src = raw + n0 * row_bytes + sb * bytes;
-            uint8_t *dst = out + n0 * row_bytes + sb * NP * bytes;
-            for (int w0 = 0; w0 + 16 <= words; w0 += 16) pack_words(src, row_bytes, w0, dst);
-            if (words % 16) pack_words(src, row_bytes, words - 16, dst);  /* the last 16 words: some twice */
-            for (int c = 0; c < NP && bytes % 4; c++)
-                memcpy(dst + words * 64 + c * (bytes % 4), src + c * row_bytes + 4 * words, bytes % 4);
-        }
+    for (int64_t n0 = 0; n0 < N; n0 += NP) repack_panel(type, raw + n0 * row_bytes, row_bytes, K / QK, out + n0 * row_bytes);
     return PANEL + type;
 #else
     (void)type, (void)raw, (void)out, (void)N, (void)K;
