@@ -184,7 +184,6 @@ static inline void tile_scores(int mr, const float *q, const float *kt, int64_t 
 #endif
 }
 
-
 /* kt [D][16] = the rows krows[0 .. nk) side by side (key j in column j), zeros past nk */
 static inline void keys_tile(const float *const *krows, int64_t nk, int64_t D, float *kt) {
     int64_t d0 = 0;
