@@ -269,9 +269,10 @@ def test_fused_decode_loop_leaves_other_models_to_python(tiny_model_factory, nam
     assert llm.llm_engine.core.runner.model.fused_decode.steps == 0
 
 
+@pytest.mark.parametrize("heads", [6, 16])  # 3 and 8 query heads a kv head: one pass of the decode's rows, then two
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(window, kv_dtype):
+def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(window, kv_dtype, heads):
     """The decode kernel and the prefill kernel (a whole prompt on its own K / V, or a chunk after cached tokens
     read from the paged cache) walk a row's keys in the same tiles and sums: each token's attention has the same
     bits whether it was prefilled whole, chunked at any boundary (a one-token last chunk included) or decoded.
@@ -279,7 +280,7 @@ def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(win
     from pagedllm.attention import cpu_paged
 
     torch.manual_seed(3)
-    n, h, kvh, d, bs = 75, 6, 2, 64, 16
+    n, h, kvh, d, bs = 75, heads, 2, 64, 16
     q, k, v = torch.randn(n, h, d), torch.randn(n, kvh, d), torch.randn(n, kvh, d)
     blocks = (n + bs - 1) // bs
     table = torch.randperm(blocks + 3)[:blocks].to(torch.int64)  # blocks anywhere in the cache
@@ -299,3 +300,9 @@ def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(win
         lens, starts = torch.tensor([pos + 1]), torch.tensor([start])
         got = kern.paged_decode_attention(q[pos : pos + 1], cache, table[None], lens, starts, scale)
         assert torch.equal(got[0], whole[pos]), pos
+    # several requests in one call (then a task takes all of a request's kv heads)
+    pos = torch.tensor([0, 15, 16, 40, 74, 33])
+    starts = (pos + 1 - window).clamp(min=0) if window else torch.zeros_like(pos)
+    tables = table[None].expand(len(pos), -1).contiguous()
+    got = kern.paged_decode_attention(q[pos].contiguous(), cache, tables, pos + 1, starts, scale)
+    assert torch.equal(got, whole[pos])

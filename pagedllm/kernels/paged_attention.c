@@ -149,8 +149,9 @@ static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, 
 #define PF_KEYS 16
 #define PF_ROWS (PF_TOKENS * MAX_TASK_HEADS)
 
-/* s[i][0..16) = q_i . kt[., 0..16) for rows i < mr (q rows D apart, kt [D][16]) */
-static inline void tile_scores(int mr, const float *q, const float *kt, int64_t D, float s[4][PF_KEYS]) {
+/* s[i][0..16) = q_i . kt[., 0..16) for rows i < mr (q rows D apart, kt [D][16]); mr a constant where inlined */
+static inline __attribute__((always_inline)) void scores_rows(int mr, const float *q, const float *kt, int64_t D,
+                                                              float s[4][PF_KEYS]) {
 #if defined(__AVX512F__)
     __m512 a[4];  /* a row's 16 scores in one register */
     for (int i = 0; i < mr; i++) a[i] = _mm512_setzero_ps();
@@ -184,6 +185,16 @@ static inline void tile_scores(int mr, const float *q, const float *kt, int64_t 
 #endif
 }
 
+/* scores_rows with the row count a constant in each case (the rows' sums then stay in registers) */
+static inline void tile_scores(int mr, const float *q, const float *kt, int64_t D, float s[4][PF_KEYS]) {
+    switch (mr) {
+        case 4: scores_rows(4, q, kt, D, s); break;
+        case 3: scores_rows(3, q, kt, D, s); break;
+        case 2: scores_rows(2, q, kt, D, s); break;
+        default: scores_rows(1, q, kt, D, s); break;
+    }
+}
+
 /* kt [D][16] = the rows krows[0 .. nk) side by side (key j in column j), zeros past nk */
 static inline void keys_tile(const float *const *krows, int64_t nk, int64_t D, float *kt) {
     int64_t d0 = 0;
@@ -199,6 +210,82 @@ static inline void keys_tile(const float *const *krows, int64_t nk, int64_t D, f
     for (int64_t d = d0; d < D; d++)
         for (int64_t j = 0; j < PF_KEYS; j++) kt[d * PF_KEYS + j] = j < nk ? krows[j][d] : 0.f;
 }
+
+#if defined(__AVX512F__)
+/* keys_tile from a bfloat16 cache's rows in place: each widened in registers on its way into the transpose
+ * (the values row() widens to) */
+static inline void keys_tile_bf16(const uint16_t *const *krows, int64_t nk, int64_t D, float *kt) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < nk ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(krows[j] + d0))), 16)
+                          : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (d0 + i) * PF_KEYS, r[i]);
+    }
+}
+
+/* V row t's 16 elements from d (float32 rows, or bfloat16 widened in registers) */
+static inline __m512 v16(const void *const *vrows, int bf16, int64_t t, int64_t d) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)vrows[t] + d))), 16));
+    return _mm512_loadu_ps((const float *)vrows[t] + d);
+}
+
+/* accumulate() for n query rows at once (acc rows lda apart, their weights p rows PF_KEYS apart, the same keys
+ * [lo, hi)): each V row read once for all of them, the same multiply-adds in the same order per row. D a
+ * multiple of 64. */
+static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, float *acc, int64_t lda, const float *p,
+                                                                 const void *const *vrows, int bf16, int64_t lo,
+                                                                 int64_t hi, int64_t D) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            __m512 a[6][4];
+            for (int i = 0; i < nr; i++)
+                for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * lda + d0 + 16 * c);
+            for (int64_t t = lo; t < hi; t++) {
+                __m512 vt[4];
+                for (int c = 0; c < 4; c++) vt[c] = v16(vrows, bf16, t, d0 + 16 * c);
+                for (int i = 0; i < nr; i++) {
+                    const __m512 pt = _mm512_set1_ps(p[(i0 + i) * PF_KEYS + t]);
+                    for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(pt, vt[c], a[i][c]);
+                }
+            }
+            for (int i = 0; i < nr; i++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (i0 + i) * lda + d0 + 16 * c, a[i][c]);
+        }
+}
+
+static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *p, const void *const *vrows, int bf16,
+                                   int64_t lo, int64_t hi, int64_t D) {
+    for (int i0 = 0; i0 < n; i0 += 6) {  /* six rows' 4 x 16 sums in registers at a time */
+#define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, vrows, bf16, lo, hi, D)
+        switch (n - i0 < 6 ? n - i0 : 6) {
+            case 6: ACC(6); break;
+            case 5: ACC(5); break;
+            case 4: ACC(4); break;
+            case 3: ACC(3); break;
+            case 2: ACC(2); break;
+            default: ACC(1); break;
+        }
+#undef ACC
+    }
+}
+
+/* fold_scores' steps before its accumulate(): the running max m and sum l take scores s[lo, hi) in, acc
+ * rescaled where the max grew; the scores become the weights in place */
+static inline void fold_weights(float *s, int64_t lo, int64_t hi, int64_t D, float *m, float *l, float *acc) {
+    float bmax = *m;
+    for (int64_t t = lo; t < hi; t++) bmax = s[t] > bmax ? s[t] : bmax;
+    if (bmax > *m) {
+        const float corr = expf(*m - bmax);
+        *l *= corr;
+        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
+        *m = bmax;
+    }
+    *l += exp_shifted(s, *m, s, lo, hi);
+}
+#endif
 
 void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
@@ -235,6 +322,27 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                 prefetch_block(k, v, (table[next / bs] * bs * KVH + kh0) * D, bs, KVH * D, (kh1 - kh0) * D * esize,
                                esize);
             for (int64_t kh = kh0; kh < kh1; kh++) {
+                const int64_t h0 = (kh - kh0) * group;
+#if defined(__AVX512F__)
+                if (kv_dtype != 2 && D % 64 == 0) {  /* rows read in place, V once for all the group's queries */
+                    const void *krows[PF_KEYS], *vrows[PF_KEYS];
+                    for (int64_t j = 0; j < nk; j++) {
+                        const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * D;
+                        krows[j] = (const char *)k + at * esize;
+                        vrows[j] = (const char *)v + at * esize;
+                    }
+                    if (kv_dtype == 1) keys_tile_bf16((const uint16_t *const *)krows, nk, D, kt);
+                    else keys_tile((const float *const *)krows, nk, D, kt);
+                    float s[MAX_TASK_HEADS][PF_KEYS];
+                    for (int64_t h = h0; h < h0 + group; h += 4) {
+                        const int mr = h0 + group - h < 4 ? (int)(h0 + group - h) : 4;
+                        tile_scores(mr, qs + h * D, kt, D, s + (h - h0));
+                    }
+                    for (int64_t h = h0; h < h0 + group; h++) fold_weights(s[h - h0], jlo, nk, D, &m[h], &l[h], acc[h]);
+                    accumulate_rows((int)group, acc[h0], MAX_D, s[0], vrows, kv_dtype == 1, jlo, nk, D);
+                    continue;
+                }
+#endif
                 const float *krows[PF_KEYS], *vrows[PF_KEYS];
                 for (int64_t j = 0; j < nk; j++) {
                     const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * D;
@@ -242,7 +350,6 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                     vrows[j] = row(v, at, kv_dtype, lut, vbuf[j], D);
                 }
                 keys_tile(krows, nk, D, kt);
-                const int64_t h0 = (kh - kh0) * group;
                 for (int64_t h = h0; h < h0 + group; h += 4) {
                     const int mr = h0 + group - h < 4 ? (int)(h0 + group - h) : 4;
                     float s[4][PF_KEYS];
@@ -282,6 +389,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
         float *kt = malloc(D * PF_KEYS * sizeof(float)), *vt = malloc(PF_KEYS * D * sizeof(float));
         float m[PF_ROWS], l[PF_ROWS];
         float kbuf[PF_KEYS * MAX_D];
+        float(*sbuf)[PF_KEYS] = malloc(PF_ROWS * PF_KEYS * sizeof(float));  /* the tile's scores, a row each */
         const float *vrows[PF_KEYS];
         for (int64_t j = 0; j < PF_KEYS; j++) vrows[j] = vt + j * D;
 #pragma omp for schedule(dynamic, 1)
@@ -314,6 +422,22 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                     if (vr != vt + j * D) memcpy(vt + j * D, vr, D * sizeof(float));
                 }
                 keys_tile(krows, nk, D, kt);
+#if defined(__AVX512F__)
+                if (D % 64 == 0) {  /* a token's rows (its query heads) share their keys: V read once for them */
+                    for (int64_t r0 = 0; r0 < rows; r0 += 4)
+                        tile_scores(rows - r0 < 4 ? (int)(rows - r0) : 4, qt + r0 * D, kt, D, sbuf + r0);
+                    for (int64_t t = 0; t < nt; t++) {
+                        const int64_t pos = first + t, r = t * group;
+                        const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
+                        int64_t jlo = window > 0 ? pos - window + 1 - k0 : 0;
+                        if (jlo < 0) jlo = 0;
+                        if (jlo >= hi) continue;
+                        for (int64_t i = r; i < r + group; i++) fold_weights(sbuf[i], jlo, hi, D, &m[i], &l[i], acc + i * D);
+                        accumulate_rows((int)group, acc + r * D, D, sbuf[r], (const void *const *)vrows, 0, jlo, hi, D);
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t r0 = 0; r0 < rows; r0 += 4) {
                     const int mr = rows - r0 < 4 ? (int)(rows - r0) : 4;
                     float s[4][PF_KEYS];
@@ -339,5 +463,6 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
         free(acc);
         free(kt);
         free(vt);
+        free(sbuf);
     }
 }
