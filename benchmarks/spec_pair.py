@@ -3,7 +3,7 @@
     python benchmarks/spec_pair.py [--target qwen2.5-coder-1.5b-instruct-q4_k_m] \\
         [--draft qwen2.5-coder-0.5b-instruct] [--ks 2,4,6] [--ngram-k 4] [--max-tokens 192] \\
         [--quantization gguf] [--draft-quantization gguf] [--backoff-by-cost on|off|both] \\
-        [--adaptive-length on|off|both] [--rounds N]
+        [--adaptive-length on|off|both] [--ngram-first on|off|both] [--rounds N]
 
 One stream, greedy, three workloads (chat prompts through the target's template):
 
@@ -171,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         help="speculative_config.adaptive_length of every speculative run; both: each run with it and without",
     )
     ap.add_argument(
+        "--ngram-first",
+        choices=("on", "off", "both"),
+        default="off",
+        help="speculative_config.ngram_first of every draft-model run (the prompt lookup drafts first, the draft "
+        "model where it finds nothing); both: each draft-model run with it and without",
+    )
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -189,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         configs[f"draft k={k}"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
         if args.draft_quantization:
             configs[f"draft k={k}"]["quantization"] = args.draft_quantization
+        if args.ngram_first != "off":
+            spec = configs.pop(f"draft k={k}") if args.ngram_first == "on" else configs[f"draft k={k}"]
+            configs[f"draft+lookup k={k}"] = {**spec, "ngram_first": True}
     configs = _variants(configs, args.backoff_by_cost, "on", "no-cost", {"backoff_by_cost": False})
     configs = _variants(configs, args.adaptive_length, "off", "adaptive", {"adaptive_length": True})
 

@@ -103,6 +103,50 @@ def test_tiny_model_outputs_identical_with_and_without_speculation(tiny_dir, set
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks  # every block came back
 
 
+@pytest.mark.parametrize("setting", ["chunked_small_budget", "small_cache_preemption"])
+def test_a_draft_model_behind_a_prompt_lookup_changes_no_token(setting):
+    """ngram_first: the lookup drafts where SmolLM2 quotes code it is asked to repeat, its int8 self-draft
+    elsewhere (the draft's KV catching up on the tokens it sat out); with chunked prefill and with preemption
+    the outputs are the engine's without speculation (float32 weights, as in the n-gram test below)."""
+    kw = {**ENGINE_SETTINGS[setting], "max_model_len": 192, "quantization": "none"}
+    if setting == "small_cache_preemption":
+        kw["num_gpu_blocks_override"] = 12
+    base = LLM(**kw)
+    spec = {**SELF_INT8, "ngram_first": True, "backoff_by_cost": False, "backoff_after_rejections": 0}
+    llm = LLM(speculative_config=spec, **kw)
+    proposer = llm.llm_engine.core.runner.proposer
+    counts = {"lookup": 0, "model": 0}
+    lookup, logits = proposer._lookup, proposer._logits
+
+    def counted_lookup(ctx):
+        found = lookup(ctx)
+        counts["lookup"] += len(found)
+        return found
+
+    def counted_logits(hidden):
+        counts["model"] += 1
+        return logits(hidden)
+
+    proposer._lookup, proposer._logits = counted_lookup, counted_logits
+    code = "def area(w, h):\n    return w * h\n\nprint(area(3, 4))\n" * 3
+    copy = base.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": f"Repeat this code exactly:\n{code}"}], add_generation_prompt=True, tokenize=False
+    )
+    prompts = [copy, "The history of the river town begins", copy + "def"]
+    params = [
+        SamplingParams(max_tokens=60, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=42, n=2),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    ]
+    assert _generate(llm, prompts, params) == _generate(base, prompts, params)
+    assert counts["lookup"] > 5 and counts["model"] > 5, counts
+    stats = _spec_stats(llm)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    sched = llm.llm_engine.core.scheduler
+    sched.check_invariants()
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
 def test_other_families_with_a_different_draft_model(tiny_model_factory, family):
     """A separate draft (other weights, same vocabulary) is mostly rejected: output must not move."""
@@ -489,6 +533,8 @@ def test_find_continuation_longest_then_most_recent():
         ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization"),
         ({"method": "ngram", "num_speculative_tokens": 2, "backoff_by_cost": "yes"}, "backoff_by_cost"),
         ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_length": 1}, "adaptive_length"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "ngram_first": True}, "ngram_first"),
+        ({"method": "draft_model", "num_speculative_tokens": 2, "ngram_first": "yes"}, "ngram_first"),
         ("{not json", "speculative_config"),
     ],
 )

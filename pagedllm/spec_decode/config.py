@@ -35,6 +35,11 @@ class SpeculativeConfig:
     # num_speculative_tokens, grows by 2 after a step whose drafts were all accepted and shrinks by 1 after one
     # with a rejection, within [1, num_speculative_tokens]; false drafts num_speculative_tokens every step
     adaptive_length: bool = False
+    # draft_model: prompt lookup first. Where a request's context holds a match of its last prompt_lookup_max
+    # down to prompt_lookup_min tokens, what followed it is the request's draft this step and the draft model
+    # does not run for it (its KV catches up when it next drafts); after a step whose lookup draft lost its first
+    # token, the draft model drafts. Copy-heavy text (editing) then drafts for free, the rest from the model.
+    ngram_first: bool = False
 
     @staticmethod
     def from_dict(raw: Any) -> SpeculativeConfig:
@@ -81,15 +86,16 @@ class SpeculativeConfig:
             raise bad(f"must be an integer >= 1, got {cfg.disable_by_batch_size!r}", "disable_by_batch_size")
         if not isinstance(cfg.backoff_after_rejections, int) or cfg.backoff_after_rejections < 0:
             raise bad(f"must be an integer >= 0, got {cfg.backoff_after_rejections!r}", "backoff_after_rejections")
-        for key in ("backoff_by_cost", "adaptive_length"):
+        for key in ("backoff_by_cost", "adaptive_length", "ngram_first"):
             if not isinstance(getattr(cfg, key), bool):
                 raise bad(f"must be true or false, got {getattr(cfg, key)!r}", key)
         if cfg.method == "ngram" and (cfg.model or cfg.quantization):
             raise bad("does not apply to method 'ngram'", "model" if cfg.model else "quantization")
         if cfg.quantization not in (None, *DRAFT_QUANTIZATIONS):
             raise bad(f"must be one of {list(DRAFT_QUANTIZATIONS)}, got {cfg.quantization!r}", "quantization")
-        if cfg.quantization and cfg.method != "draft_model":
-            raise bad(f"only applies to method 'draft_model', not {cfg.method!r}", "quantization")
+        for key in ("quantization", "ngram_first"):
+            if getattr(cfg, key) and cfg.method != "draft_model":
+                raise bad(f"only applies to method 'draft_model', not {cfg.method!r}", key)
         if cfg.method in HEADS and not (isinstance(cfg.model, str) and cfg.model):
             raise bad(f"method {cfg.method!r} needs the path of the head's directory", "model")
         return cfg

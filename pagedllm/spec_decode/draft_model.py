@@ -15,6 +15,12 @@ passes.
 Drafts are greedy, so q is one-hot: the rejection sampler's exact rule is then
 "accept while the draft equals the target's own draw", and seeded requests give
 the same tokens with or without speculation.
+
+With ``ngram_first`` a prompt lookup (:class:`NgramProposer`) drafts first: a request
+whose context holds a match takes its continuation and sits out the draft model's
+passes this step; its draft KV stays behind and catches up in one pass (a prompt
+chunk's) when the model next drafts for it. A lookup draft whose first token was
+rejected hands the next step to the model.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pagedllm.worker.batch import Segment, build_batch
 
 if TYPE_CHECKING:
     from pagedllm.models.llama import LlamaForCausalLM
+    from pagedllm.spec_decode.ngram import NgramProposer
 
 
 class DraftModelProposer:
@@ -38,8 +45,11 @@ class DraftModelProposer:
         num_speculative_tokens: int,
         block_size: int,
         device: torch.device,
+        ngram: NgramProposer | None = None,
     ):
         self.model = model
+        self.ngram = ngram  # ngram_first: the lookup that drafts before the model
+        self.looked_up: dict[str, tuple[int, int]] = {}  # a lookup draft's (position, first token), to judge it
         self.kv_caches = kv_caches
         self.k = num_speculative_tokens
         self.block_size = block_size
@@ -49,10 +59,33 @@ class DraftModelProposer:
 
     def add(self, req_id: str, num_computed_tokens: int) -> None:
         self.computed[req_id] = num_computed_tokens
+        self.looked_up.pop(req_id, None)
+        if self.ngram is not None:
+            self.ngram.add(req_id, num_computed_tokens)
 
     def remove(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
         self.fed.pop(req_id, None)
+        self.looked_up.pop(req_id, None)
+        if self.ngram is not None:
+            self.ngram.remove(req_id)
+
+    def _lookup(self, ctx: ProposeContext) -> dict[str, list[int]]:
+        """ngram_first: the prompt lookup's drafts, for the requests it serves this step."""
+        assert self.ngram is not None, "called with ngram_first only"
+        want = {}
+        for rid, k in ctx.want.items():
+            last = self.looked_up.pop(rid, None)
+            tokens = ctx.states[rid].token_ids
+            if last is not None and len(tokens) > last[0] and tokens[last[0]] != last[1]:
+                continue  # its last lookup draft lost its first token: the model drafts this step
+            want[rid] = k
+        if not want:
+            return {}
+        found = self.ngram.propose(ProposeContext(ctx.states, ctx.scheduled, ctx.sampled, want, ctx.hidden, [], []))
+        for rid, d in found.items():
+            self.looked_up[rid] = (len(ctx.states[rid].token_ids), d[0])
+        return found
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)
@@ -61,11 +94,15 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
+        looked = self._lookup(ctx) if self.ngram is not None else {}
         # 1. catch up with everything the target now knows: this step's prompt chunks, the accepted drafts and
-        #    the token just sampled (its KV goes into the first lookahead slot)
+        #    the token just sampled (its KV goes into the first lookahead slot); a request the lookup drafts
+        #    for catches up later
         segments: list[Segment] = []
         rids: list[str] = []
         for rid in ctx.scheduled:
+            if rid in looked:
+                continue
             st = ctx.states[rid]
             end = len(st.token_ids) if rid in ctx.sampled else st.num_computed_tokens
             start = self.computed[rid]
@@ -79,7 +116,7 @@ class DraftModelProposer:
                 rids.append(rid)
             self.computed[rid] = max(start, end)
         if not segments:
-            return {}
+            return looked
         order = sorted(range(len(segments)), key=lambda i: not segments[i].split)
         segments = [segments[i] for i in order]
         rids = [rids[i] for i in order]
@@ -87,7 +124,7 @@ class DraftModelProposer:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         want = [(i, rid) for i, rid in enumerate(rids) if rid in ctx.want]
         if not want:
-            return {}
+            return looked
         idx = torch.tensor([batch.offsets[i + 1] - 1 for i, _ in want], device=self.device)
         last = self._logits(hidden.index_select(0, idx)).argmax(dim=-1).tolist()
         drafts = {rid: [tok] for (_, rid), tok in zip(want, last)}
@@ -109,4 +146,4 @@ class DraftModelProposer:
                 drafts[rid].append(tok)
         for rid, d in drafts.items():
             self.fed[rid] = (len(ctx.states[rid].token_ids), d[:-1])
-        return drafts
+        return {**drafts, **looked}

@@ -32,8 +32,14 @@ def build_proposer(
     if spec.method == "draft_model":
         from pagedllm.spec_decode.draft_model import DraftModelProposer
 
+        ngram = None
+        if spec.ngram_first:
+            from pagedllm.spec_decode.ngram import NgramProposer
+
+            # the longest suffix only: a shorter match drafts worse than the model, and takes its step
+            ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_max)
         return DraftModelProposer(
-            cast("LlamaForCausalLM", draft), draft_caches, spec.num_speculative_tokens, block_size, device
+            cast("LlamaForCausalLM", draft), draft_caches, spec.num_speculative_tokens, block_size, device, ngram
         )
     if spec.method in ("eagle", "eagle3"):
         from pagedllm.spec_decode.eagle import EagleProposer
