@@ -1314,8 +1314,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 #define TILE(T, NPAN, R) panel_rows(T, NPAN, R, K, ng, p, q, xsr, xs2r, dxr, ndx, yr, ldy, mask)
 #define TILES(T)                                                       \
                 if (np == 2) {                                         \
-                    switch (rt) {                                      \
-                        case 6: TILE(T, 2, 6); break;                  \
+                    switch (rt) { /* RT2 rows at most */               \
                         case 5: TILE(T, 2, 5); break;                  \
                         case 4: TILE(T, 2, 4); break;                  \
                         case 3: TILE(T, 2, 3); break;                  \
