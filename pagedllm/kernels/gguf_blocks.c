@@ -976,8 +976,9 @@ static inline __attribute__((always_inline)) void group_dots(int np, int rt, int
 }
 
 /* rows 0 .. rt - 1 of y against np (1 or 2) panels side by side (their columns the lanes; panel q's at y + q *
- * NP, mask[q] of them). x's rows K bytes apart; xs (sums of q_x per group) ng apart, xs2 (Q4_K: those of groups
- * 2k and 2k + 1 as the two int16 of word k) ng / 2 apart, dx (x's scales) ndx apart. */
+ * NP, mask[q] of them). x's rows K bytes apart; xs (sums of q_x per group, times the weights' offset) ng apart,
+ * xs2 (Q4_K: the plain sums of groups 2k and 2k + 1 as the two int16 of word k) ng / 2 apart, dx (x's scales)
+ * ndx apart. */
 static inline __attribute__((always_inline)) void panel_rows(int type, int np, int rt, int64_t K, int64_t ng,
                                                              const panel_t *p, const int8_t *qx, const int32_t *xs,
                                                              const int32_t *xs2, const float *dx, int64_t ndx, float *y,

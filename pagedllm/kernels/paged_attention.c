@@ -25,6 +25,9 @@
 #define MAX_BS 64
 #define MAX_D 256
 #define MAX_TASK_HEADS 32  /* query heads one task keeps running sums for */
+#define PF_TOKENS 32  /* a prefill task's queries */
+#define PF_KEYS 16    /* keys a tile (see the scores below) */
+#define PF_ROWS (PF_TOKENS * MAX_TASK_HEADS)
 
 static inline const float *row(const void *base, int64_t off, int kv_dtype, const float *lut, float *buf,
                                int64_t D) {
@@ -89,20 +92,62 @@ static inline float exp_shifted(const float *s, float m, float *p, int64_t lo, i
     return sum;
 }
 
+#if defined(__AVX512F__)
+/* V row t's 16 elements from d (float32 rows, or bfloat16 widened in registers) */
+static inline __m512 v16(const void *const *vrows, int bf16, int64_t t, int64_t d) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)vrows[t] + d))), 16));
+    return _mm512_loadu_ps((const float *)vrows[t] + d);
+}
+
+/* accumulate() on elements [0, D) (D a multiple of 64) for rows i0 .. i0 + nr - 1 at once (acc rows lda apart,
+ * their weights p rows PF_KEYS apart, the same keys [lo, hi)): each V row read once for all of them, the same
+ * multiply-adds in the same order per row */
+static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, float *acc, int64_t lda, const float *p,
+                                                                 const void *const *vrows, int bf16, int64_t lo,
+                                                                 int64_t hi, int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        __m512 a[6][4];
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * lda + d0 + 16 * c);
+        for (int64_t t = lo; t < hi; t++) {
+            __m512 vt[4];
+            for (int c = 0; c < 4; c++) vt[c] = v16(vrows, bf16, t, d0 + 16 * c);
+            for (int i = 0; i < nr; i++) {
+                const __m512 pt = _mm512_set1_ps(p[(i0 + i) * PF_KEYS + t]);
+                for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(pt, vt[c], a[i][c]);
+            }
+        }
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (i0 + i) * lda + d0 + 16 * c, a[i][c]);
+    }
+}
+
+static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *p, const void *const *vrows, int bf16,
+                                   int64_t lo, int64_t hi, int64_t D) {
+    for (int i0 = 0; i0 < n; i0 += 6) {  /* six rows' 4 x 16 sums in registers at a time */
+#define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, vrows, bf16, lo, hi, D)
+        switch (n - i0 < 6 ? n - i0 : 6) {
+            case 6: ACC(6); break;
+            case 5: ACC(5); break;
+            case 4: ACC(4); break;
+            case 3: ACC(3); break;
+            case 2: ACC(2); break;
+            default: ACC(1); break;
+        }
+#undef ACC
+    }
+}
+#endif
+
 /* acc += sum over t in [lo, hi) of p[t] * v_t. */
 static inline void accumulate(float *acc, const float *p, const float *const *vrows, int64_t lo, int64_t hi,
                               int64_t D) {
     int64_t d0 = 0;
 #if defined(__AVX512F__)  /* the same sums, element by element, 16 lanes wide */
-    for (; d0 + 64 <= D; d0 += 64) {
-        __m512 a[4];
-        for (int i = 0; i < 4; i++) a[i] = _mm512_loadu_ps(acc + d0 + 16 * i);
-        for (int64_t t = lo; t < hi; t++) {
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            for (int i = 0; i < 4; i++) a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vrows[t] + d0 + 16 * i), a[i]);
-        }
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + d0 + 16 * i, a[i]);
-    }
+    d0 = D - D % 64;
+    accumulate_nr(1, 0, acc, D, p, (const void *const *)vrows, 0, lo, hi, d0);
 #endif
 #ifdef PAGEDLLM_AVX2
     for (; d0 + 64 <= D; d0 += 64) {  /* 64 sums held in registers over the block's rows */
@@ -123,10 +168,9 @@ static inline void accumulate(float *acc, const float *p, const float *const *vr
     }
 }
 
-/* One query row's online softmax over scores s[lo, hi) of keys whose V rows are vrows[lo, hi): the running
- * max m, sum l and weighted V acc [D] take them in; the scores become the weights in place. */
-static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, int64_t hi, int64_t D, float *m,
-                               float *l, float *acc) {
+/* One query row's online softmax, before its weighted V: the running max m and sum l take scores s[lo, hi)
+ * in, acc [D] rescaled where the max grew; the scores become the weights in place. */
+static inline void fold_weights(float *s, int64_t lo, int64_t hi, int64_t D, float *m, float *l, float *acc) {
     float bmax = *m;
     for (int64_t t = lo; t < hi; t++) bmax = s[t] > bmax ? s[t] : bmax;
     if (bmax > *m) {
@@ -136,18 +180,22 @@ static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, 
         *m = bmax;
     }
     *l += exp_shifted(s, *m, s, lo, hi);
+}
+
+/* fold_weights, then the weighted V rows vrows[lo, hi) into acc */
+static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, int64_t hi, int64_t D, float *m,
+                               float *l, float *acc) {
+    fold_weights(s, lo, hi, D, m, l, acc);
     accumulate(acc, s, vrows, lo, hi, D);
 }
 
 /* ---- the scores of 16 keys at a time, shared by decode and prefill -------------------------------------
  * Decode and prefill give a query row the same bits: both walk its keys in tiles of PF_KEYS at positions
  * that are multiples of PF_KEYS (the first tile the one holding the row's first key), score a tile with
- * tile_scores (the query pre-scaled, one multiply-add chain over d a key) and fold it with fold_scores. So a
+ * tile_scores (the query pre-scaled, one multiply-add chain over d a key) and fold it with fold_weights and
+ * its weighted V (fold_scores; accumulate_rows for the rows that share their keys, the same sums). So a
  * token's attention does not depend on how its prompt was cut into chunks, on what the prefix cache held,
  * or on whether it is the last token of a chunk (a decode) or not. */
-#define PF_TOKENS 32
-#define PF_KEYS 16
-#define PF_ROWS (PF_TOKENS * MAX_TASK_HEADS)
 
 /* s[i][0..16) = q_i . kt[., 0..16) for rows i < mr (q rows D apart, kt [D][16]); mr a constant where inlined */
 static inline __attribute__((always_inline)) void scores_rows(int mr, const float *q, const float *kt, int64_t D,
@@ -225,66 +273,6 @@ static inline void keys_tile_bf16(const uint16_t *const *krows, int64_t nk, int6
     }
 }
 
-/* V row t's 16 elements from d (float32 rows, or bfloat16 widened in registers) */
-static inline __m512 v16(const void *const *vrows, int bf16, int64_t t, int64_t d) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)vrows[t] + d))), 16));
-    return _mm512_loadu_ps((const float *)vrows[t] + d);
-}
-
-/* accumulate() for n query rows at once (acc rows lda apart, their weights p rows PF_KEYS apart, the same keys
- * [lo, hi)): each V row read once for all of them, the same multiply-adds in the same order per row. D a
- * multiple of 64. */
-static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, float *acc, int64_t lda, const float *p,
-                                                                 const void *const *vrows, int bf16, int64_t lo,
-                                                                 int64_t hi, int64_t D) {
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            __m512 a[6][4];
-            for (int i = 0; i < nr; i++)
-                for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * lda + d0 + 16 * c);
-            for (int64_t t = lo; t < hi; t++) {
-                __m512 vt[4];
-                for (int c = 0; c < 4; c++) vt[c] = v16(vrows, bf16, t, d0 + 16 * c);
-                for (int i = 0; i < nr; i++) {
-                    const __m512 pt = _mm512_set1_ps(p[(i0 + i) * PF_KEYS + t]);
-                    for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(pt, vt[c], a[i][c]);
-                }
-            }
-            for (int i = 0; i < nr; i++)
-                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (i0 + i) * lda + d0 + 16 * c, a[i][c]);
-        }
-}
-
-static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *p, const void *const *vrows, int bf16,
-                                   int64_t lo, int64_t hi, int64_t D) {
-    for (int i0 = 0; i0 < n; i0 += 6) {  /* six rows' 4 x 16 sums in registers at a time */
-#define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, vrows, bf16, lo, hi, D)
-        switch (n - i0 < 6 ? n - i0 : 6) {
-            case 6: ACC(6); break;
-            case 5: ACC(5); break;
-            case 4: ACC(4); break;
-            case 3: ACC(3); break;
-            case 2: ACC(2); break;
-            default: ACC(1); break;
-        }
-#undef ACC
-    }
-}
-
-/* fold_scores' steps before its accumulate(): the running max m and sum l take scores s[lo, hi) in, acc
- * rescaled where the max grew; the scores become the weights in place */
-static inline void fold_weights(float *s, int64_t lo, int64_t hi, int64_t D, float *m, float *l, float *acc) {
-    float bmax = *m;
-    for (int64_t t = lo; t < hi; t++) bmax = s[t] > bmax ? s[t] : bmax;
-    if (bmax > *m) {
-        const float corr = expf(*m - bmax);
-        *l *= corr;
-        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
-        *m = bmax;
-    }
-    *l += exp_shifted(s, *m, s, lo, hi);
-}
 #endif
 
 void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,

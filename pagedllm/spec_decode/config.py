@@ -35,10 +35,10 @@ class SpeculativeConfig:
     # num_speculative_tokens, grows by 2 after a step whose drafts were all accepted and shrinks by 1 after one
     # with a rejection, within [1, num_speculative_tokens]; false drafts num_speculative_tokens every step
     adaptive_length: bool = False
-    # draft_model: prompt lookup first. Where a request's context holds a match of its last prompt_lookup_max
-    # down to prompt_lookup_min tokens, what followed it is the request's draft this step and the draft model
-    # does not run for it (its KV catches up when it next drafts); after a step whose lookup draft lost its first
-    # token, the draft model drafts. Copy-heavy text (editing) then drafts for free, the rest from the model.
+    # draft_model: prompt lookup first. Where a request's context holds an earlier occurrence of its last
+    # prompt_lookup_max tokens (the longest suffix only), what followed it is the request's draft this step and
+    # the draft model does not run for it (its KV catches up when it next drafts); after a step whose lookup
+    # draft lost its first token, the draft model drafts. Copy-heavy text (editing) then drafts for free.
     ngram_first: bool = False
 
     @staticmethod
