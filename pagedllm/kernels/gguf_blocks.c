@@ -1073,13 +1073,21 @@ static void repack_panel(int type, const uint8_t *rows, int64_t row_bytes, int64
     }
 }
 
+/* vpdpbusd with x's 4 bytes as an embedded broadcast ({1to16}): GCC folds no _mm512_set1_epi32 of a load into
+ * this instruction, and its broadcast registers and copies left an 8-row tile spilling (ffn_up at 8 rows:
+ * 472 -> 612 GMAC/s with this and the integer sums in memory) */
+typedef int32_t __attribute__((may_alias)) x4_t;
+static inline __attribute__((always_inline)) __m512i dpbusd_b(__m512i acc, __m512i w, const void *x4) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const x4_t *)x4));
+    return acc;
+}
+
 /* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words */
 static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, npair = K / 64;
     const __m512i m4 = _mm512_set1_epi8(0x0F), ff = _mm512_set1_epi32(0xFF);
     float accm[RT * NP] __attribute__((aligned(64)));
-    __m512i is[RT];
     for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = pb + sb * NP * 144;
@@ -1089,30 +1097,45 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
         __m512i sl, sh, mn[4];
         q4k_scales16(u0, u2, &sl, &sh);
         PREFETCH_AHEAD(b, NP * 144);
-        for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
+        int32_t ism[RT * NP] __attribute__((aligned(64)));  /* the integer sums in memory: the registers hold the dots */
+        for (int r = 0; r < rt; r++) _mm512_store_si512(ism + r * NP, _mm512_setzero_si512());
         for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
             const uint8_t *q = b + 256 + cc * 8 * 64;
-            /* integer sums in chains enough for the latency of vpdpbusd: two a row, four for one or two rows */
-            __m512i al[2][RT], ah[2][RT];
-            const int split = rt <= 2 ? 2 : 1;
-            for (int e = 0; e < split; e++)
-                for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
-                const __m512i v = _mm512_load_si512(q + 64 * j);
-                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                const int e = j % split;
-                for (int r = 0; r < rt; r++) {
-                    const uint8_t *xr = (const uint8_t *)qx + r * K + sb * QK + 64 * cc + 4 * j;
-                    al[e][r] = _mm512_dpbusd_epi32(al[e][r], lo, _mm512_set1_epi32(load32(xr)));
-                    ah[e][r] = _mm512_dpbusd_epi32(ah[e][r], hi, _mm512_set1_epi32(load32(xr + 32)));
-                }
-            }
+            const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
             const __m512i svl = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
             const __m512i svh = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
-            for (int r = 0; r < rt; r++) {
-                const __m512i l = split == 2 ? _mm512_add_epi32(al[0][r], al[1][r]) : al[0][r];
-                const __m512i h = split == 2 ? _mm512_add_epi32(ah[0][r], ah[1][r]) : ah[0][r];
-                is[r] = _mm512_add_epi32(is[r], _mm512_add_epi32(_mm512_mullo_epi32(l, svl), _mm512_mullo_epi32(h, svh)));
+            if (rt <= 2) {  /* four chains a row for the latency of vpdpbusd */
+                __m512i al[2][2], ah[2][2];
+                for (int e = 0; e < 2; e++)
+                    for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j++) {
+                    const __m512i v = _mm512_load_si512(q + 64 * j);
+                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    for (int r = 0; r < rt; r++) {
+                        al[j & 1][r] = dpbusd_b(al[j & 1][r], lo, xc + r * K + 4 * j);
+                        ah[j & 1][r] = dpbusd_b(ah[j & 1][r], hi, xc + r * K + 32 + 4 * j);
+                    }
+                }
+                for (int r = 0; r < rt; r++) {
+                    const __m512i l = _mm512_add_epi32(al[0][r], al[1][r]), h = _mm512_add_epi32(ah[0][r], ah[1][r]);
+                    _mm512_store_si512(ism + r * NP, _mm512_add_epi32(_mm512_load_si512(ism + r * NP),
+                                       _mm512_add_epi32(_mm512_mullo_epi32(l, svl), _mm512_mullo_epi32(h, svh))));
+                }
+            } else {  /* the rows' own chains are enough */
+                __m512i al[RT], ah[RT];
+                for (int r = 0; r < rt; r++) al[r] = ah[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const __m512i v = _mm512_load_si512(q + 64 * j);
+                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    for (int r = 0; r < rt; r++) {
+                        al[r] = dpbusd_b(al[r], lo, xc + r * K + 4 * j);
+                        ah[r] = dpbusd_b(ah[r], hi, xc + r * K + 32 + 4 * j);
+                    }
+                }
+                for (int r = 0; r < rt; r++)
+                    _mm512_store_si512(ism + r * NP, _mm512_add_epi32(_mm512_load_si512(ism + r * NP),
+                                       _mm512_add_epi32(_mm512_mullo_epi32(al[r], svl), _mm512_mullo_epi32(ah[r], svh))));
             }
         }
         q4k_mins16(u1, u2, mn);  /* after the dots: their registers are free again */
@@ -1120,7 +1143,7 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
         const __m512 dminv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w0, 16)));
         for (int r = 0; r < rt; r++) {
             const __m512 dxv = _mm512_set1_ps(dx[r * nsb + sb]);
-            __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), _mm512_load_ps(accm + r * NP));
+            __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ism + r * NP)), _mm512_mul_ps(dv, dxv), _mm512_load_ps(accm + r * NP));
             __m512i ms = _mm512_setzero_si512();
             for (int k = 0; k < 4; k++) ms = _mm512_dpwssd_epi32(ms, mn[k], _mm512_set1_epi32(xs2[r * npair + sb * 4 + k]));
             ar = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dminv, dxv), ar);
@@ -1155,7 +1178,7 @@ static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, 
                                               q6k_word(lo, lo32, hi, 3)};
                         for (int t = 0; t < 4; t++)
                             for (int r = 0; r < rt; r++)
-                                a4[t][r] = _mm512_dpbusd_epi32(a4[t][r], v[t], _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
+                                a4[t][r] = dpbusd_b(a4[t][r], v[t], (const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j);
                     }
                     for (int t = 0; t < 4; t++) {
                         const int g = 8 * h + 2 * t + jj;
@@ -1176,7 +1199,7 @@ static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, 
                         const __m512i l = _mm512_loadu_si512(b + (16 * h + 8 * (t & 1) + j) * 64);  /* ql word j or j + 8 */
                         const __m512i v = q6k_word(l, l, _mm512_loadu_si512(b + (32 + 8 * h + j) * 64), t);
                         for (int r = 0; r < rt; r++)
-                            a[r] = _mm512_dpbusd_epi32(a[r], v, _mm512_set1_epi32(load32((const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j)));
+                            a[r] = dpbusd_b(a[r], v, (const uint8_t *)qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j);
                     }
                     const int g = 8 * h + 2 * t + jj;
                     const __m512i sw = _mm512_loadu_si512(b + (48 + g / 4) * 64);
@@ -1197,9 +1220,10 @@ static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, 
 }
 
 /* up to this many rows of x, a repacked weight's panels are read where they lie, each decoded once per tile of
- * RT rows; more rows expand each panel into bytes once (pack_panel_*), then panel_rows: the same bits */
+ * RT rows; more rows expand each panel into bytes once (pack_panel_*), then panel_rows: the same bits. Two
+ * layers of the 1.5B, in place against expanded: 447 / 438 GMAC/s at 24 rows, 465 / 460 at 40, 477 / 495 at 48 */
 #ifndef PACKED_DIRECT_ROWS
-#define PACKED_DIRECT_ROWS 24
+#define PACKED_DIRECT_ROWS 40
 #endif
 
 /* rows 0 .. rt - 1 of y against repacked panel pb (type P_Q4_K or P_Q6_K) */
