@@ -17,7 +17,7 @@ position. Call its draws ``target``.
 * A proposer that returns its draft distribution q gets the general rule: accept x
   with probability min(1, p(x)/q(x)) using a uniform from the request's own stream
   at that position; on rejection sample norm(max(0, p - q)) with the position's
-  exponential race. Exact in distribution and reproducible with the seed, but not
+  own draw (sampler.draw). Exact in distribution and reproducible with the seed, but not
   token-identical to decoding without speculation (no rule can be, for such q).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.sample.sampler import exponentials, uniform
+from pagedllm.sample.sampler import draw, uniform
 
 _ACCEPT_SALT = 0x5EC0DE
 
@@ -60,7 +60,7 @@ def verify(
         residual = (p - q).clamp(min=0.0)
         if not residual.sum() > 0:  # p == q: rejection has probability 0; guard the arithmetic anyway
             residual = p
-        out.append(int((residual / exponentials(seed, position + j, p.shape[0], p.device)).argmax()))
+        out.append(int(draw(residual.unsqueeze(0), [seed], [position + j])[0]))
         return out
     out.append(target[len(drafts)])
     return out

@@ -8,11 +8,13 @@ structured-output grammar's bitmask → min_tokens masking → temperature →
 top-k → top-p → min-p → sample. Greedy rows take the argmax after penalties and
 masks, before temperature.
 
-Random rows sample with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
-drawing E from a generator seeded by (request seed, output position). The draw
+Random rows sample by inverting the distribution's cumulative sum (float64) at one
+uniform draw from a generator seeded by (request seed, output position). The draw
 for a token therefore depends only on the request's own seed and how many
 tokens it has produced: never on batch composition, arrival order or
-preemption.
+preemption. (One uniform a row, not one exponential a vocabulary entry: the
+exponential race this replaced drew 152k numbers a row serially, 2.5 ms a row on
+a 152k vocabulary, a third of a served 1.5B model's decode step at 8 streams.)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 _MASK = float("-inf")
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
+_DRAW_SALT = 0x5A3D1E  # the stream of a position's token draw (rejection.py salts its acceptance draws apart)
 
 
 @dataclass(slots=True)
@@ -68,18 +71,23 @@ class SamplerOutput:
     lp_source: torch.Tensor | None = None  # [B, V] the log-distribution logprobs are read from
 
 
-def exponentials(seed: int, position: int, size: int, device: torch.device) -> torch.Tensor:
-    """The Exp(1) draws of one row: a function of (request seed, output position) only."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(((seed * _MIX) ^ position) & ((1 << 63) - 1))
-    return torch.empty(size, device=device).exponential_(generator=gen)
-
-
 def uniform(seed: int, position: int, salt: int) -> float:
-    """A U(0, 1) draw of its own stream per (seed, position, salt), independent of exponentials()."""
+    """A U[0, 1) draw (53 bits) of its own stream per (seed, position, salt)."""
     gen = torch.Generator()
     gen.manual_seed(((seed * _MIX) ^ (position * 0x2545F4914F6CDD1D) ^ salt) & ((1 << 63) - 1))
-    return torch.rand((), generator=gen).item()
+    return torch.rand((), dtype=torch.float64, generator=gen).item()
+
+
+def draw(weights: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """One index a row of ``weights`` [B, V] (non-negative, any positive total), row i with probability
+    proportional to its weights: the first index whose float64 cumulative sum exceeds u * total, u the
+    uniform of (seeds[i], positions[i]). A row's index depends on its own weights and draw only."""
+    cdf = weights.double().cumsum(dim=-1)
+    u = torch.tensor([uniform(s, p, _DRAW_SALT) for s, p in zip(seeds, positions, strict=True)], dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, u.to(cdf.device).unsqueeze(1) * total, right=True).squeeze(1)
+    # u * total can round up to the total itself: then the first index that reaches it (one with weight)
+    return torch.where(idx < cdf.shape[1], idx, torch.searchsorted(cdf, total, right=False).squeeze(1))
 
 
 class Sampler:
@@ -144,10 +152,7 @@ class Sampler:
         if not batch.no_min_p:
             top = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
-        q = torch.stack(
-            [exponentials(seed, pos, probs.shape[1], probs.device) for seed, pos in zip(batch.seeds, batch.positions)]
-        )
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = draw(probs, batch.seeds, batch.positions)
         dist = processed = None
         if want_processed or want_probs:  # the distribution actually sampled from, renormalised after min-p
             dist = probs / probs.sum(dim=-1, keepdim=True)
