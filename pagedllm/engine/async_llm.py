@@ -27,6 +27,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PreparedRequest
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.malloc_arena import share_main_arena
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -92,6 +93,9 @@ class AsyncLLM:
         max_queue_len: int | None = None,
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
     ):
+        # the engine thread allocates from the main arena (pagedllm.malloc_arena: a thread arena faults its
+        # activations in afresh each step); `pagedllm serve` has done this before any thread started
+        share_main_arena()
         self.engine: LLMEngine  # set by the engine thread
         self.max_queue_len = max_queue_len
         self.on_step = on_step  # e.g. metrics; runs in the engine thread after each step

@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedllm.malloc_arena import share_main_arena
+
+    share_main_arena()  # before any thread starts: `serve` runs its engine on a thread of its own
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --data-parallel-size` passes it on
