@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedllm.sample.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from pagedllm.sample.sampler import Sampler, SamplingBatch, apply_top_k_top_p, draw
 
 
 def _batch(
@@ -111,6 +111,21 @@ def test_seed_and_position_fix_the_draw_regardless_of_batch():
     full = Sampler()(logits.clone(), _batch(5, seeds=[1, 2, 3, 4, 5], positions=[0, 1, 2, 3, 4])).token_ids
     single = Sampler()(logits[3:4].clone(), _batch(1, seeds=[4], positions=[3])).token_ids
     assert full[3] == single[0]
+
+
+def test_a_draw_is_each_rows_own_across_chunks_and_never_an_index_without_weight():
+    torch.manual_seed(4)
+    w = torch.rand(70, 300) * (torch.rand(70, 300) < 0.3)  # about 70 % of the entries weigh nothing
+    w[:, 7] += 1e-3  # every row has some weight
+    seeds, positions = list(range(70)), [5] * 70
+    batched = draw(w, seeds, positions)  # 70 rows: three chunks of the float64 sums
+    alone = torch.cat([draw(w[i : i + 1], [seeds[i]], [positions[i]]) for i in range(70)])
+    assert torch.equal(batched, alone)
+    assert bool((w.gather(1, batched.unsqueeze(1)) > 0).all())
+    # the frequencies follow the weights
+    row = torch.tensor([[0.1, 0.0, 0.5, 0.25, 0.15]])
+    counts = torch.bincount(torch.cat([draw(row, [9], [p]) for p in range(20000)]), minlength=5).double() / 20000
+    assert counts[1] == 0 and torch.allclose(counts, row[0].double(), atol=0.015)
 
 
 def test_logprobs_are_raw_log_softmax_with_rank():
