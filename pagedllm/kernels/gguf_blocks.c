@@ -1104,38 +1104,26 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
             const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
             const __m512i svl = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
             const __m512i svh = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
-            if (rt <= 2) {  /* four chains a row for the latency of vpdpbusd */
-                __m512i al[2][2], ah[2][2];
-                for (int e = 0; e < 2; e++)
-                    for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm512_setzero_si512();
-                for (int j = 0; j < 8; j++) {
-                    const __m512i v = _mm512_load_si512(q + 64 * j);
-                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                    for (int r = 0; r < rt; r++) {
-                        al[j & 1][r] = dpbusd_b(al[j & 1][r], lo, xc + r * K + 4 * j);
-                        ah[j & 1][r] = dpbusd_b(ah[j & 1][r], hi, xc + r * K + 32 + 4 * j);
-                    }
-                }
-                for (int r = 0; r < rt; r++) {
-                    const __m512i l = _mm512_add_epi32(al[0][r], al[1][r]), h = _mm512_add_epi32(ah[0][r], ah[1][r]);
-                    _mm512_store_si512(ism + r * NP, _mm512_add_epi32(_mm512_load_si512(ism + r * NP),
-                                       _mm512_add_epi32(_mm512_mullo_epi32(l, svl), _mm512_mullo_epi32(h, svh))));
-                }
-            } else {  /* the rows' own chains are enough */
-                __m512i al[RT], ah[RT];
-                for (int r = 0; r < rt; r++) al[r] = ah[r] = _mm512_setzero_si512();
+            /* integer sums in chains enough for the latency of vpdpbusd: two a row, four for one or two rows */
+            const int split = rt <= 2 ? 2 : 1;
+            __m512i al[2][RT], ah[2][RT];
+            for (int e = 0; e < split; e++)
+                for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    const __m512i v = _mm512_load_si512(q + 64 * j);
-                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                    for (int r = 0; r < rt; r++) {
-                        al[r] = dpbusd_b(al[r], lo, xc + r * K + 4 * j);
-                        ah[r] = dpbusd_b(ah[r], hi, xc + r * K + 32 + 4 * j);
-                    }
+            for (int j = 0; j < 8; j++) {
+                const __m512i v = _mm512_load_si512(q + 64 * j);
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                const int e = j % split;
+                for (int r = 0; r < rt; r++) {
+                    al[e][r] = dpbusd_b(al[e][r], lo, xc + r * K + 4 * j);
+                    ah[e][r] = dpbusd_b(ah[e][r], hi, xc + r * K + 32 + 4 * j);
                 }
-                for (int r = 0; r < rt; r++)
-                    _mm512_store_si512(ism + r * NP, _mm512_add_epi32(_mm512_load_si512(ism + r * NP),
-                                       _mm512_add_epi32(_mm512_mullo_epi32(al[r], svl), _mm512_mullo_epi32(ah[r], svh))));
+            }
+            for (int r = 0; r < rt; r++) {
+                const __m512i l = split == 2 ? _mm512_add_epi32(al[0][r], al[1][r]) : al[0][r];
+                const __m512i h = split == 2 ? _mm512_add_epi32(ah[0][r], ah[1][r]) : ah[0][r];
+                _mm512_store_si512(ism + r * NP, _mm512_add_epi32(_mm512_load_si512(ism + r * NP),
+                                   _mm512_add_epi32(_mm512_mullo_epi32(l, svl), _mm512_mullo_epi32(h, svh))));
             }
         }
         q4k_mins16(u1, u2, mn);  /* after the dots: their registers are free again */
