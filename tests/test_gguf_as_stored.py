@@ -183,10 +183,10 @@ def _write_gguf(path: Path, tensors: dict[str, tuple[str, int]]) -> Path:
 
 
 def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs_in_panels(tmp_path, monkeypatch):
-    """A file whose quantized tensors are all Q4_K / Q6_K in whole panels of 16 rows (a Q4_K_M file) runs
-    'gguf' by default where the CPU has the panel kernels, in one process: one kernel at every batch size.
-    Anything else (a Q8_0 or Q4_1 tensor, rows not in whole panels, another CPU, several ranks) keeps
-    'gguf-exact'; what was asked is kept."""
+    """A file whose quantized tensors are all Q4_K / Q6_K / Q8_0 / Q5_0 in whole panels of 16 rows (a Q4_K_M
+    file) runs 'gguf' by default where the CPU has the panel kernels, in one process: one kernel at every batch
+    size. Anything else (a Q4_1 tensor, rows not in whole panels, another CPU, several ranks) keeps 'gguf-exact';
+    what was asked is kept."""
     from pagedllm import kernels
     from pagedllm.model_loader.gguf_loader import all_in_panels
     from pagedllm.worker.loader import resolve_quantization
@@ -195,17 +195,18 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
     files = {
         "q4_k_m": _write_gguf(tmp_path / "a.gguf", k4m),
         "with_q8_0": _write_gguf(tmp_path / "b.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q8_0", 32)}),
+        "with_q4_1": _write_gguf(tmp_path / "d.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q4_1", 32)}),
         "ragged": _write_gguf(tmp_path / "c.gguf", {**k4m, "blk.0.attn_k.weight": ("Q4_K", 40)}),
     }
     panels = kernels.load().gguf.has_gemm
-    assert all_in_panels(str(files["q4_k_m"])) == panels
-    assert not all_in_panels(str(files["with_q8_0"])) and not all_in_panels(str(files["ragged"]))
+    assert all_in_panels(str(files["q4_k_m"])) == all_in_panels(str(files["with_q8_0"])) == panels
+    assert not all_in_panels(str(files["with_q4_1"])) and not all_in_panels(str(files["ragged"]))
 
     def default(name: str, single: bool = True) -> str | None:
         return resolve_quantization(None, resolve_model(str(files[name])), None, CPU, single)
 
-    assert default("q4_k_m") == ("gguf" if panels else "gguf-exact")
-    assert default("q4_k_m", single=False) == default("with_q8_0") == default("ragged") == "gguf-exact"
+    assert default("q4_k_m") == default("with_q8_0") == ("gguf" if panels else "gguf-exact")
+    assert default("q4_k_m", single=False) == default("with_q4_1") == default("ragged") == "gguf-exact"
     assert resolve_quantization("gguf-exact", resolve_model(str(files["q4_k_m"])), None, CPU) == "gguf-exact"
     assert resolve_quantization(None, resolve_model(None), None, CPU) == "gguf-exact"  # SmolLM2's Q4_1
     monkeypatch.setattr(kernels.load().gguf, "has_gemm", False)  # an AVX2 CPU

@@ -156,15 +156,19 @@ def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_
         assert torch.equal(blocks.matmul_a8(int(qtype), x[5:12], raw), alone[5:12])
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, qtype):
-    """A Q4_K / Q6_K weight repacked into panels of 16 rows (where a build has the panel GEMM) runs one kernel
-    at every row count: a row's bits are the same alone (a decode step), beside a few others (a speculative
-    verification, a small batch) or in a prefill chunk, and they are the file layout's GEMM's; its rows and its
-    dequantized values come back as the file's. Elsewhere, and for rows not in whole panels, nothing repacks."""
+    """A weight repacked into panels of 16 rows (where a build has the panel GEMM) runs one kernel at every row
+    count: a row's bits are the same alone (a decode step), beside a few others (a speculative verification, a
+    small batch) or in a prefill chunk, and they are the file layout's GEMM's; its rows and its dequantized
+    values come back as the file's. Elsewhere, for rows not in whole panels, and for Q8_0 / Q5_0 rows of an odd
+    number of blocks (their panels hold blocks in pairs), nothing repacks."""
     blocks = gemm_from(0)  # the file's layout through the GEMM at every row count: the bits to match
     n, k, m = 48, 1280, 70
-    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=5))
+    raw_np = random_blocks(qtype, n, k, seed=5)
+    if qtype == T.Q8_0:  # q = -128 too, which gguf's quantizer never writes but a file may hold
+        raw_np.reshape(n, -1, 34)[:, ::3, 2:6] = 0x80
+    raw = torch.from_numpy(raw_np)
     ptype, packed = blocks.pack(int(qtype), raw)
     if not blocks.has_gemm:
         assert ptype == int(qtype) and packed is raw
@@ -183,8 +187,10 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
         blocks.unpack_rows(ptype, packed, torch.tensor([48]))
     with pytest.raises(ValueError, match="ggml type"):  # the float kernels read the file's layout only
         blocks.matmul_f32(ptype, x[:1], packed)
-    q8 = torch.from_numpy(random_blocks(T.Q8_0, n, k))
-    assert blocks.pack(int(T.Q8_0), q8)[1] is q8 and blocks.pack(int(qtype), raw[:40])[0] == int(qtype)
+    assert blocks.pack(int(qtype), raw[:40])[0] == int(qtype)
+    if qtype in (T.Q8_0, T.Q5_0):
+        odd = torch.from_numpy(random_blocks(qtype, n, k - 32))
+        assert blocks.pack(int(qtype), odd)[1] is odd
 
 
 def test_a_nan_row_stays_nan_in_the_gemm_and_leaves_the_others_finite(gemm_from):
@@ -345,9 +351,9 @@ def test_gguf_linear_is_one_function_at_every_batch_size(qtype, activation_bits)
     assert layer(x.view(2, -1, k)).shape == (2, x.shape[0] // 2, n)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_gguf_mode_linear_on_repacked_panels_is_one_function_bit_for_bit(qtype):
-    """GGUFLinear under int8 activations repacks its Q4_K / Q6_K rows where the CPU has the panel GEMM: every
+    """GGUFLinear under int8 activations repacks its rows where the CPU has the panel GEMM: every
     batch size then gives each row the bits it gets alone, and a lookup of its rows (a tied embedding's) is the
     file's rows dequantized."""
     from pagedllm import kernels

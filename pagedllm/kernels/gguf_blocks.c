@@ -95,15 +95,16 @@ static int block_bytes_any(int type) {
     }
 }
 
-/* Q4_K and Q6_K repacked into panels of 16 rows (gguf_pack_panels, AVX-512 VNNI builds): their type ids
- * PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a row]. */
-enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K };
+/* Q4_K, Q6_K, Q8_0 and Q5_0 repacked into panels of 16 rows (gguf_pack_panels, AVX-512 VNNI builds): their
+ * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
+ * row]. */
+enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0 };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
-/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, two repacked */
+/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, four repacked */
 static int reads(int type) {
 #ifdef GB_AVX512
-    if (type == P_Q4_K || type == P_Q6_K) return 1;
+    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0) return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
 }
@@ -116,11 +117,84 @@ static int act_block(int type) { return block_elems(type); }
 int gguf_block_elems(int type) { return block_elems(type); }
 int gguf_block_bytes(int type) { return block_bytes(type); }
 
+static inline uint32_t load32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Q8_0 and Q5_0 in panels (K a multiple of 64) hold their blocks in pairs: pair P (blocks 2P, 2P + 1) of a
+ * panel's 16 rows is 11 vectors of 64 bytes (Q8_0: 17), lane c (4 bytes) row c's; for block 2P + h:
+ *   vector 0                  both blocks' d, 16 f16 each (block 2P + h's at bytes 32h + 2c);
+ *   Q8_0, vectors 1 + 8h + j  word j (j < 8) of q ^ 0x80: elements 4j .. 4j + 3, unsigned q + 128;
+ *   Q5_0, vector 1 + h        the fifth bits as 8 masks of 64 bits (mask j, bit 4c + i: that of row c's
+ *                             element 4j + i, i < 4);
+ *         vectors 3 + 4h + w  nibble word w (w < 4) as the file has it: elements 4w .. 4w + 3 in the low
+ *                             nibbles, 16 + 4w .. in the high ones.
+ * So element 4j + i of a block is byte i of word j's lane (Q5_0: of word j % 4's low (j < 4) or high nibbles,
+ * plus 16 where its mask j's bit is set). The file's bytes, transposed and their bits permuted: a panel holds
+ * its rows' bytes, no more (pairs, not single blocks, so that each vector starts on a line of 64 bytes). */
+#ifdef GB_AVX512
+static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *dst) {
+    const int bytes = block_bytes_any(type);
+    for (int64_t g = 0; g < nb; g++) {
+        uint8_t *pair = dst + (g / 2) * 32 * bytes;
+        const int h = (int)(g & 1);
+        uint64_t mask[8] = {0};
+        for (int c = 0; c < 16; c++) {
+            const uint8_t *b = rows + c * row_bytes + g * bytes;
+            memcpy(pair + 32 * h + 2 * c, b, 2);
+            if (type == Q8_0) {
+                for (int j = 0; j < 8; j++) {
+                    const uint32_t w = load32(b + 2 + 4 * j) ^ 0x80808080u;
+                    memcpy(pair + (1 + 8 * h + j) * 64 + 4 * c, &w, 4);
+                }
+            } else {
+                const uint32_t qh = load32(b + 2);
+                for (int j = 0; j < 8; j++) mask[j] |= (uint64_t)((qh >> 4 * j) & 0xF) << 4 * c;
+                for (int w = 0; w < 4; w++) memcpy(pair + (3 + 4 * h + w) * 64 + 4 * c, b + 6 + 4 * w, 4);
+            }
+        }
+        if (type == Q5_0) memcpy(pair + (1 + h) * 64, mask, 64);
+    }
+}
+#endif
+
+/* row c of a Q8_0 / Q5_0 panel (nb blocks) as the file stores it, into out */
+static void unpack_row_q32(int type, const uint8_t *panel, int c, int64_t nb, uint8_t *out) {
+    const int bytes = block_bytes_any(type);
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *pair = panel + (g / 2) * 32 * bytes;
+        const int h = (int)(g & 1);
+        uint8_t *o = out + g * bytes;
+        memcpy(o, pair + 32 * h + 2 * c, 2);
+        if (type == Q8_0) {
+            for (int j = 0; j < 8; j++) {
+                const uint32_t w = load32(pair + (1 + 8 * h + j) * 64 + 4 * c) ^ 0x80808080u;
+                memcpy(o + 2 + 4 * j, &w, 4);
+            }
+        } else {
+            uint32_t qh = 0;
+            for (int j = 0; j < 8; j++) {
+                uint64_t m;
+                memcpy(&m, pair + (1 + h) * 64 + 8 * j, 8);
+                qh |= (uint32_t)((m >> 4 * c) & 0xF) << 4 * j;
+            }
+            memcpy(o + 2, &qh, 4);
+            for (int w = 0; w < 4; w++) memcpy(o + 6 + 4 * w, pair + (3 + 4 * h + w) * 64 + 4 * c, 4);
+        }
+    }
+}
+
 /* row n of a repacked weight (type PANEL + t, K elements a row) as the file stores it, into out */
 static void unpack_row(int type, const uint8_t *packed, int64_t n, int64_t K, uint8_t *out) {
     const int bytes = block_bytes(type), words = bytes / 4;
     const int64_t nsb = K / QK, c = n % 16;
-    const uint8_t *panel = packed + (n / 16) * 16 * nsb * bytes;
+    const uint8_t *panel = packed + (n / 16) * 16 * (K / block_elems(type)) * bytes;
+    if (base_type(type) == Q8_0 || base_type(type) == Q5_0) {
+        unpack_row_q32(base_type(type), panel, (int)c, K / 32, out);
+        return;
+    }
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *s = panel + sb * 16 * bytes;
         uint8_t *o = out + sb * bytes;
@@ -133,7 +207,7 @@ static void unpack_row(int type, const uint8_t *packed, int64_t n, int64_t K, ui
  * out [n, bytes a row]; 0, or -1 for a type that is not a repacked one */
 int gguf_unpack_rows(int type, const uint8_t *packed, const int64_t *ids, int64_t n, int64_t K, uint8_t *out) {
     if (type < PANEL || !reads(type)) return -1;
-    const int64_t row_bytes = K / QK * block_bytes(type);
+    const int64_t row_bytes = K / block_elems(type) * block_bytes(type);
     for (int64_t i = 0; i < n; i++) unpack_row(type, packed, ids[i], K, out + i * row_bytes);
     return 0;
 }
@@ -788,12 +862,6 @@ int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *b
 
 static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
 
-static inline uint32_t load32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 /* A panel's numbers besides its bytes, for column c (group g at [g * NP + c], super-block or block b at
  * [b * NP + c]): sc the integer scale of a group (Q4_K's 6 bits, Q6_K's int8; 1 for Q8_0 / Q5_0), mn Q4_K's
  * 6-bit mins of groups 2k and 2k + 1 as the two int16 of word k (for vpdpwssd), d the scale of a super-block
@@ -953,6 +1021,25 @@ static void pack_panel_q6k(const uint8_t *panel, int64_t K, const panel_t *p) {
                 for (int t = 0; t < 4; t++) _mm512_store_si512(o + (8 * t + j) * NP, q6k_word(lo, lo32, hi, t));
             }
         }
+    }
+}
+
+/* word j (0-7) of block h (0, 1) of a Q8_0 / Q5_0 pair of a repacked panel (repack_panel_q32's layout), as
+ * the panel GEMM reads its words: elements 4j .. 4j + 3 of the 16 rows, unsigned (Q8_0: q + 128; Q5_0: q) */
+static inline __attribute__((always_inline)) __m512i q32_word(int type, const uint8_t *pair, int h, int j) {
+    if (type == Q8_0) return _mm512_loadu_si512(pair + (1 + 8 * h + j) * 64);
+    const __m512i v = _mm512_loadu_si512(pair + (3 + 4 * h + (j & 3)) * 64);
+    const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+    return _mm512_mask_add_epi8(nib, _load_mask64((__mmask64 *)(pair + (1 + h) * 64 + 8 * j)), nib, _mm512_set1_epi8(0x10));
+}
+
+/* a whole repacked panel of 16 Q8_0 / Q5_0 rows expanded as pack_column expands each row */
+static void pack_panel_q32(int type, const uint8_t *panel, int64_t K, const panel_t *p) {
+    for (int64_t g = 0; g < K / 32; g++) {
+        const uint8_t *pair = panel + (g / 2) * 32 * block_bytes_any(type);
+        const int h = (int)(g & 1);
+        _mm512_store_ps(p->d + g * NP, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pair + 32 * h))));
+        for (int j = 0; j < 8; j++) _mm512_store_si512(p->u + (g * 8 + j) * NP, q32_word(type, pair, h, j));
     }
 }
 
@@ -1207,6 +1294,38 @@ static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, 
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(accm + r * NP));
 }
 
+/* the same for a repacked Q8_0 / Q5_0 panel (type the file's): panel_rows(type, ...) on the panel's words */
+static inline __attribute__((always_inline)) void packed_q32(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    const int pair_bytes = 32 * block_bytes_any(type);
+    __m512 acc[RT];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < nb; g0 += 2) {
+        const uint8_t *pair = pb + (g0 / 2) * pair_bytes;
+        PREFETCH_AHEAD(pair, pair_bytes);
+        for (int h = 0; h < 2; h++) {
+            const int64_t g = g0 + h;
+            __m512i v[8];
+            for (int j = 0; j < 8; j++) v[j] = q32_word(type, pair, h, j);
+            /* integer sums in chains enough for the latency of vpdpbusd: two a row for one or two rows */
+            const int split = rt <= 2 ? 2 : 1;
+            __m512i a[2][RT];
+            for (int e = 0; e < split; e++)
+                for (int r = 0; r < rt; r++) a[e][r] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++)
+                for (int r = 0; r < rt; r++) a[j % split][r] = dpbusd_b(a[j % split][r], v[j], qx + r * K + g * 32 + 4 * j);
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pair + 32 * h)));
+            for (int r = 0; r < rt; r++) {
+                const __m512i s = split == 2 ? _mm512_add_epi32(a[0][r], a[1][r]) : a[0][r];
+                const __m512i t = _mm512_sub_epi32(s, _mm512_set1_epi32(xs[r * nb + g]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * nb + g])), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
 /* up to this many rows of x, a repacked weight's panels are read where they lie, each decoded once per tile of
  * RT rows; more rows expand each panel into bytes once (pack_panel_*), then panel_rows: the same bits. Two
  * layers of the 1.5B, in place against expanded: 447 / 438 GMAC/s at 24 rows, 465 / 460 at 40, 477 / 495 at 48 */
@@ -1214,12 +1333,13 @@ static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, 
 #define PACKED_DIRECT_ROWS 40
 #endif
 
-/* rows 0 .. rt - 1 of y against repacked panel pb (type P_Q4_K or P_Q6_K) */
+/* rows 0 .. rt - 1 of y against repacked panel pb (a repacked type) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                               const int32_t *xs, const int32_t *xs2, const float *dx,
                                                               float *y, int64_t ldy) {
     if (type == P_Q4_K) packed_q4k(rt, K, pb, qx, xs2, dx, y, ldy);
-    else packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
+    else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
+    else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
 
 /* gguf_matmul_q8 for many rows: the same integer products, the float sums in another order */
@@ -1266,8 +1386,12 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 }
                 if (ptype == P_Q4_K) {
                     PACKED(P_Q4_K)
-                } else {
+                } else if (ptype == P_Q6_K) {
                     PACKED(P_Q6_K)
+                } else if (ptype == P_Q8_0) {
+                    PACKED(P_Q8_0)
+                } else {
+                    PACKED(P_Q5_0)
                 }
 #undef PACKED
             }
@@ -1311,7 +1435,9 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     repack_panel(type, raw + c0 * row_bytes, row_bytes, K / QK, tmp);
                     panel = tmp;
                 }
-                if (panel)  /* expanded into bytes once for all of M's tiles */
+                if (panel && (type == Q8_0 || type == Q5_0))  /* expanded into bytes once for all of M's tiles */
+                    pack_panel_q32(type, panel, K, &p[i]);
+                else if (panel)
                     (type == Q4_K ? pack_panel_q4k : pack_panel_q6k)(panel, K, &p[i]);
                 else
                     for (int c = 0; c < nc; c++) pack_column(type, raw + (c0 + c) * row_bytes, K, c, &p[i]);
@@ -1359,15 +1485,19 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 }
 #endif
 
-/* W [N, K] of type Q4_K or Q6_K (the file's rows, raw) repacked into out (as many bytes) for the kernel above;
- * the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a multiple of 16, or
- * a build without AVX-512 VNNI */
+/* W [N, K] of type Q4_K, Q6_K, Q8_0 or Q5_0 (the file's rows, raw) repacked into out (as many bytes) for the
+ * kernel above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a
+ * multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0: 64), or a build without AVX-512 VNNI */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_AVX512
-    if ((type != Q4_K && type != Q6_K) || N % NP || K % QK) return -1;
-    const int64_t row_bytes = K / QK * block_bytes(type);
+    const int q32 = type == Q8_0 || type == Q5_0;
+    if ((type != Q4_K && type != Q6_K && !q32) || N % NP || K % (q32 ? 64 : QK)) return -1;
+    const int64_t row_bytes = K / block_elems(type) * block_bytes(type);
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NP) repack_panel(type, raw + n0 * row_bytes, row_bytes, K / QK, out + n0 * row_bytes);
+    for (int64_t n0 = 0; n0 < N; n0 += NP) {
+        if (q32) repack_panel_q32(type, raw + n0 * row_bytes, row_bytes, K / 32, out + n0 * row_bytes);
+        else repack_panel(type, raw + n0 * row_bytes, row_bytes, K / QK, out + n0 * row_bytes);
+    }
     return PANEL + type;
 #else
     (void)type, (void)raw, (void)out, (void)N, (void)K;

@@ -435,8 +435,9 @@ GROUP_LAYOUTS = {
 }
 # the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
 GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
-# Q4_K / Q6_K repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a row, type id 100 + the file's
-GGUF_PANELS = {100 + t: GGUF_BLOCKS[t] for t in (12, 14)}
+# Q4_K / Q6_K / Q8_0 / Q5_0 repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a row, type id 100 +
+# the file's
+GGUF_PANELS = {100 + t: GGUF_BLOCKS[t] for t in GGUF_BLOCKS}
 
 
 _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
@@ -484,13 +485,13 @@ class GGUFBlocks:
     def pack(
         self, qtype: int, raw: torch.Tensor, copied: Callable[[torch.Tensor], object] | None = None
     ) -> tuple[int, torch.Tensor]:
-        """``(qtype, raw)`` as the integer kernels read it best: a Q4_K or Q6_K weight with a multiple of 16 rows,
-        where the panel GEMM is built, repacked into panels of 16 rows (a new tensor of raw's shape, type id
-        100 + qtype), which one kernel multiplies at every row count, a row's bits the same whatever shares its
-        call; anything else as it is. The float32 kernels (matmul_f32) do not read a repacked weight.
-        ``copied`` is called with each slice of raw's rows once the copy holds it (to let a file's pages go
-        before the next slice is read)."""
-        if qtype not in (12, 14) or not self.has_gemm or raw.shape[0] % 16 or not raw.shape[0]:
+        """``(qtype, raw)`` as the integer kernels read it best: a weight of a type in GGUF_BLOCKS with a multiple of
+        16 rows (and, Q8_0 / Q5_0, of 64 columns), where the panel GEMM is built, repacked into panels of 16 rows
+        (a new tensor of raw's shape, type id 100 + qtype), which one kernel multiplies at every row count, a
+        row's bits the same whatever shares its call; anything else as it is. The float32 kernels (matmul_f32)
+        do not read a repacked weight. ``copied`` is called with each slice of raw's rows once the copy holds it
+        (to let a file's pages go before the next slice is read)."""
+        if qtype not in GGUF_BLOCKS or not self.has_gemm or raw.shape[0] % 16 or not raw.shape[0]:
             return qtype, raw
         k = self.in_features(qtype, raw)
         raw = raw.contiguous()

@@ -7,12 +7,12 @@ layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``).
 ``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8
 per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
 float32 activations, the float32 function of the dequantized weights. Either way the layer computes the same
-function at every batch size, up to float summation order. int8, where the CPU has AVX-512 VNNI: a Q4_K / Q6_K
-weight of whole panels is repacked at load into panels of 16 rows (the same bytes permuted; the file's pages
-are let go), and one kernel multiplies every row count, a row's bits the same whatever shares its call; the
-other types stream their blocks a weight row at a time up to a few rows, and more rows (a prefill chunk, a
-large decode batch) run a GEMM over panels of 16 weight rows decoded to bytes (3.2x the float GEMM on a
-dequantized copy at 512 rows of the 1.5B's Q4_K MLP). float32, and int8 without that GEMM: up to
+function at every batch size, up to float summation order. int8, where the CPU has AVX-512 VNNI: a weight of
+whole panels (Q8_0 / Q5_0: and of pairs of blocks a row) is repacked at load into panels of 16 rows (the same
+bytes permuted; the file's pages are let go), and one kernel multiplies every row count, a row's bits the same
+whatever shares its call; other weights stream their blocks a weight row at a time up to a few rows, and more
+rows (a prefill chunk, a large decode batch) run a GEMM over panels of 16 weight rows decoded to bytes (3.2x the
+float GEMM on a dequantized copy at 512 rows of the 1.5B's Q4_K MLP). float32, and int8 without that GEMM: up to
 ``SMALL_BATCH`` rows the kernels stream the blocks; more rows dequantize the weight into a buffer shared by
 every quantized layer and run the float32 GEMM (on the rounded input in the int8 mode).
 """
@@ -51,7 +51,7 @@ class GGUFLinear(nn.Module):
             raise ValueError(f"GGUFLinear's activations are int8 (8) or float32 (None), not {activation_bits}")
         self._kernels = kernels.load().gguf
         self.file_qtype, self.activation_bits = qtype, activation_bits
-        if activation_bits:  # Q4_K / Q6_K repacked into panels where the CPU runs them (GGUFBlocks.pack)
+        if activation_bits:  # repacked into panels where the CPU runs them (GGUFBlocks.pack)
             from pagedllm.model_loader.mappings import release_mapped_pages
 
             # a copy: the pages of the file it was read from need not stay in this process

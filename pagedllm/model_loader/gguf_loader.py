@@ -405,8 +405,9 @@ def check_gguf_tensors(path: str, as_stored: bool = False) -> None:
 
 def all_in_panels(path: str) -> bool:
     """Whether the int8 kernels hold every quantized tensor of the file in panels of 16 rows on this CPU
-    (``GGUFBlocks.pack``: Q4_K / Q6_K with whole panels of rows, AVX-512 VNNI), where every row count runs one
-    kernel: a Q4_K_M file such as Qwen2.5's is one; files with Q4_1 / Q5_0 / Q8_0 tensors are not."""
+    (``GGUFBlocks.pack``: Q4_K / Q6_K, and Q8_0 / Q5_0 of a multiple of 64 columns, with whole panels of rows,
+    AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with Q4_0 /
+    Q4_1 tensors are not."""
     from pagedllm import kernels
 
     header = read_gguf_header(path)
@@ -414,7 +415,9 @@ def all_in_panels(path: str) -> bool:
         kind = _ggml_type(header, name, path).name
         if kind in _PLAIN_TYPES or name in _SKIPPED_TENSORS:
             continue
-        if kind not in ("Q4_K", "Q6_K") or len(dims) != 2 or dims[1] % 16:
+        if kind not in ("Q4_K", "Q6_K", "Q8_0", "Q5_0") or len(dims) != 2 or dims[1] % 16:
+            return False
+        if kind in ("Q8_0", "Q5_0") and dims[0] % 64:  # their panels hold blocks of 32 in pairs
             return False
     found = kernels.try_load()
     return found is not None and found.gguf.has_gemm
