@@ -214,18 +214,23 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
 
 
 def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """rows x cols weights in valid random Q4_K / Q6_K blocks with small float16 scales, [rows, bytes]."""
-    size = 144 if kind == "Q4_K" else 210
-    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    for off in (0, 2) if kind == "Q4_K" else (208,):
-        scale = rng.uniform(2e-5, 2e-4, (rows, cols // 256, 1)).astype(np.float16)
+    """rows x cols weights in valid random Q4_K / Q6_K / Q8_0 / Q5_0 blocks with small float16 scales, [rows,
+    bytes] (every bit pattern is a valid block)."""
+    elems, size = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22)}[kind]
+    raw = rng.integers(0, 256, (rows, cols // elems, size), dtype=np.uint8)
+    for off in {"Q4_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
+        scale = rng.uniform(2e-5, 2e-4, (rows, cols // elems, 1)).astype(np.float16)
+        if elems == 32:  # weights of the K-quants' size (theirs: d times a 6-bit sub-block scale times q)
+            scale *= 32 if kind == "Q5_0" else 4
         raw[..., off : off + 2] = scale.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     """A 2-layer Qwen2 GGUF whose every quantized tensor is Q4_K or Q6_K (v, ffn_down and the tied embedding
-    Q6_K, as a Q4_K_M file has them), random blocks; no tokenizer (the engine is given SmolLM2's)."""
+    Q6_K) in layer 0, Q5_0 and Q8_0 (v) in layer 1 beside a Q6_K ffn_down, as Q4_K_M files have them (Qwen2.5's
+    0.5B falls back to those where its rows of 896 are no whole super-blocks), random blocks; no tokenizer (the
+    engine is given SmolLM2's)."""
     import gguf
 
     rng = np.random.default_rng(11)
@@ -255,14 +260,15 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
         b = f"blk.{i}"
         plain(f"{b}.attn_norm.weight", hidden, 1.0)
         plain(f"{b}.ffn_norm.weight", hidden, 1.0)
-        quant(f"{b}.attn_q.weight", "Q4_K", heads * head_dim, hidden)
-        quant(f"{b}.attn_k.weight", "Q4_K", kv_heads * head_dim, hidden)
-        quant(f"{b}.attn_v.weight", "Q6_K", kv_heads * head_dim, hidden)
+        q4, q6 = ("Q4_K", "Q6_K") if i == 0 else ("Q5_0", "Q8_0")
+        quant(f"{b}.attn_q.weight", q4, heads * head_dim, hidden)
+        quant(f"{b}.attn_k.weight", q4, kv_heads * head_dim, hidden)
+        quant(f"{b}.attn_v.weight", q6, kv_heads * head_dim, hidden)
         for name, n in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
             plain(f"{b}.{name}.bias", n)
-        quant(f"{b}.attn_output.weight", "Q4_K", hidden, heads * head_dim)
-        quant(f"{b}.ffn_gate.weight", "Q4_K", ffn, hidden)
-        quant(f"{b}.ffn_up.weight", "Q4_K", ffn, hidden)
+        quant(f"{b}.attn_output.weight", q4, hidden, heads * head_dim)
+        quant(f"{b}.ffn_gate.weight", q4, ffn, hidden)
+        quant(f"{b}.ffn_up.weight", q4, ffn, hidden)
         quant(f"{b}.ffn_down.weight", "Q6_K", hidden, ffn)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -275,10 +281,10 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
 def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_the_schedule(
     tmp_path, smollm2_tokenizer_dir
 ):
-    """Where the panel kernels run (AVX-512 VNNI), a file of Q4_K / Q6_K tensors runs 'gguf' by default, and a
-    request's logprobs are the same bits however it is scheduled: alone or beside 11 others, its prompt's
-    shared start in the prefix cache or not, prefilled whole or in chunks of 24, its tokens drafted by n-gram
-    lookup and verified, or computed again after a preemption."""
+    """Where the panel kernels run (AVX-512 VNNI), a file of Q4_K / Q6_K / Q5_0 / Q8_0 tensors runs 'gguf' by
+    default, and a request's logprobs are the same bits however it is scheduled: alone or beside 11 others, its
+    prompt's shared start in the prefix cache or not, prefilled whole or in chunks of 24, its tokens drafted by
+    n-gram lookup and verified, or computed again after a preemption."""
     from pagedllm import kernels
     from pagedllm.layers.gguf_linear import GGUFLinear
 
@@ -294,6 +300,7 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
         llm = LLM(str(path), tokenizer=str(smollm2_tokenizer_dir), max_model_len=256, **kw)
         model = llm.llm_engine.core.runner.model
         assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear) and model.layers[0].mlp.down_proj.qtype == 114
+        assert {p.qtype for p in model.layers[1].self_attn.qkv_proj.parts} == {106, 108}  # Q5_0, Q8_0 in panels
         if kw.get("enable_prefix_caching"):
             llm.generate([{"prompt_token_ids": shared + [7]}], sp, use_tqdm=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
