@@ -163,18 +163,18 @@ def test_kv_cache_is_sized_for_what_it_holds(monkeypatch):
         LLM(max_model_len=256, kv_cache_memory=1 << 50)
 
 
-def _write_gguf(path: Path, tensors: dict[str, tuple[str, int]]) -> Path:
-    """A GGUF holding only ``tensors`` (name: (ggml type name, rows)), 256 columns each, zero bytes."""
+def _write_gguf(path: Path, tensors: dict[str, tuple]) -> Path:
+    """A GGUF holding only ``tensors`` (name: (ggml type name, rows[, columns: 256])), zero bytes."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch="qwen2")
-    for name, (kind, rows) in tensors.items():
-        qtype = gguf.GGMLQuantizationType[kind]
+    for name, (kind, rows, *cols) in tensors.items():
+        qtype, k = gguf.GGMLQuantizationType[kind], cols[0] if cols else 256
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         if kind == "F32":
-            writer.add_tensor(name, np.zeros((rows, 256), dtype=np.float32))
+            writer.add_tensor(name, np.zeros((rows, k), dtype=np.float32))
         else:
-            writer.add_tensor(name, np.zeros((rows, 256 // block * size), dtype=np.uint8), raw_dtype=qtype)
+            writer.add_tensor(name, np.zeros((rows, k // block * size), dtype=np.uint8), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -188,7 +188,7 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
     size. Anything else (a Q4_1 tensor, rows not in whole panels, another CPU, several ranks) keeps 'gguf-exact';
     what was asked is kept."""
     from pagedllm import kernels
-    from pagedllm.model_loader.gguf_loader import all_in_panels
+    from pagedllm.model_loader.gguf_loader import all_in_panels, iter_gguf_blocks
     from pagedllm.worker.loader import resolve_quantization
 
     k4m = {"blk.0.attn_q.weight": ("Q4_K", 32), "token_embd.weight": ("Q6_K", 64), "blk.0.attn_norm.weight": ("F32", 1)}
@@ -197,10 +197,17 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         "with_q8_0": _write_gguf(tmp_path / "b.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q8_0", 32)}),
         "with_q4_1": _write_gguf(tmp_path / "d.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q4_1", 32)}),
         "ragged": _write_gguf(tmp_path / "c.gguf", {**k4m, "blk.0.attn_k.weight": ("Q4_K", 40)}),
+        "odd_blocks": _write_gguf(tmp_path / "e.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q5_0", 32, 96)}),
     }
     panels = kernels.load().gguf.has_gemm
     assert all_in_panels(str(files["q4_k_m"])) == all_in_panels(str(files["with_q8_0"])) == panels
-    assert not all_in_panels(str(files["with_q4_1"])) and not all_in_panels(str(files["ragged"]))
+    assert not any(all_in_panels(str(files[name])) for name in ("with_q4_1", "ragged", "odd_blocks"))
+    # under an explicit 'gguf', Q8_0 / Q5_0 come as stored only where they fit panels (else as int8 groups)
+    names = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight")
+    shapes = [("Q8_0", 32), ("Q8_0", 40), ("Q5_0", 32, 96)]  # in panels; rows not in whole panels; 3 blocks a row
+    odd = _write_gguf(tmp_path / "f.gguf", dict(zip(names, shapes, strict=True)))
+    kinds = [kind for _, (kind, _) in iter_gguf_blocks(str(odd), native=("Q8_0", "Q5_0"))]
+    assert kinds == ["Q8_0", "int8", "int8"]
 
     def default(name: str, single: bool = True) -> str | None:
         return resolve_quantization(None, resolve_model(str(files[name])), None, CPU, single)

@@ -443,6 +443,12 @@ GGUF_PANELS = {100 + t: GGUF_BLOCKS[t] for t in GGUF_BLOCKS}
 _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
 
 
+def fits_panels(qtype: int, n: int, k: int) -> bool:
+    """Whether a weight [n, k] of ggml type ``qtype`` can be repacked into panels (GGUFBlocks.pack, where the CPU
+    has them): a type of GGUF_BLOCKS, whole panels of 16 rows, and Q8_0 / Q5_0 rows of whole pairs of blocks."""
+    return qtype in GGUF_BLOCKS and n > 0 and n % 16 == 0 and k % (64 if qtype in (6, 8) else 256) == 0
+
+
 class GGUFBlocks:
     """gguf_blocks.c's kernels: a weight [N, K] is ``raw``, a uint8 tensor [N, bytes a row] holding the rows
     of a GGUF's blocks as the file stores them (e.g. a view of a read-only mmap), of a type in GGUF_BLOCKS."""
@@ -491,9 +497,9 @@ class GGUFBlocks:
         row's bits the same whatever shares its call; anything else as it is. The float32 kernels (matmul_f32)
         do not read a repacked weight. ``copied`` is called with each slice of raw's rows once the copy holds it
         (to let a file's pages go before the next slice is read)."""
-        if qtype not in GGUF_BLOCKS or not self.has_gemm or raw.shape[0] % 16 or not raw.shape[0]:
+        k = self.in_features(qtype, raw) if qtype in GGUF_BLOCKS else 0
+        if not self.has_gemm or not fits_panels(qtype, raw.shape[0], k):
             return qtype, raw
-        k = self.in_features(qtype, raw)
         raw = raw.contiguous()
         out = torch.empty_like(raw)
         for first in range(0, raw.shape[0], _PACK_ROWS):
@@ -524,9 +530,11 @@ class GGUFBlocks:
         if qtype not in GGUF_BLOCKS and qtype not in GGUF_PANELS:
             _check_type(-1, qtype)
         elems, nbytes = GGUF_BLOCKS.get(qtype) or GGUF_PANELS[qtype]
+        if qtype in (106, 108):  # Q5_0 / Q8_0 panels hold their blocks in pairs
+            nbytes *= 2
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
             raise ValueError(f"raw must be uint8 [N, a multiple of {nbytes} bytes], got {raw.dtype} {list(raw.shape)}")
-        return raw.shape[1] // nbytes * elems
+        return raw.shape[1] // nbytes * elems * (2 if qtype in (106, 108) else 1)
 
     @staticmethod
     def activation_block(qtype: int) -> int:
