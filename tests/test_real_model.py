@@ -67,9 +67,12 @@ def test_qwen_0_5b_exact_mode_keeps_transformers_greedy_tokens(qwen_0_5b: Path) 
 def test_qwen_0_5b_gguf_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) -> None:
     """The gguf mode (int8 activations) runs the Q4_K / Q6_K ffn_down blocks as the file stores them: in place
     in the file's mapping, or (where the CPU has the panel GEMM) the same bytes repacked into panels of 16 rows,
-    never widened; not float32's function, but near transformers' greedy path (top 5 wherever they part)."""
+    never widened; there its Q5_0 projections and Q8_0 v and head too, so the file runs in panels throughout
+    and gets this mode by default. Not float32's function, but near transformers' greedy path (top 5 wherever
+    they part)."""
     from pagedllm import kernels
     from pagedllm.layers.gguf_linear import GGUFLinear
+    from pagedllm.model_loader.gguf_loader import all_in_panels
 
     prompts, want, n = _reference()
     llm = LLM(str(qwen_0_5b), quantization="gguf", max_model_len=256, max_num_seqs=8)
@@ -85,6 +88,10 @@ def test_qwen_0_5b_gguf_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) ->
     if kernels.load().gguf.has_gemm:  # a copy in panels, the file's pages let go
         assert {d.qtype for d in downs} == {112, 114} and not any(in_file)
         assert _resident_kib(str(qwen_0_5b)) < 1024
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert [p.qtype for p in qkv.parts] == [106, 106, 108]  # q, k Q5_0; v Q8_0
+        assert {p.qtype for p in model.layers[0].mlp.gate_up_proj.parts} == {106}
+        assert model.lm_head.qtype == 108 and all_in_panels(str(qwen_0_5b))
     else:  # the file's bytes where its mapping holds them
         assert {d.qtype for d in downs} == {12, 14} and all(in_file)
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
