@@ -530,11 +530,11 @@ class GGUFBlocks:
         if qtype not in GGUF_BLOCKS and qtype not in GGUF_PANELS:
             _check_type(-1, qtype)
         elems, nbytes = GGUF_BLOCKS.get(qtype) or GGUF_PANELS[qtype]
-        if qtype in (106, 108):  # Q5_0 / Q8_0 panels hold their blocks in pairs
-            nbytes *= 2
+        if qtype in (106, 108):  # Q5_0 / Q8_0 panels hold their blocks in pairs: a unit of two
+            elems, nbytes = 2 * elems, 2 * nbytes
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
             raise ValueError(f"raw must be uint8 [N, a multiple of {nbytes} bytes], got {raw.dtype} {list(raw.shape)}")
-        return raw.shape[1] // nbytes * elems * (2 if qtype in (106, 108) else 1)
+        return raw.shape[1] // nbytes * elems
 
     @staticmethod
     def activation_block(qtype: int) -> int:

@@ -409,15 +409,14 @@ def all_in_panels(path: str) -> bool:
     AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with Q4_0 /
     Q4_1 tensors are not."""
     from pagedllm import kernels
+    from pagedllm.kernels.ops import fits_panels
 
     header = read_gguf_header(path)
     for name, dims in header.tensor_shapes.items():
-        kind = _ggml_type(header, name, path).name
-        if kind in _PLAIN_TYPES or name in _SKIPPED_TENSORS:
+        qtype = _ggml_type(header, name, path)
+        if qtype.name in _PLAIN_TYPES or name in _SKIPPED_TENSORS:
             continue
-        if kind not in ("Q4_K", "Q6_K", "Q8_0", "Q5_0") or len(dims) != 2 or dims[1] % 16:
-            return False
-        if kind in ("Q8_0", "Q5_0") and dims[0] % 64:  # their panels hold blocks of 32 in pairs
+        if len(dims) != 2 or not fits_panels(int(qtype), dims[1], dims[0]):  # dims: (columns, rows)
             return False
     found = kernels.try_load()
     return found is not None and found.gguf.has_gemm
