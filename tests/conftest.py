@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +46,25 @@ _ISOLATED = (
 )
 
 
+# the most the suite's temp folders held at once in a clean-clone run (2.2 GB with two workers, 2026-11-28)
+_DISK_NEEDED = int(2.5 * 2**30)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made the session's temp-path factory
 def pytest_configure(config: pytest.Config) -> None:
     factory = config._tmp_path_factory  # type: ignore[attr-defined]
     # the real models the test command fetched (benchmarks/real_models.py) are read where they are, never written
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("PAGEDLLM_MODELS_DIR", os.path.join(cache, "pagedllm", "models"))
+    base = factory.getbasetemp()
+    free = shutil.disk_usage(base).free
+    if free < _DISK_NEEDED and not hasattr(config, "workerinput"):  # said once, by the controller
+        pytest.exit(
+            f"{free / 2**30:.1f} GiB free under {base.parent}: the suite writes up to about "
+            f"{_DISK_NEEDED / 2**30:.1f} GiB there (tiny models, vision checkpoints, mypy's cache); free some space "
+            "or point TMPDIR elsewhere",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
     home = factory.mktemp("isolated", numbered=False) / "home"
     # Ray puts its sockets 70 bytes below its temp dir (ray/session_<date>_<pid>/sockets/plasma_store), and an
     # AF_UNIX path may not pass 107 bytes: the session's base folder itself, where it is short enough
@@ -123,6 +136,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if hasattr(config, "workerinput"):  # an xdist worker: the longest units first (stable: a module keeps its order)
         rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
         items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))
+
+
+@pytest.fixture(scope="module")
+def module_tmp(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Callable[[str], Path]]:
+    """``mktemp(name) -> Path`` for a module's fixtures, removed when the module's tests end unless one failed.
+
+    pytest (``tmp_path_retention_policy = "failed"``) removes a passing test's ``tmp_path`` at once and the
+    whole base folder after a green run, but keeps a session fixture's folder to the end; a module's models
+    (hundreds of MB for the vision ones) would pile up over the run, where the machine's disk may be small."""
+    made: list[Path] = []
+    failed = request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

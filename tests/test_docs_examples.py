@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,20 @@ def servers():
     s = _Servers()
     yield s
     s.stop_all()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_what_the_examples_leave_in_tmp():
+    """The pages write under /tmp as a user would (/tmp/pagedllm-llava is 540 MB): once the examples have run,
+    each such path they name that was not there before goes, so repeated runs do not fill the disk."""
+    named = {Path(m) for page in PAGES for m in re.findall(r"/tmp/pagedllm-[\w.-]+", page.read_text())}
+    before = {path for path in named if path.exists()}
+    yield
+    for path in named - before:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _run(script: str, tmp_path: Path) -> subprocess.CompletedProcess:

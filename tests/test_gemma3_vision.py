@@ -42,12 +42,12 @@ INPUTS = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, i
 
 
 @pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def gemma3_dir(module_tmp: Any) -> str:
     from pagedllm.model_loader import load_tokenizer, resolve_model
 
     vm = benchmark_module("vision_models")
     text = make_tiny_model("gemma3")
-    return str(vm.build_gemma3(tmp_path_factory.mktemp("gemma3"), text, load_tokenizer(resolve_model(None))))
+    return str(vm.build_gemma3(module_tmp("gemma3"), text, load_tokenizer(resolve_model(None))))
 
 
 CHAT = [

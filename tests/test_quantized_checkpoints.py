@@ -197,9 +197,9 @@ def _write(src: Path, dst: Path, ref: Path, scheme: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_model_factory, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+def checkpoints(tiny_model_factory, module_tmp) -> dict[str, tuple[Path, Path]]:
     src = tiny_model_factory("llama", hidden_size=128, intermediate_size=256)
-    root = tmp_path_factory.mktemp("quantized")
+    root = module_tmp("quantized")
     for name in SCHEMES:
         _write(src, root / name, root / f"{name}-ref", name)
     return {name: (root / name, root / f"{name}-ref") for name in SCHEMES}

@@ -44,8 +44,8 @@ def targets(tiny_model_factory):
 
 
 @pytest.fixture(scope="module")
-def heads(targets, tmp_path_factory):
-    root = tmp_path_factory.mktemp("heads")
+def heads(targets, module_tmp):
+    root = module_tmp("heads")
     return {
         "eagle": build_spec_head(root / "eagle", "eagle", targets["eagle"], noise=0.005),
         "eagle_random": build_spec_head(root / "eagle_random", "eagle", targets["eagle"], noise=0.2, fmt="bin"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,9 +45,9 @@ def _data_url(image: Any, fmt: str = "PNG") -> str:
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_model: Any) -> str:
+def llava_dir(module_tmp: Any, smollm2_hf_model: Any) -> str:
     vm = benchmark_module("vision_models")
-    return str(vm.build_llava(tmp_path_factory.mktemp("llava"), text_model=smollm2_hf_model))
+    return str(vm.build_llava(module_tmp("llava"), text_model=smollm2_hf_model))
 
 
 @pytest.fixture(scope="module")
@@ -282,18 +283,14 @@ def test_a_text_only_model_refuses_images(tiny_model_factory: Any) -> None:
     assert e.value.param == "multi_modal_data"
 
 
-def test_siglip_tower_over_another_text_model_matches_transformers(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Any
-) -> None:
+def test_siglip_tower_over_another_text_model_matches_transformers(tmp_path: Path, tiny_model_factory: Any) -> None:
     """SigLIP (no class token, "full" features) over a tiny Qwen2 (q/k/v biases): the tower and the text class
     are each the registry's, whatever the pair."""
     from transformers import AutoModelForCausalLM, AutoProcessor, LlavaForConditionalGeneration
 
     text = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32)
     path = str(
-        benchmark_module("vision_models").build_llava(
-            tmp_path_factory.mktemp("llava-siglip"), text_model=text, vision="siglip"
-        )
+        benchmark_module("vision_models").build_llava(tmp_path / "llava-siglip", text_model=text, vision="siglip")
     )
     processor = AutoProcessor.from_pretrained(path)
     batch = [(_chat(processor, 1, "What is it?"), IMAGES[4:5]), (_chat(processor, 2, "And these?"), IMAGES[:2])]
