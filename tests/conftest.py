@@ -46,7 +46,8 @@ _ISOLATED = (
 )
 
 
-# the most the suite's temp folders held at once in a clean-clone run (2.2 GB with two workers, 2026-11-28)
+# /tmp held at most 2.2 GB in a whole run with two workers, sampled every 5 s (2026-11-28): the suite's
+# temp folders and the examples' /tmp/pagedllm-* paths
 _DISK_NEEDED = int(2.5 * 2**30)
 
 
@@ -58,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PAGEDLLM_MODELS_DIR", os.path.join(cache, "pagedllm", "models"))
     base = factory.getbasetemp()
     free = shutil.disk_usage(base).free
-    if free < _DISK_NEEDED and not hasattr(config, "workerinput"):  # said once, by the controller
+    if not hasattr(config, "workerinput") and free < _DISK_NEEDED:  # said once, by the controller
         pytest.exit(
             f"{free / 2**30:.1f} GiB free under {base.parent}: the suite writes up to about "
             f"{_DISK_NEEDED / 2**30:.1f} GiB there (tiny models, vision checkpoints, mypy's cache); free some space "
@@ -68,7 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     home = factory.mktemp("isolated", numbered=False) / "home"
     # Ray puts its sockets 70 bytes below its temp dir (ray/session_<date>_<pid>/sockets/plasma_store), and an
     # AF_UNIX path may not pass 107 bytes: the session's base folder itself, where it is short enough
-    ray = factory.getbasetemp() / "r"
+    ray = base / "r"
     if len(str(ray)) > 36:
         ray = Path(tempfile.mkdtemp(prefix="ray-"))
         config.add_cleanup(lambda: shutil.rmtree(ray, ignore_errors=True))
