@@ -4,6 +4,7 @@ and input that needs no model is refused before the model loads."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -51,7 +52,43 @@ def test_every_flag_has_help_text_that_shows_its_default():
 )
 def test_log_level_is_accepted_before_or_after_the_subcommand(argv):
     assert build_parser().parse_args(argv).log_level == "DEBUG"
-    assert build_parser().parse_args(argv[-2:] if argv[0] == "--log-level" else argv[:-2]).log_level == "INFO"
+    assert build_parser().parse_args(argv[-2:] if argv[0] == "--log-level" else argv[:-2]).log_level is None
+
+
+@pytest.mark.parametrize(
+    "flag, env, level",
+    [(None, None, "INFO"), (None, "warning", "WARNING"), ("DEBUG", "WARNING", "DEBUG"), (None, "", "INFO")],
+)
+def test_the_log_level_variable_sets_the_level_unless_the_flag_is_given(monkeypatch, flag, env, level):
+    from pagedllm.entrypoints.cli_args import resolve_log_level
+
+    if env is None:
+        monkeypatch.delenv("PAGEDLLM_LOGGING_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDLLM_LOGGING_LEVEL", env)
+    assert resolve_log_level(flag) == level
+
+
+def test_a_bad_log_level_variable_is_refused_naming_it(monkeypatch):
+    from pagedllm.entrypoints.cli_args import resolve_log_level
+
+    monkeypatch.setenv("PAGEDLLM_LOGGING_LEVEL", "loud")
+    with pytest.raises(SystemExit, match="PAGEDLLM_LOGGING_LEVEL='LOUD'"):
+        resolve_log_level(None)
+
+
+def test_the_log_level_variable_quiets_a_real_run():
+    """getting-started's example: the variable alone silences the INFO lines of a whole `generate` run."""
+    env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "Hello", "--max-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "INFO" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

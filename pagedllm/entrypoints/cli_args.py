@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import types
 import typing
 from typing import Any
@@ -71,16 +72,33 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def add_log_level_flag(parser: argparse.ArgumentParser, top: bool) -> None:
     # on the top parser it sets the default; on a subcommand it may be repeated after the subcommand's name
+    # None on the top parser: main() then takes PAGEDLLM_LOGGING_LEVEL, else INFO (the flag wins over the variable)
     parser.add_argument(
         "--log-level",
-        default="INFO" if top else argparse.SUPPRESS,
+        default=None if top else argparse.SUPPRESS,
         type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="level of pagedllm's log lines (start-up stages, warnings)"
-        + ("" if top else "; also accepted before the subcommand (default: INFO)"),
+        choices=LOG_LEVELS,
+        help="level of pagedllm's log lines (start-up stages, warnings); "
+        + ("" if top else "also accepted before the subcommand; ")
+        + "default: $PAGEDLLM_LOGGING_LEVEL, else INFO",
     )
+
+
+def resolve_log_level(flag: str | None) -> str:
+    """The level a run logs at: ``--log-level`` if given, else ``PAGEDLLM_LOGGING_LEVEL``, else INFO."""
+    if flag is not None:
+        return flag
+    env = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "").strip().upper()
+    if not env:
+        return "INFO"
+    if env not in LOG_LEVELS:
+        raise SystemExit(f"PAGEDLLM_LOGGING_LEVEL={env!r} is not a level; use one of {', '.join(LOG_LEVELS)}")
+    return env
 
 
 def add_command(sub: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
