@@ -35,3 +35,7 @@ class UnsupportedModelError(PagedLLMError, ValueError):
 
 class EngineDeadError(PagedLLMError, RuntimeError):
     """The engine loop died; no further requests can be served."""
+
+
+class RequestFailedError(PagedLLMError, RuntimeError):
+    """This request failed inside the engine (the server's 500); the engine serves the others on."""

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.errors import InvalidParameterError
+
+logger = logging.getLogger("pagedllm")
 
 
 class RequestOutputKind(enum.Enum):
@@ -31,6 +34,11 @@ class RequestOutputKind(enum.Enum):
 LogitsProcessor = Callable[..., Any]
 
 _SAMPLING_EPS = 1e-5
+INT64_MAX = (1 << 63) - 1  # every integer reaches the engine's tensors as int64
+MAX_N = 1 << 16  # completions per prompt: each is a sequence in the engine, built before any is computed
+MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (vLLM's rule): logits / t overflow
+MAX_TEMPERATURE = 1e4  # above this float32 logits / t underflow and masked tokens' -inf / t become NaN
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # outside it a logit divided or multiplied by it overflows float32
 
 MAX_CHOICES = 1024  # a choice list longer than this is refused before any grammar is built
 MAX_GRAMMAR_CHARS = 1 << 17  # schema / regex / grammar text
@@ -200,10 +208,15 @@ class SamplingParams:
         self._all_stop_token_ids = self._finish_token_ids = frozenset(self.stop_token_ids)
 
     def _validate(self) -> None:
-        _int_at_least("n", self.n, 1)
+        _int_at_least("n", self.n, 1, MAX_N)
         _number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidParameterError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidParameterError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", "temperature"
+            )
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g: using %g", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         _number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParameterError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
@@ -217,9 +230,11 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise InvalidParameterError(f"{name} must be in [-2, 2], got {value}", name)
         _number("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
             raise InvalidParameterError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty"
+                f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}",
+                "repetition_penalty",
             )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -231,7 +246,7 @@ class SamplingParams:
                 except (TypeError, ValueError):
                     raise InvalidParameterError(f"logit_bias key {tid!r} is not a token id", "logit_bias") from None
                 _number("logit_bias", value)
-                if tid < 0 or not -100.0 <= value <= 100.0:
+                if not 0 <= tid <= INT64_MAX or not -100.0 <= value <= 100.0:
                     raise InvalidParameterError(
                         f"logit_bias[{tid}]={value}: ids must be >= 0 and biases in [-100, 100]", "logit_bias"
                     )
@@ -245,6 +260,7 @@ class SamplingParams:
         for word in self.bad_words or []:
             if not isinstance(word, str) or not word:
                 raise InvalidParameterError(f"bad_words must be non-empty strings, got {word!r}", "bad_words")
+            check_text("bad_words", word)
         if self.truncate_prompt_tokens is not None:
             _int_at_least("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
         if isinstance(self.output_kind, str):
@@ -265,7 +281,7 @@ class SamplingParams:
                 "logits_processors",
             )
         if self.seed is not None:
-            _int_at_least("seed", self.seed, -(1 << 63))
+            _int_at_least("seed", self.seed, -(1 << 63))  # (and at most INT64_MAX, as every integer)
         if self.max_tokens is not None:
             _int_at_least("max_tokens", self.max_tokens, 1)
         _int_at_least("min_tokens", self.min_tokens, 0)
@@ -283,6 +299,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParameterError(f"stop strings must be non-empty strings, got {s!r}", "stop")
+            check_text("stop", s)
         if self.stop and not self.detokenize:
             raise InvalidParameterError("stop strings need detokenize=True", "stop")
 
@@ -338,6 +355,17 @@ def _number(name: str, value: object) -> None:
         raise InvalidParameterError(f"{name} must be a number, got {value!r}", name)
 
 
-def _int_at_least(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidParameterError(f"{name} must be an integer >= {low}, got {value!r}", name)
+def _int_at_least(name: str, value: object, low: int, high: int = INT64_MAX) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidParameterError(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+
+
+def check_text(name: str, text: str) -> None:
+    """Refuse a string that is not valid Unicode (a lone UTF-16 surrogate such as "\\ud800", which JSON can
+    carry): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParameterError(
+            f"{name} is not valid Unicode: {e.reason} at character {e.start} ({text[e.start]!r})", name
+        ) from None

@@ -164,9 +164,9 @@ def test_logprobs_echo_stop_and_seed(client):
 
 
 def test_tokenize_detokenize_version_health(server):
-    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"})
+    r = httpx.post(f"{server.url}/tokenize", headers=_headers(), json={"prompt": "Hello world"})
     assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
-    d = httpx.post(f"{server.url}/detokenize", json={"tokens": r.json()["tokens"]})
+    d = httpx.post(f"{server.url}/detokenize", headers=_headers(), json={"tokens": r.json()["tokens"]})
     assert d.json()["prompt"] == "Hello world"
     assert httpx.get(f"{server.url}/version").json()["version"]
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -334,11 +334,15 @@ def test_malformed_json_is_400(server):
     _err(r, 400)
 
 
-def test_api_key_required_on_v1_but_not_probes(server):
+def test_api_key_required_on_every_working_endpoint_but_not_probes(server):
     _err(httpx.get(f"{server.url}/v1/models"), 401)
     _err(httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    _err(httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}), 401)
+    _err(httpx.post(f"{server.url}/detokenize", json={"tokens": [1]}), 401)
+    _err(httpx.get(f"{server.url}/openapi.json"), 401)
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/version").status_code == 200
 
 
 def test_unknown_model_is_404(server):
@@ -575,6 +579,7 @@ def test_logit_bias_and_allowed_tokens_over_http(client):
     tok_resp = httpx.post(
         f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/tokenize",
         json={"prompt": " banana", "add_special_tokens": False},
+        headers=_headers(),
     ).json()
     target = tok_resp["tokens"][0]
     out = client.completions.create(

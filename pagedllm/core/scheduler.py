@@ -153,6 +153,9 @@ class Scheduler:
         self._num_unforked = 0  # n>1 siblings registered but not yet forked off their leader's prompt
         self._pending_copies: list[tuple[int, int]] = []
         self._in_flight: dict[str, int] = {}  # request id -> its scheduled steps whose output is not in yet
+        # requests of a step that raised, each with the computed-token count it failed at: recomputed one at a
+        # time (never two in one step) until each gets past that point or fails again alone (see isolate_failure)
+        self.suspects: dict[str, int] = {}
 
     # -- request table --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -263,7 +266,8 @@ class Scheduler:
 
         # admit waiting requests, unless we just had to preempt (no room anyway)
         adapters = {r.lora_int_id for r in self.running} - {0}
-        skipped: list[Request] = []  # waiting for an adapter slot: others are admitted meanwhile
+        skipped: list[Request] = []  # waiting for an adapter slot, or a suspect's turn: others are admitted meanwhile
+        suspect_running = bool(self.suspects) and any(r.request_id in self.suspects for r in self.running)
         while (
             not preempted_now
             and len(self.waiting)
@@ -275,6 +279,11 @@ class Scheduler:
             if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.pop())
                 continue
+            if req.request_id in self.suspects:
+                if suspect_running:
+                    skipped.append(self.waiting.pop())
+                    continue
+                suspect_running = True
             hits, num_hit_tokens, ext = None, 0, 0
             pooling = req.pooling_params is not None
             if req.num_computed_tokens == 0 and not pooling:  # pooling: no prefix caching, nothing kept
@@ -449,11 +458,15 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions; return the requests that got new tokens, each with
         how many it kept (tokens after a stop are dropped)."""
         now = time.monotonic()
-        for rid in sched_out.num_scheduled_tokens:
-            left = self._in_flight.pop(rid) - 1
-            if left:
-                self._in_flight[rid] = left
+        self._step_done(sched_out)
+        for rid in [r for r in sched_out.num_scheduled_tokens if r in self.suspects]:
+            if self.requests[rid].num_computed_tokens >= self.suspects[rid]:  # past where it failed: cleared
+                del self.suspects[rid]
         touched: list[tuple[Request, int]] = []
+        for rid, why in runner_out.failed.items():
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                touched += [(r, 0) for r in self.fail(req, why)]
         for rid, tokens in runner_out.sampled.items():
             req = self.requests.get(rid)
             if req is None or req.status.finished:
@@ -485,6 +498,39 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 touched.append((req, 0))
         return touched
+
+    def _step_done(self, sched_out: SchedulerOutput) -> None:
+        for rid in sched_out.num_scheduled_tokens:
+            left = self._in_flight.pop(rid) - 1
+            if left:
+                self._in_flight[rid] = left
+
+    def isolate_failure(self, sched_out: SchedulerOutput, why: str) -> list[Request]:
+        """A step raised before it produced anything: find the request that caused it.
+
+        A step of one request, or of one suspect, has its culprit: that request finishes with an error
+        (returned, with any n>1 siblings). Otherwise every request of the step becomes a suspect. Each request
+        of the step is recomputed (preempted): the step's KV writes may be partial, so its blocks also leave
+        the prefix cache. Suspects then run at most one per step, so a fault that recurs names its request; a
+        suspect is cleared once it computes past the point it failed at."""
+        ids = list(sched_out.num_scheduled_tokens)
+        here = [rid for rid in ids if rid in self.suspects]
+        self._step_done(sched_out)
+        self.finished_req_ids |= sched_out.finished_req_ids  # the runner may not have dropped them: again
+        culprit = ids[0] if len(ids) == 1 else here[0] if len(here) == 1 else None
+        failed: list[Request] = []
+        for rid in ids:
+            req = self.requests[rid]
+            for b in self.kv.req_blocks.get(rid, []):
+                self.kv.pool.uncache(b)
+            if rid == culprit:
+                self.suspects.pop(rid, None)
+                failed = self.fail(req, why)
+                continue
+            if culprit is None:
+                self.suspects[rid] = req.num_computed_tokens  # (scheduled: it counts this step's tokens)
+            self._preempt(req)
+        return failed
 
     def handle_kv_load_failures(self, runner_out: ModelRunnerOutput) -> None:
         """Blocks the worker could not load held garbage in this step's forward: every request reading one
@@ -553,8 +599,19 @@ class Scheduler:
             req.stop_reason = stop_reason
             self._finish(req, status)
 
+    def fail(self, req: Request, why: str) -> list[Request]:
+        """Finish a request with an error (``why`` becomes its stop_reason), and its n>1 siblings still waiting
+        for its prompt with it; its blocks are freed at once. Returns the requests it finished."""
+        siblings = req.pending_children
+        req.stop_reason = why
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        for child in siblings:  # never forked: they hold no blocks and sit in no queue
+            child.status, child.stop_reason = RequestStatus.FINISHED_ERROR, why
+        return [req, *siblings]
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self._unsent.discard(req.request_id)
+        self.suspects.pop(req.request_id, None)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -630,6 +687,9 @@ class Scheduler:
             assert req.num_computed_tokens <= req.num_tokens
         for rid in self.kv.req_blocks:
             assert self.requests[rid].status == RequestStatus.RUNNING, f"{rid} holds blocks but is not running"
+        for rid in self.suspects:
+            assert not self.requests[rid].status.finished, f"suspect {rid} has finished"
+        assert sum(r.request_id in self.suspects for r in self.running) <= 1, "two suspects run at once"
         if self.encoder_cache is not None:
             self.encoder_cache.check_invariants({r.request_id for r in self.running})
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PreparedRequest
 from pagedllm.engine.processor import PromptType
-from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.errors import EngineDeadError, InvalidParameterError, RequestFailedError
 from pagedllm.malloc_arena import share_main_arena
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedllm")
 
 T = TypeVar("T")
+
+MAX_RESTARTS = 3  # rebuilds of the engine core within RESTART_WINDOW_S before the engine gives up (and the server
+RESTART_WINDOW_S = 600.0  # exits non-zero, for an orchestrator to restart it)
 
 
 class QueueFullError(InvalidParameterError):
@@ -66,12 +69,18 @@ class RequestStream:
         except BaseException:  # cancelled (client gone): abort before propagating
             await self.aclose()
             raise
+        if isinstance(item, RequestFailedError):
+            await self.aclose()
+            raise item
         if isinstance(item, BaseException):
             await self.aclose()
             raise EngineDeadError(f"the engine loop has died: {item!r}") from item
         if item.finished:
             self._done = True
             self.owner._forget(self.request_id)
+            failed = [c for c in item.outputs if c.finish_reason == "error"] if isinstance(item, RequestOutput) else []
+            if failed:  # it alone failed in the engine (the others were served on)
+                raise RequestFailedError(f"request {self.request_id} failed: {failed[0].stop_reason}")
         return item
 
     async def aclose(self) -> None:
@@ -92,6 +101,8 @@ class AsyncLLM:
         engine: LLMEngine | Callable[[], LLMEngine],
         max_queue_len: int | None = None,
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ):
         # the engine thread allocates from the main arena (pagedllm.malloc_arena: a thread arena faults its
         # activations in afresh each step); `pagedllm serve` has done this before any thread started
@@ -99,6 +110,10 @@ class AsyncLLM:
         self.engine: LLMEngine  # set by the engine thread
         self.max_queue_len = max_queue_len
         self.on_step = on_step  # e.g. metrics; runs in the engine thread after each step
+        self.on_restart = on_restart  # after each rebuild of the engine core (engine thread)
+        self.on_dead = on_dead  # once the engine can serve no more (engine thread): e.g. stop the server
+        self.restarting = False  # while the engine core is being rebuilt after a fault
+        self._restarts: list[float] = []  # monotonic times of the rebuilds within RESTART_WINDOW_S
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -358,7 +373,12 @@ class AsyncLLM:
                     pass
                 if not self.engine.has_unfinished_requests():
                     continue
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    if not self._restart(e):
+                        raise
+                    continue
                 # one wake-up of each event loop per step, not one per output: each call_soon_threadsafe
                 # is a write to the loop's self-pipe and a GIL hand-over (2.4 % of the engine thread's
                 # samples at 16 streams, one call per output)
@@ -379,6 +399,40 @@ class AsyncLLM:
                 targets = list(self._streams.values())
             for loop, q in targets:  # after every output already on its way
                 self._outbox.put((loop, [(q, e)]))
+            if self.on_dead is not None:
+                self.on_dead(e)
+
+    def _restart(self, error: Exception) -> bool:
+        """A step failed and no request could be blamed: fail every request in flight, then rebuild the engine
+        core in this process. False (the engine dies) where it cannot be rebuilt, or after MAX_RESTARTS within
+        RESTART_WINDOW_S: then something is wrong beyond one request."""
+        import time
+
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._restarts) > MAX_RESTARTS or not self.engine.can_rebuild():
+            return False
+        logger.exception(
+            "an engine step failed and no request could be blamed: failing the requests in flight and rebuilding "
+            "the engine core (restart %d of at most %d in %.0f s)",
+            len(self._restarts),
+            MAX_RESTARTS,
+            RESTART_WINDOW_S,
+            exc_info=error,
+        )
+        self.restarting = True
+        try:
+            failure = RequestFailedError(f"the engine failed while serving this request and restarted: {error!r}")
+            with self._lock:
+                targets = list(self._streams.values())
+            for loop, q in targets:
+                self._outbox.put((loop, [(q, failure)]))
+            self.engine.rebuild()
+        finally:
+            self.restarting = False
+        if self.on_restart is not None:
+            self.on_restart()
+        return True
 
     def _carry(self) -> None:
         """The courier thread: hands each step's outputs (and a dying engine's error) to their event loops,

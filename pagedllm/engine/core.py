@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,7 +85,11 @@ class EngineCore:
             encoder=encoder,
             whole_images=whole_images,
         )
-        self._aborted: list[Request] = []
+        self._aborted: list[Request] = []  # finished outside a step (aborted, or failed alone): reported next
+        # for tests: called as fault_hook(stage, sched_out) where a step runs its model ("execute": a fault there
+        # is isolated to its request) and before its output is applied ("update": a fault the engine cannot
+        # attribute)
+        self.fault_hook: Callable[[str, SchedulerOutput], None] | None = None
         # pipeline parallelism: steps submitted and not yet completed, oldest first, at most one per stage
         self.max_in_flight = config.parallel_config.pipeline_parallel_size
         self._in_flight: deque[_Step] = deque()
@@ -153,7 +158,17 @@ class EngineCore:
         something to compute, then completes the oldest one once the queue is full or nothing else fits."""
         if self.max_in_flight == 1:
             step = self._schedule()
-            return self._complete(step, self.executor.execute_model(step.sched_out))
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("execute", step.sched_out)
+                runner_out = self.executor.execute_model(step.sched_out)
+            except Exception as e:
+                if not self._can_isolate(step):
+                    raise
+                return self._isolate(step, e)
+            if self.fault_hook is not None:
+                self.fault_hook("update", step.sched_out)
+            return self._complete(step, runner_out)
         if len(self._in_flight) < self.max_in_flight:
             # one micro-batch per stage: each step takes its share of the requests, so the stages overlap
             s = self.scheduler
@@ -169,6 +184,33 @@ class EngineCore:
         if not self._in_flight:
             return self._complete(None, None)
         return self._complete(self._in_flight.popleft(), self.executor.collect())
+
+    def _can_isolate(self, step: _Step) -> bool:
+        """A failed step's requests can be retried here when its one process holds all the step's state (other
+        ranks of a parallel engine may be stuck mid-step) and the step had requests to blame."""
+        from pagedllm.executor.uniproc import UniprocExecutor
+
+        return isinstance(self.executor, UniprocExecutor) and bool(step.sched_out.num_scheduled_tokens)
+
+    def _isolate(self, step: _Step, error: Exception) -> list[EngineCoreOutput]:
+        ids = list(step.sched_out.num_scheduled_tokens)
+        why = f"the engine failed computing this request: {type(error).__name__}: {error}"
+        failed = self.scheduler.isolate_failure(step.sched_out, why)
+        if failed:
+            logger.error(
+                "request %s failed in the engine step and was finished with an error",
+                failed[0].request_id,
+                exc_info=error,
+            )
+        else:
+            logger.warning(
+                "an engine step of %d requests failed (%s: %s); recomputing them one suspect at a time",
+                len(ids),
+                type(error).__name__,
+                error,
+            )
+        self._aborted.extend(failed)
+        return self._complete(None, None)
 
     def _schedule(self, max_seqs: int | None = None) -> _Step:
         t0 = time.monotonic()

@@ -735,6 +735,39 @@ class LLMEngine:
         connector = self.core.scheduler.connector
         return connector.idle_wake_s() if connector is not None else None
 
+    @property
+    def fault_hook(self) -> Callable[[str, Any], None] | None:
+        """For tests: ``fault_hook(stage, scheduler_output)`` runs in every step (see EngineCore.fault_hook) and
+        stays across rebuilds."""
+        return self.core.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Callable[[str, Any], None] | None) -> None:
+        self.core.fault_hook = hook
+
+    def can_rebuild(self) -> bool:
+        """Whether :meth:`rebuild` can start over in this process: one process holds every worker's state, and no
+        KV connector holds blocks for a peer or a tier that a new block pool would not know."""
+        from pagedllm.executor.uniproc import UniprocExecutor
+
+        core = self.core
+        return (
+            isinstance(self.executor, UniprocExecutor) and core.scheduler.connector is None and core.max_in_flight == 1
+        )
+
+    def rebuild(self) -> None:
+        """A new engine core (scheduler, block pool, queues) over the same worker and weights, after a step failed
+        in a way no request could be blamed for. Every request is dropped (the caller tells their clients); the
+        runner forgets them with the new core's first step; the KV cache's contents no longer matter."""
+        old = self.core
+        stale = set(old.scheduler.requests) | old.scheduler.finished_req_ids | {r.request_id for r in old._grammar_wait}
+        for rid in stale:
+            self.structured.remove(rid)
+        self.core = self._new_core(self.structured, None, self.num_blocks)
+        self.core.fault_hook = old.fault_hook
+        self.core.scheduler.finished_req_ids |= stale
+        self.output_processor = OutputProcessor(self.tokenizer)
+
     def step(self) -> list[RequestOutput]:
         outputs, to_stop = self.output_processor.process(self.core.step())
         for rid, stop in to_stop:

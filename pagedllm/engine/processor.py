@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagedllm.errors import InvalidParameterError, PromptTooLongError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, check_text
 
 # A prompt as vLLM accepts it: text, or a dict with "prompt" text or "prompt_token_ids".
 PromptType = str | dict[str, Any]
@@ -39,6 +39,7 @@ class Processor:
         if ids is None:
             if not isinstance(text, str):
                 raise InvalidParameterError(f"prompt text must be a string, got {type(text).__name__}", "prompt")
+            check_text("prompt", text)
             ids = self.tokenizer.encode(text) if text else []
         ids = list(ids)
         if not ids:
@@ -115,6 +116,8 @@ class Processor:
         params.bind_eos(self.eos_token_ids)
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        if params.allowed_token_ids is not None:
+            self._check_some_token_allowed(params)
         room = self.max_model_len - n
         if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
             raise InvalidParameterError(
@@ -124,6 +127,20 @@ class Processor:
                 "max_tokens",
             )
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    @staticmethod
+    def _check_some_token_allowed(params: SamplingParams) -> None:
+        """Refuse masks that together leave no token for the first step: the request could never produce one.
+        (A grammar can still leave none at a later step; the sampler fails that request alone.)"""
+        legal = set(params.allowed_token_ids or ()) - {ids[0] for ids in params._bad_words_token_ids if len(ids) == 1}
+        if not legal:
+            raise InvalidParameterError("bad_words bans every token in allowed_token_ids", "allowed_token_ids")
+        if params.min_tokens > 0 and legal <= params._all_stop_token_ids:
+            raise InvalidParameterError(
+                f"allowed_token_ids holds only end-of-sequence or stop tokens, which min_tokens={params.min_tokens} "
+                "forbids: no token could be generated",
+                "allowed_token_ids",
+            )
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (as it tokenizes mid-sentence), like vLLM."""

@@ -17,7 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.cli_args import HelpFormatter, add_command, add_engine_args, add_log_level_flag, engine_kwargs
+from pagedllm.entrypoints.cli_args import (
+    HelpFormatter,
+    add_command,
+    add_engine_args,
+    add_log_level_flag,
+    engine_kwargs,
+    resolve_log_level,
+)
 from pagedllm.entrypoints.graceful_server import SERVER_KEEP_ALIVE_S, graceful_server_class
 
 __all__ = ["HelpFormatter", "add_command", "add_engine_args", "build_parser", "engine_kwargs", "main"]
@@ -95,7 +102,11 @@ def _checked_serve_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
-def server_app(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> tuple[Any, str]:
+def server_app(
+    args: argparse.Namespace,
+    on_ready: Callable[[], None] | None = None,
+    on_dead: Callable[[BaseException], None] | None = None,
+) -> tuple[Any, str]:
     """The FastAPI app `pagedllm serve ARGS` serves, and the served model's name: every request handler, limit
     and engine setting of the flags (the Ray Serve deployment builds its replicas' apps here too). Bad flags
     fail here, before the model loads."""
@@ -138,6 +149,8 @@ def server_app(args: argparse.Namespace, on_ready: Callable[[], None] | None = N
         engine_state_interval=args.engine_state_interval,
         max_stored_responses=args.max_stored_responses,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        on_dead=on_dead,
+        open_endpoints=tuple(args.open_endpoints),
     )
     return app, name
 
@@ -165,7 +178,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             time.monotonic() - _STARTED,
         )
 
-    app, name = server_app(args, ready)
+    dead: list[BaseException] = []
+
+    def stop_dead(error: BaseException) -> None:  # the engine failed beyond repair: exit for a restart
+        logging.getLogger("pagedllm").critical("the engine can serve no more (%r): the server exits", error)
+        dead.append(error)
+        if server is not None:
+            server.should_exit = True
+
+    app, name = server_app(args, ready, stop_dead)
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -176,7 +197,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     server = graceful_server_class()(uv_config)
     server.run()
-    return 0
+    return 1 if dead else 0
 
 
 def _lora_modules(items: list[str]) -> dict[str, str]:
@@ -267,6 +288,12 @@ def _router_args(rt: argparse.ArgumentParser) -> None:
     )
 
 
+def _open_endpoints() -> tuple[str, ...]:
+    from pagedllm.entrypoints.openai.limits import OPEN_ENDPOINTS
+
+    return OPEN_ENDPOINTS
+
+
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     from pagedllm.entrypoints.openai.limits import RequestLimits
 
@@ -313,7 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (or set PAGEDLLM_API_KEY)"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every endpoint but the open ones (or set PAGEDLLM_API_KEY)",
+    )
+    srv.add_argument(
+        "--open-endpoints",
+        nargs="*",
+        default=list(_open_endpoints()),
+        metavar="PATH",
+        help="paths that answer without the API key (each exact; e.g. add /docs /openapi.json)",
     )
     srv.add_argument(
         "--max-queue-len",
@@ -483,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --data-parallel-size` passes it on
+    args.log_level = resolve_log_level(args.log_level)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     from pagedllm.errors import PagedLLMError
     from pagedllm.logger import set_level

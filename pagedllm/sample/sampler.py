@@ -70,6 +70,7 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None  # [B]
     probs: torch.Tensor | None = None  # [B, V] processed distribution (want_probs; greedy rows one-hot)
     lp_source: torch.Tensor | None = None  # [B, V] the log-distribution logprobs are read from
+    failed: list[int] | None = None  # rows with no valid token: outside the vocabulary, or masked / not finite
 
 
 def uniform(seed: int, position: int, salt: int) -> float:
@@ -132,7 +133,7 @@ class Sampler:
             tokens, processed, probs = self._sample(
                 logits, batch, want_lp and batch.processed_logprobs, batch.want_probs
             )
-        out = SamplerOutput(tokens)
+        out = SamplerOutput(tokens, failed=_failed_rows(logits, tokens))
         if batch.want_probs:
             onehot = torch.zeros_like(logits).scatter_(1, tokens.unsqueeze(1), 1.0)
             out.probs = onehot if probs is None else torch.where((batch.temperature == 0).unsqueeze(1), onehot, probs)
@@ -182,6 +183,15 @@ class Sampler:
             out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
         else:
             out.logprob_token_ids, out.logprobs = tokens.unsqueeze(1), sampled_lp
+
+
+def _failed_rows(logits: torch.Tensor, tokens: torch.Tensor) -> list[int] | None:
+    """Rows whose token is no token: outside the vocabulary, or one whose logit (after penalties and masks) is
+    -inf or not a number. Masks that leave a row nothing, or values that overflow, end there; sampling such a
+    row would feed the model an id it cannot embed. O(rows): one logit a row."""
+    safe = tokens.clamp(0, logits.shape[1] - 1)
+    bad = (safe != tokens) | ~torch.isfinite(logits.gather(1, safe.unsqueeze(1)).squeeze(1))
+    return bad.nonzero().flatten().tolist() if bool(bad.any()) else None
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

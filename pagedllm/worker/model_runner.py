@@ -438,10 +438,19 @@ class ModelRunner:
         out = self.sampler(logits, batch)
         target = out.token_ids.tolist()
         lp = _logprob_lists(out) if out.logprobs is not None else None
+        failed = set(out.failed or ())
         r = 0
         for rid, st in zip(sampled, sts):
             drafts = spec.get(rid, [])
             m = len(drafts) + 1
+            if failed and not failed.isdisjoint(range(r, r + m)):
+                result.failed[rid] = (
+                    "no valid token could be sampled: after its penalties, bias and masks the request's "
+                    "distribution had no finite logit"
+                )
+                st.draft_probs = None
+                r += m
+                continue
             if drafts:
                 q = p = None
                 if st.draft_probs is not None:  # then the batch wanted probs: the sampler kept them

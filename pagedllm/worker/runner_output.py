@@ -23,6 +23,9 @@ class ModelRunnerOutput:
     kv_load_failed: list[int] = field(default_factory=list)
     # pooling runner: each pooling request's pooled vector (float32 values), computed whole this step
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # requests that failed this step, each with why (no valid token to sample): the scheduler finishes them
+    # with an error, and the step's other requests go on
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

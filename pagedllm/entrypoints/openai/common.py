@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai.errors import BodyError
 from pagedllm.entrypoints.openai.limits import RequestLimits
-from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.errors import EngineDeadError, InvalidParameterError, RequestFailedError
 from pagedllm.outputs import RequestOutput
 
 # -- request bodies ---------------------------------------------------------------------
@@ -48,11 +49,49 @@ def _parse_body(body: bytes, limits: RequestLimits) -> Any:
         raise BodyError(400, "the JSON body is nested too deeply") from None
     except UnicodeDecodeError as e:
         raise BodyError(400, f"the body is not valid UTF-8 (invalid byte at position {e.start})") from None
+    if _SURROGATE_ESCAPE.search(body):  # only an escape can put one in: raw surrogate bytes are not UTF-8
+        where = _lone_surrogate(obj)
+        if where is not None:
+            raise BodyError(
+                400, f"{where or 'body'}: a string holds a lone UTF-16 surrogate: not valid Unicode", where or None
+            )
     try:
         limits.check(obj)
     except InvalidParameterError as e:
         raise BodyError(400, str(e), e.param) from None
     return obj
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The dotted path of the first string (or key) that is not valid Unicode, else None (iteratively: the body
+    may nest deeply). A surrogate pair's escapes decode to one character and pass."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            sub = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _valid(key):
+                return path
+            if isinstance(value, str):
+                if not _valid(value):
+                    return sub
+            elif isinstance(value, dict | list):
+                stack.append((value, sub))
+        if isinstance(node, str) and not _valid(node):
+            return path
+    return None
+
+
+def _valid(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class JSONBodyRoute(APIRoute):
@@ -99,8 +138,9 @@ def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for chunk in gen:
                 yield chunk
-        except EngineDeadError as e:  # headers are gone already: say it in the stream, as vLLM does
-            err = {"error": {"message": str(e), "type": "EngineDeadError", "code": 503}}
+        except (EngineDeadError, RequestFailedError) as e:  # headers are gone: say it in the stream, as vLLM does
+            code = 503 if isinstance(e, EngineDeadError) else 500
+            err = {"error": {"message": str(e), "type": type(e).__name__, "code": code}}
             yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -128,7 +168,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         try:
             async for out in s:
                 await q.put((i, out))
-        except EngineDeadError as e:  # the engine died mid-request: the stream ends with an error event
+        except (EngineDeadError, RequestFailedError) as e:  # the stream ends with an error event
             await q.put((i, e))
         finally:
             await q.put((i, None))

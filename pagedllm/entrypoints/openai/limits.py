@@ -16,6 +16,10 @@ from typing import Any
 
 from pagedllm.errors import InvalidParameterError
 
+# what answers without the API key by default (`--open-endpoints`): the probes, and the dashboard's page (static:
+# the snapshot stream it reads is keyed). Every other path, unknown ones included, needs the key.
+OPEN_ENDPOINTS = ("/health", "/metrics", "/version", "/dashboard")
+
 
 def _f(default: int, help: str) -> Any:
     return field(default=default, metadata={"help": help})

@@ -98,10 +98,13 @@ class ServerMetrics:
             "kv_preemption_swaps",
             "Preempted requests whose partial last block was swapped to the RAM tier (preemption_mode='swap').",
         )
+        self.engine_restarts = counter(
+            "engine_restarts", "Rebuilds of the engine core after a step failed that no request could be blamed for."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens produced.")
         self.success = counter("request_success", "Finished requests.", extra=["finished_reason"])
-        for reason in ("stop", "length", "abort"):  # export every series from the start, at 0
+        for reason in ("stop", "length", "abort", "error"):  # export every series from the start, at 0
             self.success.labels(m, reason)
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY_BUCKETS)

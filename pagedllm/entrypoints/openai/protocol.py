@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
@@ -364,13 +364,13 @@ class TokenizeRequest(BaseModel):
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[StrictInt]  # "0", true or 0.0 are not token ids
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]  # "0", true or 0.0 are not token ids
 
 
 class DetokenizeResponse(BaseModel):

@@ -37,10 +37,10 @@ from pagedllm.entrypoints.openai.errors import (
     error_response,
     json_error_message,
 )
-from pagedllm.entrypoints.openai.limits import RequestLimits
+from pagedllm.entrypoints.openai.limits import OPEN_ENDPOINTS, RequestLimits
 from pagedllm.entrypoints.openai.serving_chat import chat_prompt as _chat_prompt  # noqa: F401 (tests import it here)
 from pagedllm.entrypoints.openai.state import ServerState
-from pagedllm.errors import EngineDeadError, InvalidParameterError
+from pagedllm.errors import EngineDeadError, InvalidParameterError, RequestFailedError
 
 __all__ = ["APIError", "ApiKeyGuard", "BodyLimit", "ServerState", "build_app", "error_response"]
 
@@ -84,7 +84,8 @@ class BodyLimit:
 
 
 class ApiKeyGuard:
-    """ASGI middleware: 401 for a /v1 request without the server's API key. A plain ASGI class, not
+    """ASGI middleware: 401 for a request without the server's API key, on every path but the open ones
+    (``ServerState.open_endpoints``), unknown paths included. A plain ASGI class, not
     ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware passes every chunk of a streamed answer
     through a memory stream of its own. (With `merge_streams`' one-stream path, this took the event loop's CPU
     time in `benchmarks/serve_vs_offline.py`'s served run from 0.66 s to 0.42 s.)"""
@@ -94,7 +95,11 @@ class ApiKeyGuard:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         key = self.state.api_key
-        if key is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if (
+            key is not None
+            and scope["type"] in ("http", "websocket")
+            and scope["path"] not in self.state.open_endpoints
+        ):
             supplied = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(supplied, f"Bearer {key}".encode()):
                 return await error_response(401, "invalid or missing API key", "authentication_error")(
@@ -120,12 +125,16 @@ def build_app(
     engine_state_interval: float = 1.0,
     max_stored_responses: int = 1000,
     enable_prompt_tokens_details: bool = False,
+    on_dead: Callable[[BaseException], None] | None = None,
+    open_endpoints: tuple[str, ...] = OPEN_ENDPOINTS,
 ) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
     Chrome / Perfetto trace of the engine's steps and requests; ``max_stored_responses`` bounds the Responses
     API's stored responses (least recently used evicted); ``enable_prompt_tokens_details`` adds
-    ``usage.prompt_tokens_details.cached_tokens`` to completions and chat."""
+    ``usage.prompt_tokens_details.cached_tokens`` to completions and chat. ``on_dead`` runs once the engine can
+    serve no more (its core failed beyond what a rebuild mends): `pagedllm serve` then exits non-zero.
+    ``open_endpoints``: the exact paths that answer without ``api_key``."""
     state = ServerState(
         served_model_name,
         api_key,
@@ -136,6 +145,7 @@ def build_app(
         max_stored_responses=max_stored_responses,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
+    state.open_endpoints = frozenset(open_endpoints)
 
     tracer = None
     if trace_file:
@@ -158,7 +168,13 @@ def build_app(
     def load() -> None:
         try:
             # built (and warmed up) on the engine thread; pooling models too
-            state.llm = AsyncLLM(engine_factory, max_queue_len, on_step=on_step)
+            state.llm = AsyncLLM(
+                engine_factory,
+                max_queue_len,
+                on_step=on_step,
+                on_restart=state.metrics.engine_restarts.inc,
+                on_dead=on_dead,
+            )
             for name, path in (lora_modules or {}).items():  # a bad adapter fails the start, with its reason
                 state.add_lora(name, path)
         except BaseException as e:  # surfaced by /health and every endpoint
@@ -240,3 +256,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError):
         return error_response(503, str(exc), "engine_dead")
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError):
+        return error_response(500, str(exc), "server_error")

@@ -20,11 +20,16 @@ lora_router = APIRouter(route_class=JSONBodyRoute)
 
 @router.get("/health")
 async def health(state: ServerStateDep):
-    if state.llm is None or state.llm.dead is not None:
+    llm = state.llm
+    if llm is None:
+        if state.load_error is not None:
+            return error_response(503, f"the model failed to load: {state.load_error}", "engine_dead")
+        return error_response(503, "the model is still loading", "model_loading", headers={"Retry-After": "5"})
+    if llm.dead is not None:
+        return error_response(503, f"the engine can serve no more: {llm.dead}", "engine_dead")
+    if llm.restarting:
         return error_response(
-            503,
-            "not ready" if state.load_error is None else str(state.load_error),
-            "model_loading" if state.load_error is None else "engine_dead",
+            503, "the engine is restarting after a fault", "engine_restarting", headers={"Retry-After": "1"}
         )
     return Response(status_code=200)
 
@@ -43,7 +48,8 @@ async def version():
 
 @router.get("/v1/models", response_model=P.ModelList)
 async def models(state: ServerStateDep):
-    max_len = state.llm.engine.max_model_len if state.llm else None
+    # 503 until the engine serves, as /health: a client that polls the list must not start sending too early
+    max_len = state.engine().engine.max_model_len
     cards = [P.ModelCard(id=state.served_model_name, max_model_len=max_len)]
     cards += [
         P.ModelCard(id=name, root=req.lora_path, parent=state.served_model_name, max_model_len=max_len)

@@ -40,6 +40,7 @@ class ServerState:
         self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
         self.served_model_name = served_model_name
         self.api_key = api_key
+        self.open_endpoints: frozenset[str] = frozenset()  # paths that answer without api_key (set by build_app)
         self.limits = limits
         self.trust_request_chat_template = trust_request_chat_template
         self.enable_prompt_tokens_details = enable_prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
