@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -356,3 +357,73 @@ def test_every_endpoint_that_does_work_needs_the_key(app_client):
         else:
             assert got.status_code == 401, (path, got.status_code)
             assert got.json()["error"]["type"] == "authentication_error"
+
+
+def test_half_sent_requests_are_closed_while_normal_ones_are_served(model_dir):
+    """Slowloris: 100 connections that send half a header and 100 that send half a body. Each is closed within
+    the timeouts (the body's with a 408 first), and normal requests are answered meanwhile."""
+    import socket
+
+    from utils import Server
+
+    server = Server(model_dir, "--request-header-timeout", "4", "--request-body-timeout", "4")
+    host, port = server.url.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for i in range(200):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            if i % 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Le")
+            else:
+                head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                s.sendall(head + b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "')
+            socks.append(s)
+        started = time.monotonic()
+        with httpx.Client(timeout=60) as c:  # served while the 200 hang on
+            r = c.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
+        answers = []
+        for s in socks:  # each ends: the server closes it (EOF), after a 408 for a stalled body
+            s.settimeout(max(1.0, 60 - (time.monotonic() - started)))
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+            answers.append(got)
+        assert time.monotonic() - started < 60
+        assert all(a.startswith(b"HTTP/1.1 408") for a in answers[0::2]), answers[0][:200]
+        assert all(a == b"" for a in answers[1::2]), answers[1][:200]
+        with httpx.Client(timeout=60) as c:
+            assert c.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+        server.stop()
+
+
+def test_models_and_health_answer_503_until_the_model_is_loaded_and_never_model_loading_once_dead():
+    """A client polling /v1/models must not start sending before the engine serves (it listed the model with a
+    null max_model_len for the ~50 s of a first start); a start that failed is engine_dead, not model_loading."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.server import build_app
+
+    go = threading.Event()
+
+    def factory():
+        go.wait(60)
+        raise RuntimeError("no weights here")
+
+    with TestClient(build_app(factory, MODEL)) as client:
+        for path in ("/v1/models", "/health"):
+            r = client.get(path)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "model_loading", (path, r.text)
+        go.set()
+        deadline = time.monotonic() + 60
+        while client.get("/health").json()["error"]["type"] == "model_loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for path in ("/v1/models", "/health"):
+            r = client.get(path)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead", (path, r.text)

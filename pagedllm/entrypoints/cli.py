@@ -25,7 +25,14 @@ from pagedllm.entrypoints.cli_args import (
     engine_kwargs,
     resolve_log_level,
 )
-from pagedllm.entrypoints.graceful_server import SERVER_KEEP_ALIVE_S, graceful_server_class
+from pagedllm.entrypoints.graceful_server import (
+    MAX_CONNECTIONS,
+    REQUEST_BODY_TIMEOUT_S,
+    REQUEST_HEADER_TIMEOUT_S,
+    SERVER_KEEP_ALIVE_S,
+    graceful_server_class,
+    timed_http_protocol,
+)
 
 __all__ = ["HelpFormatter", "add_command", "add_engine_args", "build_parser", "engine_kwargs", "main"]
 
@@ -149,6 +156,7 @@ def server_app(
         engine_state_interval=args.engine_state_interval,
         max_stored_responses=args.max_stored_responses,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        request_body_timeout=args.request_body_timeout,
         on_dead=on_dead,
         open_endpoints=tuple(args.open_endpoints),
     )
@@ -194,6 +202,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
         timeout_keep_alive=args.timeout_keep_alive,
+        http=timed_http_protocol(args.request_header_timeout, args.max_connections),
+        limit_concurrency=args.max_connections,
     )
     server = graceful_server_class()(uv_config)
     server.run()
@@ -215,6 +225,10 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
 def _check_keep_alive(args: argparse.Namespace) -> None:
     if args.timeout_keep_alive < 1:
         raise SystemExit(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
+    for flag in ("request_header_timeout", "request_body_timeout", "max_connections"):
+        value = getattr(args, flag, 1)
+        if not value > 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {value}")
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -433,6 +447,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=SERVER_KEEP_ALIVE_S,
         help="seconds an idle kept-alive HTTP connection stays open; a client's pool must drop idle "
         "connections sooner (a proxy or load balancer in front: set this above its idle timeout)",
+    )
+    srv.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=REQUEST_HEADER_TIMEOUT_S,
+        help="seconds a request's headers may take to arrive whole; a connection that sends less is closed",
+    )
+    srv.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=REQUEST_BODY_TIMEOUT_S,
+        help="seconds each chunk of a request's body may take to arrive; a stalled body gets a 408",
+    )
+    srv.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="open connections (and requests in flight) before new ones get 503; logged when reached",
     )
     srv.add_argument(
         "--uvicorn-log-level",

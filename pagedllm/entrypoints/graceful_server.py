@@ -11,6 +11,11 @@ SERVER_KEEP_ALIVE_S = 10
 # the server's, so they never reuse one it is closing, also to a server started with a shorter --timeout-keep-alive
 CLIENT_KEEPALIVE_EXPIRY_S = 2.0
 HTTPX_KEEPALIVE_EXPIRY_S = 5.0  # httpx's default, which the openai client keeps
+# How long a request's headers may take to arrive whole (from the connection's start, or the previous answer on a
+# kept-alive one), and each chunk of its body: a half-sent request is closed then, not held (a file descriptor each)
+REQUEST_HEADER_TIMEOUT_S = 30.0
+REQUEST_BODY_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 4096  # open connections (and requests in flight) before the server answers 503
 
 
 def client_limits(max_connections: int | None, max_keepalive_connections: int | None = 20):
@@ -23,6 +28,63 @@ def client_limits(max_connections: int | None, max_keepalive_connections: int | 
         max_keepalive_connections=max_keepalive_connections,
         keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
     )
+
+
+def timed_http_protocol(header_timeout: float, max_connections: int) -> type:
+    """uvicorn's HTTP protocol (httptools, its default where installed) with a deadline on each request's headers.
+    uvicorn's own keep-alive timer stops at the first byte of a request, so a client that sends half a header is
+    otherwise held forever. Also logs (at most once a minute) when ``max_connections`` is reached."""
+    import logging
+    import time
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    logger = logging.getLogger("pagedllm")
+    last_warning = [0.0]
+
+    class TimedHttpProtocol(HttpToolsProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) >= max_connections and time.monotonic() - last_warning[0] > 60:
+                last_warning[0] = time.monotonic()
+                logger.warning(
+                    "%d connections open: the limit (--max-connections %d) is reached; new ones get 503",
+                    len(self.connections),
+                    max_connections,
+                )
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                logger.info("closed a connection whose request headers did not arrive in %.0f s", header_timeout)
+                self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._cancel_header_timer()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # the next request on a kept-alive connection: a deadline anew
+                self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+    return TimedHttpProtocol
 
 
 def graceful_server_class():

@@ -10,6 +10,7 @@ the ``serving_*`` route modules, which reach the :class:`ServerState` through on
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -49,10 +50,11 @@ logger = logging.getLogger("pagedllm")
 
 class BodyLimit:
     """ASGI middleware: 413 for a body over the limit, counted as it streams in (chunked bodies
-    have no Content-Length to check up front); 400 for a body that is not JSON."""
+    have no Content-Length to check up front); 400 for a body that is not JSON; 408 for a body whose next chunk
+    does not come within ``timeout`` seconds (a half-sent request is not held)."""
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, timeout: float = 30.0):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -70,11 +72,17 @@ class BodyLimit:
             return await error_response(
                 400, f"Content-Type must be application/json, got {ctype.decode('latin-1')!r}", "invalid_request_error"
             )(scope, receive, send)
-        seen = 0
+        seen, whole = 0, False
 
         async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:  # the body is in: what follows is a wait for the client's disconnect, untimed
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                raise BodyError(408, f"the request body stalled: no data for {self.timeout:g} s") from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
                 raise BodyError(413, f"request body exceeds the limit of {self.max_bytes} bytes")
@@ -127,6 +135,7 @@ def build_app(
     enable_prompt_tokens_details: bool = False,
     on_dead: Callable[[BaseException], None] | None = None,
     open_endpoints: tuple[str, ...] = OPEN_ENDPOINTS,
+    request_body_timeout: float = 30.0,
 ) -> FastAPI:
     """``on_ready`` runs on the loader thread once the engine serves (/health answers 200).
     ``tool_call_parser`` (a name in TOOL_PARSERS) enables ``tool_choice: auto``; ``trace_file`` writes a
@@ -200,7 +209,7 @@ def build_app(
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.router.route_class = JSONBodyRoute
     app.state.server = state
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=request_body_timeout)
     app.add_middleware(ApiKeyGuard, state=state)  # added last, so it runs first: a 401 before any body check
     _add_error_handlers(app)
 
