@@ -106,3 +106,37 @@ def test_bad_input_is_refused_before_any_model_loads(args, message):
     )
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "loading" not in r.stderr  # the engine never started
+
+
+def test_a_long_start_up_stage_says_so_every_few_seconds(monkeypatch):
+    """A first start on a busy machine spent 33 s compiling kernels without a line: each stage now reports while
+    it runs (HEARTBEAT_S, 5 s; shortened here)."""
+    import logging
+    import time
+
+    from pagedllm.worker import loader
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("pagedllm")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    monkeypatch.setattr(loader, "HEARTBEAT_S", 0.1)
+    try:
+        stages: dict[str, float] = {}
+        with loader.timed_stage(stages, "kernels"):
+            time.sleep(0.55)
+        quick = len(lines)
+        with loader.timed_stage(stages, "config"):
+            pass
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert quick >= 3 and all("still in the kernels stage" in line for line in lines), lines
+    assert len(lines) == quick  # a quick stage says nothing more
+    assert stages["kernels"] >= 0.55

@@ -205,11 +205,28 @@ def keep_activations_in_heap() -> bool:
     return False
 
 
+HEARTBEAT_S = 5.0  # a start-up stage that runs longer says so this often: a first start on a busy machine is long
+
+
 @contextlib.contextmanager
 def timed_stage(stages: dict[str, float], name: str) -> Iterator[None]:
-    """Add the seconds the block takes to ``stages[name]`` (start-up stages, reported in order)."""
+    """Add the seconds the block takes to ``stages[name]`` (start-up stages, reported in order); while it runs,
+    an INFO line every HEARTBEAT_S seconds says which stage the start is in (a kernel compile or a tokenizer
+    conversion took 30-50 s of silence on a loaded machine)."""
     t0 = time.perf_counter()
-    yield
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            logger.info("starting up: still in the %s stage (%.0f s so far)", name, time.perf_counter() - t0)
+
+    beat = threading.Thread(target=heartbeat, name=f"pagedllm-heartbeat-{name}", daemon=True)
+    beat.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beat.join()
     stages[name] = stages.get(name, 0.0) + time.perf_counter() - t0
 
 
