@@ -255,3 +255,30 @@ def test_more_inputs_than_the_queue_holds_is_a_400_naming_input(minilm_dir):
         assert ok.status_code == 200 and len(ok.json()["data"]) == 4
     finally:
         assert s.stop() == 0
+
+
+def test_a_score_request_is_aborted_when_its_client_goes(minilm_dir):
+    """A /score of 256 long documents whose client gives up after a second: the engine drops the inputs it has
+    not computed (it kept computing all of them for its vanished client, RSS growing) and serves on."""
+    import time
+
+    import httpx
+
+    s = Server(minilm_dir)
+    try:
+        docs = [" ".join(f"word{(i * 31 + j) % 997}" for j in range(300)) for i in range(256)]
+        with pytest.raises(httpx.TimeoutException):
+            body = {"text_1": "a query", "text_2": docs, "truncate_prompt_tokens": 256}  # 256 x 256 tokens: ~10 s
+            httpx.post(f"{s.url}/score", json=body, timeout=1.0)
+        deadline = time.monotonic() + 120  # a safety net: the loop waits for the engine to go idle
+        while True:
+            state = httpx.get(f"{s.url}/v1/engine/state", timeout=60).json()
+            if state["num_running"] == state["num_waiting"] == 0:
+                break
+            assert time.monotonic() < deadline, "the engine kept working for a client that had gone"
+            time.sleep(0.2)
+        assert state["totals"]["prompt_tokens"] < 256 * 256 // 2, state["totals"]  # most were never computed
+        ok = httpx.post(f"{s.url}/score", json={"text_1": "A dog runs.", "text_2": ["A puppy runs."]}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+    finally:
+        assert s.stop() == 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -19,6 +19,8 @@ from pagedllm.entrypoints.openai.errors import BodyError
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.errors import EngineDeadError, InvalidParameterError, RequestFailedError
 from pagedllm.outputs import RequestOutput
+
+T = TypeVar("T")
 
 # -- request bodies ---------------------------------------------------------------------
 
@@ -131,6 +133,20 @@ async def run_to_end(streams: list[RequestStream], raw: Request) -> list[Request
             t.cancel()
         for s in streams:
             await s.aclose()
+
+
+async def unless_disconnected(work: Awaitable[T], raw: Request) -> T:
+    """``work``'s result; cancelled (and so aborted: a cancelled ``encode`` closes its streams) if the client goes
+    away first: nothing a client asked for outlives it."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await raw.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+        return task.result()
+    finally:
+        task.cancel()
 
 
 def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:

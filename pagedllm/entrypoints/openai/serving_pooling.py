@@ -4,25 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from pagedllm.entrypoints.openai import protocol as P
-from pagedllm.entrypoints.openai.common import JSONBodyRoute
+from pagedllm.entrypoints.openai.common import JSONBodyRoute, unless_disconnected
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.state import ServerStateDep
 
 router = APIRouter(route_class=JSONBodyRoute)
 
 
-async def pool(llm: Any, prompts: list, truncate: int | None) -> tuple[list[list[int]], list[list[float]]]:
+async def pool(
+    llm: Any, prompts: list, truncate: int | None, raw: Request
+) -> tuple[list[list[int]], list[list[float]]]:
     from pagedllm.pooling_params import PoolingParams
 
-    outs = await llm.encode(prompts, PoolingParams(truncate_prompt_tokens=truncate))
+    outs = await unless_disconnected(llm.encode(prompts, PoolingParams(truncate_prompt_tokens=truncate)), raw)
     return [o.prompt_token_ids for o in outs], [o.outputs.embedding for o in outs]
 
 
 @router.post("/v1/embeddings", response_model=None)
-async def embeddings(req: P.EmbeddingRequest, state: ServerStateDep):
+async def embeddings(req: P.EmbeddingRequest, state: ServerStateDep, raw: Request):
     llm = state.pooler()
     state.check_model(req.model)
     inp = req.input
@@ -43,7 +45,7 @@ async def embeddings(req: P.EmbeddingRequest, state: ServerStateDep):
             "invalid_request_error",
             "dimensions",
         )
-    ids, vectors = await pool(llm, prompts, req.truncate_prompt_tokens)
+    ids, vectors = await pool(llm, prompts, req.truncate_prompt_tokens, raw)
     data = []
     for i, v in enumerate(vectors):
         if req.encoding_format == "base64":
@@ -65,19 +67,19 @@ async def embeddings(req: P.EmbeddingRequest, state: ServerStateDep):
 
 
 async def _similarities(
-    llm: Any, text_1: str | list[str], text_2: str | list[str], truncate: int | None
+    llm: Any, text_1: str | list[str], text_2: str | list[str], truncate: int | None, raw: Request
 ) -> tuple[list[float], int]:
     from pagedllm.engine.pooling import pair_scores, score_texts
 
-    ids, vectors = await pool(llm, score_texts(text_1, text_2), truncate)
+    ids, vectors = await pool(llm, score_texts(text_1, text_2), truncate, raw)
     return pair_scores(vectors), sum(map(len, ids))
 
 
 @router.post("/score", response_model=None)
-async def score(req: P.ScoreRequest, state: ServerStateDep):
+async def score(req: P.ScoreRequest, state: ServerStateDep, raw: Request):
     llm = state.pooler()
     state.check_model(req.model)
-    scores, n = await _similarities(llm, req.text_1, req.text_2, req.truncate_prompt_tokens)
+    scores, n = await _similarities(llm, req.text_1, req.text_2, req.truncate_prompt_tokens, raw)
     return P.ScoreResponse(
         id=P.random_id("score"),
         model=req.model or state.served_model_name,
@@ -88,10 +90,10 @@ async def score(req: P.ScoreRequest, state: ServerStateDep):
 
 @router.post("/rerank", response_model=None)
 @router.post("/v1/rerank", response_model=None)
-async def rerank(req: P.RerankRequest, state: ServerStateDep):
+async def rerank(req: P.RerankRequest, state: ServerStateDep, raw: Request):
     llm = state.pooler()
     state.check_model(req.model)
-    scores, n = await _similarities(llm, req.query, req.documents, req.truncate_prompt_tokens)
+    scores, n = await _similarities(llm, req.query, req.documents, req.truncate_prompt_tokens, raw)
     ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or len(scores)]
     return P.RerankResponse(
         id=P.random_id("rerank"),
