@@ -401,6 +401,27 @@ def test_store_keeps_the_most_recently_used_under_random_operations():
         assert len(store) == len(model)
 
 
+def test_the_store_is_bounded_in_bytes_and_frees_them_on_delete():
+    """Clients choose fields the store keeps (a 3.9 MB ``user`` each held 4.3 GB at 1,000 responses): the store
+    counts each response's bytes, evicts the least recently used past max_bytes, and refuses one larger than all."""
+    from pagedllm.entrypoints.openai import protocol as P
+    from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
+
+    def big(rid: str, n: int) -> StoredResponse:
+        return StoredResponse(P.ResponsesResponse(id=rid, status="completed", model=MODEL, user="u" * n), ())
+
+    store = ResponseStore(1000, max_bytes=1 << 20)
+    for i in range(20):
+        assert store.put(big(f"resp_{i}", 200_000))
+        store.check_invariants()
+        assert store.bytes <= 1 << 20
+    assert len(store) == 5 and store.get("resp_19") is not None and store.get("resp_14") is None
+    held = store.bytes
+    assert store.delete("resp_19") and store.bytes < held - 200_000
+    assert not store.put(big("resp_huge", 2 << 20)) and store.get("resp_huge") is None
+    store.check_invariants()
+
+
 def test_the_least_recently_used_response_is_evicted(client, server):
     ids = [client.responses.create(input=f"Turn {i}", max_output_tokens=2, **GREEDY).id for i in range(MAX_STORED)]
     client.responses.retrieve(ids[0])  # now the most recently used: ids[1] goes first

@@ -106,6 +106,8 @@ def _checked_serve_config(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit("--engine-state-interval must be > 0 seconds")
     if args.max_stored_responses < 1:
         raise SystemExit("--max-stored-responses must be >= 1")
+    if args.max_stored_response_bytes < 1:
+        raise SystemExit("--max-stored-response-bytes must be >= 1")
     return config
 
 
@@ -155,6 +157,7 @@ def server_app(
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         engine_state_interval=args.engine_state_interval,
         max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         request_body_timeout=args.request_body_timeout,
         on_dead=on_dead,
@@ -421,6 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the Responses API keeps this many responses in memory (for GET /v1/responses/{id} and "
         "previous_response_id), the least recently used evicted first",
+    )
+    srv.add_argument(
+        "--max-stored-response-bytes",
+        type=int,
+        default=256 << 20,
+        metavar="BYTES",
+        help="and at most this many bytes of them (each counted as its JSON and its conversation's); "
+        "pagedllm:responses_store_bytes reports the total",
     )
     srv.add_argument(
         "--enable-prompt-tokens-details",

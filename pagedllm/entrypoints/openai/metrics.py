@@ -101,6 +101,9 @@ class ServerMetrics:
         self.engine_restarts = counter(
             "engine_restarts", "Rebuilds of the engine core after a step failed that no request could be blamed for."
         )
+        self.stored_responses_bytes = gauge(
+            "responses_store_bytes", "Bytes the Responses API's stored responses hold (--max-stored-response-bytes)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens produced.")
         self.success = counter("request_success", "Finished requests.", extra=["finished_reason"])

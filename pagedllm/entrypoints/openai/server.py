@@ -132,6 +132,7 @@ def build_app(
     allow_runtime_lora_updating: bool = False,
     engine_state_interval: float = 1.0,
     max_stored_responses: int = 1000,
+    max_stored_response_bytes: int = 256 << 20,
     enable_prompt_tokens_details: bool = False,
     on_dead: Callable[[BaseException], None] | None = None,
     open_endpoints: tuple[str, ...] = OPEN_ENDPOINTS,
@@ -152,6 +153,7 @@ def build_app(
         tool_call_parser,
         keep_trace_context=bool(otlp_traces_endpoint),
         max_stored_responses=max_stored_responses,
+        max_stored_response_bytes=max_stored_response_bytes,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
     state.open_endpoints = frozenset(open_endpoints)

@@ -33,6 +33,7 @@ class ServerState:
         tool_call_parser: str | None = None,
         keep_trace_context: bool = False,
         max_stored_responses: int = 1000,
+        max_stored_response_bytes: int = 256 << 20,
         enable_prompt_tokens_details: bool = False,
     ):
         from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS
@@ -51,7 +52,9 @@ class ServerState:
         self.loras: dict[str, LoRARequest] = {}  # adapter name -> request (the `model` field selects one)
         self.lora_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
-        self.responses = ResponseStore(max_stored_responses)  # the Responses API's, for GET and previous_response_id
+        # the Responses API's, for GET and previous_response_id; its size is exported
+        self.responses = ResponseStore(max_stored_responses, max_stored_response_bytes)
+        self.metrics.stored_responses_bytes.set_function(lambda: self.responses.bytes)
         self.hub: EngineStateHub | None = None  # the dashboards' snapshot stream, set by build_app
         # large JSON bodies are parsed here, one at a time: the C parser holds the GIL, so more threads would
         # parse no faster, and a fixed one keeps the server's thread count from growing with concurrency
