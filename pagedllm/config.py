@@ -267,6 +267,12 @@ class MultiModalSection:
         16_777_216, "Largest image (width x height, before the processor resizes it) a request may send."
     )
     max_image_bytes: int = _f(20 * 1024 * 1024, "Largest encoded image (a data: URL's or a fetched file's bytes).")
+    max_pixels_in_flight: int = _f(
+        4 * 16_777_216,
+        "Most pixels of decoded images the server holds at once across all requests (a request's images count "
+        "from their decoding until the processor has turned them into features); the rest wait their turn, "
+        "up to 30 s, then get a 503. At least max_image_pixels.",
+    )
     allowed_local_media_path: str | None = _f(
         None, "A folder whose files requests may name as file:// image URLs (default: none may be read)."
     )
@@ -424,6 +430,13 @@ class EngineConfig:
                 "allowed_local_media_path",
             )
         _positive("max_image_pixels", mm.max_image_pixels)
+        _positive("max_pixels_in_flight", mm.max_pixels_in_flight)
+        if mm.max_pixels_in_flight < mm.max_image_pixels:
+            raise InvalidParameterError(
+                f"max_pixels_in_flight ({mm.max_pixels_in_flight}) must be at least max_image_pixels "
+                f"({mm.max_image_pixels}): an image at the limit could never be decoded",
+                "max_pixels_in_flight",
+            )
         _positive("max_image_bytes", mm.max_image_bytes)
         t = mm.media_fetch_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:

@@ -21,6 +21,10 @@ class InvalidParameterError(PagedLLMError, ValueError):
         self.param = param
 
 
+class QueueFullError(InvalidParameterError):
+    """The server has no room for this request now (its queue, or the images it decodes at once); retry later."""
+
+
 class PromptTooLongError(InvalidParameterError):
     """The prompt (plus requested output) cannot fit in the model's context."""
 

@@ -511,3 +511,78 @@ def test_server_answers_images_sent_as_data_urls(llava_dir: str, reference: Any,
     finally:
         server.stop()
         pictures.close()
+
+
+def test_decoded_images_in_flight_stay_within_the_pixel_budget(llava_dir: str, hf: tuple[Any, Any]) -> None:
+    """Twelve concurrent requests of up to three images sent as bytes: the pixels decoded at once never exceed
+    max_pixels_in_flight (room for two images at the pixel limit), every request is answered with the tokens it
+    gets alone, and the budget is whole again after. (Without it, 12 such requests decoded 48 images at once.)"""
+    import asyncio
+
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    limit = 300 * 240
+    batch = [(t, im) for t, im in _batch(hf[1]) if im] * 3
+
+    def as_bytes(image: Any) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+
+    prompts = [{"prompt": t, "multi_modal_data": {"image": [as_bytes(i) for i in im]}} for t, im in batch]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = LLM(llava_dir, max_model_len=1024).generate(prompts[:4], params, use_tqdm=False)
+    llm = AsyncLLM.from_kwargs(
+        model=llava_dir, max_model_len=1024, max_image_pixels=limit, max_pixels_in_flight=2 * limit
+    )
+
+    async def run() -> tuple[list[Any], int]:
+        peak, done = 0, False
+
+        async def watch() -> None:
+            nonlocal peak
+            while not done:
+                assert llm._pixels is not None
+                peak = max(peak, llm._pixels.used)
+                await asyncio.sleep(0)
+
+        async def one(i: int, prompt: Any) -> Any:
+            last = None
+            async for out in llm.generate(prompt, params, request_id=f"r{i}"):
+                last = out
+            return last
+
+        watcher = asyncio.ensure_future(watch())
+        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        done = True
+        await watcher
+        return outs, peak
+
+    try:
+        outs, peak = asyncio.run(run())
+        assert 0 < peak <= 2 * limit
+        assert llm._pixels is not None and llm._pixels.used == 0
+        assert [o.outputs[0].token_ids for o in outs[:4]] == [o.outputs[0].token_ids for o in alone]
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    finally:
+        llm.shutdown()
+
+
+def test_a_request_that_finds_no_room_for_its_images_is_told_to_retry() -> None:
+    import asyncio
+
+    from pagedllm.engine.async_llm import PixelBudget
+    from pagedllm.errors import QueueFullError
+
+    budget = PixelBudget(10, wait_s=0.1)
+
+    async def run() -> None:
+        await budget.acquire(8)
+        with pytest.raises(QueueFullError, match="retry later") as e:
+            await budget.acquire(5)
+        assert e.value.param == "max_pixels_in_flight"
+        budget.release(8)
+        await budget.acquire(10)  # room again once the first gave it back
+
+    asyncio.run(run())
+    assert budget.used == 10

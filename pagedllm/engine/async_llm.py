@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PreparedRequest
 from pagedllm.engine.processor import PromptType
-from pagedllm.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from pagedllm.errors import EngineDeadError, InvalidParameterError, QueueFullError, RequestFailedError
 from pagedllm.malloc_arena import share_main_arena
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -43,8 +43,7 @@ MAX_RESTARTS = 3  # rebuilds of the engine core within RESTART_WINDOW_S before t
 RESTART_WINDOW_S = 600.0  # exits non-zero, for an orchestrator to restart it)
 
 
-class QueueFullError(InvalidParameterError):
-    """More requests are waiting than max_queue_len allows."""
+__all__ = ["AsyncLLM", "QueueFullError", "RequestStream"]
 
 
 class RequestStream:
@@ -119,6 +118,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._unapplied = 0  # children handed to the engine thread that it has not queued yet
         self._dead: BaseException | None = None
+        self._pixels: PixelBudget | None = None  # decoded images in flight (a vision-language model's engine)
         self._stopping = False
         # one thread: HF tokenizers are not safe to share across threads, and one is enough to
         # keep the event loop free
@@ -194,33 +194,50 @@ class AsyncLLM:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         size = len(prompts) * params.n
         self._check_room(size)  # a full queue answers before any tokenization
-        prompts = [await self._read_images(p) for p in prompts]
-        prepared: list[PreparedRequest] = await self.prepare(
-            lambda: [
-                self.engine.make_request(
-                    rid,
-                    p,
-                    params,
-                    priority,
-                    group=request_id,
-                    lora_request=lora_request,
-                    trace_headers=trace_headers,
-                    max_tokens_must_fit=max_tokens_must_fit,
-                )
-                for rid, p in zip(ids, prompts)
-            ]
-        )
+        held = [0]  # pixels of this request's decoded images, counted until the processor has made them features
+        try:
+            prompts = [await self._read_images(p, held) for p in prompts]
+            prepared: list[PreparedRequest] = await self.prepare(
+                lambda: [
+                    self.engine.make_request(
+                        rid,
+                        p,
+                        params,
+                        priority,
+                        group=request_id,
+                        lora_request=lora_request,
+                        trace_headers=trace_headers,
+                        max_tokens_must_fit=max_tokens_must_fit,
+                    )
+                    for rid, p in zip(ids, prompts)
+                ]
+            )
+        finally:
+            if held[0]:
+                assert self._pixels is not None  # only image prompts hold pixels
+                self._pixels.release(held[0])
         return self._register(ids, prepared, size)
 
-    async def _read_images(self, prompt: PromptType) -> PromptType:
+    async def _read_images(self, prompt: PromptType, held: list[int]) -> PromptType:
         """A prompt whose ``multi_modal_data`` images (URLs, bytes) are read into PIL images, all at once on the
-        media threads; any other prompt as it is (the engine refuses images a text-only model is sent)."""
+        media threads; any other prompt as it is (the engine refuses images a text-only model is sent).
+
+        Decoded images across all requests stay within ``max_pixels_in_flight``: a request first takes room for
+        its images at the pixel limit (one atomic take, so no two requests hold part of the room each and wait
+        for the rest), then gives back what its images did not use; ``held[0]`` counts what it keeps."""
         mm = self.engine.mm_processor
         if mm is None or not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
             return prompt
+        assert self._pixels is not None  # made with the engine's multimodal processor
         items = mm.image_items(prompt["multi_modal_data"])
+        want = min(len(items) * mm.config.max_image_pixels, self._pixels.capacity)
+        await self._pixels.acquire(want)
+        held[0] += want
         loop = asyncio.get_running_loop()
         images = await asyncio.gather(*(loop.run_in_executor(self._media, mm.load, x, i) for i, x in enumerate(items)))
+        spare = want - min(want, sum(im.width * im.height for im in images))
+        self._pixels.release(spare)
+        held[0] -= spare
         return {**prompt, "multi_modal_data": {"image": list(images)}}
 
     async def encode(
@@ -356,6 +373,8 @@ class AsyncLLM:
         except BaseException as e:  # raised to the constructor's caller
             built.set_exception(e)
             return
+        mm = self.engine.mm_processor
+        self._pixels = PixelBudget(mm.config.max_pixels_in_flight) if mm is not None else None
         built.set_result(None)
         try:
             while not self._stopping:
@@ -442,6 +461,37 @@ class AsyncLLM:
                 _deliver_all(*batch)
             except Exception:  # never stop delivering: every later output would be lost with this thread
                 logger.exception("could not hand outputs to an event loop")
+
+
+class PixelBudget:
+    """Pixels of decoded images in flight across all requests: a request waits up to ``wait_s`` for room (polled:
+    the budget is shared by every event loop a process runs), then gets a QueueFullError (503, retry)."""
+
+    def __init__(self, capacity: int, wait_s: float = 30.0):
+        self.capacity, self.wait_s, self.used = capacity, wait_s, 0
+        self._lock = threading.Lock()
+
+    async def acquire(self, n: int) -> None:
+        import time
+
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with self._lock:
+                if self.used + n <= self.capacity:
+                    self.used += n
+                    return
+            if time.monotonic() > deadline:
+                raise QueueFullError(
+                    f"the server is decoding images of other requests ({self.used} pixels in flight, "
+                    f"max_pixels_in_flight={self.capacity}); retry later",
+                    "max_pixels_in_flight",
+                )
+            await asyncio.sleep(0.02)
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+            assert self.used >= 0, "released more pixels than were taken"
 
 
 def _deliver_all(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
