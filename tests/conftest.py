@@ -21,6 +21,7 @@ from uniform and greedy decoding has clear winners to compare.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+from housekeeping import RAY_PREFIX, Progress, docs_tmp_paths, home_snapshot, remove_leftovers, write_mark
 from utils import TINY_MODEL_NAMES, build_tiny_model, real_models_module
 
 # Where the suite may write: HOME, the XDG folders and Ray's temp dir point into this session's pytest
@@ -49,6 +51,8 @@ _ISOLATED = (
 # /tmp held at most 2.2 GB in a whole run with two workers, sampled every 5 s (2026-11-28): the suite's
 # temp folders and the examples' /tmp/pagedllm-* paths
 _DISK_NEEDED = int(2.5 * 2**30)
+_ROOT = Path(__file__).resolve().parent.parent
+_HOME_BEFORE = pytest.StashKey[tuple[Path, set[str]]]()
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made the session's temp-path factory
@@ -58,8 +62,22 @@ def pytest_configure(config: pytest.Config) -> None:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("PAGEDLLM_MODELS_DIR", os.path.join(cache, "pagedllm", "models"))
     base = factory.getbasetemp()
+    controller = not hasattr(config, "workerinput")  # (an xdist worker has a folder in the controller's)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if controller:
+        real_home = Path(os.path.expanduser("~"))
+        config.stash[_HOME_BEFORE] = (real_home, home_snapshot(real_home))
+        runs = base.parent if base.parent.name.startswith("pytest-of-") else None  # (not under --basetemp)
+        docs = docs_tmp_paths(_ROOT)
+        gone = remove_leftovers(runs, Path(tempfile.gettempdir()), base, docs)
+        if gone and reporter is not None:
+            reporter.write_line(f"removed what runs stopped partway left: {', '.join(map(str, gone))}")
+        write_mark(base, tmp_before=sorted(str(p) for p in docs if os.path.lexists(p)))
+        if reporter is not None:
+            threaded = config.pluginmanager.has_plugin("dsession")  # xdist's controller: it runs no test itself
+            config.pluginmanager.register(Progress(config, reporter, threaded), "pagedllm-progress")
     free = shutil.disk_usage(base).free
-    if not hasattr(config, "workerinput") and free < _DISK_NEEDED:  # said once, by the controller
+    if controller and free < _DISK_NEEDED:  # said once, by the controller
         pytest.exit(
             f"{free / 2**30:.1f} GiB free under {base.parent}: the suite writes up to about "
             f"{_DISK_NEEDED / 2**30:.1f} GiB there (tiny models, vision checkpoints, mypy's cache); free some space "
@@ -71,7 +89,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # AF_UNIX path may not pass 107 bytes: the session's base folder itself, where it is short enough
     ray = base / "r"
     if len(str(ray)) > 36:
-        ray = Path(tempfile.mkdtemp(prefix="ray-"))
+        ray = Path(tempfile.mkdtemp(prefix=RAY_PREFIX))
+        write_mark(ray)  # (a run that is killed leaves it: the next one removes it)
         config.add_cleanup(lambda: shutil.rmtree(ray, ignore_errors=True))
     dirs = {
         "HOME": home,
@@ -87,6 +106,24 @@ def pytest_configure(config: pytest.Config) -> None:
         path.mkdir(parents=True, exist_ok=True)
         os.environ[name] = str(path)
     os.environ.setdefault("RAY_worker_niceness", "0")  # the Ray clusters tests start, as the executor's own
+    # Ray turns token authentication on for a cluster it starts and saves a new token in ~/.ray/auth_token (the
+    # isolated home's, here): one token for the whole run, in the environment, and Ray writes no file for it
+    if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The run fails if it wrote under the user's home (what conftest's isolation should have sent elsewhere)."""
+    if _HOME_BEFORE not in session.config.stash:  # (an xdist worker: the controller checks once, at the end)
+        return
+    home, before = session.config.stash[_HOME_BEFORE]
+    new = sorted(home_snapshot(home) - before)
+    if new:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"the run wrote under {home} (or something beside it did): {', '.join(new)}", red=True)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # Under pytest-xdist (the README's test command runs two workers: on two cores a lone worker leaves them idle

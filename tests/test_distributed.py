@@ -230,7 +230,8 @@ def test_bad_parallel_sizes_are_refused_at_start(qwen2_dir: Path) -> None:
 @pytest.fixture
 def local_ray():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    # (the workers' own output stays in Ray's log files: forwarded here, it landed in the test output)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -255,7 +256,7 @@ def test_ray_pp2_spans_two_nodes(qwen2_dir: Path, reference) -> None:
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, logging_level="WARNING")
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     try:
         llm = LLM(str(qwen2_dir), **ENGINE_KW, pipeline_parallel_size=2, distributed_executor_backend="ray")
         try:
