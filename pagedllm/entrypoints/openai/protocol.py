@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator
@@ -14,6 +15,22 @@ from pagedllm.sampling_params import SamplingParams
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# A request model's fields take their JSON types as they are: an unknown field, "5" for an integer, true or 1.0 for
+# a token id, are 400s naming the field (an integer is still a number)
+_REQUEST = ConfigDict(extra="forbid", strict=True)
+
+
+def _also_a_string(name: str) -> Callable[[dict[str, Any]], None]:
+    """A model's JSON schema hook: field ``name``, which a before-validator builds from a string too, is
+    documented as taking one (the schema says what the server accepts)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        field = schema["properties"][name]
+        schema["properties"][name] = {"anyOf": [{"type": "string"}, field], "title": field.get("title", name)}
+
+    return extra
 
 
 class ErrorInfo(BaseModel):
@@ -27,13 +44,23 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# the 200 of an endpoint that streams with "stream": true: JSON, or Server-Sent Events
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The answer; with stream: true, Server-Sent Events", "content": {"text/event-stream": {}}}
+}
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     # unknown fields are rejected (400 naming them), never silently ignored
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
 
     model: str | None = None
     max_tokens: int | None = None
@@ -350,7 +377,7 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -368,7 +395,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     model: str | None = None
     tokens: list[StrictInt]  # "0", true or 0.0 are not token ids
 
@@ -383,7 +410,7 @@ class DetokenizeResponse(BaseModel):
 class EmbeddingRequest(BaseModel):
     """OpenAI's /v1/embeddings, plus vLLM's ``truncate_prompt_tokens``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -415,7 +442,7 @@ class EmbeddingResponse(BaseModel):
 class ScoreRequest(BaseModel):
     """vLLM's /score: one ``text_1`` against each ``text_2``, or pairwise."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
@@ -440,7 +467,7 @@ class ScoreResponse(BaseModel):
 class RerankRequest(BaseModel):
     """vLLM's /rerank (Jina / Cohere style): the documents ordered by relevance to the query."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     model: str | None = None
     query: str
     documents: list[str]
@@ -475,7 +502,7 @@ def _item_type(value: Any, default: str) -> str:
 class ResponsesTextPart(BaseModel):
     """A text part of a message item: ``input_text``, or ``output_text`` in an assistant message sent back."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # carried by an output_text part sent back; unused
@@ -491,7 +518,7 @@ class ResponsesMessageItem(BaseModel):
     """``{"role", "content"}`` (``type: "message"`` may be left out); an output message sent back carries its
     ``id`` and ``status`` too."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**_REQUEST, json_schema_extra=_also_a_string("content"))
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: list[ResponsesTextPart]
@@ -504,7 +531,7 @@ class ResponsesMessageItem(BaseModel):
 class ResponsesFunctionCallItem(BaseModel):
     """A call the model made (an output item sent back)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -516,7 +543,7 @@ class ResponsesFunctionCallItem(BaseModel):
 class ResponsesFunctionCallOutputItem(BaseModel):
     """What the client's function returned for ``call_id``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**_REQUEST, json_schema_extra=_also_a_string("output"))
     type: Literal["function_call_output"]
     call_id: str
     output: list[ResponsesTextPart]
@@ -537,7 +564,7 @@ ResponsesInputItem = Annotated[
 class ResponsesFunctionTool(BaseModel):
     """A function tool, in the Responses API's flat shape (chat nests the same fields under ``function``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     type: Literal["function"] = "function"
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
@@ -560,7 +587,7 @@ ResponsesTool = Annotated[
 
 
 class ResponsesTextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
     # {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", "strict", "description"}
     format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
 
@@ -569,7 +596,7 @@ class ResponsesRequest(BaseModel):
     """OpenAI's ``POST /v1/responses``, plus vLLM's extra sampling fields. Options this server does not
     implement (background mode, built-in tools, ``truncation: "auto"``, ...) are refused by name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**_REQUEST, json_schema_extra=_also_a_string("input"))  # one user message
     model: str | None = None
     input: list[ResponsesInputItem]  # a string is one user message
     instructions: str | None = None

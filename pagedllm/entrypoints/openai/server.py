@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
+from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai import (
     serving_admin,
     serving_chat,
@@ -226,7 +227,63 @@ def build_app(
     app.include_router(serving_completions.router)
     app.include_router(serving_chat.router)
     app.include_router(serving_responses.router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+# The errors the server answers with, in OpenAI's shape, as /openapi.json documents them (FastAPI's own default is
+# a 422 in its own shape, which this server never sends: a validation error is a 400, as vLLM's and OpenAI's)
+_ERRORS = {
+    "400": "Invalid parameters, malformed JSON, or a body that is not JSON",
+    "401": "A missing or wrong API key (with --api-key)",
+    "404": "An unknown model, adapter, route or stored response",
+    "408": "The request body stalled (--request-body-timeout)",
+    "413": "A body over --max-request-body-bytes",
+    "500": "This request failed inside the engine; the engine serves everyone else on",
+    "503": "The queue is full, the model is loading, or the engine is restarting or dead (Retry-After where known)",
+}
+
+
+def _allowed_methods(app: FastAPI, path: str) -> str:
+    """Every method the app's routes take at ``path`` (the documented operations whose template it matches)."""
+    import re
+
+    methods: set[str] = set()
+    for template, ops in app.openapi()["paths"].items():
+        if re.fullmatch(re.sub(r"\{[^/}]+\}", "[^/]+", template), path):
+            methods |= {m.upper() for m in ops}
+    return ", ".join(sorted(methods))
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema with every operation's documented errors set to what the server returns."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name, model in (("ErrorInfo", P.ErrorInfo), ("ErrorResponse", P.ErrorResponse)):
+        components[name] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    probes = {"/health": ("503",), "/metrics": (), "/version": ()}  # answer without the key, and take no input
+    for path, ops in schema["paths"].items():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for code in probes.get(path, _ERRORS):
+                responses.setdefault(code, {"description": _ERRORS[code], "content": error})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    state: ServerState = app.state.server
+    if state.api_key is not None:  # what needs the key says so, as a bearer scheme
+        schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        for path, ops in schema["paths"].items():
+            if path not in state.open_endpoints:
+                for op in ops.values():
+                    op["security"] = [{"apiKey": []}]
+    app.openapi_schema = schema
+    return schema
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -245,12 +302,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(400, msg or "invalid request", "invalid_request_error", ".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         """Body errors (ours and FastAPI's) and unknown routes, in the OpenAI error shape."""
         type_ = {404: "NotFoundError", 413: "request_too_large"}.get(exc.status_code, "invalid_request_error")
-        return error_response(
-            exc.status_code, str(exc.detail), type_, getattr(exc, "param", None), getattr(exc, "headers", None)
-        )
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names the first route of the path only; a path may have several
+            headers = {**(headers or {}), "Allow": _allowed_methods(app, request.url.path)}
+        return error_response(exc.status_code, str(exc.detail), type_, getattr(exc, "param", None), headers)
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.common import JSONBodyRoute
 from pagedllm.entrypoints.openai.dashboard import EngineStateHub, dashboard_html
@@ -35,7 +35,11 @@ async def engine_state(state: ServerStateDep, check: bool = False):
     return await take_state(state, check)
 
 
-@router.get("/v1/engine/state/stream", response_model=None)
+@router.get(
+    "/v1/engine/state/stream",
+    response_model=None,
+    responses={200: {"description": "Server-Sent Events: one snapshot each", "content": {"text/event-stream": {}}}},
+)
 async def engine_state_stream(state: ServerStateDep):
     """The same snapshot as Server-Sent Events, one per interval, shared by every watcher."""
     state.engine()  # 503 while loading
@@ -55,9 +59,8 @@ async def engine_state_stream(state: ServerStateDep):
     )
 
 
-@router.get("/dashboard", response_model=None)
+@router.get("/dashboard", response_model=None, response_class=HTMLResponse)
 async def dashboard():
     """The live dashboard (its data comes from /v1/engine/state/stream, behind the API key)."""
-    from fastapi.responses import HTMLResponse
 
     return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})

@@ -31,7 +31,7 @@ from pagedllm.outputs import RequestOutput
 router = APIRouter(route_class=JSONBodyRoute)
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=P.STREAMED)
 async def chat(req: P.ChatCompletionRequest, raw: Request, state: ServerStateDep):
     rid, streams, choice, parser = await start_chat(state, req, state.trace_headers(raw))
     model = req.model or state.served_model_name

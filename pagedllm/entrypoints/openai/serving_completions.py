@@ -24,7 +24,7 @@ from pagedllm.outputs import RequestOutput
 router = APIRouter(route_class=JSONBodyRoute)
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses=P.STREAMED)
 async def completions(req: P.CompletionRequest, raw: Request, state: ServerStateDep):
     llm = state.generator()
     lora = state.check_model(req.model)

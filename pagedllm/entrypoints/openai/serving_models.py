@@ -4,7 +4,7 @@ load / unload endpoints (``lora_router``, included only with --allow-runtime-lor
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm import __version__
 from pagedllm.entrypoints.openai import protocol as P
@@ -18,7 +18,7 @@ router = APIRouter(route_class=JSONBodyRoute)
 lora_router = APIRouter(route_class=JSONBodyRoute)
 
 
-@router.get("/health")
+@router.get("/health", response_model=P.HealthResponse)
 async def health(state: ServerStateDep):
     llm = state.llm
     if llm is None:
@@ -31,10 +31,10 @@ async def health(state: ServerStateDep):
         return error_response(
             503, "the engine is restarting after a fault", "engine_restarting", headers={"Retry-After": "1"}
         )
-    return Response(status_code=200)
+    return P.HealthResponse()
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(state: ServerStateDep):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

@@ -77,7 +77,7 @@ _SHARED_FIELDS = (
 )
 
 
-@router.post("/v1/responses", response_model=None)
+@router.post("/v1/responses", response_model=None, responses=P.STREAMED)
 async def create_response(req: P.ResponsesRequest, raw: Request, state: ServerStateDep):
     _check_supported(req)
     history: tuple[P.ChatMessage, ...] = ()
