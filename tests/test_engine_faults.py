@@ -472,3 +472,62 @@ def test_schemathesis_with_every_check_finds_no_error_and_no_nonconformance(mode
         assert httpx.get(f"{server.url}/health").status_code == 200  # and it serves on
     finally:
         server.stop()
+
+
+# -- property-based: any SamplingParams is refused with InvalidParameterError or served ----------------------------
+
+
+def _sampling_kwargs():
+    from hypothesis import strategies as st
+
+    ints = st.sampled_from([0, 1, 2, -1, 49151, 49152, 2**31, 2**63 - 1, 2**63, 2**70, -(2**63) - 1])
+    floats = st.sampled_from([0.0, 1e-300, 1e-3, 0.5, 1.0, 2.0, 1e4, 1e308, float("inf"), float("nan")]) | st.floats()
+    ids = st.lists(ints, max_size=4)
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "temperature": floats,
+            "top_p": floats,
+            "top_k": ints,
+            "min_p": floats,
+            "presence_penalty": floats,
+            "frequency_penalty": floats,
+            "repetition_penalty": floats,
+            "seed": ints,
+            "n": st.sampled_from([1, 2, 3, 0, 2**70]),
+            "min_tokens": st.sampled_from([0, 1, 3, 2**70]),
+            "max_tokens": st.sampled_from([1, 4, 2**70, None]),
+            "logprobs": st.sampled_from([None, 0, 2, 2**70]),
+            "allowed_token_ids": st.none() | ids,
+            "stop_token_ids": ids,
+            "logit_bias": st.dictionaries(ints, floats, max_size=3),
+            "bad_words": st.lists(st.sampled_from(["the", "a", "\ud800", ""]), max_size=2),
+            "ignore_eos": st.booleans(),
+        },
+    )
+
+
+def test_any_sampling_params_are_refused_or_served_and_the_engine_serves_on(llm, reference):
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(kwargs=_sampling_kwargs())
+    def one(kwargs):
+        try:
+            params = SamplingParams(**kwargs)
+        except InvalidParameterError:
+            return
+        params.max_tokens = min(params.max_tokens or 4, 4)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        try:
+            outs = llm.generate(["Once upon a time"], params, use_tqdm=False)
+        except InvalidParameterError:
+            outs = None
+        if outs is not None:
+            for c in outs[0].outputs:  # served, or failed alone with the reason
+                assert c.finish_reason in ("stop", "length", "error"), c
+                assert all(0 <= t < 49152 for t in c.token_ids)
+        check_engine_clean(llm)
+
+    one()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference

@@ -428,6 +428,10 @@ def _fuzz_one(server, endpoint: str, body: dict, fuzz_rss: dict) -> None:
         if status != 200:
             r.read()
     assert status < 500 or status == 503, (status, r.text[:300] if status != 200 else "")
+    if status == 503:  # a full queue may say so; a dead engine may not (it said 503 for every request after)
+        assert json.loads(r.text)["error"]["type"] == "server_overloaded", r.text[:300]
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 200, health.text  # the engine serves on after every body
     base = _median(before.health)
     assert elapsed < max(2.0, 100 * base), f"took {elapsed:.2f}s to answer (/health: {base * 1e3:.1f} ms)"
     for _ in range(3):
