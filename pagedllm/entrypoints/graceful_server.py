@@ -45,7 +45,7 @@ def timed_http_protocol(header_timeout: float, max_connections: int) -> type:
     class TimedHttpProtocol(HttpToolsProtocol):
         _header_timer = None
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             if len(self.connections) >= max_connections and time.monotonic() - last_warning[0] > 60:
                 last_warning[0] = time.monotonic()
