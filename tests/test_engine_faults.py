@@ -434,38 +434,17 @@ def test_schemathesis_with_every_check_finds_no_error_and_no_nonconformance(mode
     schemas, auth, negative data) against a keyed server finds no 5xx and nothing the schema does not document.
     ``positive_data_acceptance`` is left out: a schema cannot carry what depends on the model loaded (token ids
     within its vocabulary, prompts within its context, whether it pools), which the server rightly refuses."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    from utils import Server
+    from utils import Server, schemathesis
 
     server = Server(model_dir, "--api-key", KEY, "--max-model-len", "128")
     try:
-        st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
-        r = subprocess.run(
-            [
-                st,
-                "run",
-                f"{server.url}/openapi.json",
-                "--checks",
-                "all",
-                "--exclude-checks",
-                "positive_data_acceptance",
-                "--max-examples",
-                "15",
-                "--generation-deterministic",
-                "--request-timeout",
-                "60",
-                "-H",
-                f"Authorization: Bearer {KEY}",
-                "--exclude-path-regex",
-                "/stream$",  # an endless stream: the dashboard test reads it
-            ],
-            capture_output=True,
-            text=True,
-            timeout=900,
+        r = schemathesis(
+            server.url,
+            *("--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-examples", "15"),
+            *("-H", f"Authorization: Bearer {KEY}"),
+            *("--exclude-path-regex", "/stream$"),  # an endless stream: the dashboard test reads it
         )
         assert r.returncode == 0, r.stdout[-6000:]
         assert re.search(r"[1-9]\d* generated", r.stdout), r.stdout[-2000:]

@@ -8,15 +8,12 @@ have become gives the same token count as the response's usage.input_tokens.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from utils import MODEL, TIME_TOOL, WEATHER_TOOL, Server
+from utils import MODEL, TIME_TOOL, WEATHER_TOOL, Server, schemathesis
 
 openai = pytest.importorskip("openai")
 
@@ -512,26 +509,10 @@ def test_schemathesis_finds_no_server_errors_in_the_responses_api(server, tmp_pa
     otherwise each generate to the context's end (on a busy 2-core machine: 14 minutes instead of 15 seconds)."""
     hook = tmp_path / "short_answers.py"
     hook.write_text(_SHORT_ANSWERS_HOOK)
-    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
-    r = subprocess.run(
-        [
-            st,
-            "run",
-            f"{server.url}/openapi.json",
-            "--include-path-regex",
-            "^/v1/responses",
-            "--checks",
-            "not_a_server_error",
-            "--max-examples",
-            "20",
-            "--generation-deterministic",
-            "--request-timeout",
-            "60",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "SCHEMATHESIS_HOOKS": str(hook)},
+    r = schemathesis(
+        server.url,
+        *("--include-path-regex", "^/v1/responses", "--checks", "not_a_server_error", "--max-examples", "20"),
+        env={"SCHEMATHESIS_HOOKS": str(hook)},
     )
     assert r.returncode == 0, r.stdout[-4000:]
     assert re.search(r"[1-9]\d* generated, [1-9]\d* passed", r.stdout), r.stdout[-2000:]

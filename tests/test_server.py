@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from utils import MODEL, TIME_TOOL, WEATHER_TOOL, Server
+from utils import MODEL, TIME_TOOL, WEATHER_TOOL, Server, schemathesis
 
 openai = pytest.importorskip("openai")
 
@@ -412,27 +411,10 @@ def test_schemathesis_finds_no_server_errors(server):
     """Fuzz every operation of the server's own OpenAPI schema; any 5xx fails. (The Responses API's are fuzzed in
     test_responses_api, where a hook keeps their answers short: most of its fuzzed bodies are valid and would each
     generate up to the context's end.)"""
-    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
-    r = subprocess.run(
-        [
-            st,
-            "run",
-            f"{server.url}/openapi.json",
-            "--checks",
-            "not_a_server_error",
-            "--max-examples",
-            "20",
-            "--generation-deterministic",
-            "--request-timeout",
-            "60",
-            "--exclude-path-regex",
-            "^/v1/responses",
-            "-H",
-            f"Authorization: Bearer {API_KEY}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = schemathesis(
+        server.url,
+        *("--checks", "not_a_server_error", "--max-examples", "20", "--exclude-path-regex", "^/v1/responses"),
+        *("-H", f"Authorization: Bearer {API_KEY}"),
     )
     assert r.returncode == 0, r.stdout[-4000:]
     assert re.search(r"[1-9]\d* generated, [1-9]\d* passed", r.stdout), r.stdout[-2000:]

@@ -641,3 +641,16 @@ def benchmark_module(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def schemathesis(url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``schemathesis run`` of the server at ``url``'s /openapi.json, deterministic, with ``args`` (checks, paths,
+    headers) added; its output is text."""
+    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    return subprocess.run(
+        [st, "run", f"{url}/openapi.json", "--generation-deterministic", "--request-timeout", "60", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **(env or {})},
+    )
