@@ -510,3 +510,53 @@ def test_any_sampling_params_are_refused_or_served_and_the_engine_serves_on(llm,
 
     one()
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+
+
+@pytest.mark.parametrize("impl", ["h11", "httptools"])
+def test_the_header_deadline_holds_with_either_http_parser(impl):
+    """`pagedllm serve` from a plain install has uvicorn's h11 parser only (httptools comes with uvicorn[standard]):
+    the header deadline works with both, on a fresh connection and on a kept-alive one after an answer."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from pagedllm.entrypoints.graceful_server import timed_http_protocol
+
+    from utils import _free_port
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = _free_port()
+    config = uvicorn.Config(app, port=port, http=timed_http_protocol(1.0, 100, impl), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+        def ends_within(s: socket.socket, seconds: float) -> bytes:
+            s.settimeout(seconds)
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            return got
+
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Half")
+            assert ends_within(s, 10) == b""  # closed by the deadline, not by the test's timeout
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(0.3)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Half")  # kept alive, then half a second request
+            assert ends_within(s, 10).startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(30)

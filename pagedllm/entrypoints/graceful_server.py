@@ -30,19 +30,34 @@ def client_limits(max_connections: int | None, max_keepalive_connections: int | 
     )
 
 
-def timed_http_protocol(header_timeout: float, max_connections: int) -> type:
-    """uvicorn's HTTP protocol (httptools, its default where installed) with a deadline on each request's headers.
-    uvicorn's own keep-alive timer stops at the first byte of a request, so a client that sends half a header is
-    otherwise held forever. Also logs (at most once a minute) when ``max_connections`` is reached."""
+def timed_http_protocol(header_timeout: float, max_connections: int, impl: str = "auto") -> type:
+    """uvicorn's HTTP protocol (``impl``: httptools where installed, as uvicorn's "auto" picks, else h11) with a
+    deadline on each request's headers. uvicorn's own keep-alive timer stops at the first byte of a request, so a
+    client that sends half a header is otherwise held forever. Also logs (at most once a minute) when
+    ``max_connections`` is reached."""
     import logging
     import time
 
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    base: type
+    if impl == "auto":
+        try:
+            import httptools  # noqa: F401 (uvicorn's httptools protocol needs it; a plain install has h11 only)
+
+            impl = "httptools"
+        except ImportError:
+            impl = "h11"
+    if impl == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
     logger = logging.getLogger("pagedllm")
     last_warning = [0.0]
 
-    class TimedHttpProtocol(HttpToolsProtocol):
+    class TimedHttpProtocol(base):
+        """The timer runs from the connection's start and from each answer; when it fires, a connection with no
+        request in progress (its headers never completed) is closed."""
+
         _header_timer = None
 
         def connection_made(self, transport) -> None:
@@ -67,13 +82,11 @@ def timed_http_protocol(header_timeout: float, max_connections: int) -> type:
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is in progress: its headers came whole (its body has a timeout of its own)
             if not self.transport.is_closing():
                 logger.info("closed a connection whose request headers did not arrive in %.0f s", header_timeout)
                 self.transport.close()
-
-        def on_headers_complete(self) -> None:
-            self._cancel_header_timer()
-            super().on_headers_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
