@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -415,18 +416,21 @@ class AsyncLLM:
             logger.exception("engine loop died")
             with self._lock:
                 self._dead = e
-                targets = list(self._streams.values())
-            for loop, q in targets:  # after every output already on its way
-                self._outbox.put((loop, [(q, e)]))
+            self._fail_streams(e)
             if self.on_dead is not None:
                 self.on_dead(e)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        """Every open stream ends with ``error``, after every output already on its way."""
+        with self._lock:
+            targets = list(self._streams.values())
+        for loop, q in targets:
+            self._outbox.put((loop, [(q, error)]))
 
     def _restart(self, error: Exception) -> bool:
         """A step failed and no request could be blamed: fail every request in flight, then rebuild the engine
         core in this process. False (the engine dies) where it cannot be rebuilt, or after MAX_RESTARTS within
         RESTART_WINDOW_S: then something is wrong beyond one request."""
-        import time
-
         now = time.monotonic()
         self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
         if len(self._restarts) > MAX_RESTARTS or not self.engine.can_rebuild():
@@ -441,11 +445,9 @@ class AsyncLLM:
         )
         self.restarting = True
         try:
-            failure = RequestFailedError(f"the engine failed while serving this request and restarted: {error!r}")
-            with self._lock:
-                targets = list(self._streams.values())
-            for loop, q in targets:
-                self._outbox.put((loop, [(q, failure)]))
+            self._fail_streams(
+                RequestFailedError(f"the engine failed while serving this request and restarted: {error!r}")
+            )
             self.engine.rebuild()
         finally:
             self.restarting = False
@@ -472,8 +474,6 @@ class PixelBudget:
         self._lock = threading.Lock()
 
     async def acquire(self, n: int) -> None:
-        import time
-
         deadline = time.monotonic() + self.wait_s
         while True:
             with self._lock:
