@@ -5,8 +5,14 @@ from /proc) and drives it with a seeded mix of clients:
 
 * well-behaved ones: completions and chat, streamed and not, some with ``n`` > 1 and stop strings;
 * careless ones (10 %): a stream dropped after a few chunks;
+* Responses API clients (5 %): stored responses with a 1 MiB ``user`` field, read back, some deleted; the
+  warm-up fills the store past its byte cap (``--max-stored-response-bytes``), so it evicts from then on;
 * hostile ones (5 %): huge numbers, NaN, a 10 MB body, JSON nested 100 000 deep, unknown fields,
-  invalid UTF-8, a prompt 100x the context, an unknown model;
+  invalid UTF-8, a prompt 100x the context, an unknown model, and each class that once stopped the
+  engine (integers past 64 bits, floats at the edges of float64, a mask that leaves no legal token,
+  lone UTF-16 surrogates), and requests without the API key (the server runs with ``--api-key``);
+* half-sent requests: every burst period, 10 connections that send half a header and 10 that send half
+  a body, each of which the server must close within its header and body deadlines;
 * bursts at 5x what the server can hold (running + queued), which it must refuse with 503 and
   ``Retry-After``.
 
@@ -15,6 +21,7 @@ Then it waits for the server to go idle and checks:
 * every answer was one the request deserved (200 for good ones, the right 4xx for hostile
   ones, 503 with Retry-After only as backpressure, no other 5xx, no hang, no broken stream);
   a good answer obeys the request (``n`` choices, no stop string in the text);
+* no engine restart was needed (``pagedllm:engine_restarts_total`` is 0: no valid request faulted);
 * every accepted request either completed or was aborted by its own client, by the server's own
   count (``pagedllm:request_success_total``);
 * the KV cache is empty again and the block pool's invariants hold (``/v1/engine/state?check=true``);
@@ -31,6 +38,7 @@ import json
 import os
 import random
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -58,9 +66,21 @@ HOSTILE = (
     "huge_n",
     "negative_temperature",
     "unknown_model",
+    # the classes that once stopped the engine for everyone (issue 57), and requests without the key
+    "seed_past_64_bits",
+    "top_k_past_64_bits",
+    "huge_temperature",
+    "tiny_penalty",
+    "no_legal_token",
+    "token_id_past_64_bits",
+    "lone_surrogate_prompt",
+    "lone_surrogate_message",
+    "no_key_completion",
+    "no_key_tokenize",
 )
 # the other hostile requests get 400 (a max_tokens of 10**18 too: the context has no room for it, as in vLLM)
-_EXPECTED = {"huge_body": {413}, "unknown_model": {404}}
+_EXPECTED = {"huge_body": {413}, "unknown_model": {404}, "no_key_completion": {401}, "no_key_tokenize": {401}}
+STORED_USER_BYTES = 1 << 20  # the `user` field of each stored response
 
 
 @dataclass
@@ -78,6 +98,12 @@ class SoakConfig:
     kv_cache_bytes: int = 1 << 30
     rss_tolerance: float = 0.05
     idle_settle_s: float = 12.0  # idle threads of the server's thread pools exit after 10 s
+    request_timeout_s: float = 30.0
+    """The server's --request-header-timeout and --request-body-timeout: how long a half-sent request may hang on."""
+    half_sent: int = 20
+    """Half-sent connections a round, a round each burst period (half stall in their header, half in their body)."""
+    stored_response_bytes: int = 8 << 20
+    """The server's --max-stored-response-bytes: the warm-up stores responses past it."""
     onednn_cache_capacity: int | None = None
     """The server's oneDNN primitive caches (the engine's default, 128 each, when None): they grow with each new
     batch row count until full, which a short soak on a slow machine may not reach in its warm-up."""
@@ -107,6 +133,18 @@ class Soak:
         self.headers = headers or {}
         self.tally = Tally()
         self.end = 0.0
+        self.token_id, self.word = 0, ""  # one token and its text, for the masks that leave nothing (prepare())
+
+    async def prepare(self, client) -> None:
+        """The id and text of one token of the served model's vocabulary (through /tokenize, with the key)."""
+        r = await client.post(
+            self.url + "/tokenize", json={"prompt": " hello", "add_special_tokens": False}, headers=self.headers
+        )
+        r.raise_for_status()
+        self.token_id = r.json()["tokens"][0]
+        r = await client.post(self.url + "/detokenize", json={"tokens": [self.token_id]}, headers=self.headers)
+        r.raise_for_status()
+        self.word = r.json()["prompt"].strip()
 
     # -- one request of each kind ------------------------------------------------------------------
     async def _good(self, client, rng: random.Random, kind: str) -> None:
@@ -179,6 +217,74 @@ class Soak:
             self.tally.completed += 1
             self.tally.outcomes[(kind, "200")] += 1
 
+    async def _responses(self, client, rng: random.Random, kind: str = "responses") -> None:
+        """A stored response with a 1 MiB ``user``, read back; a third of them deleted, then gone (404)."""
+        body = {
+            "model": self.model,
+            "input": _prompt(rng),
+            "max_output_tokens": rng.randint(1, self.c.max_tokens),
+            "temperature": 0.0,
+            "store": True,
+            "user": "u" * STORED_USER_BYTES,
+        }
+        r = await client.post(self.url + "/v1/responses", json=body, headers=self.headers)
+        if not self._status_ok(kind, r):
+            return
+        answer = r.json()
+        if answer.get("status") not in ("completed", "incomplete") or not answer.get("id"):
+            self.tally.problem(f"{kind}: status {answer.get('status')}")
+            return
+        url = f"{self.url}/v1/responses/{answer['id']}"
+        got = await client.get(url, headers=self.headers)  # evicted already only if the store is tiny
+        if got.status_code != 200 or got.json()["id"] != answer["id"]:
+            self.tally.problem(f"{kind}: reading a stored response back: HTTP {got.status_code}")
+            return
+        if rng.random() < 1 / 3:
+            gone = await client.delete(url, headers=self.headers)
+            again = await client.get(url, headers=self.headers)
+            if gone.status_code != 200 or again.status_code != 404:
+                self.tally.problem(f"{kind}: DELETE gave {gone.status_code}, then GET {again.status_code}")
+                return
+        self.tally.completed += 1
+        self.tally.outcomes[(kind, "200")] += 1
+
+    async def _half_sent(self) -> None:
+        """One round: ``half_sent`` connections stall, half in their header and half in their body; each must be
+        closed by the server (the body's after a 408) within its deadline plus a margin."""
+        host, port = self.url.removeprefix("http://").split(":")
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for name, value in self.headers.items():  # with the key: one without it is refused before its body is read
+            head += f"{name}: {value}\r\n".encode()
+
+        async def one(i: int) -> None:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                half_body = i % 2 == 0
+                writer.write(head + b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "' if half_body else head[:50])
+                await writer.drain()
+                deadline = self.c.request_timeout_s + 30
+                try:
+                    got = await asyncio.wait_for(reader.read(), deadline)  # until the server closes it
+                except asyncio.TimeoutError:
+                    self.tally.problem(f"half-sent: still open after {deadline:.0f} s")
+                    return
+                if half_body and not got.startswith(b"HTTP/1.1 408"):
+                    self.tally.problem(f"half-sent: a stalled body was answered {got[:40]!r}, not 408")
+                    return
+                self.tally.outcomes[("half_sent", "closed")] += 1
+            finally:
+                writer.close()
+
+        await asyncio.gather(*(one(i) for i in range(self.c.half_sent)))
+
+    async def _half_sent_rounds(self) -> None:
+        while time.monotonic() < self.end:
+            try:
+                await self._half_sent()
+            except OSError as e:
+                self.tally.problem(f"half-sent: {type(e).__name__}: {e}")
+            await asyncio.sleep(max(0.0, min(self.c.burst_every_s, self.end - time.monotonic())))
+
     async def _disconnect(self, client, rng: random.Random) -> None:
         body = {
             "model": self.model,
@@ -206,6 +312,7 @@ class Soak:
         what = what or rng.choice(HOSTILE)
         base = {"model": self.model, "prompt": "hello", "max_tokens": 4}
         raw: bytes
+        path, headers = "/v1/completions", self.headers
         if what == "huge_max_tokens":
             raw = json.dumps({**base, "max_tokens": 10**18, "ignore_eos": True}).encode()
         elif what == "huge_logprobs":
@@ -226,11 +333,31 @@ class Soak:
             raw = json.dumps({**base, "n": 10**9}).encode()
         elif what == "negative_temperature":
             raw = json.dumps({**base, "temperature": -1}).encode()
+        elif what == "seed_past_64_bits":
+            raw = json.dumps({**base, "seed": 2**70}).encode()
+        elif what == "top_k_past_64_bits":
+            raw = json.dumps({**base, "top_k": 2**64, "temperature": 1.0}).encode()
+        elif what == "huge_temperature":
+            raw = json.dumps({**base, "temperature": 1e308}).encode()
+        elif what == "tiny_penalty":
+            raw = json.dumps({**base, "repetition_penalty": 1e-300, "temperature": 1.0}).encode()
+        elif what == "no_legal_token":  # the one allowed token is banned too
+            raw = json.dumps({**base, "allowed_token_ids": [self.token_id], "bad_words": [self.word]}).encode()
+        elif what == "token_id_past_64_bits":
+            raw = json.dumps({**base, "allowed_token_ids": [self.token_id, 2**70]}).encode()
+        elif what == "lone_surrogate_prompt":  # json.dumps writes it as the escape "\\ud800": the only way one travels
+            raw = json.dumps({**base, "prompt": "hi \ud800 there"}).encode()
+        elif what == "lone_surrogate_message":
+            body = {"model": self.model, "max_tokens": 4, "messages": [{"role": "user", "content": "a \udfff"}]}
+            raw = json.dumps(body).encode()
+            path = "/v1/chat/completions"
+        elif what == "no_key_completion":
+            raw, headers = json.dumps(base).encode(), {}
+        elif what == "no_key_tokenize":
+            raw, headers, path = json.dumps({"prompt": "hello " * 1000}).encode(), {}, "/tokenize"
         else:
             raw = json.dumps({**base, "model": "no-such-model"}).encode()
-        r = await client.post(
-            self.url + "/v1/completions", content=raw, headers={**self.headers, "content-type": "application/json"}
-        )
+        r = await client.post(self.url + path, content=raw, headers={**headers, "content-type": "application/json"})
         want = _EXPECTED.get(what, {400})
         if r.status_code in want:
             self.tally.outcomes[("hostile", what)] += 1
@@ -254,11 +381,15 @@ class Soak:
                 if x < 0.55
                 else "chat"
                 if x < 0.70
+                else "responses"
+                if x < 0.75
                 else "complete"
             )
         try:
             if kind == "hostile":
                 await self._hostile(client, rng)
+            elif kind == "responses":
+                await self._responses(client, rng)
             elif kind == "disconnect":
                 await self._disconnect(client, rng)
             else:
@@ -286,7 +417,11 @@ class Soak:
     async def run(self, seconds: float) -> None:
         async with self._http() as client:
             self.end = time.monotonic() + seconds
-            await asyncio.gather(self._bursts(client), *(self._client(client, i) for i in range(self.c.clients)))
+            await asyncio.gather(
+                self._bursts(client),
+                self._half_sent_rounds(),
+                *(self._client(client, i) for i in range(self.c.clients)),
+            )
 
     async def every_path_once(self) -> None:
         """Each kind of request once, every hostile one included, then one burst at full size: the start of the
@@ -295,10 +430,14 @@ class Soak:
         rng = random.Random(self.c.seed * 1000 - 2)
         size = self.c.burst_factor * (self.c.max_num_seqs + self.c.max_queue_len)
         async with self._http() as client:
+            await self.prepare(client)
             for kind in ("complete", "chat", "stream", "n_stop", "disconnect"):
                 await self._one(client, rng, kind)
             for what in HOSTILE:
                 await self._hostile(client, rng, what)
+            for _ in range(self.c.stored_response_bytes // STORED_USER_BYTES + 2):  # the store at its byte cap
+                await self._one(client, rng, "responses")
+            await self._half_sent()
             await asyncio.gather(*(self._one(client, random.Random(rng.random()), "burst") for _ in range(size)))
 
     def _http(self):
@@ -399,6 +538,12 @@ def start_server(model: str, config: SoakConfig, extra: list[str], log) -> tuple
         "--kv-cache-memory",
         str(config.kv_cache_bytes),
         "--kv-cache-prefault",
+        "--request-header-timeout",
+        str(config.request_timeout_s),
+        "--request-body-timeout",
+        str(config.request_timeout_s),
+        "--max-stored-response-bytes",
+        str(config.stored_response_bytes),
         "--uvicorn-log-level",
         "warning",
         *extra,
@@ -426,9 +571,10 @@ def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name:
     """Start a server on ``model``, soak it, stop it; the report (``report["problems"]`` empty when it held)."""
     import httpx
 
+    key = secrets.token_hex(16)
     with tempfile.TemporaryFile(mode="w+") as log:  # the server's output; its process keeps its own descriptor
-        proc, url = start_server(model, config, ["--served-model-name", served_name, *extra], log)
-    headers: dict = {}
+        proc, url = start_server(model, config, ["--served-model-name", served_name, "--api-key", key, *extra], log)
+    headers = {"Authorization": f"Bearer {key}"}
     try:
         soaker = Soak(url, served_name, config, headers)
         total = config.minutes * 60
@@ -449,8 +595,12 @@ def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name:
         idle_after = proc_stats(proc.pid)
         finished_after = _finished_counts(url)
         final = httpx.post(
-            url + "/v1/completions", json={"model": served_name, "prompt": "still there?", "max_tokens": 4}, timeout=60
+            url + "/v1/completions",
+            json={"model": served_name, "prompt": "still there?", "max_tokens": 4},
+            headers=headers,
+            timeout=60,
         )
+        restarts = _metric_sum(httpx.get(url + "/metrics").text, "pagedllm:engine_restarts_total")
     finally:
         proc.terminate()
         code: int | None
@@ -486,6 +636,8 @@ def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name:
             problems.append(f"{key}: {idle_before[key]} idle before, {idle_after[key]} idle after")
     if final.status_code != 200:
         problems.append(f"a request after the soak got HTTP {final.status_code}")
+    if restarts:
+        problems.append(f"the engine restarted {restarts:.0f} times: a request faulted in a step")
     if code != 0:
         problems.append(f"the server exited with {code} on SIGTERM")
     bursts_503 = t.outcomes.get(("burst", "503"), 0)
@@ -502,6 +654,7 @@ def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name:
         "rejected_503": t.rejected_503,
         "server_finished_main_phase": done,
         "unexpected_5xx": five_xx,
+        "engine_restarts": restarts,
         "outcomes": {f"{k}/{v}": n for (k, v), n in sorted(t.outcomes.items())},
         "rss_mib": {
             "idle_after_warmup": idle_before["rss_mib"],
