@@ -208,6 +208,12 @@ def test_each_abusive_request_is_refused_fast_while_others_are_served(server):
         # for two seconds (one round is ~0.25 s, too short to tell a stalled stream from a hiccup of the box)
         base, base_rate, base_gap = _window(streamer, server, h, _cheap_once, 2.0)
         abuse, rate, gap = _window(streamer, server, h, _abuse_once, 2.0)
+        if gap >= max(1.0, 4 * base_gap):
+            # a stall the abuse causes comes back every time it is sent; one the box causes (a busy machine
+            # descheduling the server for a second) does not: both windows once more, and the second pair counts
+            print(f"a gap of {gap:.2f}s beside abuse vs {base_gap:.2f}s: measuring both windows again")
+            base, base_rate, base_gap = _window(streamer, server, h, _cheap_once, 2.0)
+            abuse, rate, gap = _window(streamer, server, h, _abuse_once, 2.0)
         time.sleep(0.3)
     report = (
         f"stream {rate:.0f} tok/s beside abuse vs {base_rate:.0f} beside cheap requests; longest gap "
