@@ -253,8 +253,15 @@ def test_required_and_named_calls_stream_as_they_answer(client):
             ]
             (done,) = [e for e in events if e.type == "response.function_call_arguments.done" and e.output_index == i]
             assert "".join(deltas) == done.arguments == item.arguments and done.item_id == item.id
-        if isinstance(choice, dict):  # the named function's arguments arrive piece by piece
-            assert sum(e.type == "response.function_call_arguments.delta" for e in events) > 1
+            assert len(deltas) > 1  # each call's arguments arrive piece by piece, required's too
+            added = [e for e in events if e.type == "response.output_item.added" and e.output_index == i]
+            assert kinds_before(events, added[0], "response.function_call_arguments.delta", i) == 0
+
+
+def kinds_before(events, event, kind: str, output_index: int) -> int:
+    """How many events of ``kind`` for ``output_index`` came before ``event``: an item is added before its deltas."""
+    at = events.index(event)
+    return sum(e.type == kind and getattr(e, "output_index", None) == output_index for e in events[:at])
 
 
 def _forced_call(text_before: str, max_output_tokens: int) -> dict:

@@ -690,17 +690,21 @@ def test_named_and_required_tool_calls_validate(client):
     ]
     assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+    # required: each call of the array streams as it is written, its id and name once, then its arguments in
+    # pieces; the openai client's stream helper accumulates them to the non-streamed answer's calls
     kw["tool_choice"] = "required"
-    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
-    streamed = [
-        d
-        for c in client.chat.completions.create(**kw, stream=True)
-        if c.choices
-        for d in c.choices[0].delta.tool_calls or []
+    whole = client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert whole.finish_reason == final.finish_reason == "tool_calls" and not final.message.content
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
     ]
-    assert [(d.function.name, d.function.arguments) for d in streamed] == [
-        (c.function.name, c.function.arguments) for c in whole
-    ]
+    pieces = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    for i, call in enumerate(whole.message.tool_calls):
+        assert len([e for e in pieces if e.index == i]) > 1, (i, call)  # over several chunks
+        assert len({c.id for c in final.message.tool_calls}) == len(whole.message.tool_calls)
 
 
 def test_auto_tool_choice_with_the_hermes_parser(client):

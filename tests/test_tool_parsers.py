@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
-from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, forced_schema, parse_forced, schema_problem
+from pagedllm.entrypoints.openai.tool_calls import (
+    TOOL_PARSERS,
+    forced_schema,
+    parse_forced,
+    required_stream_calls,
+    schema_problem,
+)
 
 from utils import TIME_TOOL, WEATHER_TOOL
 
@@ -129,6 +136,56 @@ def test_untagged_hold_releases_code_that_is_not_a_call():
     assert p.streamable("Use `x` here") == len("Use `x` here")
     assert p.streamable("```python\nx = 1\n```\nThat sets x.") == len("```python\nx = 1\n```\nThat sets x.")
     assert p.streamable("   ") == 0 and p.streamable("  [1, ") == 2
+
+
+def _fed_a_character_at_a_time(stream_calls, text: str) -> list[list[tuple[str, str]]]:
+    """Each call's successive (name, arguments so far) as ``stream_calls`` shows them for every prefix of
+    ``text``; a call's name never changes and its arguments only grow."""
+    seen: list[list[tuple[str, str]]] = []
+    for i in range(len(text) + 1):
+        for j, (name, args) in enumerate(stream_calls(text[:i])):
+            if j < len(seen):
+                assert name == seen[j][-1][0] and args.startswith(seen[j][-1][1]), (text[:i], seen[j][-1])
+                if args != seen[j][-1][1]:
+                    seen[j].append((name, args))
+            else:
+                seen.append([(name, args)])
+    return seen
+
+
+def test_llama3_json_streams_each_call_as_it_is_written():
+    p = TOOL_PARSERS["llama3_json"]().for_tools([WEATHER_TOOL, TIME_TOOL])
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "S\\"ão}", "unit":"c"}}; '
+        '{"parameters": {"tz": "CET"}, "name": "get_time"};{"name": "get_time", "parameters": {}}'
+    )
+    seen = _fed_a_character_at_a_time(p.stream_calls, text)
+    content, calls = p.extract(text)
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time", "get_time"]
+    assert calls[0].arguments == '{"city": "S\\"ão}", "unit":"c"}'  # as written, which is what was streamed
+    assert [s[-1] for s in seen] == [(c.name, c.arguments) for c in calls]
+    assert len(seen[0]) > 10  # the first call's arguments arrived in many pieces
+    assert seen[1][0] == ("get_time", '{"tz": "CET"}')  # its name came after its arguments
+    # nothing is content while a call may be written, and plain text shows no call
+    assert all(p.streamable(text[:i]) == 0 for i in range(len(text) + 1))
+    assert p.stream_calls("Sure, the weather is fine.") == []
+
+
+def test_required_calls_stream_as_their_array_is_written():
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    text = (
+        '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "f"}},\n'
+        ' {"name": "get_time", "parameters": {"tz": "CET"}}]'
+    )
+    jsonschema.validate(json.loads(text), forced_schema(tools, "required"))
+    seen = _fed_a_character_at_a_time(required_stream_calls, text)
+    calls = parse_forced(text, "required")
+    assert [s[-1] for s in seen] == [(c.name, c.arguments) for c in calls]
+    assert calls[1].arguments == '{"tz": "CET"}' and all(len(s) > 5 for s in seen)
+    # a control character the grammar let into a string: the call keeps strict JSON (re-serialized)
+    raw = '[{"name": "get_time", "parameters": {"tz": "a\tb"}}]'
+    (call,) = parse_forced(raw, "required")
+    assert json.loads(call.arguments) == {"tz": "a\tb"}
 
 
 def test_llama3_json_reads_one_or_more_calls():

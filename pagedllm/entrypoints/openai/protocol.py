@@ -7,7 +7,17 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    Tag,
+    field_validator,
+    model_serializer,
+)
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
@@ -323,10 +333,18 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call. Its id, type and name come in the call's first delta only; later ones
+    leave them out rather than send nulls (as vLLM and OpenAI do): the official client's stream helper would
+    otherwise overwrite the call's type with the null."""
+
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: dict[str, str] | None = None  # name (first delta) and / or a piece of the arguments
+
+    @model_serializer(mode="wrap")
+    def _leave_out_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(BaseModel):

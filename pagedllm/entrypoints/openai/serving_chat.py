@@ -268,6 +268,18 @@ def stream_end(
     return rest, calls, finish
 
 
+def live_calls(text: str, choice: Any, parser: Any) -> list[tuple[str, str]]:
+    """The calls a partial answer shows being written, as (name, arguments' text so far): under ``auto`` those
+    the parser streams (hermes' tagged calls, llama3_json's), under ``required`` each array item; else none."""
+    from pagedllm.entrypoints.openai.tool_calls import required_stream_calls
+
+    if choice == "auto":
+        return parser.stream_calls(text)
+    if choice == "required":
+        return required_stream_calls(text)
+    return []
+
+
 def call_pieces(
     calls: list[tuple[str, str]], sent: list[tuple[str, str]], parallel: bool | None = True
 ) -> list[P.DeltaToolCall]:
@@ -299,9 +311,9 @@ async def chat_chunks(
 ) -> AsyncIterator[str]:
     """Content deltas as text arrives. With tools: a named function streams its arguments as tool-call
     deltas; ``auto`` streams the text a call cannot begin in, and each call the parser sees being written
-    (hermes' tagged calls) as it comes: its id and name once, then its arguments in pieces; calls it takes
-    only whole (untagged JSON, which is a call only once its arguments validate) go out when the answer ends,
-    as do ``required``'s."""
+    (hermes' tagged calls, llama3_json's) as it comes: its id and name once, then its arguments in pieces, as
+    ``required`` streams each call of its array; calls the parser takes only whole (untagged JSON, which is a
+    call only once its arguments validate) go out when the answer ends."""
     yield sse_event(
         P.ChatCompletionChunk(
             id=rid,
@@ -327,8 +339,8 @@ async def chat_chunks(
             delta = c.text[start:upto]
             sent_calls = streamed_calls.setdefault(c.index, [])
             call_deltas = (
-                call_pieces(parser.stream_calls(c.text), sent_calls, req.parallel_tool_calls)
-                if choice == "auto" and not c.finished()
+                call_pieces(live_calls(c.text, choice, parser), sent_calls, req.parallel_tool_calls)
+                if not c.finished()
                 else []
             )
             if not delta and not call_deltas and not c.finished():

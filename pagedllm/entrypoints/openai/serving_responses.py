@@ -18,7 +18,7 @@ Streamed, the events are OpenAI's, each with its ``sequence_number``::
 The text streams as the chat path streams it (all of it; under ``tool_choice: auto`` the text no call can begin
 in, and each call the parser sees being written as an item of its own, its arguments in pieces; untagged calls,
 calls only once their arguments validate, whole at the end; a named function's arguments as they come;
-``required``'s calls whole at the end), and the last event carries
+``required``'s calls each as an item of its own, its arguments in pieces), and the last event carries
 the response a non-streamed request gets. (Two exceptions. As in chat: under ``auto``, whitespace streamed before a
 call began stays in the streamed message, where the non-streamed answer trims it. And a tagged call streamed as it
 was written, then cut short (``max_output_tokens``) or found malformed, stays in the streamed response as an
@@ -42,7 +42,7 @@ from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai.common import JSONBodyRoute, merge_streams, run_to_end, sse_response
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.response_store import StoredResponse
-from pagedllm.entrypoints.openai.serving_chat import start_chat, stream_end, stream_upto, tool_answer
+from pagedllm.entrypoints.openai.serving_chat import live_calls, start_chat, stream_end, stream_upto, tool_answer
 from pagedllm.entrypoints.openai.state import ServerState, ServerStateDep
 from pagedllm.entrypoints.openai.tool_calls import ParsedCall
 from pagedllm.errors import InvalidParameterError
@@ -425,24 +425,24 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
         """The item the streamed text goes into: a named function's call, else the message."""
         return _call_item(choice["function"]["name"]) if isinstance(choice, dict) else _message_item()
 
-    live_calls: list[P.ResponsesFunctionCall] = []  # auto: each call the parser saw being written, streamed
+    streamed_calls: list[P.ResponsesFunctionCall] = []  # each call seen being written, streamed
 
     def call_events(calls: list[tuple[str, str]]) -> list[str]:
         """Bring the streamed calls up to ``calls`` (name, arguments so far): a new call's item once, then its
         arguments' new text. Text sent cannot be taken back: arguments that no longer begin with it get no more."""
         events = []
         for i, (name, args) in enumerate(calls[:1] if parallel is False else calls):
-            if i == len(live_calls):
-                live_calls.append(_call_item(name))
-                events += added(live_calls[i])
-            item = live_calls[i]
+            if i == len(streamed_calls):
+                streamed_calls.append(_call_item(name))
+                events += added(streamed_calls[i])
+            item = streamed_calls[i]
             if len(args) > len(item.arguments) and args.startswith(item.arguments):
                 events.append(delta(item, args[len(item.arguments) :]))
                 item.arguments = args
         return events
 
-    # as the answer arrives: its text, or a named function's arguments, into one item; under auto, each call
-    # the parser sees being written (hermes' tagged calls) into an item of its own
+    # as the answer arrives: its text, or a named function's arguments, into one item; each call seen being
+    # written (under auto hermes' tagged calls and llama3_json's, under required each one) into an item of its own
     streamed: _Item | None = None
     sent, final = 0, None
     async for _, out in merge_streams([stream]):
@@ -456,8 +456,8 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
                     yield event
             _append(streamed, text)
             yield delta(streamed, text)
-        if choice == "auto" and not c.finished():
-            for event in call_events(parser.stream_calls(c.text)):
+        if not c.finished():
+            for event in call_events(live_calls(c.text, choice, parser)):
                 yield event
         if out.finished:
             final = out
@@ -469,8 +469,8 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
     calls: list[ParsedCall] = []
     if choice in ("auto", "required"):
         rest, calls, finish = stream_end(c.text, sent, c.finish_reason, choice, parser, parallel)
-        if live_calls and not calls:  # calls streamed, none whole (cut short): they keep their text, not the message
-            rest = c.text[sent : parser.streamable(c.text)].rstrip()
+        if streamed_calls and not calls:  # calls streamed, none whole (cut short): they keep their text
+            rest = "" if parser is None else c.text[sent : parser.streamable(c.text)].rstrip()
         if rest:
             if streamed is None:
                 streamed = _message_item()
@@ -483,11 +483,11 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
         for event in added(streamed):
             yield event
     # the calls: those streamed, completed; the rest (untagged JSON, required's) whole
-    tail = call_events(parser.stream_calls(c.text)) if choice == "auto" else []  # the last step's text too
+    tail = call_events(live_calls(c.text, choice, parser))  # the last step's text too
     tail += call_events([(call.name, call.arguments) for call in calls])
     whole: list[_Item] = []
     for i, call in enumerate(calls):
-        live = live_calls[i] if i < len(live_calls) else None
+        live = streamed_calls[i] if i < len(streamed_calls) else None
         if live is not None and (live.name, live.arguments) == (call.name, call.arguments):
             whole.append(live)
         else:  # not streamed, or streamed and then not the call the answer turned out to hold
@@ -495,7 +495,7 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
             tail += [*added(fresh), delta(fresh, fresh.arguments)]
             whole.append(fresh)
     # a streamed call the finished answer does not hold whole stays where it was streamed, incomplete
-    cut: list[_Item] = [x for x in live_calls if all(x is not w for w in whole)]
+    cut: list[_Item] = [x for x in streamed_calls if all(x is not w for w in whole)]
     items = sorted([x for x in (streamed, *whole, *cut) if x is not None], key=lambda x: index[x.id])
     response = turn.finish(final, items, finish, cut)  # sets the statuses
     for event in tail:

@@ -10,6 +10,9 @@
   and ``llama3_json`` (the whole answer is ``{"name": ..., "parameters": {...}}``, calls separated by
   ``;``, optionally after ``<|python_tag|>``). ``hermes`` also takes the untagged calls small Qwen
   models write instead of the tags their template asks for (see :meth:`ToolParser.untagged_calls`).
+  Streamed, ``hermes``' tagged calls and ``llama3_json``'s calls go out as they are written (a call's id and
+  name once, then its arguments in pieces), as do ``required``'s (:func:`required_stream_calls`); untagged
+  calls are calls only once their arguments validate, so they go out whole at the end.
 * ``"none"``: no tools are offered to the model.
 """
 
@@ -69,7 +72,8 @@ def forced_schema(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool 
 
 
 def parse_forced(text: str, tool_choice: Any) -> list[ParsedCall]:
-    """The calls of a ``required`` or named-function answer (its grammar guarantees the shape)."""
+    """The calls of a ``required`` or named-function answer (its grammar guarantees the shape). A ``required``
+    call's arguments are its ``parameters`` as written, which is what streaming sent piece by piece."""
     if isinstance(tool_choice, dict):
         return [ParsedCall(tool_choice["function"]["name"], text)]
     try:
@@ -78,7 +82,55 @@ def parse_forced(text: str, tool_choice: Any) -> list[ParsedCall]:
         return []
     if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c and "parameters" in c for c in items):
         return []
-    return [ParsedCall(str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+    calls = [ParsedCall(str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+    _as_written(calls, required_stream_calls(text))
+    return calls
+
+
+def required_stream_calls(text: str) -> list[tuple[str, str]]:
+    """The calls a partial ``required`` answer (a JSON array of ``{"name", "parameters"}`` objects, as its grammar
+    writes them) shows so far, as (name, arguments' text so far), each once its name is complete."""
+    body = text.lstrip()
+    return call_sequence(body, 1, ",") if body.startswith("[") else []
+
+
+def call_sequence(body: str, pos: int, separators: str) -> list[tuple[str, str]]:
+    """The call objects written one after another in ``body`` from ``pos`` (between them blanks and
+    ``separators``), as far as they go: (name, arguments' text so far) for each whose name is complete; the
+    arguments as written, "" before they begin (or when written as a JSON string, which is not their text)."""
+    calls = []
+    while True:
+        while pos < len(body) and body[pos] in " \n\t\r":
+            pos += 1
+        if not body.startswith("{", pos):
+            return calls
+        scan = scan_call(body[pos:])
+        if scan.name is None:
+            return calls
+        calls.append((scan.name, scan.arguments or ""))
+        end = _value_end(body, pos)
+        if end is None:
+            return calls
+        pos = end
+        while pos < len(body) and body[pos] in " \n\t\r":
+            pos += 1
+        if pos >= len(body) or body[pos] not in separators:
+            return calls
+        pos += 1
+
+
+def _as_written(calls: list[ParsedCall], written: list[tuple[str, str]]) -> None:
+    """Each call's arguments as the model wrote them (``written``: :func:`call_sequence` over the whole answer),
+    where those are the same JSON object as the parsed ones and strict JSON (a raw control character the
+    grammar let into a string is not: such a call keeps its arguments re-serialized)."""
+    for call, (name, text) in zip(calls, written):
+        if name != call.name or not text:
+            continue
+        try:
+            if json.loads(text) == json.loads(call.arguments):
+                call.arguments = text
+        except json.JSONDecodeError:
+            pass
 
 
 # -- checking the tools' parameter schemas --------------------------------------------------
@@ -459,7 +511,15 @@ class Llama3JsonToolParser(ToolParser):
         calls = [_call(obj) for obj in _json_values(body) or [None]]
         if any(c is None for c in calls):
             return text, []
-        return None, [c for c in calls if c is not None]
+        found = [c for c in calls if c is not None]
+        _as_written(found, call_sequence(body, 0, ";"))  # what streaming sent piece by piece
+        return None, found
+
+    def stream_calls(self, text: str) -> list[tuple[str, str]]:
+        """The calls of a partial answer so far (after ``<|python_tag|>``, if any; separated by ``;``), each
+        (name, its arguments' text so far) once the name is complete: a call streams as it is written."""
+        body = text.lstrip().removeprefix(self.TAG).lstrip()
+        return call_sequence(body, 0, ";")
 
     def streamable(self, text: str) -> int:
         stripped = text.lstrip()
