@@ -413,3 +413,44 @@ def test_router_refuses_hostile_bodies_and_keeps_routing(backends) -> None:
             assert ok.status_code == 200
     finally:
         router.stop()
+
+
+def test_the_router_closes_half_sent_requests_and_keeps_its_backends_list_behind_the_key() -> None:
+    """The front door of `router`, `disagg-proxy` and `serve --data-parallel-size` bounds connections as `serve`
+    does: half a header is closed, a stalled body gets a 408, within their deadlines. No backend is needed."""
+    import socket
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--port", str(port), "--api-key", "k"]
+    cmd += ["--backend", "http://127.0.0.1:9", "--request-header-timeout", "2", "--request-body-timeout", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while True:  # up (its /health is 503 with no backend healthy: its open /metrics says it listens)
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"{url}/metrics", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.get(f"{url}/backends").status_code == 401
+        assert httpx.get(f"{url}/backends", headers={"Authorization": "Bearer k"}).json()[0]["url"]
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+        head += b"Content-Type: application/json\r\n"
+        header_only, body = (socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2))
+        header_only.sendall(head[:40])
+        body.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "')
+        started = time.monotonic()
+        answers = []
+        for s in (header_only, body):
+            got = b""
+            while chunk := s.recv(65536):  # until the router closes it
+                got += chunk
+            answers.append(got)
+            s.close()
+        assert time.monotonic() - started < 25  # 2 s deadlines; the recv timeout (30 s) would fail first otherwise
+        assert answers[0] == b"" and answers[1].startswith(b"HTTP/1.1 408"), answers
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(PATIENCE_S)

@@ -30,8 +30,8 @@ from pagedllm.entrypoints.graceful_server import (
     REQUEST_BODY_TIMEOUT_S,
     REQUEST_HEADER_TIMEOUT_S,
     SERVER_KEEP_ALIVE_S,
+    connection_bounds,
     graceful_server_class,
-    timed_http_protocol,
 )
 
 __all__ = ["HelpFormatter", "add_command", "add_engine_args", "build_parser", "engine_kwargs", "main"]
@@ -205,8 +205,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
         timeout_keep_alive=args.timeout_keep_alive,
-        http=timed_http_protocol(args.request_header_timeout, args.max_connections),
-        limit_concurrency=args.max_connections,
+        **connection_bounds(args).uvicorn_kwargs(),
     )
     server = graceful_server_class()(uv_config)
     server.run()
@@ -256,6 +255,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         max_body_bytes=args.max_request_body_bytes,
         timeout_keep_alive=args.timeout_keep_alive,
+        connections=connection_bounds(args),
     )
     return 0
 
@@ -302,6 +302,29 @@ def _router_args(rt: argparse.ArgumentParser) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level",
+    )
+    _connection_args(rt)
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    """The bounds on connections that `pagedllm serve` and the routers (the data-parallel front too) share."""
+    p.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=REQUEST_HEADER_TIMEOUT_S,
+        help="seconds a request's headers may take to arrive whole; a connection that sends less is closed",
+    )
+    p.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=REQUEST_BODY_TIMEOUT_S,
+        help="seconds each chunk of a request's body may take to arrive; a stalled body gets a 408",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="open connections (and requests in flight) before new ones get 503; logged when reached",
     )
 
 
@@ -459,24 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds an idle kept-alive HTTP connection stays open; a client's pool must drop idle "
         "connections sooner (a proxy or load balancer in front: set this above its idle timeout)",
     )
-    srv.add_argument(
-        "--request-header-timeout",
-        type=float,
-        default=REQUEST_HEADER_TIMEOUT_S,
-        help="seconds a request's headers may take to arrive whole; a connection that sends less is closed",
-    )
-    srv.add_argument(
-        "--request-body-timeout",
-        type=float,
-        default=REQUEST_BODY_TIMEOUT_S,
-        help="seconds each chunk of a request's body may take to arrive; a stalled body gets a 408",
-    )
-    srv.add_argument(
-        "--max-connections",
-        type=int,
-        default=MAX_CONNECTIONS,
-        help="open connections (and requests in flight) before new ones get 503; logged when reached",
-    )
+    _connection_args(srv)
     srv.add_argument(
         "--uvicorn-log-level",
         default="info",

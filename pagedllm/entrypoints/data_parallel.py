@@ -44,6 +44,7 @@ def _die_with_parent() -> None:
 
 def serve_data_parallel(args: Any, argv: list[str]) -> int:
     from pagedllm.distributed import get_open_port
+    from pagedllm.entrypoints.graceful_server import connection_bounds
     from pagedllm.entrypoints.router import RouterConfig, run_router
     from pagedllm.executor import worker_threads
 
@@ -72,6 +73,7 @@ def serve_data_parallel(args: Any, argv: list[str]) -> int:
             log_level=args.uvicorn_log_level,
             max_body_bytes=args.max_request_body_bytes,
             timeout_keep_alive=args.timeout_keep_alive,
+            connections=connection_bounds(args),
         )
     finally:
         for p in procs:

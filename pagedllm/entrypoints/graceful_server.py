@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # How long an idle kept-alive connection stays open, server side: longer than the 5 s httpx (and so the official
 # openai client) keeps one in its pool. At uvicorn's and vLLM's 5 s both timers fire together, and a POST sent on
 # the pooled connection as the server closes it gets a connection reset (an httpx.ReadError), however sound the
@@ -16,6 +18,31 @@ HTTPX_KEEPALIVE_EXPIRY_S = 5.0  # httpx's default, which the openai client keeps
 REQUEST_HEADER_TIMEOUT_S = 30.0
 REQUEST_BODY_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 4096  # open connections (and requests in flight) before the server answers 503
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionBounds:
+    """How long a request's headers and each chunk of its body may take, and how many connections may be open: one
+    set for `pagedllm serve` and the routers in front of servers (`router`, `disagg-proxy`, the data-parallel
+    front), so none of them holds a half-sent request."""
+
+    header_timeout: float = REQUEST_HEADER_TIMEOUT_S
+    body_timeout: float = REQUEST_BODY_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+
+    def uvicorn_kwargs(self) -> dict:
+        """uvicorn.Config's arguments for the header deadline and the connection cap (the body's deadline is the
+        app's BodyLimit middleware)."""
+        return {
+            "http": timed_http_protocol(self.header_timeout, self.max_connections),
+            "limit_concurrency": self.max_connections,
+        }
+
+
+def connection_bounds(args) -> ConnectionBounds:
+    """The bounds the command line asked for (`--request-header-timeout`, `--request-body-timeout`,
+    `--max-connections`)."""
+    return ConnectionBounds(args.request_header_timeout, args.request_body_timeout, args.max_connections)
 
 
 def client_limits(max_connections: int | None, max_keepalive_connections: int | None = 20):

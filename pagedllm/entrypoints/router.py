@@ -43,7 +43,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.entrypoints.graceful_server import SERVER_KEEP_ALIVE_S, client_limits, graceful_server_class
+from pagedllm.entrypoints.graceful_server import (
+    SERVER_KEEP_ALIVE_S,
+    ConnectionBounds,
+    client_limits,
+    graceful_server_class,
+)
 
 logger = logging.getLogger("pagedllm")
 
@@ -445,7 +450,9 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_bytes: int = 4 << 20) -> Any:
+def build_router_app(
+    config: RouterConfig, api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0
+) -> Any:
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -463,7 +470,8 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
 
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
     app.state.router = router
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # the servers' own body limit: 413 beyond it
+    # the servers' own body limit (413 beyond it) and deadline for each chunk of a body (408)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout)
 
     def unauthorized(request: Request) -> JSONResponse | None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -536,7 +544,9 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, max_body_
         return Response(status_code=200 if any(b.healthy for b in router.backends) else 503)
 
     @app.get("/backends")
-    async def backends() -> Any:
+    async def backends(request: Request) -> Any:  # the backends' addresses and errors: behind the key
+        if (denied := unauthorized(request)) is not None:
+            return denied
         return [
             {
                 "url": b.url,
@@ -567,10 +577,19 @@ def run_router(
     log_level: str = "warning",
     max_body_bytes: int = 4 << 20,
     timeout_keep_alive: int = SERVER_KEEP_ALIVE_S,
+    connections: ConnectionBounds | None = None,
 ) -> None:
     import uvicorn
 
+    bounds = connections or ConnectionBounds()
     logger.info("routing (%s) over %d backends at http://%s:%d/v1", config.routing, len(config.backends), host, port)
-    app = build_router_app(config, api_key, max_body_bytes)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive)
+    app = build_router_app(config, api_key, max_body_bytes, bounds.body_timeout)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_keep_alive=timeout_keep_alive,
+        **bounds.uvicorn_kwargs(),
+    )
     graceful_server_class()(uv_config).run()
