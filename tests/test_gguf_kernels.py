@@ -1,7 +1,8 @@
 """gguf_blocks.c: a GGUF's Q4_K / Q6_K / Q8_0 / Q5_0 blocks run as stored, against gguf's own dequantization.
 
-Each kernel is checked in three builds of the same source: this CPU's (AVX-512 VNNI where it has it), AVX2
-only and plain C, so every path is the oracle-checked function whatever machine runs the suite.
+Each kernel is checked in a build of the same source at every instruction-set level this machine runs
+(pagedllm.kernels.isa: portable C, AVX2, AVX2 + AVX-VNNI, AVX-512 VNNI), so every path is the oracle-checked
+function whatever machine runs the suite.
 """
 
 from __future__ import annotations
@@ -18,25 +19,26 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from pagedllm.kernels import isa  # noqa: E402
 from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]
 SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf_blocks.c")
-BUILDS = {"native": "-march=native", "avx2": "-march=haswell", "plain": "-march=x86-64"}
+LEVELS = isa.machine_levels()  # every instruction-set level this machine runs (pagedllm.kernels.isa)
 
 
-@pytest.fixture(scope="session", params=list(BUILDS))
+@pytest.fixture(scope="session", params=LEVELS)
 def blocks(request, tmp_path_factory) -> GGUFBlocks:
-    """gguf_blocks.c compiled for one instruction set (the package's own build for "native")."""
-    if request.param == "native":
-        from pagedllm import kernels
+    """gguf_blocks.c compiled for one instruction-set level (the package's own build at its level)."""
+    from pagedllm import kernels
 
+    if kernels.load().level == request.param:
         return kernels.load().gguf
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         pytest.skip("no C compiler")
     so = tmp_path_factory.mktemp("gguf_blocks") / f"gguf_blocks_{request.param}.so"
-    flags = ["-O3", BUILDS[request.param], "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", *isa.compile_flags(request.param), "-fopenmp", "-shared", "-fPIC"]
     subprocess.run([cc, *flags, SRC, "-o", str(so)], check=True, capture_output=True)
     return GGUFBlocks(ctypes.CDLL(str(so)))
 

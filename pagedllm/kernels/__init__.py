@@ -5,8 +5,9 @@
 (fused residual add + RMSNorm, SiLU*mul, rotary) and ``decode_loop.c`` (a decode step's layer loop over
 them, :mod:`pagedllm.models.fused_decode`) are built with the system C compiler (``$CC``, default ``cc``)
 into ``$PAGEDLLM_CACHE_DIR/kernels/<hash of sources, flags, compiler, CPU>.so``; later runs load the cached
-file. The build is for this machine (``-march=native``) and uses OpenMP from the libgomp PyTorch
-has already loaded, so the kernels' threads are PyTorch's.
+file. The build is for one instruction-set level (:mod:`pagedllm.kernels.isa`: the best this CPU and OS run,
+or ``$PAGEDLLM_CPU_LEVEL``) and uses OpenMP from the libgomp PyTorch has already loaded, so the kernels'
+threads are PyTorch's.
 
 Without a working compiler, attention and the fused ops fall back to plain torch
 (one warning) and ``quantization`` is refused with the compiler's message.

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from pagedllm.kernels import isa
 from pagedllm.kernels.ops import Kernels
 
 logger = logging.getLogger("pagedllm")
@@ -36,7 +37,10 @@ _SOURCES = [
     )
 ]
 _HEADERS = [os.path.join(_DIR, "vec_math.h")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _flags(level: str) -> list[str]:
+    return ["-O3", *isa.compile_flags(level), "-fopenmp", "-shared", "-fPIC"]
 
 
 _BUILD_LOCK = threading.Lock()
@@ -44,12 +48,16 @@ _BUILD_LOCK = threading.Lock()
 
 @functools.cache
 def load() -> Kernels:
-    """Build (once per source version) and load the kernels; raises KernelBuildError when that fails."""
+    """Build (once per source version and instruction-set level) and load the kernels; raises KernelBuildError when
+    that fails, and :class:`~pagedllm.kernels.isa.CPULevelError` for a ``$PAGEDLLM_CPU_LEVEL`` this machine cannot
+    run (not a fallback: the level asked for is the point)."""
     from pagedllm.model_loader.cache import cache_root
 
     cc = os.environ.get("CC", "cc")
-    # -march=native: a cache shared between machines must not hand one CPU's build to another
-    digest = hashlib.sha256(" ".join([cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode())
+    level, why = isa.chosen_level()
+    flags = _flags(level)
+    # -mtune=native: a cache shared between machines must not hand one CPU's build to another
+    digest = hashlib.sha256(" ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode())
     for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             digest.update(f.read())
@@ -61,21 +69,23 @@ def load() -> Kernels:
                 raise KernelBuildError(
                     f"pagedllm's C kernels are compiled on first use, but no C compiler ({cc!r}; set $CC) was found"
                 )
-            _build(cc, out_dir, path)
+            _build(cc, flags, out_dir, path)
     try:
-        return Kernels(ctypes.CDLL(path))
+        kernels = Kernels(ctypes.CDLL(path), level)
     except OSError as e:  # e.g. a cached build this system can no longer load
         raise KernelBuildError(f"loading pagedllm's C kernels from {path} failed: {e}") from e
+    logger.info("C kernels: the %s instruction-set level (%s; of %s)", level, why, ", ".join(isa.machine_levels()))
+    return kernels
 
 
-def _build(cc: str, out_dir: str, path: str) -> None:
+def _build(cc: str, flags: list[str], out_dir: str, path: str) -> None:
     """Compile each source in its own process (in parallel), then link; the .so appears atomically."""
     logger.info("compiling pagedllm's C kernels for this CPU (once; cached in %s)", out_dir)
     t0 = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         objects = [os.path.join(tmp, os.path.basename(src) + ".o") for src in _SOURCES]
-        compile_flags = [f for f in _FLAGS if f != "-shared"]
+        compile_flags = [f for f in flags if f != "-shared"]
         compiles = [
             subprocess.Popen(
                 [cc, *compile_flags, "-c", src, "-o", obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -87,12 +97,12 @@ def _build(cc: str, out_dir: str, path: str) -> None:
         ]
         so = os.path.join(tmp, "kernels.so")
         if all(proc.returncode == 0 for proc, _ in steps):
-            link = subprocess.run([cc, *_FLAGS, *objects, "-o", so], capture_output=True, text=True)
+            link = subprocess.run([cc, *flags, *objects, "-o", so], capture_output=True, text=True)
             steps.append((link, link.stderr))
         failed = [err for proc, err in steps if proc.returncode != 0]
         if failed:
             raise KernelBuildError(
-                f"building pagedllm's C kernels failed ({cc} {' '.join(_FLAGS)}):\n{failed[0].strip()}"
+                f"building pagedllm's C kernels failed ({cc} {' '.join(flags)}):\n{failed[0].strip()}"
             )
         os.replace(so, path)  # atomic: a concurrent loader sees no file or a whole one
     logger.info("compiled pagedllm's C kernels in %.1fs", time.perf_counter() - t0)

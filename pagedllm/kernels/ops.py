@@ -28,7 +28,9 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
 
 
 class Kernels:
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, level: str = "native"):
+        self.level = level
+        """The instruction-set level the library was built for (:mod:`pagedllm.kernels.isa`)."""
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._matmul = lib.int4_matmul
         self._dequant = lib.int4_dequantize

@@ -157,10 +157,13 @@ def resolve_quantization(
     if asked is None and scheme is not None:
         return str(scheme.method)  # the checkpoint's own 4- or 8-bit groups, as they are
     if asked is None and source.kind == "gguf" and device.type == "cpu":
+        from pagedllm import kernels
         from pagedllm.model_loader.gguf_loader import all_in_panels
 
         mode = "gguf" if single and all_in_panels(source.path) else "gguf-exact"
-        logger.info("quantization %s: the default for %s on this CPU", mode, source.name)
+        found = kernels.try_load()
+        level = f" at the {found.level} kernel level" if found is not None else ""
+        logger.info("quantization %s: the default for %s on this CPU%s", mode, source.name, level)
         return mode
     return asked
 

@@ -98,7 +98,7 @@ def call_sequence(body: str, pos: int, separators: str) -> list[tuple[str, str]]
     """The call objects written one after another in ``body`` from ``pos`` (between them blanks and
     ``separators``), as far as they go: (name, arguments' text so far) for each whose name is complete; the
     arguments as written, "" before they begin (or when written as a JSON string, which is not their text)."""
-    calls = []
+    calls: list[tuple[str, str]] = []
     while True:
         while pos < len(body) and body[pos] in " \n\t\r":
             pos += 1

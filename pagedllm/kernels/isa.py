@@ -1,0 +1,90 @@
+"""The instruction-set level the C kernels are built for: one explicit choice, from what the CPU *and* the OS allow.
+
+Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compiler's own choice for the machine):
+
+* ``portable``: x86-64 as every 64-bit x86 CPU runs it (SSE2): the plain-C paths;
+* ``avx2``: AVX2 + FMA + F16C + BMI2 (x86-64-v3: Intel since Haswell, AMD since Zen 1);
+* ``avx2-vnni``: ``avx2`` and AVX-VNNI's int8 dot products on 256-bit registers (Intel Alder Lake and later
+  client CPUs, AMD Zen 5);
+* ``avx512-vnni``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4) and AVX-512 VNNI (Intel since Cascade Lake, AMD Zen 4
+  and 5): the GGUF panel kernels (``gguf_blocks.c``'s ``GB_AVX512``) are built here only.
+
+The machine's levels are those whose features ``/proc/cpuinfo`` lists. Linux lists a feature only where the OS
+saves its registers (it clears AVX and AVX-512 when XCR0 does not enable their state), so a listed level is one
+the OS allows too. ``$PAGEDLLM_CPU_LEVEL`` chooses a level at or below the machine's best, so every lower level
+can be tested and measured on one machine; by default the best is built. The choice is logged where the kernels
+load.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+ENV = "PAGEDLLM_CPU_LEVEL"
+LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni")
+NATIVE = "native"  # not x86-64: the compiler's -march=native, the only level
+_AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})
+_NEEDS: dict[str, frozenset[str]] = {
+    "portable": frozenset(),
+    "avx2": _AVX2,
+    "avx2-vnni": _AVX2 | {"avx_vnni"},
+    "avx512-vnni": _AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"},
+}
+_MARCH: dict[str, list[str]] = {
+    "portable": ["-march=x86-64"],
+    "avx2": ["-march=x86-64-v3"],
+    "avx2-vnni": ["-march=x86-64-v3", "-mavxvnni"],
+    "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni"],
+    NATIVE: ["-march=native"],
+}
+
+
+class CPULevelError(ValueError):
+    """``$PAGEDLLM_CPU_LEVEL`` names no level, or one this machine cannot run."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags ``/proc/cpuinfo`` lists for the first CPU (none where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def machine_levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The levels this CPU and OS run, lowest first (``("native",)`` off x86-64). ``flags``: /proc/cpuinfo's."""
+    if flags is None:
+        if not is_x86():
+            return (NATIVE,)
+        flags = cpu_flags()
+    return tuple(level for level in LEVELS if _NEEDS[level] <= flags)
+
+
+def chosen_level(flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(the level to build, why): ``$PAGEDLLM_CPU_LEVEL`` where set, else the machine's best."""
+    levels = machine_levels(flags)
+    asked = os.environ.get(ENV, "").strip().lower()
+    if not asked:
+        return levels[-1], "the best this CPU and OS run"
+    if asked not in (*LEVELS, NATIVE):
+        raise CPULevelError(f"${ENV}={asked!r} is not a level; the levels: {', '.join(LEVELS)}")
+    if asked not in levels:
+        missing = sorted(_NEEDS.get(asked, frozenset()) - (flags if flags is not None else cpu_flags()))
+        why = f"it lacks {', '.join(missing)}" if missing else "it is not x86-64"
+        raise CPULevelError(
+            f"${ENV}={asked!r} is above what this machine runs ({why}); its levels: {', '.join(levels)}"
+        )
+    return asked, f"${ENV}"
+
+
+def compile_flags(level: str) -> list[str]:
+    """The compiler's instruction-set flags for ``level`` (tuned for this machine: tuning never adds
+    instructions)."""
+    return [*_MARCH[level], *([] if level == NATIVE else ["-mtune=native"])]

@@ -1,0 +1,96 @@
+"""Instruction-set levels (pagedllm.kernels.isa): what each CPU runs, $PAGEDLLM_CPU_LEVEL's choice, and the kernels
+built at a level below the machine's own, which hold no instruction above it and give the same results."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from pagedllm.kernels import isa
+
+AVX2 = frozenset("fpu sse2 avx avx2 fma f16c bmi1 bmi2".split())  # AMD Zen 2 / 3, Intel Haswell to Comet Lake
+CPUS = {
+    "without AVX2": (frozenset("fpu sse2 sse4_2 avx".split()), ("portable",)),
+    "AVX2": (AVX2, ("portable", "avx2")),
+    "AVX2 + AVX-VNNI": (AVX2 | {"avx_vnni"}, ("portable", "avx2", "avx2-vnni")),
+    # Skylake-SP: AVX-512 without VNNI: its int8 panels need VNNI, so the level is AVX2's
+    "AVX-512 without VNNI": (AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}, ("portable", "avx2")),
+    "AVX-512 VNNI": (
+        AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"},
+        ("portable", "avx2", "avx512-vnni"),
+    ),
+}
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_each_cpu_runs_the_levels_its_features_allow(cpu):
+    flags, levels = CPUS[cpu]
+    assert isa.machine_levels(flags) == levels
+
+
+def test_the_environment_variable_chooses_a_level_at_or_below_the_machines(monkeypatch):
+    flags = CPUS["AVX2"][0]
+    monkeypatch.delenv(isa.ENV, raising=False)
+    assert isa.chosen_level(flags) == ("avx2", "the best this CPU and OS run")
+    monkeypatch.setenv(isa.ENV, "portable")
+    assert isa.chosen_level(flags) == ("portable", "$PAGEDLLM_CPU_LEVEL")
+    monkeypatch.setenv(isa.ENV, "avx512-vnni")
+    with pytest.raises(isa.CPULevelError, match=r"PAGEDLLM_CPU_LEVEL='avx512-vnni' is above .* lacks avx512_vnni"):
+        isa.chosen_level(flags)
+    monkeypatch.setenv(isa.ENV, "sse9")
+    with pytest.raises(isa.CPULevelError, match="is not a level; the levels: portable, avx2, avx2-vnni, avx512-vnni"):
+        isa.chosen_level(flags)
+
+
+@pytest.fixture(scope="module")
+def avx2_kernels(tmp_path_factory):
+    """The whole kernel library built at the avx2 level, in a cache of its own (the machine's build is untouched)."""
+    from pagedllm import kernels
+
+    if "avx2" not in isa.machine_levels():
+        pytest.skip("this machine does not run AVX2")
+    cache = tmp_path_factory.mktemp("avx2-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(isa.ENV, "avx2")
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(cache))
+        built = kernels.load.__wrapped__()
+    (so,) = (cache / "kernels").glob("*.so")
+    return built, so
+
+
+def test_kernels_built_at_a_lower_level_hold_none_of_the_higher_ones_and_agree(avx2_kernels):
+    from pagedllm import kernels
+    from pagedllm.layers.quantization import quantize_int8
+
+    built, so = avx2_kernels
+    assert built.level == "avx2" and not built.gguf.has_gemm  # the GGUF panels are AVX-512 VNNI's
+    if shutil.which("objdump"):
+        code = subprocess.run(["objdump", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+        assert "ymm" in code and "zmm" not in code  # AVX2's 256-bit registers, never AVX-512's
+    x, w = torch.randn(3, 256), torch.randn(16, 256)
+    torch.testing.assert_close(
+        built.int8_matmul(x, *quantize_int8(w)), kernels.load().int8_matmul(x, *quantize_int8(w)), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monkeypatch, caplog):
+    """Qwen2.5-Coder-0.5B's tensors fit the panels: `gguf` where the kernels have them (AVX-512 VNNI), `gguf-exact`
+    at a level without them; the log names the level."""
+    import logging
+
+    from pagedllm import kernels
+    from pagedllm.model_loader.resolve import resolve_model
+    from pagedllm.worker.loader import resolve_quantization
+
+    source = resolve_model(str(qwen_0_5b))
+    cpu = torch.device("cpu")
+    native = kernels.load()
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert resolve_quantization(None, source, None, cpu) == ("gguf" if native.gguf.has_gemm else "gguf-exact")
+        monkeypatch.setattr(kernels, "try_load", lambda: avx2_kernels[0])
+        assert resolve_quantization(None, source, None, cpu) == "gguf-exact"
+    assert f"at the {native.level} kernel level" in caplog.text and "gguf-exact: the default" in caplog.text
+    assert "at the avx2 kernel level" in caplog.text
