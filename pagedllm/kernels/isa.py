@@ -12,7 +12,8 @@ Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compile
 The machine's levels are those whose features ``/proc/cpuinfo`` lists. Linux lists a feature only where the OS
 saves its registers (it clears AVX and AVX-512 when XCR0 does not enable their state), so a listed level is one
 the OS allows too. ``$PAGEDLLM_CPU_LEVEL`` chooses a level at or below the machine's best, so every lower level
-can be tested and measured on one machine; by default the best is built. The choice is logged where the kernels
+can be tested and measured on one machine; by default the best is built. ``native`` builds for every feature the
+compiler sees in the CPU (``-march=native``), to compare a level against. The choice is logged where the kernels
 load.
 """
 
@@ -73,8 +74,10 @@ def chosen_level(flags: frozenset[str] | None = None) -> tuple[str, str]:
     asked = os.environ.get(ENV, "").strip().lower()
     if not asked:
         return levels[-1], "the best this CPU and OS run"
-    if asked not in (*LEVELS, NATIVE):
-        raise CPULevelError(f"${ENV}={asked!r} is not a level; the levels: {', '.join(LEVELS)}")
+    if asked == NATIVE:  # every feature the CPU lists, as the compiler sees them: to compare a level against
+        return NATIVE, f"${ENV}"
+    if asked not in LEVELS:
+        raise CPULevelError(f"${ENV}={asked!r} is not a level; the levels: {', '.join(LEVELS)}, native")
     if asked not in levels:
         missing = sorted(_NEEDS.get(asked, frozenset()) - (flags if flags is not None else cpu_flags()))
         why = f"it lacks {', '.join(missing)}" if missing else "it is not x86-64"
