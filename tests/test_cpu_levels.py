@@ -11,9 +11,14 @@ import torch
 
 from pagedllm.kernels import isa
 
-AVX2 = frozenset("fpu sse2 avx avx2 fma f16c bmi1 bmi2".split())  # AMD Zen 2 / 3, Intel Haswell to Comet Lake
+# AMD Zen 2 / 3, Intel Haswell to Comet Lake: x86-64-v3
+AVX2 = frozenset(
+    "fpu sse2 pni ssse3 cx16 sse4_1 sse4_2 movbe popcnt xsave lahf_lm abm avx avx2 fma f16c bmi1 bmi2".split()
+)
 CPUS = {
     "without AVX2": (frozenset("fpu sse2 sse4_2 avx".split()), ("portable",)),
+    # AVX2 without MOVBE, which -march=x86-64-v3 may emit (some virtual CPUs hide it): not the avx2 level
+    "AVX2 but no MOVBE": (AVX2 - {"movbe"}, ("portable",)),
     "AVX2": (AVX2, ("portable", "avx2")),
     "AVX2 + AVX-VNNI": (AVX2 | {"avx_vnni"}, ("portable", "avx2", "avx2-vnni")),
     # Skylake-SP: AVX-512 without VNNI: its int8 panels need VNNI, so the level is AVX2's

@@ -25,7 +25,10 @@ import platform
 ENV = "PAGEDLLM_CPU_LEVEL"
 LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni")
 NATIVE = "native"  # not x86-64: the compiler's -march=native, the only level
-_AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})
+# what gcc's -march=x86-64-v3 may emit (x86-64-v2's SSE3 ("pni") to POPCNT, then AVX2, BMI1/2, F16C, FMA,
+# LZCNT ("abm"), MOVBE, XSAVE), by /proc/cpuinfo's names: a level is the machine's only if it lists every one
+_X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
+_AVX2 = _X86_64_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _NEEDS: dict[str, frozenset[str]] = {
     "portable": frozenset(),
     "avx2": _AVX2,
