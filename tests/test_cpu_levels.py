@@ -43,8 +43,13 @@ def test_the_environment_variable_chooses_a_level_at_or_below_the_machines(monke
     monkeypatch.setenv(isa.ENV, "portable")
     assert isa.chosen_level(flags) == ("portable", "$PAGEDLLM_CPU_LEVEL")
     monkeypatch.setenv(isa.ENV, "avx512-vnni")
-    with pytest.raises(isa.CPULevelError, match=r"PAGEDLLM_CPU_LEVEL='avx512-vnni' is above .* lacks avx512_vnni"):
+    with pytest.raises(isa.CPULevelError, match=r"'avx512-vnni' needs what this machine lacks \(avx512_vnni, avx512bw"):
         isa.chosen_level(flags)
+    # a level below the best that this CPU still lacks: Zen 4 runs avx512-vnni without AVX-VNNI
+    zen4 = CPUS["AVX-512 VNNI"][0]
+    monkeypatch.setenv(isa.ENV, "avx2-vnni")
+    with pytest.raises(isa.CPULevelError, match=r"lacks \(avx_vnni\); its levels: portable, avx2, avx512-vnni"):
+        isa.chosen_level(zen4)
     monkeypatch.setenv(isa.ENV, "sse9")
     with pytest.raises(isa.CPULevelError, match="not a level; the levels: portable, avx2, avx2-vnni, avx512-vnni, nat"):
         isa.chosen_level(flags)
@@ -99,3 +104,12 @@ def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monk
         assert resolve_quantization(None, source, None, cpu) == "gguf-exact"
     assert f"at the {native.level} kernel level" in caplog.text and "gguf-exact: the default" in caplog.text
     assert "at the avx2 kernel level" in caplog.text
+
+
+def test_an_engine_asked_for_a_level_that_is_not_one_fails_at_once(monkeypatch, tiny_model_factory):
+    """Before anything loads, with the variable named (not on the kernels' build thread, nor by falling back)."""
+    from pagedllm import LLM
+
+    monkeypatch.setenv(isa.ENV, "sse9")
+    with pytest.raises(isa.CPULevelError, match=r"\$PAGEDLLM_CPU_LEVEL='sse9' is not a level"):
+        LLM(str(tiny_model_factory("llama")))

@@ -433,7 +433,8 @@ def test_the_router_closes_half_sent_requests_and_keeps_its_backends_list_behind
                 if httpx.get(f"{url}/metrics", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         assert httpx.get(f"{url}/backends").status_code == 401
         assert httpx.get(f"{url}/backends", headers={"Authorization": "Bearer k"}).json()[0]["url"]
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"

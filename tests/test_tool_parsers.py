@@ -183,9 +183,13 @@ def test_required_calls_stream_as_their_array_is_written():
     assert [s[-1] for s in seen] == [(c.name, c.arguments) for c in calls]
     assert calls[1].arguments == '{"tz": "CET"}' and all(len(s) > 5 for s in seen)
     # a control character the grammar let into a string: the call keeps strict JSON (re-serialized)
-    raw = '[{"name": "get_time", "parameters": {"tz": "a\tb"}}]'
+    # a control character the grammar let into a string: escaped as it streams, so the pieces still add up to
+    # the arguments, which are strict JSON
+    raw = '[{"name": "get_time", "parameters": {"tz": "a\tb\n"}}]'
+    seen = _fed_a_character_at_a_time(required_stream_calls, raw)
     (call,) = parse_forced(raw, "required")
-    assert json.loads(call.arguments) == {"tz": "a\tb"}
+    assert seen[0][-1] == (call.name, call.arguments) == ("get_time", '{"tz": "a\\tb\\n"}')
+    assert json.loads(call.arguments) == {"tz": "a\tb\n"}
 
 
 def test_llama3_json_reads_one_or_more_calls():

@@ -80,7 +80,19 @@ HOSTILE = (
 )
 # the other hostile requests get 400 (a max_tokens of 10**18 too: the context has no room for it, as in vLLM)
 _EXPECTED = {"huge_body": {413}, "unknown_model": {404}, "no_key_completion": {401}, "no_key_tokenize": {401}}
+# the `param` the 400 of each class that once stopped the engine must name: refused for its own reason
+_PARAM = {
+    "seed_past_64_bits": "seed",
+    "top_k_past_64_bits": "top_k",
+    "huge_temperature": "temperature",
+    "tiny_penalty": "repetition_penalty",
+    "no_legal_token": "allowed_token_ids",
+    "token_id_past_64_bits": "allowed_token_ids",
+    "lone_surrogate_prompt": "prompt",
+    "lone_surrogate_message": "messages",
+}
 STORED_USER_BYTES = 1 << 20  # the `user` field of each stored response
+HALF_SENT_MARGIN_S = 10.0  # a half-sent request must be closed within its deadline plus this
 
 
 @dataclass
@@ -121,6 +133,15 @@ class Tally:
         if len(self.problems) < 50:
             self.problems.append(text)
         self.outcomes[("problem", text.split(":")[0])] += 1
+
+
+def _names_param(r, param: str) -> bool:
+    """Whether an OpenAI-shaped error names ``param`` (or a part of it: ``messages.0.content``)."""
+    try:
+        named = r.json()["error"].get("param") or ""
+    except (ValueError, KeyError, AttributeError):
+        return False
+    return named == param or named.startswith((param + ".", param + "["))
 
 
 def _prompt(rng: random.Random, lo: int = 4, hi: int = 40) -> str:
@@ -217,8 +238,9 @@ class Soak:
             self.tally.completed += 1
             self.tally.outcomes[(kind, "200")] += 1
 
-    async def _responses(self, client, rng: random.Random, kind: str = "responses") -> None:
-        """A stored response with a 1 MiB ``user``, read back; a third of them deleted, then gone (404)."""
+    async def _responses(self, client, rng: random.Random, kind: str = "responses") -> str | None:
+        """A stored response with a 1 MiB ``user``, read back; a third of them deleted, then gone (404). Its id
+        when it is still stored."""
         body = {
             "model": self.model,
             "input": _prompt(rng),
@@ -229,24 +251,27 @@ class Soak:
         }
         r = await client.post(self.url + "/v1/responses", json=body, headers=self.headers)
         if not self._status_ok(kind, r):
-            return
+            return None
         answer = r.json()
         if answer.get("status") not in ("completed", "incomplete") or not answer.get("id"):
             self.tally.problem(f"{kind}: status {answer.get('status')}")
-            return
+            return None
         url = f"{self.url}/v1/responses/{answer['id']}"
         got = await client.get(url, headers=self.headers)  # evicted already only if the store is tiny
         if got.status_code != 200 or got.json()["id"] != answer["id"]:
             self.tally.problem(f"{kind}: reading a stored response back: HTTP {got.status_code}")
-            return
+            return None
+        kept: str | None = answer["id"]
         if rng.random() < 1 / 3:
             gone = await client.delete(url, headers=self.headers)
             again = await client.get(url, headers=self.headers)
             if gone.status_code != 200 or again.status_code != 404:
                 self.tally.problem(f"{kind}: DELETE gave {gone.status_code}, then GET {again.status_code}")
-                return
+                return None
+            kept = None
         self.tally.completed += 1
         self.tally.outcomes[(kind, "200")] += 1
+        return kept
 
     async def _half_sent(self) -> None:
         """One round: ``half_sent`` connections stall, half in their header and half in their body; each must be
@@ -262,7 +287,7 @@ class Soak:
                 half_body = i % 2 == 0
                 writer.write(head + b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "' if half_body else head[:50])
                 await writer.drain()
-                deadline = self.c.request_timeout_s + 30
+                deadline = self.c.request_timeout_s + HALF_SENT_MARGIN_S
                 try:
                     got = await asyncio.wait_for(reader.read(), deadline)  # until the server closes it
                 except asyncio.TimeoutError:
@@ -275,14 +300,14 @@ class Soak:
             finally:
                 writer.close()
 
-        await asyncio.gather(*(one(i) for i in range(self.c.half_sent)))
+        # every connection of the round ends (closed, timed out or failed) before the next round starts
+        for failed in await asyncio.gather(*(one(i) for i in range(self.c.half_sent)), return_exceptions=True):
+            if isinstance(failed, BaseException):
+                self.tally.problem(f"half-sent: {type(failed).__name__}: {failed}")
 
     async def _half_sent_rounds(self) -> None:
         while time.monotonic() < self.end:
-            try:
-                await self._half_sent()
-            except OSError as e:
-                self.tally.problem(f"half-sent: {type(e).__name__}: {e}")
+            await self._half_sent()
             await asyncio.sleep(max(0.0, min(self.c.burst_every_s, self.end - time.monotonic())))
 
     async def _disconnect(self, client, rng: random.Random) -> None:
@@ -359,7 +384,10 @@ class Soak:
             raw = json.dumps({**base, "model": "no-such-model"}).encode()
         r = await client.post(self.url + path, content=raw, headers={**headers, "content-type": "application/json"})
         want = _EXPECTED.get(what, {400})
-        if r.status_code in want:
+        param = _PARAM.get(what)
+        if r.status_code in want and param is not None and not _names_param(r, param):
+            self.tally.problem(f"hostile {what}: a {r.status_code} not naming {param!r}: {r.text[:200]}")
+        elif r.status_code in want:
             self.tally.outcomes[("hostile", what)] += 1
         elif r.status_code == 503 and r.headers.get("retry-after"):
             self.tally.rejected_503 += 1
@@ -435,8 +463,14 @@ class Soak:
                 await self._one(client, rng, kind)
             for what in HOSTILE:
                 await self._hostile(client, rng, what)
-            for _ in range(self.c.stored_response_bytes // STORED_USER_BYTES + 2):  # the store at its byte cap
+            # the store past its byte cap: the first response stored is evicted
+            first = await self._responses(client, rng)
+            for _ in range(self.c.stored_response_bytes // STORED_USER_BYTES + 2):
                 await self._one(client, rng, "responses")
+            if first is not None:
+                got = await client.get(f"{self.url}/v1/responses/{first}", headers=self.headers)
+                if got.status_code != 404:
+                    self.tally.problem(f"responses: the store kept its first response past its byte cap ({got})")
             await self._half_sent()
             await asyncio.gather(*(self._one(client, random.Random(rng.random()), "burst") for _ in range(size)))
 
@@ -600,7 +634,9 @@ def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name:
             headers=headers,
             timeout=60,
         )
-        restarts = _metric_sum(httpx.get(url + "/metrics").text, "pagedllm:engine_restarts_total")
+        metrics = httpx.get(url + "/metrics").text
+        restarts = _metric_sum(metrics, "pagedllm:engine_restarts_total")
+        store_bytes = _metric_sum(metrics, "pagedllm:responses_store_bytes")
     finally:
         proc.terminate()
         code: int | None
@@ -638,6 +674,8 @@ def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name:
         problems.append(f"a request after the soak got HTTP {final.status_code}")
     if restarts:
         problems.append(f"the engine restarted {restarts:.0f} times: a request faulted in a step")
+    if not 0 < store_bytes <= config.stored_response_bytes:
+        problems.append(f"the Responses store holds {store_bytes:.0f} bytes, its cap {config.stored_response_bytes}")
     if code != 0:
         problems.append(f"the server exited with {code} on SIGTERM")
     bursts_503 = t.outcomes.get(("burst", "503"), 0)
@@ -655,6 +693,7 @@ def soak(model: str, config: SoakConfig, extra: Sequence[str] = (), served_name:
         "server_finished_main_phase": done,
         "unexpected_5xx": five_xx,
         "engine_restarts": restarts,
+        "responses_store_bytes": store_bytes,
         "outcomes": {f"{k}/{v}": n for (k, v), n in sorted(t.outcomes.items())},
         "rss_mib": {
             "idle_after_warmup": idle_before["rss_mib"],

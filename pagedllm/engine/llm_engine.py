@@ -102,7 +102,9 @@ class LLMEngine:
         self.device = resolve_device(mc.device)
         if self.device.type == "cpu":
             from pagedllm import kernels
+            from pagedllm.kernels.isa import chosen_level
 
+            chosen_level()  # a $PAGEDLLM_CPU_LEVEL this machine cannot run fails here, not on the build's thread
             kernels.build_in_background()  # the compiler runs while the config and tokenizer load
         logger.info("loading %s from %s", self.source.name, self.source.path)
         with stage("config"):

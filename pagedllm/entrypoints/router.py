@@ -36,6 +36,7 @@ prefill engine's answer says where its blocks wait, and the decode request carri
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 from collections import OrderedDict
@@ -474,7 +475,8 @@ def build_router_app(
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout)
 
     def unauthorized(request: Request) -> JSONResponse | None:
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+        supplied = request.headers.get("authorization", "").encode()
+        if api_key and not hmac.compare_digest(supplied, f"Bearer {api_key}".encode()):
             return JSONResponse(
                 {"error": {"message": "invalid or missing API key", "type": "AuthenticationError", "code": 401}},
                 status_code=401,

@@ -3,7 +3,8 @@
 Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compiler's own choice for the machine):
 
 * ``portable``: x86-64 as every 64-bit x86 CPU runs it (SSE2): the plain-C paths;
-* ``avx2``: AVX2 + FMA + F16C + BMI2 (x86-64-v3: Intel since Haswell, AMD since Zen 1);
+* ``avx2``: x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE (and x86-64-v2's SSE4.2, POPCNT, ...): Intel since
+  Haswell, AMD since Zen 1;
 * ``avx2-vnni``: ``avx2`` and AVX-VNNI's int8 dot products on 256-bit registers (Intel Alder Lake and later
   client CPUs, AMD Zen 5);
 * ``avx512-vnni``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4) and AVX-512 VNNI (Intel since Cascade Lake, AMD Zen 4
@@ -11,10 +12,10 @@ Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compile
 
 The machine's levels are those whose features ``/proc/cpuinfo`` lists. Linux lists a feature only where the OS
 saves its registers (it clears AVX and AVX-512 when XCR0 does not enable their state), so a listed level is one
-the OS allows too. ``$PAGEDLLM_CPU_LEVEL`` chooses a level at or below the machine's best, so every lower level
-can be tested and measured on one machine; by default the best is built. ``native`` builds for every feature the
-compiler sees in the CPU (``-march=native``), to compare a level against. The choice is logged where the kernels
-load.
+the OS allows too. ``$PAGEDLLM_CPU_LEVEL`` chooses any level the machine runs (not every level below the best:
+Zen 4 and Ice Lake run ``avx512-vnni`` but have no AVX-VNNI), so each can be tested and measured on one
+machine; by default the best is built. ``native`` builds for every feature the compiler sees in the CPU
+(``-march=native``), to compare a level against. The choice is logged where the kernels load.
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ def chosen_level(flags: frozenset[str] | None = None) -> tuple[str, str]:
     if asked not in LEVELS:
         raise CPULevelError(f"${ENV}={asked!r} is not a level; the levels: {', '.join(LEVELS)}, native")
     if asked not in levels:
-        missing = sorted(_NEEDS.get(asked, frozenset()) - (flags if flags is not None else cpu_flags()))
-        why = f"it lacks {', '.join(missing)}" if missing else "it is not x86-64"
+        if levels == (NATIVE,):
+            raise CPULevelError(f"${ENV}={asked!r} is an x86-64 level, and this machine is not x86-64: use native")
+        missing = sorted(_NEEDS[asked] - (flags if flags is not None else cpu_flags()))
         raise CPULevelError(
-            f"${ENV}={asked!r} is above what this machine runs ({why}); its levels: {', '.join(levels)}"
+            f"${ENV}={asked!r} needs what this machine lacks ({', '.join(missing)}); its levels: {', '.join(levels)}"
         )
     return asked, f"${ENV}"
 

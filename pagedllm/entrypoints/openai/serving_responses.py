@@ -20,8 +20,9 @@ in, and each call the parser sees being written as an item of its own, its argum
 calls only once their arguments validate, whole at the end; a named function's arguments as they come;
 ``required``'s calls each as an item of its own, its arguments in pieces), and the last event carries
 the response a non-streamed request gets. (Two exceptions. As in chat: under ``auto``, whitespace streamed before a
-call began stays in the streamed message, where the non-streamed answer trims it. And a tagged call streamed as it
-was written, then cut short (``max_output_tokens``) or found malformed, stays in the streamed response as an
+call began stays in the streamed message, where the non-streamed answer trims it. And a call streamed as it was
+written (hermes' tagged, llama3_json's, required's), then cut short (``max_output_tokens``) or found malformed (or,
+for llama3_json, followed by other text), stays in the streamed response as an
 incomplete ``function_call`` item, out of the stored conversation, where the non-streamed answer holds its text
 in the message.)
 """
@@ -469,8 +470,8 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
     calls: list[ParsedCall] = []
     if choice in ("auto", "required"):
         rest, calls, finish = stream_end(c.text, sent, c.finish_reason, choice, parser, parallel)
-        if streamed_calls and not calls:  # calls streamed, none whole (cut short): they keep their text
-            rest = "" if parser is None else c.text[sent : parser.streamable(c.text)].rstrip()
+        if streamed_calls and not calls and choice == "auto":  # calls streamed, none whole: they keep their text
+            rest = c.text[sent : parser.streamable(c.text)].rstrip()  # (required's: the message has it, as in chat)
         if rest:
             if streamed is None:
                 streamed = _message_item()

@@ -107,7 +107,7 @@ def call_sequence(body: str, pos: int, separators: str) -> list[tuple[str, str]]
         scan = scan_call(body[pos:])
         if scan.name is None:
             return calls
-        calls.append((scan.name, scan.arguments or ""))
+        calls.append((scan.name, _escape_controls(scan.arguments or "")))
         end = _value_end(body, pos)
         if end is None:
             return calls
@@ -119,18 +119,42 @@ def call_sequence(body: str, pos: int, separators: str) -> list[tuple[str, str]]
         pos += 1
 
 
+def _escape_controls(text: str) -> str:
+    """``text`` (JSON, perhaps cut short) with each raw control character inside a string written as its escape,
+    which strict JSON needs (a grammar may let one into a string). Character by character, from the start: the
+    text of a longer prefix begins with a shorter one's, so streamed pieces still add up."""
+    if not any(c < " " for c in text):
+        return text
+    out, in_string, escaped = [], False, False
+    for c in text:
+        if in_string and c < " ":
+            out.append(json.dumps(c)[1:-1])  # \n, \t, \u0001, ...
+            escaped = False
+            continue
+        out.append(c)
+        if escaped:
+            escaped = False
+        elif c == "\\" and in_string:
+            escaped = True
+        elif c == '"':
+            in_string = not in_string
+    return "".join(out)
+
+
 def _as_written(calls: list[ParsedCall], written: list[tuple[str, str]]) -> None:
-    """Each call's arguments as the model wrote them (``written``: :func:`call_sequence` over the whole answer),
-    where those are the same JSON object as the parsed ones and strict JSON (a raw control character the
-    grammar let into a string is not: such a call keeps its arguments re-serialized)."""
-    for call, (name, text) in zip(calls, written):
-        if name != call.name or not text:
+    """Each call's arguments as the model wrote them (``written``: :func:`call_sequence` over the whole answer,
+    control characters in strings escaped), which is what streaming sent piece by piece: where ``written`` holds
+    the same calls and its text is strict JSON."""
+    if [name for name, _ in written] != [call.name for call in calls]:
+        return
+    for call, (_, text) in zip(calls, written):
+        if not text:  # written as a JSON string: its text is not the arguments
             continue
         try:
-            if json.loads(text) == json.loads(call.arguments):
-                call.arguments = text
+            json.loads(text)
         except json.JSONDecodeError:
-            pass
+            continue
+        call.arguments = text
 
 
 # -- checking the tools' parameter schemas --------------------------------------------------
