@@ -238,7 +238,7 @@ class Soak:
             self.tally.completed += 1
             self.tally.outcomes[(kind, "200")] += 1
 
-    async def _responses(self, client, rng: random.Random, kind: str = "responses") -> str | None:
+    async def _responses(self, client, rng: random.Random, kind: str = "responses", delete: bool = True) -> str | None:
         """A stored response with a 1 MiB ``user``, read back; a third of them deleted, then gone (404). Its id
         when it is still stored."""
         body = {
@@ -262,7 +262,7 @@ class Soak:
             self.tally.problem(f"{kind}: reading a stored response back: HTTP {got.status_code}")
             return None
         kept: str | None = answer["id"]
-        if rng.random() < 1 / 3:
+        if delete and rng.random() < 1 / 3:
             gone = await client.delete(url, headers=self.headers)
             again = await client.get(url, headers=self.headers)
             if gone.status_code != 200 or again.status_code != 404:
@@ -464,9 +464,9 @@ class Soak:
             for what in HOSTILE:
                 await self._hostile(client, rng, what)
             # the store past its byte cap: the first response stored is evicted
-            first = await self._responses(client, rng)
+            first = await self._responses(client, rng, delete=False)
             for _ in range(self.c.stored_response_bytes // STORED_USER_BYTES + 2):
-                await self._one(client, rng, "responses")
+                await self._responses(client, rng, delete=False)
             if first is not None:
                 got = await client.get(f"{self.url}/v1/responses/{first}", headers=self.headers)
                 if got.status_code != 404:
