@@ -426,15 +426,8 @@ def test_the_router_closes_half_sent_requests_and_keeps_its_backends_list_behind
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + PATIENCE_S
-        while True:  # up (its /health is 503 with no backend healthy: its open /metrics says it listens)
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(f"{url}/metrics", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        # up: its /health is 503 with no backend healthy, its open /metrics says it listens
+        wait_healthy(url, proc, PATIENCE_S, path="/metrics")
         assert httpx.get(f"{url}/backends").status_code == 401
         assert httpx.get(f"{url}/backends", headers={"Authorization": "Bearer k"}).json()[0]["url"]
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"

@@ -379,8 +379,8 @@ def check_outputs_unchanged(reference: Sequence[Any], outs: Sequence[Any], topk:
     )
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Return once ``url``/health answers 200; raise if the server exits or never gets there."""
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120, path: str = "/health") -> None:
+    """Return once ``url`` + ``path`` answers 200; raise if the server exits or never gets there."""
     import httpx
 
     deadline = time.time() + timeout
@@ -388,7 +388,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
         if proc.poll() is not None:
             raise RuntimeError("server exited")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass
