@@ -131,7 +131,9 @@ def test_a_replica_killed_under_load_loses_no_request(two_replicas):
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if ENGINE in a["name"]]
     assert len(names) == 2, names
     victim = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
-    prompts = [f"Request {i}: " + " ".join(f"w{(i * 7 + j) % 50}" for j in range(30)) for i in range(16)]
+    # three requests a client thread: the load goes on past the kill, so the victim still holds requests when it
+    # dies (with one request a thread, a fast machine finished the victim's between the poll and the kill)
+    prompts = [f"Request {i}: " + " ".join(f"w{(i * 7 + j) % 50}" for j in range(30)) for i in range(48)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(_ask, two_replicas, p, 150) for p in prompts]
         # the kill must catch requests inside the victim's engine (a fixed sleep was early or late by machine
