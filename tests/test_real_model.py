@@ -6,6 +6,7 @@ stored in ``tests/data`` by ``python benchmarks/real_models.py reference``."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -195,3 +196,22 @@ def test_qwen_0_5b_takes_its_whole_context_and_names_the_limit_where_memory_does
     assert e.value.param == "max_model_len"
     with pytest.raises(InvalidParameterError, match=r"exceeds the model's max_position_embeddings \(32768\)"):
         LLM(str(qwen_0_5b), max_model_len=65536)
+
+
+def test_an_agents_growing_conversation_computes_only_each_turns_new_tokens(qwen_0_5b: Path) -> None:
+    """benchmarks/agent_loop.py's conversation (the chat template with tools, a tool call and a file a turn): each
+    turn's prompt begins with the last one's tokens, so the prefix cache leaves only the new part to compute (up
+    to a block: the cache holds whole blocks)."""
+    agent = benchmark_module("agent_loop")
+    llm = LLM(str(qwen_0_5b), max_model_len=4096, max_num_seqs=1)
+    work = agent.conversations(llm.get_tokenizer(), turns=4, grow_to=2048)
+    assert all(b[: len(a)] == a for a, b in itertools.pairwise(work)) and len(work[-1]) > 1800
+    one = SamplingParams(temperature=0, max_tokens=1)
+    computed = []
+    for ids in work:
+        out = llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)[0]
+        computed.append(len(ids) - out.num_cached_tokens)
+    assert computed[0] == len(work[0])
+    for k in range(1, len(work)):
+        new = len(work[k]) - len(work[k - 1])
+        assert new <= computed[k] <= new + 16, (k, new, computed)

@@ -630,12 +630,16 @@ def real_models_module() -> Any:
 
 
 def benchmark_module(name: str) -> Any:
-    """``benchmarks/<name>.py`` as a module (it imports ``real_models`` as its neighbour)."""
+    """``benchmarks/<name>.py`` as a module (it imports ``real_models`` and its other neighbours, as when it runs
+    with its folder on sys.path: the folder goes at the end of sys.path, shadowing nothing)."""
     import importlib.util
 
     if "real_models" not in sys.modules:
         real_models_module()
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    path = Path(folder) / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
