@@ -102,7 +102,7 @@ def _pagedllm(args: argparse.Namespace, work: list[list[int]]) -> dict:
         cached = result.num_cached_tokens or 0
         out["turns"].append({"prompt_tokens": len(ids), "computed": len(ids) - cached, "ttft_s": ttft})
         print(f"pagedllm turn {k + 1}: {json.dumps(out['turns'][-1])}", file=sys.stderr, flush=True)
-    llm.shutdown()
+    del llm  # its memory back before the next engine starts
     return out
 
 
