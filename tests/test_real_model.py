@@ -215,3 +215,38 @@ def test_an_agents_growing_conversation_computes_only_each_turns_new_tokens(qwen
     for k in range(1, len(work)):
         new = len(work[k]) - len(work[k - 1])
         assert new <= computed[k] <= new + 16, (k, new, computed)
+
+
+@pytest.mark.slow
+def test_an_8k_prompt_gets_the_same_greedy_tokens_whatever_its_chunks_and_the_prefix_cache(qwen_0_5b: Path) -> None:
+    """The default (`gguf`, where every tensor is in panels: one kernel at every row count) on an 8,192-token prompt
+    of code: the same 16 greedy tokens prefilled in one chunk, in chunks of 2,048 and of 512, and with 6,144 of its
+    tokens from the prefix cache (left there by another prompt that begins alike)."""
+    from pagedllm.model_loader.resolve import resolve_model
+    from pagedllm.worker.loader import resolve_quantization
+
+    if resolve_quantization(None, resolve_model(str(qwen_0_5b)), None, torch.device("cpu")) != "gguf":
+        pytest.skip("the default here is gguf-exact (no GGUF panels at this CPU's kernel level)")
+    code = benchmark_module("long_context").source_text()
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+
+    def run(chunk: int, cache: bool) -> tuple[list[int], int]:
+        llm = LLM(
+            str(qwen_0_5b),
+            max_model_len=8448,
+            max_num_seqs=1,
+            max_num_batched_tokens=chunk,
+            enable_prefix_caching=cache,
+        )
+        ids = llm.get_tokenizer().encode(code)[:8192]
+        if cache:  # another prompt with the same first 6,144 tokens leaves them in the cache
+            other = [{"prompt_token_ids": ids[:6144] + ids[:64]}]
+            llm.generate(other, SamplingParams(max_tokens=1), use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0]
+        return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+    whole, cached = run(8448, cache=False)
+    assert cached == 0 and len(whole) == 16
+    assert run(2048, cache=False) == (whole, 0)
+    tokens, cached = run(512, cache=True)
+    assert cached == 6144 and tokens == whole
