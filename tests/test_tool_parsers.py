@@ -288,3 +288,25 @@ def test_tools_reach_the_chat_template():
     msgs = [ChatMessage(role="user", content="hi")]
     assert tok.decode(_chat_prompt(tok, msgs, template, True, None, tools)[0]) == "[TOOL get_weather]hi"
     assert tok.decode(_chat_prompt(tok, msgs, template, True, None, None)[0]) == "hi"
+
+
+def test_a_long_call_streams_in_pieces_for_work_linear_in_its_length():
+    """A `required` call whose arguments run to 40,000 characters, fed 4 characters a step (about a token): the
+    scans read a constant times its length in all, not its square, and the pieces still come in many steps."""
+    from pagedllm.entrypoints.openai.serving_chat import LiveCalls
+
+    text = '[{"name": "write_file", "parameters": {"path": "a.py", "body": "' + "x = 1\\n" * 6000 + '"}}]'
+    scan = LiveCalls("required", None)
+    seen = []
+    for i in range(0, len(text) + 4, 4):
+        calls = scan(text[: i + 4])
+        if calls and (not seen or calls[0][1] != seen[-1]):
+            assert not seen or calls[0][1].startswith(seen[-1])
+            seen.append(calls[0][1])
+    # every step below FREE characters (at most FREE a step), then about GROWTH times the length; a scan at every
+    # step would read len(text) ** 2 / 8 characters, 80 times more
+    assert scan.work < LiveCalls.FREE**2 / 8 + (LiveCalls.GROWTH + 2) * len(text) < len(text) ** 2 / 80
+    # many pieces, each the start of the whole call's arguments (the rest goes out with the answer's end)
+    whole = parse_forced(text, "required")[0].arguments
+    assert len(seen) > LiveCalls.GROWTH and whole.startswith(seen[-1]) and len(seen[-1]) > 0.9 * len(whole)
+    assert required_stream_calls(text) == [("write_file", whole)]

@@ -280,6 +280,29 @@ def live_calls(text: str, choice: Any, parser: Any) -> list[tuple[str, str]]:
     return []
 
 
+class LiveCalls:
+    """:func:`live_calls` for one answer as it grows. Each scan reads the whole answer, so scanning at every step
+    would cost the square of a long answer's length on the event loop; past ``FREE`` characters the answer is
+    scanned again only once it has grown by a ``1/GROWTH`` part since the last scan, which costs a constant times its
+    length in all, and a long call's arguments still arrive in pieces (at least ``GROWTH`` of them)."""
+
+    FREE = 4096
+    GROWTH = 16
+
+    def __init__(self, choice: Any, parser: Any):
+        self.choice, self.parser = choice, parser
+        self.scanned = -1  # the answer's length at the last scan
+        self.calls: list[tuple[str, str]] = []
+        self.work = 0  # characters read by the scans so far
+
+    def __call__(self, text: str) -> list[tuple[str, str]]:
+        if len(text) > self.FREE and (len(text) - self.scanned) * self.GROWTH < len(text):
+            return self.calls
+        self.scanned, self.work = len(text), self.work + len(text)
+        self.calls = live_calls(text, self.choice, self.parser)
+        return self.calls
+
+
 def call_pieces(
     calls: list[tuple[str, str]], sent: list[tuple[str, str]], parallel: bool | None = True
 ) -> list[P.DeltaToolCall]:
@@ -329,6 +352,7 @@ async def chat_chunks(
     named = choice["function"]["name"] if isinstance(choice, dict) else None
     call_ids: dict[int, str] = {}
     streamed_calls: dict[int, list[tuple[str, str]]] = {}  # per choice: each call's id and arguments sent
+    scans: dict[int, LiveCalls] = {}  # per choice: the calls it shows being written
     final = None
     async for _, out in merge_streams([stream]):
         for c in out.outputs:
@@ -339,7 +363,9 @@ async def chat_chunks(
             delta = c.text[start:upto]
             sent_calls = streamed_calls.setdefault(c.index, [])
             call_deltas = (
-                call_pieces(live_calls(c.text, choice, parser), sent_calls, req.parallel_tool_calls)
+                call_pieces(
+                    scans.setdefault(c.index, LiveCalls(choice, parser))(c.text), sent_calls, req.parallel_tool_calls
+                )
                 if not c.finished()
                 else []
             )

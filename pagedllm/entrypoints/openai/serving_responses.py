@@ -43,7 +43,14 @@ from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai.common import JSONBodyRoute, merge_streams, run_to_end, sse_response
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.response_store import StoredResponse
-from pagedllm.entrypoints.openai.serving_chat import live_calls, start_chat, stream_end, stream_upto, tool_answer
+from pagedllm.entrypoints.openai.serving_chat import (
+    LiveCalls,
+    live_calls,
+    start_chat,
+    stream_end,
+    stream_upto,
+    tool_answer,
+)
 from pagedllm.entrypoints.openai.state import ServerState, ServerStateDep
 from pagedllm.entrypoints.openai.tool_calls import ParsedCall
 from pagedllm.errors import InvalidParameterError
@@ -446,6 +453,7 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
     # written (under auto hermes' tagged calls and llama3_json's, under required each one) into an item of its own
     streamed: _Item | None = None
     sent, final = 0, None
+    scan = LiveCalls(choice, parser)
     async for _, out in merge_streams([stream]):
         c = out.outputs[0]
         upto = stream_upto(c.text, sent, c.finished(), choice, parser)
@@ -458,7 +466,7 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
             _append(streamed, text)
             yield delta(streamed, text)
         if not c.finished():
-            for event in call_events(live_calls(c.text, choice, parser)):
+            for event in call_events(scan(c.text)):
                 yield event
         if out.finished:
             final = out
