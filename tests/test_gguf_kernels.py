@@ -20,6 +20,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from pagedllm.kernels import isa  # noqa: E402
+from pagedllm.kernels.build import library_flags  # noqa: E402
 from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]
@@ -38,8 +39,7 @@ def blocks(request, tmp_path_factory) -> GGUFBlocks:
     if shutil.which(cc) is None:
         pytest.skip("no C compiler")
     so = tmp_path_factory.mktemp("gguf_blocks") / f"gguf_blocks_{request.param}.so"
-    flags = ["-O3", *isa.compile_flags(request.param), "-fopenmp", "-shared", "-fPIC"]
-    subprocess.run([cc, *flags, SRC, "-o", str(so)], check=True, capture_output=True)
+    subprocess.run([cc, *library_flags(request.param), SRC, "-o", str(so)], check=True, capture_output=True)
     return GGUFBlocks(ctypes.CDLL(str(so)))
 
 

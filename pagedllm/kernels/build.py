@@ -39,7 +39,8 @@ _SOURCES = [
 _HEADERS = [os.path.join(_DIR, "vec_math.h")]
 
 
-def _flags(level: str) -> list[str]:
+def library_flags(level: str) -> list[str]:
+    """The compiler's flags for the kernels' shared library at instruction-set ``level``."""
     return ["-O3", *isa.compile_flags(level), "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -55,9 +56,9 @@ def load() -> Kernels:
 
     cc = os.environ.get("CC", "cc")
     level, why = isa.chosen_level()
-    flags = _flags(level)
+    flags = library_flags(level)
     # -mtune=native: a cache shared between machines must not hand one CPU's build to another
-    digest = hashlib.sha256(" ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode())
+    digest = hashlib.sha256(" ".join([cc, *flags, platform.machine(), *sorted(isa.cpu_flags())]).encode())
     for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             digest.update(f.read())
@@ -111,14 +112,6 @@ def _build(cc: str, flags: list[str], out_dir: str, path: str) -> None:
 def build_in_background() -> None:
     """Start building the kernels on a thread, so the compiler runs while the model loads."""
     threading.Thread(target=try_load, name="pagedllm-kernel-build", daemon=True).start()
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 class KernelBuildError(RuntimeError):
