@@ -3,8 +3,11 @@ built at a level below the machine's own, which hold no instruction above it and
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,7 +79,8 @@ def test_kernels_built_at_a_lower_level_hold_none_of_the_higher_ones_and_agree(a
     from pagedllm.layers.quantization import quantize_int8
 
     built, so = avx2_kernels
-    assert built.level == "avx2" and not built.gguf.has_gemm  # the GGUF panels are AVX-512 VNNI's
+    # the GGUF panels on 256-bit registers; the GEMM on the file's layout is AVX-512 VNNI's
+    assert built.level == "avx2" and built.gguf.has_panels and not built.gguf.has_gemm
     if shutil.which("objdump"):
         code = subprocess.run(["objdump", "-d", str(so)], capture_output=True, text=True, check=True).stdout
         assert "ymm" in code and "zmm" not in code  # AVX2's 256-bit registers, never AVX-512's
@@ -86,24 +90,35 @@ def test_kernels_built_at_a_lower_level_hold_none_of_the_higher_ones_and_agree(a
     )
 
 
-def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monkeypatch, caplog):
-    """Qwen2.5-Coder-0.5B's tensors fit the panels: `gguf` where the kernels have them (AVX-512 VNNI), `gguf-exact`
-    at a level without them; the log names the level."""
+def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monkeypatch, caplog, tmp_path):
+    """Qwen2.5-Coder-0.5B's tensors fit the panels: `gguf` where the kernels have them (AVX2 and up), `gguf-exact`
+    below (the portable level, gguf_blocks.c built for it); the log names the level."""
     import logging
+    from types import SimpleNamespace
 
     from pagedllm import kernels
+    from pagedllm.kernels.build import library_flags
+    from pagedllm.kernels.ops import GGUFBlocks
     from pagedllm.model_loader.resolve import resolve_model
     from pagedllm.worker.loader import resolve_quantization
 
+    src = Path(kernels.__file__).parent / "gguf_blocks.c"
+    so = tmp_path / "gguf_blocks_portable.so"
+    subprocess.run([os.environ.get("CC", "cc"), *library_flags("portable"), str(src), "-o", str(so)], check=True)
+    portable = SimpleNamespace(gguf=GGUFBlocks(ctypes.CDLL(str(so))), level="portable")
+    assert not portable.gguf.has_panels and not portable.gguf.has_gemm
     source = resolve_model(str(qwen_0_5b))
     cpu = torch.device("cpu")
     native = kernels.load()
     with caplog.at_level(logging.INFO, logger="pagedllm"):
-        assert resolve_quantization(None, source, None, cpu) == ("gguf" if native.gguf.has_gemm else "gguf-exact")
+        assert resolve_quantization(None, source, None, cpu) == ("gguf" if native.gguf.has_panels else "gguf-exact")
         monkeypatch.setattr(kernels, "try_load", lambda: avx2_kernels[0])
+        assert resolve_quantization(None, source, None, cpu) == "gguf"
+        monkeypatch.setattr(kernels, "try_load", lambda: portable)
         assert resolve_quantization(None, source, None, cpu) == "gguf-exact"
-    assert f"at the {native.level} kernel level" in caplog.text and "gguf-exact: the default" in caplog.text
+    assert f"at the {native.level} kernel level" in caplog.text and "gguf: the default" in caplog.text
     assert "at the avx2 kernel level" in caplog.text
+    assert "quantization gguf-exact: the default for" in caplog.text and "at the portable kernel level" in caplog.text
 
 
 def test_an_engine_asked_for_a_level_that_is_not_one_fails_at_once(monkeypatch, tiny_model_factory):

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError, UnsupportedModelError
+from pagedllm.kernels import isa
 from pagedllm.layers.quantization import Int4Linear, Int8Linear, QuantizedEmbedding, common_layout
 from pagedllm.model_loader import default_model_path, load_config, resolve_model
 from pagedllm.model_loader.gguf_loader import read_gguf_header
@@ -199,7 +200,7 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         "ragged": _write_gguf(tmp_path / "c.gguf", {**k4m, "blk.0.attn_k.weight": ("Q4_K", 40)}),
         "odd_blocks": _write_gguf(tmp_path / "e.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q5_0", 32, 96)}),
     }
-    panels = kernels.load().gguf.has_gemm
+    panels = kernels.load().gguf.has_panels
     assert all_in_panels(str(files["q4_k_m"])) == all_in_panels(str(files["with_q8_0"])) == panels
     assert not any(all_in_panels(str(files[name])) for name in ("with_q4_1", "ragged", "odd_blocks"))
     # under an explicit 'gguf', Q8_0 / Q5_0 come as stored only where they fit panels (else as int8 groups)
@@ -216,7 +217,7 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
     assert default("q4_k_m", single=False) == default("with_q4_1") == default("ragged") == "gguf-exact"
     assert resolve_quantization("gguf-exact", resolve_model(str(files["q4_k_m"])), None, CPU) == "gguf-exact"
     assert resolve_quantization(None, resolve_model(None), None, CPU) == "gguf-exact"  # SmolLM2's Q4_1
-    monkeypatch.setattr(kernels.load().gguf, "has_gemm", False)  # an AVX2 CPU
+    monkeypatch.setattr(kernels.load().gguf, "has_panels", False)  # a CPU below AVX2
     assert default("q4_k_m") == "gguf-exact"
 
 
@@ -284,19 +285,40 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     return path
 
 
+@pytest.fixture(params=[level for level in isa.machine_levels() if level != "portable"])
+def kernel_level(request):
+    """Every kernel level this machine runs that has the GGUF panels (AVX2 and up): the machine's own build, or one
+    built for the level named (``$PAGEDLLM_CPU_LEVEL``), loaded in its place for the test and then put back."""
+    from pagedllm import kernels
+
+    if request.param == kernels.load().level:
+        yield request.param
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(isa.ENV, request.param)
+        kernels.load.cache_clear(), kernels.try_load.cache_clear()
+        try:
+            assert kernels.load().level == request.param
+            yield request.param
+        finally:
+            kernels.load.cache_clear(), kernels.try_load.cache_clear()
+    assert kernels.load().level != request.param
+
+
 @pytest.mark.slow
 def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_the_schedule(
-    tmp_path, smollm2_tokenizer_dir
+    tmp_path, smollm2_tokenizer_dir, kernel_level
 ):
-    """Where the panel kernels run (AVX-512 VNNI), a file of Q4_K / Q6_K / Q5_0 / Q8_0 tensors runs 'gguf' by
+    """Where the panel kernels run (AVX2 and AVX-512 VNNI), a file of Q4_K / Q6_K / Q5_0 / Q8_0 tensors runs 'gguf' by
     default, and a request's logprobs are the same bits however it is scheduled: alone or beside 11 others, its
     prompt's shared start in the prefix cache or not, prefilled whole or in chunks of 24, its tokens drafted by
-    n-gram lookup and verified, or computed again after a preemption."""
+    n-gram lookup and verified, or computed again after a preemption. At every level the machine runs (the
+    linears' bits are the same at each, test_gguf_kernels; attention and the norms sum in another order on
+    AVX-512 than on AVX2)."""
     from pagedllm import kernels
     from pagedllm.layers.gguf_linear import GGUFLinear
 
-    if not kernels.load().gguf.has_gemm:
-        pytest.skip("the panel kernels need AVX-512 VNNI; elsewhere the default is gguf-exact")
+    assert kernels.load().gguf.has_panels
     path = _write_tiny_q4_k_m(tmp_path / "tiny-q4_k_m.gguf", 49152)
     shared = [(37 * j) % 40000 + 100 for j in range(40)]
     prompts = [shared + [(11 * i + 3 * j) % 40000 + 100 for j in range(3 + 4 * i)] for i in range(12)]

@@ -164,26 +164,34 @@ def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, qtype, k):
-    """A weight repacked into panels of 16 rows (where a build has the panel GEMM) runs one kernel at every row
-    count: a row's bits are the same alone (a decode step), beside a few others (a speculative verification, a
-    small batch) or in a prefill chunk, and they are the file layout's GEMM's; its rows and its dequantized
-    values come back as the file's. Elsewhere, for rows not in whole panels, and for Q8_0 / Q5_0 rows of an odd
-    number of blocks (their panels hold blocks in pairs), nothing repacks."""
-    blocks = gemm_from(0)  # the file's layout through the GEMM at every row count: the bits to match
+    """A weight repacked into panels of 16 rows (where a build has the panel kernels: AVX2 and up) runs one
+    kernel at every row count: a row's bits are the same alone (a decode step), beside a few others (a
+    speculative verification, a small batch) or in a prefill chunk; they are the same at every level that has
+    the panels (AVX2's two halves of 8 lanes compute AVX-512's 16), and on AVX-512 VNNI the file layout's GEMM's;
+    its rows and its dequantized values come back as the file's. Below AVX2, for rows not in whole panels, and
+    for Q8_0 / Q5_0 rows of an odd number of blocks (their panels hold blocks in pairs), nothing repacks."""
+    from pagedllm import kernels
+
+    blocks = gemm_from(0)  # AVX-512 VNNI: the file's layout through the GEMM at every row count
     n, m = 48, 70
     raw_np = random_blocks(qtype, n, k, seed=5)
     if qtype == T.Q8_0:  # q = -128 too, which gguf's quantizer never writes but a file may hold
         raw_np.reshape(n, -1, 34)[:, ::3, 2:6] = 0x80
     raw = torch.from_numpy(raw_np)
     ptype, packed = blocks.pack(int(qtype), raw)
-    if not blocks.has_gemm:
+    if not blocks.has_panels:
         assert ptype == int(qtype) and packed is raw
         return
     assert ptype == 100 + int(qtype) and packed.shape == raw.shape and not torch.equal(packed, raw)
     x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
-    want = blocks.matmul_a8(int(qtype), x, raw)
-    assert torch.equal(torch.cat([blocks.matmul_a8(ptype, x[i : i + 1], packed) for i in range(m)]), want)
-    for rows in (2, 5, 6, 8, 9, 17, 24, 40, 41, 70):  # both sides of 40: panels read in place, then expanded
+    want = torch.cat([blocks.matmul_a8(ptype, x[i : i + 1], packed) for i in range(m)])
+    assert_matches(want, reference_rounding(x, blocks.activation_block(int(qtype))), reference_weights(qtype, raw_np))
+    if blocks.has_gemm:
+        assert torch.equal(blocks.matmul_a8(int(qtype), x, raw), want)
+    machine = kernels.load().gguf
+    if machine.has_panels:  # the machine's own level (the package's build) gives the same bits
+        assert torch.equal(machine.matmul_a8(ptype, x, machine.pack(int(qtype), raw)[1]), want)
+    for rows in (2, 3, 4, 5, 6, 8, 9, 17, 24, 40, 41, 70):  # tiles of 4 (AVX2) and 8; in place, then expanded
         assert torch.equal(blocks.matmul_a8(ptype, x[:rows], packed), want[:rows]), rows
     assert torch.equal(blocks.matmul_a8(ptype, x[20:29], packed), want[20:29])
     ids = torch.tensor([0, 47, 16, 15, 3, 3])
@@ -361,7 +369,7 @@ def test_gguf_linear_is_one_function_at_every_batch_size(qtype, activation_bits)
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_gguf_mode_linear_on_repacked_panels_is_one_function_bit_for_bit(qtype):
-    """GGUFLinear under int8 activations repacks its rows where the CPU has the panel GEMM: every
+    """GGUFLinear under int8 activations repacks its rows where the CPU has the panel kernels: every
     batch size then gives each row the bits it gets alone, and a lookup of its rows (a tied embedding's) is the
     file's rows dequantized."""
     from pagedllm import kernels
@@ -370,7 +378,7 @@ def test_a_gguf_mode_linear_on_repacked_panels_is_one_function_bit_for_bit(qtype
     n, k = 48, 512
     raw = random_blocks(qtype, n, k, seed=9)
     layer = GGUFLinear(torch.from_numpy(raw), int(qtype), torch.randn(n), 8)
-    packs = kernels.load().gguf.has_gemm
+    packs = kernels.load().gguf.has_panels
     assert layer.qtype == (100 + int(qtype) if packs else int(qtype)) and layer.file_qtype == int(qtype)
     assert ("in panels of 16 rows" in repr(layer)) == packs
     x = torch.randn(70, k)

@@ -86,7 +86,7 @@ def test_qwen_0_5b_gguf_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) ->
     in_file = [any(lo <= d.raw.data_ptr() < hi for lo, hi in spans) for d in downs]
     row_bytes = {12: 144, 14: 210}
     assert all(d.raw.shape == (896, 4864 // 256 * row_bytes[d.file_qtype]) for d in downs)  # the file's size
-    if kernels.load().gguf.has_gemm:  # a copy in panels, the file's pages let go
+    if kernels.load().gguf.has_panels:  # a copy in panels, the file's pages let go
         assert {d.qtype for d in downs} == {112, 114} and not any(in_file)
         assert _resident_kib(str(qwen_0_5b)) < 1024
         qkv = model.layers[0].self_attn.qkv_proj

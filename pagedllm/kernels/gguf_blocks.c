@@ -52,6 +52,11 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GB_AVX512 1
 #endif
+/* the repacked panels (gguf_pack_panels) and their one kernel at every row count: AVX-512 VNNI's, and below it
+ * the same panels read as two halves of 8 rows on AVX2's 256-bit registers (the same bits: see the AVX2 section) */
+#if defined(GB_AVX512) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define GB_PANELS 1
+#endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -95,7 +100,7 @@ static int block_bytes_any(int type) {
     }
 }
 
-/* Q4_K, Q6_K, Q8_0 and Q5_0 repacked into panels of 16 rows (gguf_pack_panels, AVX-512 VNNI builds): their
+/* Q4_K, Q6_K, Q8_0 and Q5_0 repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): their
  * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
  * row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0 };
@@ -103,7 +108,7 @@ static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
 /* the same for the types the matmul kernels read (0: a type they do not read): four as stored, four repacked */
 static int reads(int type) {
-#ifdef GB_AVX512
+#ifdef GB_PANELS
     if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0) return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
@@ -134,7 +139,7 @@ static inline uint32_t load32(const uint8_t *p) {
  * So element 4j + i of a block is byte i of word j's lane (Q5_0: of word j % 4's low (j < 4) or high nibbles,
  * plus 16 where its mask j's bit is set). The file's bytes, transposed and their bits permuted: a panel holds
  * its rows' bytes, no more (pairs, not single blocks, so that each vector starts on a line of 64 bytes). */
-#ifdef GB_AVX512
+#ifdef GB_PANELS
 static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *dst) {
     const int bytes = block_bytes_any(type);
     for (int64_t g = 0; g < nb; g++) {
@@ -777,6 +782,49 @@ int gguf_has_gemm(void) {
 #endif
 }
 
+/* 1 where weights are repacked into panels of 16 rows (gguf_pack_panels) and one kernel multiplies them at every
+ * row count (AVX2 and AVX-512 VNNI builds) */
+int gguf_has_panels(void) {
+#ifdef GB_PANELS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef GB_PANELS
+#define NP 16  /* columns of a panel: one per int32 lane (AVX2: of its two halves' lanes) */
+static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
+
+/* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
+ * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 128,
+ * Q5_0 16; Q4_K none), and for Q4_K *xs2 [M, K / 64] the plain sums of groups 2k and 2k + 1 as the two int16 of
+ * word k. NULL when memory ran out; free both. */
+static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
+    const int G = group_elems(type);
+    const int64_t ng = K / G;
+    const int off = type == Q6_K ? 32 : type == Q8_0 ? 128 : type == Q5_0 ? 16 : 1;
+    int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
+    int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);  /* filled for Q4_K, the one that reads it */
+    if (!xs || !xs2) {
+        free(xs), free(xs2);
+        return NULL;
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < ng; g++) {
+            int32_t t = 0;
+            for (int h = 0; h < G / 16; h++) t += bsums[i * (K / 16) + g * (G / 16) + h];
+            xs[i * ng + g] = off * t;
+            if (type == Q4_K && (g & 1)) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)xs[i * ng + g - 1] & 0xFFFF) | (uint32_t)t << 16);
+        }
+    *xs2_out = xs2;
+    return xs;
+}
+
+static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
+                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
+#endif
+
 #ifdef GB_AVX512
 /* more rows than this take the GEMM: Q6_K's panels cost more to decode (its top bits put back), so it pays
  * from half as many rows again (measured, the 1.5B's Q6_K tensors: 83 / 89 / 105 / 134 GMAC/s at 16 / 24 / 32
@@ -784,9 +832,6 @@ int gguf_has_gemm(void) {
 static int64_t gemm_min_rows(int type) {
     return type == Q6_K ? 3 * (int64_t)gguf_gemm_min_rows / 2 : gguf_gemm_min_rows;
 }
-
-static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
-                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
 #endif
 
 /* one weight row against rows m0 .. m0 + mc - 1 (mc a constant in each case: the loops over rows unroll) */
@@ -805,6 +850,8 @@ static int matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t 
 #ifdef GB_AVX512
     if (type > PANEL || M > gemm_min_rows(type))  /* a repacked weight: the one kernel at every row count */
         return gguf_gemm_q8(type, qx, dx, bsums, raw, y, ldy, M, N, K);
+#elif defined(GB_PANELS)
+    if (type > PANEL) return gguf_gemm_q8(type, qx, dx, bsums, raw, y, ldy, M, N, K);
 #endif
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type), ab = act_block(type);
 #pragma omp parallel for schedule(static)
@@ -856,11 +903,8 @@ int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *b
  * another order than the row kernels' lanes. Tiles are two panels by RT2 rows where there are two panels
  * (each row's 4 bytes of x broadcast once for 32 columns), and Q4_K's mins are summed at the start of each
  * super-block, off the dots' critical path: 15-18 % faster than one panel by RT rows at 100-512 rows. */
-#define NP 16  /* columns of a panel: one per int32 lane */
 #define RT 8   /* rows of x per register tile */
 #define RT2 5  /* the same for a tile of two panels (its integer sums fill the registers) */
-
-static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
 
 /* A panel's numbers besides its bytes, for column c (group g at [g * NP + c], super-block or block b at
  * [b * NP + c]): sc the integer scale of a group (Q4_K's 6 bits, Q6_K's int8; 1 for Q8_0 / Q5_0), mn Q4_K's
@@ -1347,21 +1391,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     const int type = base_type(ptype), G = group_elems(type), ab = act_block(type);
     const int64_t ng = K / G, ndx = K / ab, row_bytes = K / block_elems(type) * block_bytes(type);
-    /* sums of q_x per group, times the offset of the weights' unsigned bytes (Q4_K: none; its mins use xs2) */
-    const int off = type == Q6_K ? 32 : type == Q8_0 ? 128 : type == Q5_0 ? 16 : 1;
-    int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
-    int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);  /* filled for Q4_K, the one that reads it */
-    if (!xs || !xs2) {
-        free(xs), free(xs2);
-        return -2;
-    }
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t g = 0; g < ng; g++) {
-            int32_t t = 0;
-            for (int h = 0; h < G / 16; h++) t += bsums[i * (K / 16) + g * (G / 16) + h];
-            xs[i * ng + g] = off * t;
-            if (type == Q4_K && (g & 1)) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)xs[i * ng + g - 1] & 0xFFFF) | (uint32_t)t << 16);
-        }
+    int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
+    if (!xs) return -2;
     int failed = 0;
     if (ptype > PANEL && M <= PACKED_DIRECT_ROWS) {  /* repacked: each panel's words where they lie */
 #pragma omp parallel for schedule(static)
@@ -1485,11 +1516,282 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 }
 #endif
 
+#if defined(GB_PANELS) && !defined(GB_AVX512)
+/* ---- AVX2: the repacked panels on 256-bit registers ---------------------------------------------------
+ * The panels are AVX-512's (gguf_pack_panels: the same bytes at every level), read as two halves: bytes 0-31 of
+ * each 64-byte vector hold rows 0-7 of the panel, bytes 32-63 rows 8-15. Each half is a pass of the kernels
+ * below over the panel's words (the second pass finds them in L2), and computes in its 8 lanes exactly what the
+ * AVX-512 kernels compute in theirs: the same integer sums, then the same float multiply-adds in the same order,
+ * so a row's bits are those of an AVX-512 VNNI build, at every row count. The 4-byte dot products are AVX-VNNI's
+ * vpdpbusd where the CPU has it; else vpmaddubsw (pairs of unsigned x signed bytes into int16, saturating) and
+ * vpmaddwd by ones. The pairs stay under 2^15 for every type but Q8_0's bytes (q + 128, up to 255): there the
+ * signed q multiplies x with its sign moved onto x (|q| . sign(x, q), at most 2 * 128 * 127), which is the same
+ * integer as (q + 128) . x - 128 * sum(x). */
+#define RTA 4  /* rows of x per tile: AVX2 has 16 vector registers */
+
+static inline __attribute__((always_inline)) __m256i dp8(__m256i acc, __m256i u, __m256i s) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) __m256i bcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* the low (hi = 0) or high (hi = 1) float16 of each of 8 int32 lanes, as floats */
+static inline __attribute__((always_inline)) __m256 f16_lanes(__m256i w, int hi) {
+    const __m256i h = hi ? _mm256_srli_epi32(w, 16) : _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF));
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  /* the 8 halves in order */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+}
+
+/* one panel: 16 rows of a Q4_K or Q6_K weight (row_bytes apart, nsb super-blocks) repacked into dst: word w of
+ * row c at dst + (w * 16 + c) * 4, a block's last bytes (Q6_K's d) after its words as 16 pairs */
+static void repack_panel(int type, const uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *dst) {
+    const int bytes = block_bytes(type), words = bytes / 4;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        uint8_t *d = dst + sb * NP * bytes;
+        for (int c = 0; c < NP; c++) {
+            const uint8_t *src = rows + c * row_bytes + sb * bytes;
+            for (int w = 0; w < words; w++) memcpy(d + (w * NP + c) * 4, src + 4 * w, 4);
+            if (bytes % 4) memcpy(d + words * 64 + c * (bytes % 4), src + 4 * words, bytes % 4);
+        }
+    }
+}
+
+/* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb) as packed_q4k of AVX-512 computes them */
+static inline __attribute__((always_inline)) void half_q4k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
+                                                           const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, npair = K / 64;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
+    const __m256i ff = _mm256_set1_epi32(0xFF);
+    float accm[RTA * 8] __attribute__((aligned(32)));
+    for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = pb + sb * NP * 144 + 32 * hf;
+        if (!hf) PREFETCH_AHEAD(b, NP * 144);
+        /* vector 0: d | dmin; 1-3: the 12 bytes of scales (k4_scales on 8 rows at once) */
+        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(b + 64)), u2 = _mm256_loadu_si256((const __m256i *)(b + 192));
+        const __m256i sl = _mm256_and_si256(u0, m6);
+        const __m256i sh = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), top));
+        int32_t ism[RTA * 8] __attribute__((aligned(32)));
+        for (int r = 0; r < rt; r++) _mm256_store_si256((__m256i *)(ism + r * 8), _mm256_setzero_si256());
+        for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
+            const uint8_t *q = b + 256 + cc * 8 * 64;
+            const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
+            const __m256i svl = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
+            const __m256i svh = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
+            const int split = rt <= 2 ? 2 : 1;
+            __m256i al[2][RTA], ah[2][RTA];
+            for (int e = 0; e < split; e++)
+                for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const int e = j % split;
+                for (int r = 0; r < rt; r++) {
+                    al[e][r] = dp8(al[e][r], lo, bcast4(xc + r * K + 4 * j));
+                    ah[e][r] = dp8(ah[e][r], hi, bcast4(xc + r * K + 32 + 4 * j));
+                }
+            }
+            for (int r = 0; r < rt; r++) {
+                const __m256i l = split == 2 ? _mm256_add_epi32(al[0][r], al[1][r]) : al[0][r];
+                const __m256i h = split == 2 ? _mm256_add_epi32(ah[0][r], ah[1][r]) : ah[0][r];
+                __m256i *s = (__m256i *)(ism + r * 8);
+                _mm256_store_si256(s, _mm256_add_epi32(_mm256_load_si256(s), _mm256_add_epi32(_mm256_mullo_epi32(l, svl), _mm256_mullo_epi32(h, svh))));
+            }
+        }
+        /* the mins: mn[k] those of groups 2k and 2k + 1 as the two int16 of a lane */
+        const __m256i u1 = _mm256_loadu_si256((const __m256i *)(b + 128));
+        const __m256i hi16 = _mm256_set1_epi32(0xFF0000);
+        const __m256i ml = _mm256_and_si256(u1, m6);
+        const __m256i mh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), top));
+        __m256i mn[4];
+        for (int k = 0; k < 2; k++) {
+            const __m256i lo = _mm256_srli_epi32(ml, 16 * k), hi = _mm256_srli_epi32(mh, 16 * k);
+            mn[k] = _mm256_or_si256(_mm256_and_si256(lo, ff), _mm256_and_si256(_mm256_slli_epi32(lo, 8), hi16));
+            mn[2 + k] = _mm256_or_si256(_mm256_and_si256(hi, ff), _mm256_and_si256(_mm256_slli_epi32(hi, 8), hi16));
+        }
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)b);
+        const __m256 dv = f16_lanes(w0, 0), dminv = f16_lanes(w0, 1);
+        for (int r = 0; r < rt; r++) {
+            const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
+            __m256 ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(ism + r * 8))), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8));
+            __m256i ms = _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[k], _mm256_set1_epi32(xs2[r * npair + sb * 4 + k])));
+            ar = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dminv, dxv), ar);
+            _mm256_store_ps(accm + r * 8, ar);
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
+}
+
+/* Q6_K's word t (0-3) of 8 rows from ql words lo (word j) and lo32 (word j + 8) and qh word hi: q6k_word's bits */
+static inline __attribute__((always_inline)) __m256i q6k_word8(__m256i lo, __m256i lo32, __m256i hi, int t) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const __m256i low = _mm256_and_si256(t < 2 ? (t == 0 ? lo : lo32) : _mm256_srli_epi32(t == 2 ? lo : lo32, 4), m4);
+    const __m256i top = t == 0 ? _mm256_slli_epi32(hi, 4) : t == 1 ? _mm256_slli_epi32(hi, 2) : t == 2 ? hi : _mm256_srli_epi32(hi, 2);
+    return _mm256_or_si256(low, _mm256_and_si256(top, m2));
+}
+
+/* the same for half hf of a repacked Q6_K panel: packed_q6k of AVX-512 */
+static inline __attribute__((always_inline)) void half_q6k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
+                                                           const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, ng = K / 16;
+    float accm[RTA * 8] __attribute__((aligned(32)));
+    __m256i a[RTA], is[RTA];
+    for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
+        const uint8_t *b = pb + sb * NP * 210;
+        if (!hf) PREFETCH_AHEAD(b, NP * 210);
+        b += 32 * hf;
+        for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
+                for (int jj = 0; jj < 2; jj++) {
+                    for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
+                    for (int j = 4 * jj; j < 4 * jj + 4; j++) {
+                        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * (t & 1) + j) * 64));
+                        const __m256i v = q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
+                        for (int r = 0; r < rt; r++) a[r] = dp8(a[r], v, bcast4(qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j));
+                    }
+                    const int g = 8 * h + 2 * t + jj;
+                    const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + g / 4) * 64));
+                    const __m256i sv = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
+                    for (int r = 0; r < rt; r++) {
+                        const __m256i t32 = _mm256_sub_epi32(a[r], _mm256_set1_epi32(xs[r * ng + sb * 16 + g]));
+                        is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(t32, sv));
+                    }
+                }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b - 32 * hf + 52 * 64 + 16 * hf)));
+        for (int r = 0; r < rt; r++) {
+            const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
+            _mm256_store_ps(accm + r * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8)));
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
+}
+
+/* word j (0-7) of block h of a Q8_0 / Q5_0 pair, half hf (8 rows), as q32_word reads it (Q8_0: q + 128; Q5_0: q) */
+static inline __attribute__((always_inline)) __m256i q32_word8(int type, const uint8_t *pair, int hf, int h, int j) {
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(pair + (1 + 8 * h + j) * 64 + 32 * hf));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (3 + 4 * h + (j & 3)) * 64 + 32 * hf));
+    const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+    /* the fifth bits: bit 4c + i of the 32 bits of this half's mask j is byte 4c + i's; 16 where it is set */
+    const __m256i m = _mm256_shuffle_epi8(bcast4(pair + (1 + h) * 64 + 8 * j + 4 * hf),
+                                          _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);
+    return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+/* the same for half hf of a repacked Q8_0 / Q5_0 panel (type the file's): packed_q32 of AVX-512 */
+static inline __attribute__((always_inline)) void half_q32(int type, int rt, int64_t K, const uint8_t *pb, int hf,
+                                                           const int8_t *qx, const int32_t *xs, const float *dx, float *y,
+                                                           int64_t ldy) {
+    const int64_t nb = K / 32;
+    const int pair_bytes = 32 * block_bytes_any(type);
+#ifdef __AVXVNNI__
+    const int signs = 0;  /* vpdpbusd takes Q8_0's q + 128 whole */
+#else
+    const int signs = type == Q8_0;  /* |q| . sign(x, q): vpmaddubsw's pairs stay under 2^15 */
+#endif
+    __m256 acc[RTA];
+    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < nb; g0 += 2) {
+        const uint8_t *pair = pb + (g0 / 2) * pair_bytes;
+        if (!hf) PREFETCH_AHEAD(pair, pair_bytes);
+        for (int h = 0; h < 2; h++) {
+            const int64_t g = g0 + h;
+            const int split = rt <= 2 ? 2 : 1;
+            __m256i a[2][RTA];
+            for (int e = 0; e < split; e++)
+                for (int r = 0; r < rt; r++) a[e][r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i v = q32_word8(type, pair, hf, h, j);
+                if (signs) {
+                    const __m256i q = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+                    v = _mm256_abs_epi8(q);
+                    for (int r = 0; r < rt; r++)
+                        a[j % split][r] = dp8(a[j % split][r], v, _mm256_sign_epi8(bcast4(qx + r * K + g * 32 + 4 * j), q));
+                } else {
+                    for (int r = 0; r < rt; r++) a[j % split][r] = dp8(a[j % split][r], v, bcast4(qx + r * K + g * 32 + 4 * j));
+                }
+            }
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 32 * h + 16 * hf)));
+            for (int r = 0; r < rt; r++) {
+                const __m256i s = split == 2 ? _mm256_add_epi32(a[0][r], a[1][r]) : a[0][r];
+                const __m256i t = signs ? s : _mm256_sub_epi32(s, _mm256_set1_epi32(xs[r * nb + g]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nb + g])), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
+}
+
+/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves */
+static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                              const int32_t *xs, const int32_t *xs2, const float *dx,
+                                                              float *y, int64_t ldy) {
+    for (int hf = 0; hf < 2; hf++) {
+        if (type == P_Q4_K) half_q4k(rt, K, pb, hf, qx, xs2, dx, y, ldy);
+        else if (type == P_Q6_K) half_q6k(rt, K, pb, hf, qx, xs, dx, y, ldy);
+        else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
+    }
+}
+
+/* y = x . W^T for a repacked W (ptype), every row count: tiles of RTA rows of x against each panel */
+static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
+                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const int type = base_type(ptype);
+    const int64_t ng = K / group_elems(type), ndx = K / act_block(type), row_bytes = K / block_elems(type) * block_bytes(type);
+    int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
+    if (!xs) return -2;
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NP)
+        for (int64_t m0 = 0; m0 < M; m0 += RTA) {
+            const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
+            const uint8_t *pb = raw + n0 * row_bytes;
+            const int8_t *q = qx + m0 * K;
+            const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);
+            const float *dxr = dx + m0 * ndx;
+            float *yr = y + m0 * ldy + n0;
+#define PACKED(T)                                                                      \
+            switch (rt) {                                                              \
+                case 4: packed_rows(T, 4, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
+                case 3: packed_rows(T, 3, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
+                case 2: packed_rows(T, 2, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
+                default: packed_rows(T, 1, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+            }
+            if (ptype == P_Q4_K) {
+                PACKED(P_Q4_K)
+            } else if (ptype == P_Q6_K) {
+                PACKED(P_Q6_K)
+            } else if (ptype == P_Q8_0) {
+                PACKED(P_Q8_0)
+            } else {
+                PACKED(P_Q5_0)
+            }
+#undef PACKED
+        }
+    free(xs), free(xs2);
+    return 0;
+}
+#endif
+
 /* W [N, K] of type Q4_K, Q6_K, Q8_0 or Q5_0 (the file's rows, raw) repacked into out (as many bytes) for the
- * kernel above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a
- * multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0: 64), or a build without AVX-512 VNNI */
+ * kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a
+ * multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0: 64), or a build without the panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
-#ifdef GB_AVX512
+#ifdef GB_PANELS
     const int q32 = type == Q8_0 || type == Q5_0;
     if ((type != Q4_K && type != Q6_K && !q32) || N % NP || K % (q32 ? 64 : QK)) return -1;
     const int64_t row_bytes = K / block_elems(type) * block_bytes(type);

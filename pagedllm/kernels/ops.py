@@ -475,10 +475,13 @@ class GGUFBlocks:
         for fn in (*fns, self._to_groups, self._pack, self._unpack):
             fn.restype = c_int
         self._gemm_min_rows = ctypes.c_int.in_dll(lib, "gguf_gemm_min_rows")
-        lib.gguf_has_gemm.restype = c_int
+        lib.gguf_has_gemm.restype = lib.gguf_has_panels.restype = c_int
         self.has_gemm = bool(lib.gguf_has_gemm())
-        """Whether many rows of integer activations run a GEMM (AVX-512 VNNI builds); else the row kernels,
-        which a float GEMM on a dequantized copy beats from a few dozen rows."""
+        """Whether many rows of integer activations on the file's layout run a GEMM (AVX-512 VNNI builds); else
+        the row kernels, which a float GEMM on a dequantized copy beats from a few dozen rows."""
+        self.has_panels = bool(lib.gguf_has_panels())
+        """Whether ``pack`` repacks weights into panels of 16 rows, which one kernel multiplies at every row count
+        (AVX2 and AVX-512 VNNI builds)."""
 
     @property
     def gemm_min_rows(self) -> int:
@@ -494,13 +497,13 @@ class GGUFBlocks:
         self, qtype: int, raw: torch.Tensor, copied: Callable[[torch.Tensor], object] | None = None
     ) -> tuple[int, torch.Tensor]:
         """``(qtype, raw)`` as the integer kernels read it best: a weight of a type in GGUF_BLOCKS with a multiple of
-        16 rows (and, Q8_0 / Q5_0, of 64 columns), where the panel GEMM is built, repacked into panels of 16 rows
-        (a new tensor of raw's shape, type id 100 + qtype), which one kernel multiplies at every row count, a
-        row's bits the same whatever shares its call; anything else as it is. The float32 kernels (matmul_f32)
-        do not read a repacked weight. ``copied`` is called with each slice of raw's rows once the copy holds it
-        (to let a file's pages go before the next slice is read)."""
+        16 rows (and, Q8_0 / Q5_0, of 64 columns), where the panel kernels are built (``has_panels``), repacked
+        into panels of 16 rows (a new tensor of raw's shape, type id 100 + qtype), which one kernel multiplies at
+        every row count, a row's bits the same whatever shares its call; anything else as it is. The float32
+        kernels (matmul_f32) do not read a repacked weight. ``copied`` is called with each slice of raw's rows once
+        the copy holds it (to let a file's pages go before the next slice is read)."""
         k = self.in_features(qtype, raw) if qtype in GGUF_BLOCKS else 0
-        if not self.has_gemm or not fits_panels(qtype, raw.shape[0], k):
+        if not self.has_panels or not fits_panels(qtype, raw.shape[0], k):
             return qtype, raw
         raw = raw.contiguous()
         out = torch.empty_like(raw)

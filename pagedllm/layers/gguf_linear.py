@@ -7,14 +7,15 @@ layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``).
 ``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8
 per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
 float32 activations, the float32 function of the dequantized weights. Either way the layer computes the same
-function at every batch size, up to float summation order. int8, where the CPU has AVX-512 VNNI: a weight of
-whole panels (Q8_0 / Q5_0: and of pairs of blocks a row) is repacked at load into panels of 16 rows (the same
-bytes permuted; the file's pages are let go), and one kernel multiplies every row count, a row's bits the same
-whatever shares its call; other weights stream their blocks a weight row at a time up to a few rows, and more
-rows (a prefill chunk, a large decode batch) run a GEMM over panels of 16 weight rows decoded to bytes (3.2x the
-float GEMM on a dequantized copy at 512 rows of the 1.5B's Q4_K MLP). float32, and int8 without that GEMM: up to
-``SMALL_BATCH`` rows the kernels stream the blocks; more rows dequantize the weight into a buffer shared by
-every quantized layer and run the float32 GEMM (on the rounded input in the int8 mode).
+function at every batch size, up to float summation order. int8, where the CPU has AVX2 (and on AVX-512 VNNI):
+a weight of whole panels (Q8_0 / Q5_0: and of pairs of blocks a row) is repacked at load into panels of 16 rows
+(the same bytes permuted; the file's pages are let go), and one kernel multiplies every row count, a row's bits
+the same whatever shares its call (and the same at both levels); on AVX-512 VNNI other weights stream their
+blocks a weight row at a time up to a few rows, and more rows (a prefill chunk, a large decode batch) run a GEMM
+over panels of 16 weight rows decoded to bytes (3.2x the float GEMM on a dequantized copy at 512 rows of the
+1.5B's Q4_K MLP). float32, and int8 on the file's layout without that GEMM: up to ``SMALL_BATCH`` rows the
+kernels stream the blocks; more rows dequantize the weight into a buffer shared by every quantized layer and run
+the float32 GEMM (on the rounded input in the int8 mode).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels.ops import GGUF_BLOCKS
+from pagedllm.kernels.ops import GGUF_BLOCKS, GGUF_PANELS
 from pagedllm.layers.linear import SMALL_BATCH, onednn_available, onednn_linear
 from pagedllm.layers.linear import float_bias as _bias
 from pagedllm.layers.linear import quantized_scratch as _scratch
@@ -66,7 +67,7 @@ class GGUFLinear(nn.Module):
             return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
         x = x.contiguous()
         k = self._kernels
-        if x.shape[0] > SMALL_BATCH and not (self.activation_bits and k.has_gemm):
+        if x.shape[0] > SMALL_BATCH and not (self.activation_bits and (k.has_gemm or self.qtype in GGUF_PANELS)):
             if self.activation_bits:  # on the activations the integer kernels see: the same function
                 x = k.round_activations(x, k.activation_block(self.qtype))
             w = k.dequantize(self.qtype, self.raw, _scratch(self.out_features * self.in_features))
@@ -107,7 +108,8 @@ class StackedLinear(nn.Module):
             return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
         parts = cast(list[GGUFLinear], list(self.parts))
         k = parts[0]._kernels
-        if all(p.activation_bits and p.bias is None for p in parts) and (k.has_gemm or x.shape[0] <= SMALL_BATCH):
+        one_kernel = k.has_gemm or all(p.qtype in GGUF_PANELS for p in parts) or x.shape[0] <= SMALL_BATCH
+        if all(p.activation_bits and p.bias is None for p in parts) and one_kernel:
             # where each part would run its kernel: all in one call, the input rounded once
             y = k.matmul_a8_parts([p.qtype for p in parts], x.contiguous(), [p.raw for p in parts])
         else:

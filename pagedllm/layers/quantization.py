@@ -83,13 +83,14 @@ NATIVE_GGUF_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0")
 
 def gguf_linear_types() -> tuple[str, ...]:
     """The types of NATIVE_GGUF_TYPES that "gguf" takes as the file stores them on this CPU: Q8_0 and Q5_0 only
-    where their panel kernels are built (AVX-512 VNNI), and there they beat the int8 groups they were converted to
-    (1.25 bytes a weight against 0.69 and 1.06): Qwen2.5-Coder-0.5B's Q5_0 projections 1.4-1.6x at one row, its
-    Q8_0 head (152k rows) 1.2x at one row and 2.9x at five. Elsewhere the int8 groups' kernels are kept."""
+    where their panel kernels are built (AVX2 and AVX-512 VNNI), and there they beat the int8 groups they were
+    converted to (1.25 bytes a weight against 0.69 and 1.06): on AVX-512 VNNI, Qwen2.5-Coder-0.5B's Q5_0
+    projections 1.4-1.6x at one row, its Q8_0 head (152k rows) 1.2x at one row and 2.9x at five. Elsewhere the
+    int8 groups' kernels are kept."""
     from pagedllm import kernels
 
     found = kernels.try_load()
-    return NATIVE_GGUF_TYPES if found is not None and found.gguf.has_gemm else NATIVE_GGUF_TYPES[:2]
+    return NATIVE_GGUF_TYPES if found is not None and found.gguf.has_panels else NATIVE_GGUF_TYPES[:2]
 
 
 Block = tuple[str, tuple[torch.Tensor, ...]]  # a checkpoint's own quantized weights: (kind, its tensors)

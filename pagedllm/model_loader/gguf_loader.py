@@ -406,8 +406,8 @@ def check_gguf_tensors(path: str, as_stored: bool = False) -> None:
 def all_in_panels(path: str) -> bool:
     """Whether the int8 kernels hold every quantized tensor of the file in panels of 16 rows on this CPU
     (``GGUFBlocks.pack``: Q4_K / Q6_K, and Q8_0 / Q5_0 of a multiple of 64 columns, with whole panels of rows,
-    AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with Q4_0 /
-    Q4_1 tensors are not."""
+    AVX2 and AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with
+    Q4_0 / Q4_1 tensors are not."""
     from pagedllm import kernels
     from pagedllm.kernels.ops import fits_panels
 
@@ -419,7 +419,7 @@ def all_in_panels(path: str) -> bool:
         if len(dims) != 2 or not fits_panels(int(qtype), dims[1], dims[0]):  # dims: (columns, rows)
             return False
     found = kernels.try_load()
-    return found is not None and found.gguf.has_gemm
+    return found is not None and found.gguf.has_panels
 
 
 def reverse_llama_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
