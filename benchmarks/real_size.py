@@ -2,7 +2,7 @@
 ``llama-bench`` (and optionally transformers) on the same file and the same threads.
 
     python benchmarks/real_size.py [--model qwen2.5-coder-1.5b-instruct-q4_k_m | FILE.gguf]
-        [--llama-bench PATH] [--modes gguf,gguf-exact] [--transformers] [--threads 2]
+        [--llama-bench PATH] [--modes gguf,gguf-exact] [--transformers] [--threads 2] [--level avx2]
 
 Each engine runs in a process of its own, so its peak RSS (the kernel's ``ru_maxrss`` of that process) is its
 own. pagedllm's figures: the start (process start to engine ready, and to the first token of a one-token
@@ -13,6 +13,13 @@ turned into a TTFT: prompt tokens / rate), llama.cpp built from the ``llama-cpp-
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
     cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \\
         && cmake --build build -j2 --target llama-bench llama-server
+
+``--level`` runs pagedllm's kernels at that instruction-set level (``$PAGEDLLM_CPU_LEVEL``: portable, avx2,
+avx2-vnni, avx512-vnni; default the machine's best); the peer at the same level is llama.cpp built for it
+without ``GGML_NATIVE`` (a native build may also die on a VM that advertises AMX and traps it), e.g. AVX2:
+
+    cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF  (add -DGGML_AVX_VNNI=ON for avx2-vnni)
 
 Prints a table and JSON. Models named as in ``benchmarks/real_models.py`` are fetched (and checked) first.
 """
@@ -131,6 +138,7 @@ def main() -> None:
     p.add_argument("--transformers", action="store_true", help="also transformers (float32, dequantized)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--level", default=None, help="pagedllm's kernel level ($PAGEDLLM_CPU_LEVEL); default the best")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="default", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -147,6 +155,11 @@ def main() -> None:
     if args.llama_bench:
         fix = "build it as the top of benchmarks/real_size.py says, or leave out --llama-bench"
         llama_bench = require_program("benchmarks/real_size.py --llama-bench", args.llama_bench, fix)
+    if args.level:
+        from pagedllm.kernels import isa
+
+        os.environ[isa.ENV] = args.level
+        isa.chosen_level()  # a level this machine cannot run fails here, before anything is fetched
     model = resolve(args.model)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[str, float]] = {}
@@ -167,7 +180,8 @@ def main() -> None:
         out, rss = _run(cmd, env)
         done("transformers", {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30})
     cols = ("ttft_128_ms", "ttft_512_ms", "decode_tok_s", "peak_rss_gib", "ready_s", "first_token_s")
-    print(f"{os.path.basename(model)}, {args.threads} threads")
+    level = f", pagedllm's kernels at the {args.level} level" if args.level else ""
+    print(f"{os.path.basename(model)}, {args.threads} threads{level}")
     print("| engine | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, r in results.items():
