@@ -798,8 +798,8 @@ static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
 
 /* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
  * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 128,
- * Q5_0 16; Q4_K none), and for Q4_K *xs2 [M, K / 64] the plain sums of groups 2k and 2k + 1 as the two int16 of
- * word k. NULL when memory ran out; free both. */
+ * Q5_0 16; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
+ * (for Q4_K's mins, and AVX2's Q6_K: at most 32 * 127 in magnitude). NULL when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
     const int64_t ng = K / G;
@@ -811,11 +811,12 @@ static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K,
         return NULL;
     }
     for (int64_t i = 0; i < M; i++)
-        for (int64_t g = 0; g < ng; g++) {
+        for (int64_t g = 0, prev = 0; g < ng; g++) {
             int32_t t = 0;
             for (int h = 0; h < G / 16; h++) t += bsums[i * (K / 16) + g * (G / 16) + h];
             xs[i * ng + g] = off * t;
-            if (type == Q4_K && (g & 1)) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)xs[i * ng + g - 1] & 0xFFFF) | (uint32_t)t << 16);
+            if (g & 1) xs2[i * (ng / 2) + g / 2] = (int32_t)(((uint32_t)prev & 0xFFFF) | (uint32_t)t << 16);
+            prev = t;
         }
     *xs2_out = xs2;
     return xs;
@@ -1533,7 +1534,9 @@ static inline __attribute__((always_inline)) __m256i dp8(__m256i acc, __m256i u,
 #ifdef __AVXVNNI__
     return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    __asm__("" : "+x"(acc));  /* a chain, not a tree of products in memory (add_maddubs) */
+    return acc;
 #endif
 }
 
@@ -1541,6 +1544,15 @@ static inline __attribute__((always_inline)) __m256i bcast4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* acc + vpmaddubsw(u, x's 4 bytes at x4 in every lane), int16 pairs. The empty asm keeps the sum a chain: GCC
+ * otherwise reassociates a chain of int16 adds into a tree whose products wait in memory (the 8 words of a Q4_K
+ * sub-block, 4 rows: 191 GMAC/s with the tree, 2 rows of x spilled each product) */
+static inline __attribute__((always_inline)) __m256i add_maddubs(__m256i acc, __m256i u, const void *x4) {
+    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, bcast4(x4)));
+    __asm__("" : "+x"(acc));
+    return acc;
 }
 
 /* the low (hi = 0) or high (hi = 1) float16 of each of 8 int32 lanes, as floats */
@@ -1586,6 +1598,26 @@ static inline __attribute__((always_inline)) void half_q4k(int rt, int64_t K, co
             const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
             const __m256i svl = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
             const __m256i svh = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
+#ifndef __AVXVNNI__
+            /* a sub-block's 16 pairs of products summed in int16 (at most 8 * 2 * 15 * 127 = 30480), then times its
+             * scale (in both int16 of a lane) by vpmaddwd: the integer AVX-512 gets, a third fewer instructions */
+            __m256i pl[RTA], ph[RTA];
+            for (int r = 0; r < rt; r++) pl[r] = ph[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                for (int r = 0; r < rt; r++) {
+                    pl[r] = add_maddubs(pl[r], lo, xc + r * K + 4 * j);
+                    ph[r] = add_maddubs(ph[r], hi, xc + r * K + 32 + 4 * j);
+                }
+            }
+            const __m256i sl16 = _mm256_or_si256(svl, _mm256_slli_epi32(svl, 16)), sh16 = _mm256_or_si256(svh, _mm256_slli_epi32(svh, 16));
+            for (int r = 0; r < rt; r++) {
+                __m256i *s = (__m256i *)(ism + r * 8);
+                _mm256_store_si256(s, _mm256_add_epi32(_mm256_load_si256(s), _mm256_add_epi32(_mm256_madd_epi16(pl[r], sl16), _mm256_madd_epi16(ph[r], sh16))));
+            }
+#else
             const int split = rt <= 2 ? 2 : 1;
             __m256i al[2][RTA], ah[2][RTA];
             for (int e = 0; e < split; e++)
@@ -1606,6 +1638,7 @@ static inline __attribute__((always_inline)) void half_q4k(int rt, int64_t K, co
                 __m256i *s = (__m256i *)(ism + r * 8);
                 _mm256_store_si256(s, _mm256_add_epi32(_mm256_load_si256(s), _mm256_add_epi32(_mm256_mullo_epi32(l, svl), _mm256_mullo_epi32(h, svh))));
             }
+#endif
         }
         /* the mins: mn[k] those of groups 2k and 2k + 1 as the two int16 of a lane */
         const __m256i u1 = _mm256_loadu_si256((const __m256i *)(b + 128));
@@ -1640,37 +1673,138 @@ static inline __attribute__((always_inline)) __m256i q6k_word8(__m256i lo, __m25
     return _mm256_or_si256(low, _mm256_and_si256(top, m2));
 }
 
+#ifdef __AVXVNNI__
+/* is[r] = super-block sb's integer sum for row r of x, sum_g sc_g * ((q_w . q_x)_g - 32 sum(q_x)_g), of half b of
+ * a repacked Q6_K panel: AVX-512's integers and order, vpdpbusd on 8 lanes */
+static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, const uint8_t *b, int64_t sb, const int8_t *qx,
+                                                           const int32_t *xs, const int32_t *xs2, __m256i *is) {
+    const int64_t ng = K / 16;
+    __m256i a[RTA];
+    (void)xs2;
+    for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int h = 0; h < 2; h++)
+        #pragma GCC unroll 8
+        for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
+            #pragma GCC unroll 8
+            for (int jj = 0; jj < 2; jj++) {
+                for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
+                #pragma GCC unroll 8
+                for (int j = 4 * jj; j < 4 * jj + 4; j++) {
+                    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * (t & 1) + j) * 64));
+                    const __m256i v = q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
+                    for (int r = 0; r < rt; r++) a[r] = dp8(a[r], v, bcast4(qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j));
+                }
+                const int g = 8 * h + 2 * t + jj;
+                const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + g / 4) * 64));
+                const __m256i sv = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
+                for (int r = 0; r < rt; r++) {
+                    const __m256i t32 = _mm256_sub_epi32(a[r], _mm256_set1_epi32(xs[r * ng + sb * 16 + g]));
+                    is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(t32, sv));
+                }
+            }
+}
+#else
+/* the same integers without vpdpbusd: sum_g sc_g * (q_w . q_x)_g less 32 sum_g sc_g * sum(q_x)_g. The products
+ * are summed two words at a time in int16 (at most 2 * 2 * 63 * 127 = 32004), then times the group's scale (in
+ * both int16 of a lane) by vpmaddwd; the offset's part comes from pairs of scales by pairs of x's sums (xs2), 8
+ * vpmaddwd a super-block; no vpmulld. Up to two rows, each word's four outputs at once (fewer loads and decodes a
+ * product). */
+static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, const uint8_t *b, int64_t sb, const int8_t *qx,
+                                                           const int32_t *xs, const int32_t *xs2, __m256i *is) {
+    const int64_t ng = K / 16;
+    (void)xs;
+    __m256i sc16[16] __attribute__((aligned(32)));  /* scale g sign-extended into both int16 of each lane */
+    #pragma GCC unroll 8
+    for (int q = 0; q < 4; q++) {
+        const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + q) * 64));
+        #pragma GCC unroll 8
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * t), 24);
+            sc16[4 * q + t] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+        }
+    }
+    __asm__("" ::"r"(sc16) : "memory");  /* in memory: the registers hold the sums (one load a vpmaddwd) */
+    for (int r = 0; r < rt; r++) {
+        __m256i off = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {  /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
+            const __m256i pair = _mm256_blend_epi16(sc16[2 * k], sc16[2 * k + 1], 0xAA);
+            off = _mm256_add_epi32(off, _mm256_madd_epi16(pair, _mm256_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k])));
+        }
+        is[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+    }
+    const int8_t *xb = qx + sb * QK;
+    if (rt <= 2) {
+        #pragma GCC unroll 8
+        for (int h = 0; h < 2; h++)
+            #pragma GCC unroll 8
+            for (int jj = 0; jj < 2; jj++)
+                #pragma GCC unroll 8
+                for (int e = 0; e < 2; e++) {  /* words j = 4jj + 2e and the next of groups 8h + 2t + jj */
+                    __m256i p[4][2];
+                    #pragma GCC unroll 8
+                    for (int t = 0; t < 4; t++)
+                        for (int r = 0; r < rt; r++) p[t][r] = _mm256_setzero_si256();
+                    #pragma GCC unroll 8
+                    for (int j = 4 * jj + 2 * e; j < 4 * jj + 2 * e + 2; j++) {
+                        const __m256i lo = _mm256_loadu_si256((const __m256i *)(b + (16 * h + j) * 64));
+                        const __m256i lo32 = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 + j) * 64));
+                        const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64));
+                        #pragma GCC unroll 8
+                        for (int t = 0; t < 4; t++) {
+                            const __m256i v = q6k_word8(lo, lo32, hi, t);
+                            for (int r = 0; r < rt; r++)
+                                p[t][r] = add_maddubs(p[t][r], v, xb + r * K + 128 * h + 32 * t + 4 * j);
+                        }
+                    }
+                    #pragma GCC unroll 8
+                    for (int t = 0; t < 4; t++)
+                        for (int r = 0; r < rt; r++) is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p[t][r], sc16[8 * h + 2 * t + jj]));
+                }
+        return;
+    }
+    __m256i p[2][RTA];  /* words t and t + 2 at once: they share ql's word (its two nibbles) and qh's */
+    #pragma GCC unroll 8
+    for (int h = 0; h < 2; h++)
+        #pragma GCC unroll 8
+        for (int t = 0; t < 2; t++)
+            #pragma GCC unroll 8
+            for (int jj = 0; jj < 2; jj++)
+                #pragma GCC unroll 8
+                for (int e = 0; e < 2; e++) {
+                    for (int r = 0; r < rt; r++) p[0][r] = p[1][r] = _mm256_setzero_si256();
+                    #pragma GCC unroll 8
+                    for (int j = 4 * jj + 2 * e; j < 4 * jj + 2 * e + 2; j++) {
+                        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * t + j) * 64));
+                        const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64));
+                        const __m256i v0 = q6k_word8(l, l, hi, t), v2 = q6k_word8(l, l, hi, t + 2);
+                        for (int r = 0; r < rt; r++) {
+                            p[0][r] = add_maddubs(p[0][r], v0, xb + r * K + 128 * h + 32 * t + 4 * j);
+                            p[1][r] = add_maddubs(p[1][r], v2, xb + r * K + 128 * h + 32 * (t + 2) + 4 * j);
+                        }
+                    }
+                    for (int r = 0; r < rt; r++) {
+                        is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p[0][r], sc16[8 * h + 2 * t + jj]));
+                        is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p[1][r], sc16[8 * h + 2 * (t + 2) + jj]));
+                    }
+                }
+}
+#endif
+
 /* the same for half hf of a repacked Q6_K panel: packed_q6k of AVX-512 */
 static inline __attribute__((always_inline)) void half_q6k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                           const int32_t *xs, const float *dx, float *y, int64_t ldy) {
-    const int64_t nsb = K / QK, ng = K / 16;
+                                                           const int32_t *xs, const int32_t *xs2, const float *dx,
+                                                           float *y, int64_t ldy) {
+    const int64_t nsb = K / QK;
     float accm[RTA * 8] __attribute__((aligned(32)));
-    __m256i a[RTA], is[RTA];
+    __m256i is[RTA];
     for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
     for (int64_t sb = 0; sb < nsb; sb++) {
         /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
         const uint8_t *b = pb + sb * NP * 210;
         if (!hf) PREFETCH_AHEAD(b, NP * 210);
-        b += 32 * hf;
-        for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++)
-            for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
-                for (int jj = 0; jj < 2; jj++) {
-                    for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
-                    for (int j = 4 * jj; j < 4 * jj + 4; j++) {
-                        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * (t & 1) + j) * 64));
-                        const __m256i v = q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
-                        for (int r = 0; r < rt; r++) a[r] = dp8(a[r], v, bcast4(qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j));
-                    }
-                    const int g = 8 * h + 2 * t + jj;
-                    const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + g / 4) * 64));
-                    const __m256i sv = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
-                    for (int r = 0; r < rt; r++) {
-                        const __m256i t32 = _mm256_sub_epi32(a[r], _mm256_set1_epi32(xs[r * ng + sb * 16 + g]));
-                        is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(t32, sv));
-                    }
-                }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b - 32 * hf + 52 * 64 + 16 * hf)));
+        q6k_sums(rt, K, b + 32 * hf, sb, qx, xs, xs2, is);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 52 * 64 + 16 * hf)));
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
             _mm256_store_ps(accm + r * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8)));
@@ -1715,7 +1849,22 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
             __m256i a[2][RTA];
             for (int e = 0; e < split; e++)
                 for (int r = 0; r < rt; r++) a[e][r] = _mm256_setzero_si256();
+#ifndef __AVXVNNI__
+            if (type == Q5_0) {  /* four words' pairs of products summed in int16 (at most 4 * 2 * 31 * 127 = 31496) */
+                for (int w0 = 0; w0 < 8; w0 += 4) {
+                    __m256i p[RTA];
+                    for (int r = 0; r < rt; r++) p[r] = _mm256_setzero_si256();
+                    for (int j = w0; j < w0 + 4; j++) {
+                        const __m256i v = q32_word8(type, pair, hf, h, j);
+                        for (int r = 0; r < rt; r++) p[r] = add_maddubs(p[r], v, qx + r * K + g * 32 + 4 * j);
+                    }
+                    for (int r = 0; r < rt; r++) a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(p[r], _mm256_set1_epi16(1)));
+                }
+            }
+            for (int j = 0; j < 8 && type != Q5_0; j++) {
+#else
             for (int j = 0; j < 8; j++) {
+#endif
                 __m256i v = q32_word8(type, pair, hf, h, j);
                 if (signs) {
                     const __m256i q = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
@@ -1743,7 +1892,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int rt, 
                                                               float *y, int64_t ldy) {
     for (int hf = 0; hf < 2; hf++) {
         if (type == P_Q4_K) half_q4k(rt, K, pb, hf, qx, xs2, dx, y, ldy);
-        else if (type == P_Q6_K) half_q6k(rt, K, pb, hf, qx, xs, dx, y, ldy);
+        else if (type == P_Q6_K) half_q6k(rt, K, pb, hf, qx, xs, xs2, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
 }
