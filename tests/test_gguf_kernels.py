@@ -23,7 +23,8 @@ from pagedllm.kernels import isa  # noqa: E402
 from pagedllm.kernels.build import library_flags  # noqa: E402
 from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
 
-TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]
+TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]  # read as the file stores them and in panels
+PANEL_TYPES = [*TYPES, T.Q5_K]  # in panels (Q5_K only there)
 SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf_blocks.c")
 LEVELS = isa.machine_levels()  # every instruction-set level this machine runs (pagedllm.kernels.isa)
 
@@ -49,13 +50,13 @@ def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if qtype in (T.Q8_0, T.Q5_0):
         return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
-    size = 144 if qtype == T.Q4_K else 210
+    size = {T.Q4_K: 144, T.Q5_K: 176}.get(qtype, 210)
     raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
 
     def scale() -> np.ndarray:
         return rng.uniform(1e-4, 3e-3, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
 
-    if qtype == T.Q4_K:
+    if qtype in (T.Q4_K, T.Q5_K):
         raw[..., 0:2], raw[..., 2:4] = scale(), scale()
     else:
         raw[..., 208:210] = scale()
@@ -85,7 +86,7 @@ def assert_matches(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float
     assert err <= 1, f"off by {err:.2f}x the tolerance"
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
 def test_dequantize_is_ggufs_bit_for_bit(blocks, qtype):
     raw = random_blocks(qtype, 37, 768)
     w = blocks.dequantize(int(qtype), torch.from_numpy(raw))
@@ -160,7 +161,7 @@ def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_
 
 @pytest.mark.parametrize(
     "qtype, k",
-    [*((t, 1280) for t in TYPES), (T.Q8_0, 896), (T.Q5_0, 896)],  # 896: Qwen2.5-0.5B's rows, no whole 256s
+    [*((t, 1280) for t in PANEL_TYPES), (T.Q8_0, 896), (T.Q5_0, 896)],  # 896: Qwen2.5-0.5B's rows, no whole 256s
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, qtype, k):
@@ -168,7 +169,8 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     kernel at every row count: a row's bits are the same alone (a decode step), beside a few others (a
     speculative verification, a small batch) or in a prefill chunk; they are the same at every level that has
     the panels (AVX2's two halves of 8 lanes compute AVX-512's 16), and on AVX-512 VNNI the file layout's GEMM's;
-    its rows and its dequantized values come back as the file's. Below AVX2, for rows not in whole panels, and
+    its rows and its dequantized values come back as the file's. Q5_K is read in panels only (as the file stores
+    it, only dequantized: a row looked up). Below AVX2, for rows not in whole panels, and
     for Q8_0 / Q5_0 rows of an odd number of blocks (their panels hold blocks in pairs), nothing repacks."""
     from pagedllm import kernels
 
@@ -186,7 +188,7 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
     want = torch.cat([blocks.matmul_a8(ptype, x[i : i + 1], packed) for i in range(m)])
     assert_matches(want, reference_rounding(x, blocks.activation_block(int(qtype))), reference_weights(qtype, raw_np))
-    if blocks.has_gemm:
+    if blocks.has_gemm and qtype != T.Q5_K:
         assert torch.equal(blocks.matmul_a8(int(qtype), x, raw), want)
     machine = kernels.load().gguf
     if machine.has_panels:  # the machine's own level (the package's build) gives the same bits
@@ -202,6 +204,9 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     with pytest.raises(ValueError, match="ggml type"):  # the float kernels read the file's layout only
         blocks.matmul_f32(ptype, x[:1], packed)
     assert blocks.pack(int(qtype), raw[:40])[0] == int(qtype)
+    if qtype == T.Q5_K:  # the file's layout: looked up (dequantized), never multiplied
+        with pytest.raises(ValueError, match="does not read ggml type 13"):
+            blocks.matmul_a8(int(qtype), x[:1], raw)
     if qtype in (T.Q8_0, T.Q5_0):
         odd = torch.from_numpy(random_blocks(qtype, n, k - 32))
         assert blocks.pack(int(qtype), odd)[1] is odd
@@ -367,18 +372,24 @@ def test_gguf_linear_is_one_function_at_every_batch_size(qtype, activation_bits)
     assert layer(x.view(2, -1, k)).shape == (2, x.shape[0] // 2, n)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
 def test_a_gguf_mode_linear_on_repacked_panels_is_one_function_bit_for_bit(qtype):
     """GGUFLinear under int8 activations repacks its rows where the CPU has the panel kernels: every
     batch size then gives each row the bits it gets alone, and a lookup of its rows (a tied embedding's) is the
-    file's rows dequantized."""
+    file's rows dequantized. Q5_K, read in panels only, is refused by name where it cannot be."""
     from pagedllm import kernels
     from pagedllm.layers.gguf_linear import GGUFLinear
 
     n, k = 48, 512
     raw = random_blocks(qtype, n, k, seed=9)
-    layer = GGUFLinear(torch.from_numpy(raw), int(qtype), torch.randn(n), 8)
     packs = kernels.load().gguf.has_panels
+    if qtype == T.Q5_K:
+        for rows, bits in ((raw[:40], 8), (raw, None), *([] if packs else [(raw, 8)])):
+            with pytest.raises(ValueError, match=r"type 13 \(Q5_K\) only in panels"):
+                GGUFLinear(torch.from_numpy(rows), int(qtype), None, bits)
+        if not packs:
+            return
+    layer = GGUFLinear(torch.from_numpy(raw), int(qtype), torch.randn(n), 8)
     assert layer.qtype == (100 + int(qtype) if packs else int(qtype)) and layer.file_qtype == int(qtype)
     assert ("in panels of 16 rows" in repr(layer)) == packs
     x = torch.randn(70, k)

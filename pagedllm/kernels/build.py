@@ -36,7 +36,7 @@ _SOURCES = [
         "gguf_blocks.c",
     )
 ]
-_HEADERS = [os.path.join(_DIR, "vec_math.h")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("vec_math.h", "gguf_panels_avx2.h")]
 
 
 def library_flags(level: str) -> list[str]:

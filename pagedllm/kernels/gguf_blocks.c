@@ -9,6 +9,8 @@
  *   Q6_K (14)  210 bytes / 256: ql[128], qh[64], int8 scales[16], f16 d. Half h (128 elements): byte l of
  *              ql[64h ..] holds elements l (low nibble) and l + 64 (high), byte l of qh[32h ..] the top two
  *              bits of elements l, l + 32, l + 64, l + 96 (l < 32). w = (d * sc[e / 16]) * (q - 32), q 0..63.
+ *   Q5_K (13)  176 bytes / 256: Q4_K's d, dmin and 12 bytes of scales, qh[32] (bit s of byte l: the fifth bit of
+ *              sub-block s's element l), then 128 bytes of nibbles as Q4_K's; q 0..31. Read in panels only.
  *   Q8_0 (8)   34 bytes / 32: f16 d, int8 q[32]; w = q * d.
  *   Q5_0 (6)   22 bytes / 32: f16 d, u32 qh (bit j: element j's fifth bit), 16 bytes of nibbles (element j
  *              low, j + 16 high); w = d * (q - 16), q 0..31.
@@ -34,6 +36,10 @@
  * Float activations (the "gguf-exact" mode): each super-block (or 256 elements of 32-blocks) is
  * dequantized into a buffer on the stack as gguf_dequantize does it, bit for bit, then multiplied with
  * FMAs: the float32 function of the dequantized weights up to summation order.
+ *
+ * Panels (gguf_pack_panels): where the level has AVX2, weights of whole panels of 16 rows are repacked at load so
+ * that one kernel multiplies every row count (a row's bits never depend on what shares its call): the AVX-512
+ * VNNI kernels below, or gguf_panels_avx2.h's on 256-bit registers, which compute the same bits.
  *
  * Weight rows are split across OpenMP threads, COLS at a time; rows of x (up to 6 at once: a verification
  * step of speculative decoding with k = 5) share each decoded super-block.
@@ -103,13 +109,15 @@ static int block_bytes_any(int type) {
 /* Q4_K, Q6_K, Q8_0 and Q5_0 repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): their
  * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
  * row]. */
-enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0 };
+enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
+       P_Q5_K = PANEL + Q5_K };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
-/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, four repacked */
+/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, five repacked (Q5_K
+ * in panels only) */
 static int reads(int type) {
 #ifdef GB_PANELS
-    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0) return 1;
+    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K) return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
 }
@@ -308,6 +316,18 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
             for (int l = 0; l < 32; l++) o[l] = rounded(d1 * (float)((q[l] >> shift) & 15)) - m1;
 #endif
         }
+    } else if (type == Q5_K) {  /* Q4_K's scales and nibbles, and bit s of qh[l] the fifth of sub-block s's l-th */
+        const uint8_t *b = row + c * 176, *qh = b + 16;
+        const float d = f16(b), dmin = f16(b + 2);
+        uint64_t scw, mnw;
+        k4_scales(b + 4, &scw, &mnw);
+        for (int s = 0; s < 8; s++) {
+            const float d1 = d * (float)((scw >> 8 * s) & 0xFF), m1 = dmin * (float)((mnw >> 8 * s) & 0xFF);
+            const uint8_t *q = b + 48 + 32 * (s / 2);
+            const int shift = 4 * (s & 1);
+            for (int l = 0; l < 32; l++)
+                out[32 * s + l] = rounded(d1 * (float)(((q[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4))) - m1;
+        }
     } else if (type == Q6_K) {
         const uint8_t *b = row + c * 210;
         const float d = f16(b + 208);
@@ -361,10 +381,11 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
     }
 }
 
-/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read */
+/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (Q5_K's rows as the file stores
+ * them are read here too: a panel's row looked up, an embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
-    if (!block_elems(type)) return -1;
-    const int64_t row_bytes = K / block_elems(type) * block_bytes(type), chunks = (K + QK - 1) / QK;
+    if (!block_elems(type) && type != Q5_K) return -1;
+    const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
     if (type > PANEL) {  /* a row at a time as the file stores it */
         int failed = 0;
 #pragma omp parallel
@@ -1193,9 +1214,9 @@ static inline __attribute__((always_inline)) void pack_words(const uint8_t *src,
     for (int w = 0; w < 16; w++) _mm512_storeu_si512(dst + (w0 + w) * 64, v[w]);
 }
 
-/* one panel: 16 rows of a Q4_K or Q6_K weight (row_bytes apart, nsb super-blocks) repacked into dst */
+/* one panel: 16 rows of a Q4_K, Q5_K or Q6_K weight (row_bytes apart, nsb super-blocks) repacked into dst */
 static void repack_panel(int type, const uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *dst) {
-    const int bytes = block_bytes(type), words = bytes / 4;
+    const int bytes = block_bytes_any(type), words = bytes / 4;
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *src = rows + sb * bytes;
         uint8_t *d = dst + sb * NP * bytes;
@@ -1214,25 +1235,35 @@ static inline __attribute__((always_inline)) __m512i dpbusd_b(__m512i acc, __m51
     return acc;
 }
 
-/* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words */
-static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+/* q5: the fifth bit of each of chunk cc's bytes from a Q5_K panel's qh word h, at bit 4 (16 where it is set):
+ * bit 2cc (the low nibbles, hi = 0) or 2cc + 1 (the high ones) */
+static inline __attribute__((always_inline)) __m512i q5_bits(__m512i h, int cc, int hi) {
+    const __m512i b = _mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * cc + hi));
+    return _mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi8(0x10));
+}
+
+/* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words. q5: a
+ * Q5_K panel (176 bytes a block: Q4_K's d, dmin and scales in words 0-3, then qh in words 4-11 and the nibbles in
+ * 12-43), its weights q 0..31, nibble | fifth bit * 16; else the same arithmetic */
+static inline __attribute__((always_inline)) void packed_q4k(int q5, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, npair = K / 64;
+    const int bytes = q5 ? 176 : 144;
     const __m512i m4 = _mm512_set1_epi8(0x0F), ff = _mm512_set1_epi32(0xFF);
     float accm[RT * NP] __attribute__((aligned(64)));
     for (int r = 0; r < rt; r++) _mm512_store_ps(accm + r * NP, _mm512_setzero_ps());
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = pb + sb * NP * 144;
+        const uint8_t *b = pb + sb * NP * bytes;
         /* vector 0: d | dmin; 1-3: the 12 bytes of scales, as pack_panel_q4k reads them */
         const __m512i w0 = _mm512_load_si512(b), u0 = _mm512_load_si512(b + 64);
         const __m512i u1 = _mm512_load_si512(b + 128), u2 = _mm512_load_si512(b + 192);
         __m512i sl, sh, mn[4];
         q4k_scales16(u0, u2, &sl, &sh);
-        PREFETCH_AHEAD(b, NP * 144);
+        PREFETCH_AHEAD(b, NP * bytes);
         int32_t ism[RT * NP] __attribute__((aligned(64)));  /* the integer sums in memory: the registers hold the dots */
         for (int r = 0; r < rt; r++) _mm512_store_si512(ism + r * NP, _mm512_setzero_si512());
         for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
-            const uint8_t *q = b + 256 + cc * 8 * 64;
+            const uint8_t *q = b + (q5 ? 12 : 4) * 64 + cc * 8 * 64;
             const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
             const __m512i svl = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
             const __m512i svh = _mm512_and_si512(_mm512_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
@@ -1244,7 +1275,11 @@ static inline __attribute__((always_inline)) void packed_q4k(int rt, int64_t K, 
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const __m512i v = _mm512_load_si512(q + 64 * j);
-                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (q5) {
+                    const __m512i h = _mm512_load_si512(b + (4 + j) * 64);
+                    lo = _mm512_or_si512(lo, q5_bits(h, cc, 0)), hi = _mm512_or_si512(hi, q5_bits(h, cc, 1));
+                }
                 const int e = j % split;
                 for (int r = 0; r < rt; r++) {
                     al[e][r] = dpbusd_b(al[e][r], lo, xc + r * K + 4 * j);
@@ -1382,7 +1417,7 @@ static inline __attribute__((always_inline)) void packed_q32(int type, int rt, i
 static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                               const int32_t *xs, const int32_t *xs2, const float *dx,
                                                               float *y, int64_t ldy) {
-    if (type == P_Q4_K) packed_q4k(rt, K, pb, qx, xs2, dx, y, ldy);
+    if (type == P_Q4_K || type == P_Q5_K) packed_q4k(type == P_Q5_K, rt, K, pb, qx, xs2, dx, y, ldy);
     else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
     else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
@@ -1390,12 +1425,13 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int rt, 
 /* gguf_matmul_q8 for many rows: the same integer products, the float sums in another order */
 static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int type = base_type(ptype), G = group_elems(type), ab = act_block(type);
-    const int64_t ng = K / G, ndx = K / ab, row_bytes = K / block_elems(type) * block_bytes(type);
+    const int type = base_type(ptype), G = group_elems(type), ab = act_block(ptype);
+    const int64_t ng = K / G, ndx = K / ab, row_bytes = K / block_elems(ptype) * block_bytes(ptype);
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     int failed = 0;
-    if (ptype > PANEL && M <= PACKED_DIRECT_ROWS) {  /* repacked: each panel's words where they lie */
+    /* repacked: each panel's words where they lie (Q5_K at every row count: it has no expanded form) */
+    if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || ptype == P_Q5_K)) {
 #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NP)
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
@@ -1418,6 +1454,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 }
                 if (ptype == P_Q4_K) {
                     PACKED(P_Q4_K)
+                } else if (ptype == P_Q5_K) {
+                    PACKED(P_Q5_K)
                 } else if (ptype == P_Q6_K) {
                     PACKED(P_Q6_K)
                 } else if (ptype == P_Q8_0) {
@@ -1517,433 +1555,16 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 }
 #endif
 
-#if defined(GB_PANELS) && !defined(GB_AVX512)
-/* ---- AVX2: the repacked panels on 256-bit registers ---------------------------------------------------
- * The panels are AVX-512's (gguf_pack_panels: the same bytes at every level), read as two halves: bytes 0-31 of
- * each 64-byte vector hold rows 0-7 of the panel, bytes 32-63 rows 8-15. Each half is a pass of the kernels
- * below over the panel's words (the second pass finds them in L2), and computes in its 8 lanes exactly what the
- * AVX-512 kernels compute in theirs: the same integer sums, then the same float multiply-adds in the same order,
- * so a row's bits are those of an AVX-512 VNNI build, at every row count. The 4-byte dot products are AVX-VNNI's
- * vpdpbusd where the CPU has it; else vpmaddubsw (pairs of unsigned x signed bytes into int16, saturating) and
- * vpmaddwd by ones. The pairs stay under 2^15 for every type but Q8_0's bytes (q + 128, up to 255): there the
- * signed q multiplies x with its sign moved onto x (|q| . sign(x, q), at most 2 * 128 * 127), which is the same
- * integer as (q + 128) . x - 128 * sum(x). */
-#define RTA 4  /* rows of x per tile: AVX2 has 16 vector registers */
+#include "gguf_panels_avx2.h"
 
-static inline __attribute__((always_inline)) __m256i dp8(__m256i acc, __m256i u, __m256i s) {
-#ifdef __AVXVNNI__
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-    __asm__("" : "+x"(acc));  /* a chain, not a tree of products in memory (add_maddubs) */
-    return acc;
-#endif
-}
-
-static inline __attribute__((always_inline)) __m256i bcast4(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-/* acc + vpmaddubsw(u, x's 4 bytes at x4 in every lane), int16 pairs. The empty asm keeps the sum a chain: GCC
- * otherwise reassociates a chain of int16 adds into a tree whose products wait in memory (the 8 words of a Q4_K
- * sub-block, 4 rows: 191 GMAC/s with the tree, 2 rows of x spilled each product) */
-static inline __attribute__((always_inline)) __m256i add_maddubs(__m256i acc, __m256i u, const void *x4) {
-    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, bcast4(x4)));
-    __asm__("" : "+x"(acc));
-    return acc;
-}
-
-/* the low (hi = 0) or high (hi = 1) float16 of each of 8 int32 lanes, as floats */
-static inline __attribute__((always_inline)) __m256 f16_lanes(__m256i w, int hi) {
-    const __m256i h = hi ? _mm256_srli_epi32(w, 16) : _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF));
-    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  /* the 8 halves in order */
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
-}
-
-/* one panel: 16 rows of a Q4_K or Q6_K weight (row_bytes apart, nsb super-blocks) repacked into dst: word w of
- * row c at dst + (w * 16 + c) * 4, a block's last bytes (Q6_K's d) after its words as 16 pairs */
-static void repack_panel(int type, const uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *dst) {
-    const int bytes = block_bytes(type), words = bytes / 4;
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        uint8_t *d = dst + sb * NP * bytes;
-        for (int c = 0; c < NP; c++) {
-            const uint8_t *src = rows + c * row_bytes + sb * bytes;
-            for (int w = 0; w < words; w++) memcpy(d + (w * NP + c) * 4, src + 4 * w, 4);
-            if (bytes % 4) memcpy(d + words * 64 + c * (bytes % 4), src + 4 * words, bytes % 4);
-        }
-    }
-}
-
-/* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb) as packed_q4k of AVX-512 computes them */
-static inline __attribute__((always_inline)) void half_q4k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                           const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
-    const int64_t nsb = K / QK, npair = K / 64;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
-    const __m256i ff = _mm256_set1_epi32(0xFF);
-    float accm[RTA * 8] __attribute__((aligned(32)));
-    for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = pb + sb * NP * 144 + 32 * hf;
-        if (!hf) PREFETCH_AHEAD(b, NP * 144);
-        /* vector 0: d | dmin; 1-3: the 12 bytes of scales (k4_scales on 8 rows at once) */
-        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(b + 64)), u2 = _mm256_loadu_si256((const __m256i *)(b + 192));
-        const __m256i sl = _mm256_and_si256(u0, m6);
-        const __m256i sh = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), top));
-        int32_t ism[RTA * 8] __attribute__((aligned(32)));
-        for (int r = 0; r < rt; r++) _mm256_store_si256((__m256i *)(ism + r * 8), _mm256_setzero_si256());
-        for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
-            const uint8_t *q = b + 256 + cc * 8 * 64;
-            const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
-            const __m256i svl = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
-            const __m256i svh = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
-#ifndef __AVXVNNI__
-            /* a sub-block's 16 pairs of products summed in int16 (at most 8 * 2 * 15 * 127 = 30480), then times its
-             * scale (in both int16 of a lane) by vpmaddwd: the integer AVX-512 gets, a third fewer instructions */
-            __m256i pl[RTA], ph[RTA];
-            for (int r = 0; r < rt; r++) pl[r] = ph[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
-                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                for (int r = 0; r < rt; r++) {
-                    pl[r] = add_maddubs(pl[r], lo, xc + r * K + 4 * j);
-                    ph[r] = add_maddubs(ph[r], hi, xc + r * K + 32 + 4 * j);
-                }
-            }
-            const __m256i sl16 = _mm256_or_si256(svl, _mm256_slli_epi32(svl, 16)), sh16 = _mm256_or_si256(svh, _mm256_slli_epi32(svh, 16));
-            for (int r = 0; r < rt; r++) {
-                __m256i *s = (__m256i *)(ism + r * 8);
-                _mm256_store_si256(s, _mm256_add_epi32(_mm256_load_si256(s), _mm256_add_epi32(_mm256_madd_epi16(pl[r], sl16), _mm256_madd_epi16(ph[r], sh16))));
-            }
-#else
-            const int split = rt <= 2 ? 2 : 1;
-            __m256i al[2][RTA], ah[2][RTA];
-            for (int e = 0; e < split; e++)
-                for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
-                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                const int e = j % split;
-                for (int r = 0; r < rt; r++) {
-                    al[e][r] = dp8(al[e][r], lo, bcast4(xc + r * K + 4 * j));
-                    ah[e][r] = dp8(ah[e][r], hi, bcast4(xc + r * K + 32 + 4 * j));
-                }
-            }
-            for (int r = 0; r < rt; r++) {
-                const __m256i l = split == 2 ? _mm256_add_epi32(al[0][r], al[1][r]) : al[0][r];
-                const __m256i h = split == 2 ? _mm256_add_epi32(ah[0][r], ah[1][r]) : ah[0][r];
-                __m256i *s = (__m256i *)(ism + r * 8);
-                _mm256_store_si256(s, _mm256_add_epi32(_mm256_load_si256(s), _mm256_add_epi32(_mm256_mullo_epi32(l, svl), _mm256_mullo_epi32(h, svh))));
-            }
-#endif
-        }
-        /* the mins: mn[k] those of groups 2k and 2k + 1 as the two int16 of a lane */
-        const __m256i u1 = _mm256_loadu_si256((const __m256i *)(b + 128));
-        const __m256i hi16 = _mm256_set1_epi32(0xFF0000);
-        const __m256i ml = _mm256_and_si256(u1, m6);
-        const __m256i mh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), top));
-        __m256i mn[4];
-        for (int k = 0; k < 2; k++) {
-            const __m256i lo = _mm256_srli_epi32(ml, 16 * k), hi = _mm256_srli_epi32(mh, 16 * k);
-            mn[k] = _mm256_or_si256(_mm256_and_si256(lo, ff), _mm256_and_si256(_mm256_slli_epi32(lo, 8), hi16));
-            mn[2 + k] = _mm256_or_si256(_mm256_and_si256(hi, ff), _mm256_and_si256(_mm256_slli_epi32(hi, 8), hi16));
-        }
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)b);
-        const __m256 dv = f16_lanes(w0, 0), dminv = f16_lanes(w0, 1);
-        for (int r = 0; r < rt; r++) {
-            const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
-            __m256 ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(ism + r * 8))), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8));
-            __m256i ms = _mm256_setzero_si256();
-            for (int k = 0; k < 4; k++) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[k], _mm256_set1_epi32(xs2[r * npair + sb * 4 + k])));
-            ar = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dminv, dxv), ar);
-            _mm256_store_ps(accm + r * 8, ar);
-        }
-    }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
-}
-
-/* Q6_K's word t (0-3) of 8 rows from ql words lo (word j) and lo32 (word j + 8) and qh word hi: q6k_word's bits */
-static inline __attribute__((always_inline)) __m256i q6k_word8(__m256i lo, __m256i lo32, __m256i hi, int t) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
-    const __m256i low = _mm256_and_si256(t < 2 ? (t == 0 ? lo : lo32) : _mm256_srli_epi32(t == 2 ? lo : lo32, 4), m4);
-    const __m256i top = t == 0 ? _mm256_slli_epi32(hi, 4) : t == 1 ? _mm256_slli_epi32(hi, 2) : t == 2 ? hi : _mm256_srli_epi32(hi, 2);
-    return _mm256_or_si256(low, _mm256_and_si256(top, m2));
-}
-
-#ifdef __AVXVNNI__
-/* is[r] = super-block sb's integer sum for row r of x, sum_g sc_g * ((q_w . q_x)_g - 32 sum(q_x)_g), of half b of
- * a repacked Q6_K panel: AVX-512's integers and order, vpdpbusd on 8 lanes */
-static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, const uint8_t *b, int64_t sb, const int8_t *qx,
-                                                           const int32_t *xs, const int32_t *xs2, __m256i *is) {
-    const int64_t ng = K / 16;
-    __m256i a[RTA];
-    (void)xs2;
-    for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
-    #pragma GCC unroll 8
-    for (int h = 0; h < 2; h++)
-        #pragma GCC unroll 8
-        for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
-            #pragma GCC unroll 8
-            for (int jj = 0; jj < 2; jj++) {
-                for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
-                #pragma GCC unroll 8
-                for (int j = 4 * jj; j < 4 * jj + 4; j++) {
-                    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * (t & 1) + j) * 64));
-                    const __m256i v = q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
-                    for (int r = 0; r < rt; r++) a[r] = dp8(a[r], v, bcast4(qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j));
-                }
-                const int g = 8 * h + 2 * t + jj;
-                const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + g / 4) * 64));
-                const __m256i sv = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
-                for (int r = 0; r < rt; r++) {
-                    const __m256i t32 = _mm256_sub_epi32(a[r], _mm256_set1_epi32(xs[r * ng + sb * 16 + g]));
-                    is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(t32, sv));
-                }
-            }
-}
-#else
-/* the same integers without vpdpbusd: sum_g sc_g * (q_w . q_x)_g less 32 sum_g sc_g * sum(q_x)_g. The products
- * are summed two words at a time in int16 (at most 2 * 2 * 63 * 127 = 32004), then times the group's scale (in
- * both int16 of a lane) by vpmaddwd; the offset's part comes from pairs of scales by pairs of x's sums (xs2), 8
- * vpmaddwd a super-block; no vpmulld. Up to two rows, each word's four outputs at once (fewer loads and decodes a
- * product). */
-static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, const uint8_t *b, int64_t sb, const int8_t *qx,
-                                                           const int32_t *xs, const int32_t *xs2, __m256i *is) {
-    const int64_t ng = K / 16;
-    (void)xs;
-    __m256i sc16[16] __attribute__((aligned(32)));  /* scale g sign-extended into both int16 of each lane */
-    #pragma GCC unroll 8
-    for (int q = 0; q < 4; q++) {
-        const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + q) * 64));
-        #pragma GCC unroll 8
-        for (int t = 0; t < 4; t++) {
-            const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * t), 24);
-            sc16[4 * q + t] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
-        }
-    }
-    __asm__("" ::"r"(sc16) : "memory");  /* in memory: the registers hold the sums (one load a vpmaddwd) */
-    for (int r = 0; r < rt; r++) {
-        __m256i off = _mm256_setzero_si256();
-        for (int k = 0; k < 8; k++) {  /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
-            const __m256i pair = _mm256_blend_epi16(sc16[2 * k], sc16[2 * k + 1], 0xAA);
-            off = _mm256_add_epi32(off, _mm256_madd_epi16(pair, _mm256_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k])));
-        }
-        is[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
-    }
-    const int8_t *xb = qx + sb * QK;
-    if (rt <= 2) {
-        #pragma GCC unroll 8
-        for (int h = 0; h < 2; h++)
-            #pragma GCC unroll 8
-            for (int jj = 0; jj < 2; jj++)
-                #pragma GCC unroll 8
-                for (int e = 0; e < 2; e++) {  /* words j = 4jj + 2e and the next of groups 8h + 2t + jj */
-                    __m256i p[4][2];
-                    #pragma GCC unroll 8
-                    for (int t = 0; t < 4; t++)
-                        for (int r = 0; r < rt; r++) p[t][r] = _mm256_setzero_si256();
-                    #pragma GCC unroll 8
-                    for (int j = 4 * jj + 2 * e; j < 4 * jj + 2 * e + 2; j++) {
-                        const __m256i lo = _mm256_loadu_si256((const __m256i *)(b + (16 * h + j) * 64));
-                        const __m256i lo32 = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 + j) * 64));
-                        const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64));
-                        #pragma GCC unroll 8
-                        for (int t = 0; t < 4; t++) {
-                            const __m256i v = q6k_word8(lo, lo32, hi, t);
-                            for (int r = 0; r < rt; r++)
-                                p[t][r] = add_maddubs(p[t][r], v, xb + r * K + 128 * h + 32 * t + 4 * j);
-                        }
-                    }
-                    #pragma GCC unroll 8
-                    for (int t = 0; t < 4; t++)
-                        for (int r = 0; r < rt; r++) is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p[t][r], sc16[8 * h + 2 * t + jj]));
-                }
-        return;
-    }
-    __m256i p[2][RTA];  /* words t and t + 2 at once: they share ql's word (its two nibbles) and qh's */
-    #pragma GCC unroll 8
-    for (int h = 0; h < 2; h++)
-        #pragma GCC unroll 8
-        for (int t = 0; t < 2; t++)
-            #pragma GCC unroll 8
-            for (int jj = 0; jj < 2; jj++)
-                #pragma GCC unroll 8
-                for (int e = 0; e < 2; e++) {
-                    for (int r = 0; r < rt; r++) p[0][r] = p[1][r] = _mm256_setzero_si256();
-                    #pragma GCC unroll 8
-                    for (int j = 4 * jj + 2 * e; j < 4 * jj + 2 * e + 2; j++) {
-                        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * t + j) * 64));
-                        const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64));
-                        const __m256i v0 = q6k_word8(l, l, hi, t), v2 = q6k_word8(l, l, hi, t + 2);
-                        for (int r = 0; r < rt; r++) {
-                            p[0][r] = add_maddubs(p[0][r], v0, xb + r * K + 128 * h + 32 * t + 4 * j);
-                            p[1][r] = add_maddubs(p[1][r], v2, xb + r * K + 128 * h + 32 * (t + 2) + 4 * j);
-                        }
-                    }
-                    for (int r = 0; r < rt; r++) {
-                        is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p[0][r], sc16[8 * h + 2 * t + jj]));
-                        is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p[1][r], sc16[8 * h + 2 * (t + 2) + jj]));
-                    }
-                }
-}
-#endif
-
-/* the same for half hf of a repacked Q6_K panel: packed_q6k of AVX-512 */
-static inline __attribute__((always_inline)) void half_q6k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                           const int32_t *xs, const int32_t *xs2, const float *dx,
-                                                           float *y, int64_t ldy) {
-    const int64_t nsb = K / QK;
-    float accm[RTA * 8] __attribute__((aligned(32)));
-    __m256i is[RTA];
-    for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
-        const uint8_t *b = pb + sb * NP * 210;
-        if (!hf) PREFETCH_AHEAD(b, NP * 210);
-        q6k_sums(rt, K, b + 32 * hf, sb, qx, xs, xs2, is);
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 52 * 64 + 16 * hf)));
-        for (int r = 0; r < rt; r++) {
-            const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
-            _mm256_store_ps(accm + r * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8)));
-        }
-    }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
-}
-
-/* word j (0-7) of block h of a Q8_0 / Q5_0 pair, half hf (8 rows), as q32_word reads it (Q8_0: q + 128; Q5_0: q) */
-static inline __attribute__((always_inline)) __m256i q32_word8(int type, const uint8_t *pair, int hf, int h, int j) {
-    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(pair + (1 + 8 * h + j) * 64 + 32 * hf));
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (3 + 4 * h + (j & 3)) * 64 + 32 * hf));
-    const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-    /* the fifth bits: bit 4c + i of the 32 bits of this half's mask j is byte 4c + i's; 16 where it is set */
-    const __m256i m = _mm256_shuffle_epi8(bcast4(pair + (1 + h) * 64 + 8 * j + 4 * hf),
-                                          _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);
-    return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-}
-
-/* the same for half hf of a repacked Q8_0 / Q5_0 panel (type the file's): packed_q32 of AVX-512 */
-static inline __attribute__((always_inline)) void half_q32(int type, int rt, int64_t K, const uint8_t *pb, int hf,
-                                                           const int8_t *qx, const int32_t *xs, const float *dx, float *y,
-                                                           int64_t ldy) {
-    const int64_t nb = K / 32;
-    const int pair_bytes = 32 * block_bytes_any(type);
-#ifdef __AVXVNNI__
-    const int signs = 0;  /* vpdpbusd takes Q8_0's q + 128 whole */
-#else
-    const int signs = type == Q8_0;  /* |q| . sign(x, q): vpmaddubsw's pairs stay under 2^15 */
-#endif
-    __m256 acc[RTA];
-    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < nb; g0 += 2) {
-        const uint8_t *pair = pb + (g0 / 2) * pair_bytes;
-        if (!hf) PREFETCH_AHEAD(pair, pair_bytes);
-        for (int h = 0; h < 2; h++) {
-            const int64_t g = g0 + h;
-            const int split = rt <= 2 ? 2 : 1;
-            __m256i a[2][RTA];
-            for (int e = 0; e < split; e++)
-                for (int r = 0; r < rt; r++) a[e][r] = _mm256_setzero_si256();
-#ifndef __AVXVNNI__
-            if (type == Q5_0) {  /* four words' pairs of products summed in int16 (at most 4 * 2 * 31 * 127 = 31496) */
-                for (int w0 = 0; w0 < 8; w0 += 4) {
-                    __m256i p[RTA];
-                    for (int r = 0; r < rt; r++) p[r] = _mm256_setzero_si256();
-                    for (int j = w0; j < w0 + 4; j++) {
-                        const __m256i v = q32_word8(type, pair, hf, h, j);
-                        for (int r = 0; r < rt; r++) p[r] = add_maddubs(p[r], v, qx + r * K + g * 32 + 4 * j);
-                    }
-                    for (int r = 0; r < rt; r++) a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(p[r], _mm256_set1_epi16(1)));
-                }
-            }
-            for (int j = 0; j < 8 && type != Q5_0; j++) {
-#else
-            for (int j = 0; j < 8; j++) {
-#endif
-                __m256i v = q32_word8(type, pair, hf, h, j);
-                if (signs) {
-                    const __m256i q = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
-                    v = _mm256_abs_epi8(q);
-                    for (int r = 0; r < rt; r++)
-                        a[j % split][r] = dp8(a[j % split][r], v, _mm256_sign_epi8(bcast4(qx + r * K + g * 32 + 4 * j), q));
-                } else {
-                    for (int r = 0; r < rt; r++) a[j % split][r] = dp8(a[j % split][r], v, bcast4(qx + r * K + g * 32 + 4 * j));
-                }
-            }
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 32 * h + 16 * hf)));
-            for (int r = 0; r < rt; r++) {
-                const __m256i s = split == 2 ? _mm256_add_epi32(a[0][r], a[1][r]) : a[0][r];
-                const __m256i t = signs ? s : _mm256_sub_epi32(s, _mm256_set1_epi32(xs[r * nb + g]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nb + g])), acc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
-}
-
-/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves */
-static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
-                                                              const int32_t *xs, const int32_t *xs2, const float *dx,
-                                                              float *y, int64_t ldy) {
-    for (int hf = 0; hf < 2; hf++) {
-        if (type == P_Q4_K) half_q4k(rt, K, pb, hf, qx, xs2, dx, y, ldy);
-        else if (type == P_Q6_K) half_q6k(rt, K, pb, hf, qx, xs, xs2, dx, y, ldy);
-        else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
-    }
-}
-
-/* y = x . W^T for a repacked W (ptype), every row count: tiles of RTA rows of x against each panel */
-static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
-                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int type = base_type(ptype);
-    const int64_t ng = K / group_elems(type), ndx = K / act_block(type), row_bytes = K / block_elems(type) * block_bytes(type);
-    int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
-    if (!xs) return -2;
-#pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NP)
-        for (int64_t m0 = 0; m0 < M; m0 += RTA) {
-            const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
-            const uint8_t *pb = raw + n0 * row_bytes;
-            const int8_t *q = qx + m0 * K;
-            const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);
-            const float *dxr = dx + m0 * ndx;
-            float *yr = y + m0 * ldy + n0;
-#define PACKED(T)                                                                      \
-            switch (rt) {                                                              \
-                case 4: packed_rows(T, 4, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
-                case 3: packed_rows(T, 3, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
-                case 2: packed_rows(T, 2, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
-                default: packed_rows(T, 1, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-            }
-            if (ptype == P_Q4_K) {
-                PACKED(P_Q4_K)
-            } else if (ptype == P_Q6_K) {
-                PACKED(P_Q6_K)
-            } else if (ptype == P_Q8_0) {
-                PACKED(P_Q8_0)
-            } else {
-                PACKED(P_Q5_0)
-            }
-#undef PACKED
-        }
-    free(xs), free(xs2);
-    return 0;
-}
-#endif
-
-/* W [N, K] of type Q4_K, Q6_K, Q8_0 or Q5_0 (the file's rows, raw) repacked into out (as many bytes) for the
+/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0 or Q5_0 (the file's rows, raw) repacked into out (as many bytes) for the
  * kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a
  * multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0: 64), or a build without the panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
     const int q32 = type == Q8_0 || type == Q5_0;
-    if ((type != Q4_K && type != Q6_K && !q32) || N % NP || K % (q32 ? 64 : QK)) return -1;
-    const int64_t row_bytes = K / block_elems(type) * block_bytes(type);
+    if ((type != Q4_K && type != Q5_K && type != Q6_K && !q32) || N % NP || K % (q32 ? 64 : QK)) return -1;
+    const int64_t row_bytes = K / block_elems_any(type) * block_bytes_any(type);
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (q32) repack_panel_q32(type, raw + n0 * row_bytes, row_bytes, K / 32, out + n0 * row_bytes);

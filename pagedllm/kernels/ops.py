@@ -437,9 +437,11 @@ GROUP_LAYOUTS = {
 }
 # the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
 GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
-# Q4_K / Q6_K / Q8_0 / Q5_0 repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a row, type id 100 +
-# the file's
-GGUF_PANELS = {100 + t: GGUF_BLOCKS[t] for t in GGUF_BLOCKS}
+# the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q5_K
+GGUF_PANEL_ONLY = {t: GROUP_LAYOUTS[t][1:] for t in (13,)}
+# Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a row, type id
+# 100 + the file's
+GGUF_PANELS = {100 + t: size for t, size in (GGUF_BLOCKS | GGUF_PANEL_ONLY).items()}
 
 
 _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
@@ -447,8 +449,10 @@ _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
 
 def fits_panels(qtype: int, n: int, k: int) -> bool:
     """Whether a weight [n, k] of ggml type ``qtype`` can be repacked into panels (GGUFBlocks.pack, where the CPU
-    has them): a type of GGUF_BLOCKS, whole panels of 16 rows, and Q8_0 / Q5_0 rows of whole pairs of blocks."""
-    return qtype in GGUF_BLOCKS and n > 0 and n % 16 == 0 and k % (64 if qtype in (6, 8) else 256) == 0
+    has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 rows of whole
+    pairs of blocks."""
+    known = qtype in GGUF_BLOCKS or qtype in GGUF_PANEL_ONLY
+    return known and n > 0 and n % 16 == 0 and k % (64 if qtype in (6, 8) else 256) == 0
 
 
 class GGUFBlocks:
@@ -502,7 +506,7 @@ class GGUFBlocks:
         every row count, a row's bits the same whatever shares its call; anything else as it is. The float32
         kernels (matmul_f32) do not read a repacked weight. ``copied`` is called with each slice of raw's rows once
         the copy holds it (to let a file's pages go before the next slice is read)."""
-        k = self.in_features(qtype, raw) if qtype in GGUF_BLOCKS else 0
+        k = self.in_features(qtype, raw) if qtype in GGUF_BLOCKS or qtype in GGUF_PANEL_ONLY else 0
         if not self.has_panels or not fits_panels(qtype, raw.shape[0], k):
             return qtype, raw
         raw = raw.contiguous()
@@ -532,9 +536,11 @@ class GGUFBlocks:
     @staticmethod
     def in_features(qtype: int, raw: torch.Tensor) -> int:
         """K of a weight stored as ``raw`` [N, bytes a row] in ``qtype``'s blocks."""
-        if qtype not in GGUF_BLOCKS and qtype not in GGUF_PANELS:
+        size = GGUF_BLOCKS.get(qtype) or GGUF_PANEL_ONLY.get(qtype) or GGUF_PANELS.get(qtype)
+        if size is None:
             _check_type(-1, qtype)
-        elems, nbytes = GGUF_BLOCKS.get(qtype) or GGUF_PANELS[qtype]
+            raise AssertionError  # unreachable: _check_type raised
+        elems, nbytes = size
         if qtype in (106, 108):  # Q5_0 / Q8_0 panels hold their blocks in pairs: a unit of two
             elems, nbytes = 2 * elems, 2 * nbytes
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
@@ -544,7 +550,7 @@ class GGUFBlocks:
     @staticmethod
     def activation_block(qtype: int) -> int:
         """Elements per int8 rounding of the activations: 256 (Q8_K) for the K-quants, 32 (Q8_0) else."""
-        return (GGUF_BLOCKS.get(qtype) or GGUF_PANELS[qtype])[0]
+        return (GGUF_BLOCKS.get(qtype) or GGUF_PANEL_ONLY.get(qtype) or GGUF_PANELS[qtype])[0]
 
     def quantize(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [M, K] float32 contiguous rounded per ``block`` (256 or 32) elements as the a8 kernels round it:
