@@ -184,11 +184,34 @@ static inline __attribute__((always_inline)) __m256i q6k_word8(__m256i lo, __m25
     return _mm256_or_si256(low, _mm256_and_si256(top, m2));
 }
 
+/* word j of elements 128h + 32t + 4j of a Q6_K super-block's half b (8 rows), or where xp of its expanded words ex
+ * (64 words of 32 bytes in the order (h, t, j): expand_q6k). xp a constant at each call: one kernel for each */
+static inline __attribute__((always_inline)) __m256i q6k_word_at(int xp, const uint8_t *b, const uint8_t *ex, int h, int t, int j) {
+    if (xp) return _mm256_load_si256((const __m256i *)(ex + ((4 * h + t) * 8 + j) * 32));
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * (t & 1) + j) * 64));
+    return q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
+}
+
+/* a repacked Q6_K panel's words decoded once (q 0..63, both halves: half hf's super-block sb at ex + (hf * K / 256 +
+ * sb) * 2048), for the tiles of many rows of x that each read them */
+static void expand_q6k(const uint8_t *pb, int64_t K, uint8_t *ex) {
+    const int64_t nsb = K / QK;
+    for (int hf = 0; hf < 2; hf++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *b = pb + sb * NP * 210 + 32 * hf;
+            uint8_t *o = ex + (hf * nsb + sb) * 2048;
+            for (int h = 0; h < 2; h++)
+                for (int t = 0; t < 4; t++)
+                    for (int j = 0; j < 8; j++)
+                        _mm256_store_si256((__m256i *)(o + ((4 * h + t) * 8 + j) * 32), q6k_word_at(0, b, NULL, h, t, j));
+        }
+}
+
 #ifdef __AVXVNNI__
 /* is[r] = super-block sb's integer sum for row r of x, sum_g sc_g * ((q_w . q_x)_g - 32 sum(q_x)_g), of half b of
  * a repacked Q6_K panel: AVX-512's integers and order, vpdpbusd on 8 lanes */
-static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, const uint8_t *b, int64_t sb, const int8_t *qx,
-                                                           const int32_t *xs, const int32_t *xs2, __m256i *is) {
+static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64_t K, const uint8_t *b, const uint8_t *ex, int64_t sb,
+                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is) {
     const int64_t ng = K / 16;
     __m256i a[RTA];
     (void)xs2;
@@ -202,8 +225,7 @@ static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, co
                 for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
                 #pragma GCC unroll 8
                 for (int j = 4 * jj; j < 4 * jj + 4; j++) {
-                    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * (t & 1) + j) * 64));
-                    const __m256i v = q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
+                    const __m256i v = q6k_word_at(xp, b, ex, h, t, j);
                     for (int r = 0; r < rt; r++) a[r] = dp8(a[r], v, bcast4(qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j));
                 }
                 const int g = 8 * h + 2 * t + jj;
@@ -221,8 +243,8 @@ static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, co
  * both int16 of a lane) by vpmaddwd; the offset's part comes from pairs of scales by pairs of x's sums (xs2), 8
  * vpmaddwd a super-block; no vpmulld. Up to two rows, each word's four outputs at once (fewer loads and decodes a
  * product). */
-static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, const uint8_t *b, int64_t sb, const int8_t *qx,
-                                                           const int32_t *xs, const int32_t *xs2, __m256i *is) {
+static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64_t K, const uint8_t *b, const uint8_t *ex, int64_t sb,
+                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is) {
     const int64_t ng = K / 16;
     (void)xs;
     __m256i sc16[16] __attribute__((aligned(32)));  /* scale g sign-extended into both int16 of each lane */
@@ -245,6 +267,26 @@ static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, co
         is[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
     }
     const int8_t *xb = qx + sb * QK;
+    if (xp) {  /* the words decoded already: each a load */
+        __m256i p[RTA];
+        #pragma GCC unroll 8
+        for (int h = 0; h < 2; h++)
+            #pragma GCC unroll 8
+            for (int t = 0; t < 4; t++)
+                #pragma GCC unroll 8
+                for (int jj = 0; jj < 2; jj++)
+                    #pragma GCC unroll 8
+                    for (int e = 0; e < 2; e++) {
+                        for (int r = 0; r < rt; r++) p[r] = _mm256_setzero_si256();
+                        #pragma GCC unroll 8
+                        for (int j = 4 * jj + 2 * e; j < 4 * jj + 2 * e + 2; j++) {
+                            const __m256i v = q6k_word_at(1, b, ex, h, t, j);
+                            for (int r = 0; r < rt; r++) p[r] = add_maddubs(p[r], v, xb + r * K + 128 * h + 32 * t + 4 * j);
+                        }
+                        for (int r = 0; r < rt; r++) is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p[r], sc16[8 * h + 2 * t + jj]));
+                    }
+        return;
+    }
     if (rt <= 2) {
         #pragma GCC unroll 8
         for (int h = 0; h < 2; h++)
@@ -302,10 +344,11 @@ static inline __attribute__((always_inline)) void q6k_sums(int rt, int64_t K, co
 }
 #endif
 
-/* the same for half hf of a repacked Q6_K panel: packed_q6k of AVX-512 */
-static inline __attribute__((always_inline)) void half_q6k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                           const int32_t *xs, const int32_t *xs2, const float *dx,
-                                                           float *y, int64_t ldy) {
+/* the same for half hf of a repacked Q6_K panel: packed_q6k of AVX-512 (its words from ex where not NULL:
+ * expand_q6k's) */
+static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex, int hf,
+                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2,
+                                                           const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK;
     float accm[RTA * 8] __attribute__((aligned(32)));
     __m256i is[RTA];
@@ -313,8 +356,8 @@ static inline __attribute__((always_inline)) void half_q6k(int rt, int64_t K, co
     for (int64_t sb = 0; sb < nsb; sb++) {
         /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
         const uint8_t *b = pb + sb * NP * 210;
-        if (!hf) PREFETCH_AHEAD(b, NP * 210);
-        q6k_sums(rt, K, b + 32 * hf, sb, qx, xs, xs2, is);
+        if (!hf && !xp) PREFETCH_AHEAD(b, NP * 210);
+        q6k_sums(xp, rt, K, b + 32 * hf, xp ? ex + (hf * nsb + sb) * 2048 : NULL, sb, qx, xs, xs2, is);
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 52 * 64 + 16 * hf)));
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
@@ -397,16 +440,22 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
 }
 
-/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves */
-static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
-                                                              const int32_t *xs, const int32_t *xs2, const float *dx,
-                                                              float *y, int64_t ldy) {
+/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q6_K: its words
+ * from ex, expand_q6k's, where not NULL) */
+static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
+                                                              const int8_t *qx, const int32_t *xs, const int32_t *xs2,
+                                                              const float *dx, float *y, int64_t ldy) {
     for (int hf = 0; hf < 2; hf++) {
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, rt, K, pb, hf, qx, xs2, dx, y, ldy);
-        else if (type == P_Q6_K) half_q6k(rt, K, pb, hf, qx, xs, xs2, dx, y, ldy);
+        else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
 }
+
+/* more rows of x than this decode each Q6_K panel's words once (expand_q6k) for all their tiles: the same bits */
+#ifndef Q6K_EXPAND_ROWS
+#define Q6K_EXPAND_ROWS 8
+#endif
 
 /* y = x . W^T for a repacked W (ptype), every row count: tiles of RTA rows of x against each panel */
 static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
@@ -415,8 +464,19 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     const int64_t ng = K / group_elems(type), ndx = K / act_block(ptype), row_bytes = K / block_elems(ptype) * block_bytes(ptype);
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
-#pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NP)
+    const int expands = ptype == P_Q6_K && M > Q6K_EXPAND_ROWS;
+    int failed = 0;
+#pragma omp parallel
+    {
+    uint8_t *ex = expands ? aligned_alloc(32, (size_t)K * 16) : NULL;
+    if (expands && !ex) {
+#pragma omp atomic write
+        failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NP) {
+        if (expands && !ex) continue;
+        if (ex) expand_q6k(raw + n0 * row_bytes, K, ex);
         for (int64_t m0 = 0; m0 < M; m0 += RTA) {
             const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
             const uint8_t *pb = raw + n0 * row_bytes;
@@ -424,27 +484,32 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
             const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);
             const float *dxr = dx + m0 * ndx;
             float *yr = y + m0 * ldy + n0;
-#define PACKED(T)                                                                      \
-            switch (rt) {                                                              \
-                case 4: packed_rows(T, 4, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
-                case 3: packed_rows(T, 3, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
-                case 2: packed_rows(T, 2, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;   \
-                default: packed_rows(T, 1, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
+#define PACKED(T, XP)                                                                          \
+            switch (rt) {                                                                      \
+                case 4: packed_rows(T, XP, 4, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;   \
+                case 3: packed_rows(T, XP, 3, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;   \
+                case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;   \
+                default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
             }
             if (ptype == P_Q4_K) {
-                PACKED(P_Q4_K)
+                PACKED(P_Q4_K, 0)
             } else if (ptype == P_Q5_K) {
-                PACKED(P_Q5_K)
+                PACKED(P_Q5_K, 0)
+            } else if (ptype == P_Q6_K && ex) {
+                PACKED(P_Q6_K, 1)
             } else if (ptype == P_Q6_K) {
-                PACKED(P_Q6_K)
+                PACKED(P_Q6_K, 0)
             } else if (ptype == P_Q8_0) {
-                PACKED(P_Q8_0)
+                PACKED(P_Q8_0, 0)
             } else {
-                PACKED(P_Q5_0)
+                PACKED(P_Q5_0, 0)
             }
 #undef PACKED
         }
+    }
+    free(ex);
+    }
     free(xs), free(xs2);
-    return 0;
+    return failed ? -2 : 0;
 }
 #endif
