@@ -4,6 +4,7 @@
     python benchmarks/batch_vs_llama_server.py --llama-server PATH
         [--model qwen2.5-coder-1.5b-instruct-q4_k_m | FILE.gguf] [--num-prompts 64] [--input-len 576]
         [--range-ratio 0.778] [--output-len 128] [--modes gguf,gguf-exact] [--threads 2] [--out FILE.json]
+        [--level avx2]
 
 The requests: --num-prompts random token-id prompts of --input-len * (1 +- --range-ratio) tokens (128 to 1,024
 by default) and --output-len tokens each, EOS ignored, all sent at once; `pagedllm bench serve`, vLLM's
@@ -12,7 +13,8 @@ percentiles; output and total tok/s).
 
 Both servers hold every request at once: llama.cpp ``-np N -cb -c N * (longest prompt + output)`` (its f16 KV
 cache, --threads threads), pagedllm ``--max-num-seqs N --max-model-len (longest prompt + output)
---kv-cache-dtype bfloat16`` in each of --modes. Build llama.cpp as the top of benchmarks/real_size.py says.
+--kv-cache-dtype bfloat16`` in each of --modes. Build llama.cpp as the top of benchmarks/real_size.py says;
+``--level`` runs pagedllm's kernels at that instruction-set level, beside a llama.cpp built for it (there too).
 """
 
 from __future__ import annotations
@@ -47,8 +49,14 @@ def main() -> int:
     p.add_argument("--modes", default="gguf,gguf-exact", help="pagedllm's quantization modes, comma-separated")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--level", default=None, help="pagedllm's kernel level ($PAGEDLLM_CPU_LEVEL); default the best")
     args = p.parse_args()
     from pagedllm.benchmarks.optional import require_program
+    from pagedllm.kernels import isa
+
+    if args.level:  # a level this machine cannot run fails here, before any server starts
+        os.environ[isa.ENV] = args.level
+        isa.chosen_level()
 
     fix = "build it as the top of benchmarks/real_size.py says"
     binary = require_program("benchmarks/batch_vs_llama_server.py --llama-server", args.llama_server, fix)
@@ -63,6 +71,8 @@ def main() -> int:
         servers[f"pagedllm {mode}"] += ["--quantization", mode, "--max-num-seqs", str(n)]
         servers[f"pagedllm {mode}"] += ["--max-model-len", str(per_seq), "--kv-cache-dtype", "bfloat16"]
     env = {"OMP_NUM_THREADS": str(args.threads)}
+    if args.level:
+        env[isa.ENV] = args.level
     report: dict = {"model": model, "threads": args.threads, "requests": vars(args) | {"llama_server": binary}}
     report["requests"].pop("out")
     report["results"] = {}

@@ -73,13 +73,13 @@ class ModelConfig:
     quantization: Literal["gguf", "gguf-exact", "int8", "int4", "w4a8", "w4a16", "fp8", "none"] | None = _f(
         None,
         "Quantization on CPU. A GGUF file runs as stored by default: 'gguf' where every quantized tensor is "
-        "Q4_K / Q6_K, the CPU has AVX-512 VNNI and the model runs in one process (a Q4_K_M file: one kernel at "
-        "every batch size), else "
+        "Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 in panels, the CPU has AVX2 and the model runs in one process (a Q4_K_M, "
+        "Q5_K_M, Q6_K or Q8_0 file: one kernel at every batch size), else "
         "'gguf-exact'. 'gguf-exact': each tensor keeps its own "
         "block type (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K; float tensors stay float), nothing "
         "is widened, activations stay float32: the float32 function of the dequantized weights (transformers' "
-        "tokens), the same whatever else a step's batch holds. 'gguf': the same blocks (Q4_K / Q6_K repacked into "
-        "panels of 16 rows on AVX-512 VNNI, else read in place from the file's mapping) with activations rounded "
+        "tokens), the same whatever else a step's batch holds. 'gguf': the same blocks (repacked into panels of "
+        "16 rows from AVX2 up, else Q4_K / Q6_K read in place from the file's mapping) with activations rounded "
         "to int8 for integer dot products, as llama.cpp does: faster decode, not float32's function; a request's "
         "tokens may change with the batch it runs in where a tensor is not in panels (a rounding step moved by "
         "another summation order). 'none': widen "

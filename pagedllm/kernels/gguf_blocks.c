@@ -1032,12 +1032,20 @@ static inline __attribute__((always_inline)) void q4k_mins16(__m512i u1, __m512i
     }
 }
 
+/* q5: the fifth bit of each of chunk cc's bytes from a Q5_K panel's qh word h, at bit 4 (16 where it is set):
+ * bit 2cc (the low nibbles, hi = 0) or 2cc + 1 (the high ones) */
+static inline __attribute__((always_inline)) __m512i q5_bits(__m512i h, int cc, int hi) {
+    const __m512i b = _mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * cc + hi));
+    return _mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi8(0x10));
+}
+
 /* a whole panel of 16 Q4_K rows, repacked (gguf_pack_panels' layout: a vector a word of the 16 rows), as
- * pack_column packs each row: vector 0 d | dmin, 1-3 the 12 bytes of scales, 4-35 the nibbles */
-static void pack_panel_q4k(const uint8_t *panel, int64_t K, const panel_t *p) {
+ * pack_column packs each row: vector 0 d | dmin, 1-3 the 12 bytes of scales, 4-35 the nibbles. q5: a Q5_K panel
+ * (qh in vectors 4-11, the nibbles in 12-43), its weights q 0..31, for the same arithmetic as Q4_K's */
+static void pack_panel_q4k(int q5, const uint8_t *panel, int64_t K, const panel_t *p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), ff = _mm512_set1_epi32(0xFF);
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *pb = panel + sb * NP * 144;
+        const uint8_t *pb = panel + sb * NP * (q5 ? 176 : 144);
         const __m512i w0 = _mm512_load_si512(pb), u0 = _mm512_load_si512(pb + 64);
         const __m512i u1 = _mm512_load_si512(pb + 128), u2 = _mm512_load_si512(pb + 192);
         _mm512_store_ps(p->d + sb * NP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0)));
@@ -1051,10 +1059,15 @@ static void pack_panel_q4k(const uint8_t *panel, int64_t K, const panel_t *p) {
         }
         for (int k = 0; k < 4; k++) _mm512_store_si512(p->mn + (sb * 4 + k) * NP, mn[k]);
         for (int w = 0; w < 32; w++) {  /* nibble word w = 8cc + j: chunk cc's j-th */
-            const __m512i v = _mm512_load_si512(pb + (4 + w) * 64);
+            const __m512i v = _mm512_load_si512(pb + ((q5 ? 12 : 4) + w) * 64);
             const int cc = w / 8, j = w % 8;
-            _mm512_store_si512(p->u + (sb * 64 + 16 * cc + j) * NP, _mm512_and_si512(v, m4));
-            _mm512_store_si512(p->u + (sb * 64 + 16 * cc + 8 + j) * NP, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            if (q5) {  /* Q5_K: each weight's fifth bit from qh word j */
+                const __m512i h = _mm512_load_si512(pb + (4 + j) * 64);
+                lo = _mm512_or_si512(lo, q5_bits(h, cc, 0)), hi = _mm512_or_si512(hi, q5_bits(h, cc, 1));
+            }
+            _mm512_store_si512(p->u + (sb * 64 + 16 * cc + j) * NP, lo);
+            _mm512_store_si512(p->u + (sb * 64 + 16 * cc + 8 + j) * NP, hi);
         }
     }
 }
@@ -1235,12 +1248,6 @@ static inline __attribute__((always_inline)) __m512i dpbusd_b(__m512i acc, __m51
     return acc;
 }
 
-/* q5: the fifth bit of each of chunk cc's bytes from a Q5_K panel's qh word h, at bit 4 (16 where it is set):
- * bit 2cc (the low nibbles, hi = 0) or 2cc + 1 (the high ones) */
-static inline __attribute__((always_inline)) __m512i q5_bits(__m512i h, int cc, int hi) {
-    const __m512i b = _mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * cc + hi));
-    return _mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi8(0x10));
-}
 
 /* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words. q5: a
  * Q5_K panel (176 bytes a block: Q4_K's d, dmin and scales in words 0-3, then qh in words 4-11 and the nibbles in
@@ -1430,8 +1437,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     int failed = 0;
-    /* repacked: each panel's words where they lie (Q5_K at every row count: it has no expanded form) */
-    if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || ptype == P_Q5_K)) {
+    if (ptype > PANEL && M <= PACKED_DIRECT_ROWS) {  /* repacked: each panel's words where they lie */
 #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NP)
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
@@ -1507,8 +1513,10 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 }
                 if (panel && (type == Q8_0 || type == Q5_0))  /* expanded into bytes once for all of M's tiles */
                     pack_panel_q32(type, panel, K, &p[i]);
+                else if (panel && type == Q6_K)
+                    pack_panel_q6k(panel, K, &p[i]);
                 else if (panel)
-                    (type == Q4_K ? pack_panel_q4k : pack_panel_q6k)(panel, K, &p[i]);
+                    pack_panel_q4k(type == Q5_K, panel, K, &p[i]);
                 else
                     for (int c = 0; c < nc; c++) pack_column(type, raw + (c0 + c) * row_bytes, K, c, &p[i]);
             }
@@ -1542,7 +1550,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                         default: TILE(T, 1, 1); break;                 \
                     }                                                  \
                 }
-                BY_TYPE(type, TILES);
+                BY_TYPE(type == Q5_K ? Q4_K : type, TILES);  /* Q5_K expanded: Q4_K's arithmetic */
 #undef TILES
 #undef TILE
             }

@@ -73,10 +73,35 @@ static inline __attribute__((always_inline)) __m256i q5_bits8(__m256i h, int cc,
     return _mm256_and_si256(_mm256_slli_epi16(b, 4), _mm256_set1_epi8(0x10));
 }
 
-/* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb, or of a Q5_K one where q5) as packed_q4k
- * of AVX-512 computes them */
-static inline __attribute__((always_inline)) void half_q4k(int q5, int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                           const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
+/* chunk cc's low (hi = 0) or high nibbles of word j of a Q5_K super-block's half b, each with its fifth bit; or
+ * where xp the same word expanded already (ex: 64 words of 32 bytes in the order (cc, hi, j): expand_q5k) */
+static inline __attribute__((always_inline)) __m256i q5k_word_at(int xp, const uint8_t *b, const uint8_t *ex, int cc, int hi, int j) {
+    if (xp) return _mm256_load_si256((const __m256i *)(ex + ((2 * cc + hi) * 8 + j) * 32));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (12 + 8 * cc + j) * 64));
+    const __m256i n = _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(n, q5_bits8(_mm256_loadu_si256((const __m256i *)(b + (4 + j) * 64)), cc, hi));
+}
+
+/* a repacked Q5_K panel's weights decoded once (q 0..31, both halves: half hf's super-block sb at ex + (hf * K /
+ * 256 + sb) * 2048), for the tiles of many rows of x that each read them */
+static void expand_q5k(const uint8_t *pb, int64_t K, uint8_t *ex) {
+    const int64_t nsb = K / QK;
+    for (int hf = 0; hf < 2; hf++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *b = pb + sb * NP * 176 + 32 * hf;
+            uint8_t *o = ex + (hf * nsb + sb) * 2048;
+            for (int cc = 0; cc < 4; cc++)
+                for (int hi = 0; hi < 2; hi++)
+                    for (int j = 0; j < 8; j++)
+                        _mm256_store_si256((__m256i *)(o + ((2 * cc + hi) * 8 + j) * 32), q5k_word_at(0, b, NULL, cc, hi, j));
+        }
+}
+
+/* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb, or of a Q5_K one where q5, its weights
+ * from ex where xp: expand_q5k's) as packed_q4k of AVX-512 computes them */
+static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
+                                                           int hf, const int8_t *qx, const int32_t *xs2, const float *dx,
+                                                           float *y, int64_t ldy) {
     const int64_t nsb = K / QK, npair = K / 64;
     const int bytes = q5 ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
@@ -85,7 +110,8 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int rt, int64
     for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
-        if (!hf) PREFETCH_AHEAD(b, NP * bytes);
+        const uint8_t *eb = xp ? ex + (hf * nsb + sb) * 2048 : NULL;
+        if (!hf && !xp) PREFETCH_AHEAD(b, NP * bytes);
         /* vector 0: d | dmin; 1-3: the 12 bytes of scales (k4_scales on 8 rows at once) */
         const __m256i u0 = _mm256_loadu_si256((const __m256i *)(b + 64)), u2 = _mm256_loadu_si256((const __m256i *)(b + 192));
         const __m256i sl = _mm256_and_si256(u0, m6);
@@ -108,11 +134,12 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int rt, int64
                 for (int r = 0; r < rt; r++) pl[r] = ph[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
                 for (int j = j0; j < j0 + run; j++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
-                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    __m256i lo, hi;
                     if (q5) {
-                        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + (4 + j) * 64));
-                        lo = _mm256_or_si256(lo, q5_bits8(h, cc, 0)), hi = _mm256_or_si256(hi, q5_bits8(h, cc, 1));
+                        lo = q5k_word_at(xp, b, eb, cc, 0, j), hi = q5k_word_at(xp, b, eb, cc, 1, j);
+                    } else {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                        lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                     }
                     for (int r = 0; r < rt; r++) {
                         pl[r] = add_maddubs(pl[r], lo, xc + r * K + 4 * j);
@@ -131,11 +158,12 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int rt, int64
                 for (int r = 0; r < rt; r++) al[e][r] = ah[e][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
-                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                __m256i lo, hi;
                 if (q5) {
-                    const __m256i h = _mm256_loadu_si256((const __m256i *)(b + (4 + j) * 64));
-                    lo = _mm256_or_si256(lo, q5_bits8(h, cc, 0)), hi = _mm256_or_si256(hi, q5_bits8(h, cc, 1));
+                    lo = q5k_word_at(xp, b, eb, cc, 0, j), hi = q5k_word_at(xp, b, eb, cc, 1, j);
+                } else {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                    lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                 }
                 const int e = j % split;
                 for (int r = 0; r < rt; r++) {
@@ -440,21 +468,22 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
 }
 
-/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q6_K: its words
- * from ex, expand_q6k's, where not NULL) */
+/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q5_K / Q6_K: their
+ * words from ex, expand_q5k's / expand_q6k's, where xp) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                               const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                               const float *dx, float *y, int64_t ldy) {
     for (int hf = 0; hf < 2; hf++) {
-        if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, rt, K, pb, hf, qx, xs2, dx, y, ldy);
+        if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
 }
 
-/* more rows of x than this decode each Q6_K panel's words once (expand_q6k) for all their tiles: the same bits */
-#ifndef Q6K_EXPAND_ROWS
-#define Q6K_EXPAND_ROWS 8
+/* more rows of x than this decode each Q5_K / Q6_K panel's words once (expand_q5k / expand_q6k) for all their
+ * tiles: the same bits */
+#ifndef EXPAND_ROWS
+#define EXPAND_ROWS 8
 #endif
 
 /* y = x . W^T for a repacked W (ptype), every row count: tiles of RTA rows of x against each panel */
@@ -464,7 +493,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     const int64_t ng = K / group_elems(type), ndx = K / act_block(ptype), row_bytes = K / block_elems(ptype) * block_bytes(ptype);
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
-    const int expands = ptype == P_Q6_K && M > Q6K_EXPAND_ROWS;
+    const int expands = (ptype == P_Q5_K || ptype == P_Q6_K) && M > EXPAND_ROWS;
     int failed = 0;
 #pragma omp parallel
     {
@@ -476,7 +505,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (expands && !ex) continue;
-        if (ex) expand_q6k(raw + n0 * row_bytes, K, ex);
+        if (ex) (ptype == P_Q5_K ? expand_q5k : expand_q6k)(raw + n0 * row_bytes, K, ex);
         for (int64_t m0 = 0; m0 < M; m0 += RTA) {
             const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
             const uint8_t *pb = raw + n0 * row_bytes;
@@ -493,6 +522,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
             }
             if (ptype == P_Q4_K) {
                 PACKED(P_Q4_K, 0)
+            } else if (ptype == P_Q5_K && ex) {
+                PACKED(P_Q5_K, 1)
             } else if (ptype == P_Q5_K) {
                 PACKED(P_Q5_K, 0)
             } else if (ptype == P_Q6_K && ex) {
