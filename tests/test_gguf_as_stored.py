@@ -200,11 +200,12 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         "ragged": _write_gguf(tmp_path / "c.gguf", {**k4m, "blk.0.attn_k.weight": ("Q4_K", 40)}),
         "odd_blocks": _write_gguf(tmp_path / "e.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q5_0", 32, 96)}),
         "q5_k_m": _write_gguf(tmp_path / "g.gguf", {**k4m, "blk.0.attn_q.weight": ("Q5_K", 32)}),
+        "q4_0": _write_gguf(tmp_path / "i.gguf", {**k4m, "blk.0.attn_q.weight": ("Q4_0", 32)}),
         "ragged_q5_k": _write_gguf(tmp_path / "h.gguf", {**k4m, "blk.0.attn_q.weight": ("Q5_K", 40)}),
     }
     panels = kernels.load().gguf.has_panels
     assert all_in_panels(str(files["q4_k_m"])) == all_in_panels(str(files["with_q8_0"])) == panels
-    assert all_in_panels(str(files["q5_k_m"])) == panels
+    assert all_in_panels(str(files["q5_k_m"])) == all_in_panels(str(files["q4_0"])) == panels
     assert not any(all_in_panels(str(files[name])) for name in ("with_q4_1", "ragged", "odd_blocks", "ragged_q5_k"))
     # under an explicit 'gguf', Q8_0 / Q5_0 come as stored only where they fit panels (else as int8 groups)
     names = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.0.attn_k.weight")
@@ -217,7 +218,8 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
     def default(name: str, single: bool = True) -> str | None:
         return resolve_quantization(None, resolve_model(str(files[name])), None, CPU, single)
 
-    assert default("q4_k_m") == default("with_q8_0") == default("q5_k_m") == ("gguf" if panels else "gguf-exact")
+    assert default("q4_k_m") == default("with_q8_0") == default("q5_k_m") == default("q4_0")
+    assert default("q4_k_m") == ("gguf" if panels else "gguf-exact")
     assert default("q4_k_m", single=False) == default("with_q4_1") == default("ragged") == "gguf-exact"
     assert resolve_quantization("gguf-exact", resolve_model(str(files["q4_k_m"])), None, CPU) == "gguf-exact"
     assert resolve_quantization(None, resolve_model(None), None, CPU) == "gguf-exact"  # SmolLM2's Q4_1
@@ -228,20 +230,21 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
 def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """rows x cols weights in valid random Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 blocks with small float16 scales, [rows,
     bytes] (every bit pattern is a valid block)."""
-    elems, size = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22)}[kind]
+    sizes = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22)}
+    elems, size = {**sizes, "Q4_0": (32, 18)}[kind]
     raw = rng.integers(0, 256, (rows, cols // elems, size), dtype=np.uint8)
     for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
         scale = rng.uniform(2e-5, 2e-4, (rows, cols // elems, 1)).astype(np.float16)
         if elems == 32:  # weights of the K-quants' size (theirs: d times a 6-bit sub-block scale times q)
-            scale *= 32 if kind == "Q5_0" else 4
+            scale *= {"Q5_0": 32, "Q4_0": 64}.get(kind, 4)
         raw[..., off : off + 2] = scale.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     """A 2-layer Qwen2 GGUF whose every quantized tensor is Q4_K or Q6_K (v, ffn_down and the tied embedding
-    Q6_K) in layer 0, Q5_0 and Q8_0 (v) in layer 1 beside a Q5_K ffn_up (a Q5_K_M file's type) and a Q6_K
-    ffn_down, as Q4_K_M files have them (Qwen2.5's
+    Q6_K) in layer 0, Q5_0 and Q8_0 (v) in layer 1 beside a Q5_K ffn_up (a Q5_K_M file's type), a Q4_0
+    attn_output and a Q6_K ffn_down, as Q4_K_M files have them (Qwen2.5's
     0.5B falls back to those where its rows of 896 are no whole super-blocks), random blocks; no tokenizer (the
     engine is given SmolLM2's)."""
     import gguf
@@ -279,7 +282,7 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
         quant(f"{b}.attn_v.weight", q6, kv_heads * head_dim, hidden)
         for name, n in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
             plain(f"{b}.{name}.bias", n)
-        quant(f"{b}.attn_output.weight", q4, hidden, heads * head_dim)
+        quant(f"{b}.attn_output.weight", q4 if i == 0 else "Q4_0", hidden, heads * head_dim)
         quant(f"{b}.ffn_gate.weight", q4, ffn, hidden)
         quant(f"{b}.ffn_up.weight", q4 if i == 0 else "Q5_K", ffn, hidden)
         quant(f"{b}.ffn_down.weight", "Q6_K", hidden, ffn)
@@ -336,6 +339,7 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
         assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear) and model.layers[0].mlp.down_proj.qtype == 114
         assert {p.qtype for p in model.layers[1].self_attn.qkv_proj.parts} == {106, 108}  # Q5_0, Q8_0 in panels
         assert [p.qtype for p in model.layers[1].mlp.gate_up_proj.parts] == [106, 113]  # Q5_0, Q5_K in panels
+        assert model.layers[1].self_attn.o_proj.qtype == 102  # Q4_0 in panels
         if kw.get("enable_prefix_caching"):
             llm.generate([{"prompt_token_ids": shared + [7]}], sp, use_tqdm=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)

@@ -24,7 +24,7 @@ from pagedllm.kernels.build import library_flags  # noqa: E402
 from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]  # read as the file stores them and in panels
-PANEL_TYPES = [*TYPES, T.Q5_K]  # in panels (Q5_K only there)
+PANEL_TYPES = [*TYPES, T.Q5_K, T.Q4_0]  # in panels (Q5_K and Q4_0 only there)
 SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf_blocks.c")
 LEVELS = isa.machine_levels()  # every instruction-set level this machine runs (pagedllm.kernels.isa)
 
@@ -48,7 +48,7 @@ def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     """n rows of k weights in ``qtype``'s blocks, [n, bytes a row] uint8. gguf quantizes Q8_0 / Q5_0; Q4_K / Q6_K
     are random bytes (every bit pattern is a valid block) with float16 scales of a realistic size."""
     rng = np.random.default_rng(seed)
-    if qtype in (T.Q8_0, T.Q5_0):
+    if qtype in (T.Q8_0, T.Q5_0, T.Q4_0):
         return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
     size = {T.Q4_K: 144, T.Q5_K: 176}.get(qtype, 210)
     raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
@@ -161,7 +161,7 @@ def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_
 
 @pytest.mark.parametrize(
     "qtype, k",
-    [*((t, 1280) for t in PANEL_TYPES), (T.Q8_0, 896), (T.Q5_0, 896)],  # 896: Qwen2.5-0.5B's rows, no whole 256s
+    [*((t, 1280) for t in PANEL_TYPES), (T.Q8_0, 896), (T.Q5_0, 896), (T.Q4_0, 896)],  # 896: no whole 256s
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, qtype, k):
@@ -169,8 +169,8 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     kernel at every row count: a row's bits are the same alone (a decode step), beside a few others (a
     speculative verification, a small batch) or in a prefill chunk; they are the same at every level that has
     the panels (AVX2's two halves of 8 lanes compute AVX-512's 16), and on AVX-512 VNNI the file layout's GEMM's;
-    its rows and its dequantized values come back as the file's. Q5_K is read in panels only (as the file stores
-    it, only dequantized: a row looked up). Below AVX2, for rows not in whole panels, and
+    its rows and its dequantized values come back as the file's. Q5_K and Q4_0 are read in panels only (as the file
+    stores them, only dequantized: a row looked up). Below AVX2, for rows not in whole panels, and
     for Q8_0 / Q5_0 rows of an odd number of blocks (their panels hold blocks in pairs), nothing repacks."""
     from pagedllm import kernels
 
@@ -188,7 +188,7 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
     want = torch.cat([blocks.matmul_a8(ptype, x[i : i + 1], packed) for i in range(m)])
     assert_matches(want, reference_rounding(x, blocks.activation_block(int(qtype))), reference_weights(qtype, raw_np))
-    if blocks.has_gemm and qtype != T.Q5_K:
+    if blocks.has_gemm and qtype in TYPES:
         assert torch.equal(blocks.matmul_a8(int(qtype), x, raw), want)
     machine = kernels.load().gguf
     if machine.has_panels:  # the machine's own level (the package's build) gives the same bits
@@ -204,10 +204,10 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     with pytest.raises(ValueError, match="ggml type"):  # the float kernels read the file's layout only
         blocks.matmul_f32(ptype, x[:1], packed)
     assert blocks.pack(int(qtype), raw[:40])[0] == int(qtype)
-    if qtype == T.Q5_K:  # the file's layout: looked up (dequantized), never multiplied
-        with pytest.raises(ValueError, match="does not read ggml type 13"):
+    if qtype not in TYPES:  # the file's layout: looked up (dequantized), never multiplied
+        with pytest.raises(ValueError, match=f"does not read ggml type {int(qtype)}"):
             blocks.matmul_a8(int(qtype), x[:1], raw)
-    if qtype in (T.Q8_0, T.Q5_0):
+    if qtype in (T.Q8_0, T.Q5_0, T.Q4_0):
         odd = torch.from_numpy(random_blocks(qtype, n, k - 32))
         assert blocks.pack(int(qtype), odd)[1] is odd
         with pytest.raises(ValueError, match="raw must be"):  # a panel's blocks come in pairs
@@ -376,16 +376,16 @@ def test_gguf_linear_is_one_function_at_every_batch_size(qtype, activation_bits)
 def test_a_gguf_mode_linear_on_repacked_panels_is_one_function_bit_for_bit(qtype):
     """GGUFLinear under int8 activations repacks its rows where the CPU has the panel kernels: every
     batch size then gives each row the bits it gets alone, and a lookup of its rows (a tied embedding's) is the
-    file's rows dequantized. Q5_K, read in panels only, is refused by name where it cannot be."""
+    file's rows dequantized. Q5_K and Q4_0, read in panels only, are refused by name where they cannot be."""
     from pagedllm import kernels
     from pagedllm.layers.gguf_linear import GGUFLinear
 
     n, k = 48, 512
     raw = random_blocks(qtype, n, k, seed=9)
     packs = kernels.load().gguf.has_panels
-    if qtype == T.Q5_K:
+    if qtype not in TYPES:
         for rows, bits in ((raw[:40], 8), (raw, None), *([] if packs else [(raw, 8)])):
-            with pytest.raises(ValueError, match=r"type 13 \(Q5_K\) only in panels"):
+            with pytest.raises(ValueError, match=rf"type {int(qtype)} \({qtype.name}\) only in panels"):
                 GGUFLinear(torch.from_numpy(rows), int(qtype), None, bits)
         if not packs:
             return

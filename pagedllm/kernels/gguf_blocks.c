@@ -12,6 +12,8 @@
  *   Q5_K (13)  176 bytes / 256: Q4_K's d, dmin and 12 bytes of scales, qh[32] (bit s of byte l: the fifth bit of
  *              sub-block s's element l), then 128 bytes of nibbles as Q4_K's; q 0..31. Read in panels only.
  *   Q8_0 (8)   34 bytes / 32: f16 d, int8 q[32]; w = q * d.
+ *   Q4_0 (2)   18 bytes / 32: f16 d, 16 bytes of nibbles (element j low, j + 16 high); w = d * (q - 8), q 0..15.
+ *              Read in panels only.
  *   Q5_0 (6)   22 bytes / 32: f16 d, u32 qh (bit j: element j's fifth bit), 16 bytes of nibbles (element j
  *              low, j + 16 high); w = d * (q - 16), q 0..31.
  *
@@ -110,14 +112,14 @@ static int block_bytes_any(int type) {
  * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
  * row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
-       P_Q5_K = PANEL + Q5_K };
+       P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0 };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
-/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, five repacked (Q5_K
- * in panels only) */
+/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, six repacked (Q5_K
+ * and Q4_0 in panels only) */
 static int reads(int type) {
 #ifdef GB_PANELS
-    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K) return 1;
+    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K || type == P_Q4_0) return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
 }
@@ -136,14 +138,15 @@ static inline uint32_t load32(const uint8_t *p) {
     return v;
 }
 
-/* Q8_0 and Q5_0 in panels (K a multiple of 64) hold their blocks in pairs: pair P (blocks 2P, 2P + 1) of a
- * panel's 16 rows is 11 vectors of 64 bytes (Q8_0: 17), lane c (4 bytes) row c's; for block 2P + h:
+/* Q8_0, Q5_0 and Q4_0 in panels (K a multiple of 64) hold their blocks in pairs: pair P (blocks 2P, 2P + 1) of a
+ * panel's 16 rows is 11 vectors of 64 bytes (Q8_0: 17; Q4_0: 9), lane c (4 bytes) row c's; for block 2P + h:
  *   vector 0                  both blocks' d, 16 f16 each (block 2P + h's at bytes 32h + 2c);
  *   Q8_0, vectors 1 + 8h + j  word j (j < 8) of q ^ 0x80: elements 4j .. 4j + 3, unsigned q + 128;
  *   Q5_0, vector 1 + h        the fifth bits as 8 masks of 64 bits (mask j, bit 4c + i: that of row c's
  *                             element 4j + i, i < 4);
  *         vectors 3 + 4h + w  nibble word w (w < 4) as the file has it: elements 4w .. 4w + 3 in the low
- *                             nibbles, 16 + 4w .. in the high ones.
+ *                             nibbles, 16 + 4w .. in the high ones;
+ *   Q4_0, vectors 1 + 4h + w  nibble word w as Q5_0's, without fifth bits.
  * So element 4j + i of a block is byte i of word j's lane (Q5_0: of word j % 4's low (j < 4) or high nibbles,
  * plus 16 where its mask j's bit is set). The file's bytes, transposed and their bits permuted: a panel holds
  * its rows' bytes, no more (pairs, not single blocks, so that each vector starts on a line of 64 bytes). */
@@ -162,6 +165,8 @@ static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, i
                     const uint32_t w = load32(b + 2 + 4 * j) ^ 0x80808080u;
                     memcpy(pair + (1 + 8 * h + j) * 64 + 4 * c, &w, 4);
                 }
+            } else if (type == Q4_0) {
+                for (int w = 0; w < 4; w++) memcpy(pair + (1 + 4 * h + w) * 64 + 4 * c, b + 2 + 4 * w, 4);
             } else {
                 const uint32_t qh = load32(b + 2);
                 for (int j = 0; j < 8; j++) mask[j] |= (uint64_t)((qh >> 4 * j) & 0xF) << 4 * c;
@@ -173,7 +178,7 @@ static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, i
 }
 #endif
 
-/* row c of a Q8_0 / Q5_0 panel (nb blocks) as the file stores it, into out */
+/* row c of a Q8_0 / Q5_0 / Q4_0 panel (nb blocks) as the file stores it, into out */
 static void unpack_row_q32(int type, const uint8_t *panel, int c, int64_t nb, uint8_t *out) {
     const int bytes = block_bytes_any(type);
     for (int64_t g = 0; g < nb; g++) {
@@ -186,6 +191,8 @@ static void unpack_row_q32(int type, const uint8_t *panel, int c, int64_t nb, ui
                 const uint32_t w = load32(pair + (1 + 8 * h + j) * 64 + 4 * c) ^ 0x80808080u;
                 memcpy(o + 2 + 4 * j, &w, 4);
             }
+        } else if (type == Q4_0) {
+            for (int w = 0; w < 4; w++) memcpy(o + 2 + 4 * w, pair + (1 + 4 * h + w) * 64 + 4 * c, 4);
         } else {
             uint32_t qh = 0;
             for (int j = 0; j < 8; j++) {
@@ -204,7 +211,7 @@ static void unpack_row(int type, const uint8_t *packed, int64_t n, int64_t K, ui
     const int bytes = block_bytes(type), words = bytes / 4;
     const int64_t nsb = K / QK, c = n % 16;
     const uint8_t *panel = packed + (n / 16) * 16 * (K / block_elems(type)) * bytes;
-    if (base_type(type) == Q8_0 || base_type(type) == Q5_0) {
+    if (base_type(type) == Q8_0 || base_type(type) == Q5_0 || base_type(type) == Q4_0) {
         unpack_row_q32(base_type(type), panel, (int)c, K / 32, out);
         return;
     }
@@ -367,6 +374,13 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
                 const uint8_t *b = row + g * 34;
                 const float d = f16(b);
                 for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)b[2 + j] * d;
+            } else if (type == Q4_0) {
+                const uint8_t *b = row + g * 18;
+                const float d = f16(b);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)((int)(b[2 + j] & 15) - 8);
+                    o[j + 16] = d * (float)((int)(b[2 + j] >> 4) - 8);
+                }
             } else {  /* Q5_0 */
                 const uint8_t *b = row + g * 22;
                 const float d = f16(b);
@@ -384,7 +398,7 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
 /* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (Q5_K's rows as the file stores
  * them are read here too: a panel's row looked up, an embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
-    if (!block_elems(type) && type != Q5_K) return -1;
+    if (!block_elems(type) && type != Q5_K && type != Q4_0) return -1;
     const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
     if (type > PANEL) {  /* a row at a time as the file stores it */
         int failed = 0;
@@ -819,12 +833,12 @@ static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
 
 /* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
  * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 128,
- * Q5_0 16; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
+ * Q5_0 16, Q4_0 8; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
  * (for Q4_K's mins, and AVX2's Q6_K: at most 32 * 127 in magnitude). NULL when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
     const int64_t ng = K / G;
-    const int off = type == Q6_K ? 32 : type == Q8_0 ? 128 : type == Q5_0 ? 16 : 1;
+    const int off = type == Q6_K ? 32 : type == Q8_0 ? 128 : type == Q5_0 ? 16 : type == Q4_0 ? 8 : 1;
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
     int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);  /* filled for Q4_K, the one that reads it */
     if (!xs || !xs2) {
@@ -1107,6 +1121,10 @@ static void pack_panel_q6k(const uint8_t *panel, int64_t K, const panel_t *p) {
  * the panel GEMM reads its words: elements 4j .. 4j + 3 of the 16 rows, unsigned (Q8_0: q + 128; Q5_0: q) */
 static inline __attribute__((always_inline)) __m512i q32_word(int type, const uint8_t *pair, int h, int j) {
     if (type == Q8_0) return _mm512_loadu_si512(pair + (1 + 8 * h + j) * 64);
+    if (type == Q4_0) {
+        const __m512i v = _mm512_loadu_si512(pair + (1 + 4 * h + (j & 3)) * 64);
+        return _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+    }
     const __m512i v = _mm512_loadu_si512(pair + (3 + 4 * h + (j & 3)) * 64);
     const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
     return _mm512_mask_add_epi8(nib, _load_mask64((__mmask64 *)(pair + (1 + h) * 64 + 8 * j)), nib, _mm512_set1_epi8(0x10));
@@ -1466,6 +1484,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     PACKED(P_Q6_K)
                 } else if (ptype == P_Q8_0) {
                     PACKED(P_Q8_0)
+                } else if (ptype == P_Q4_0) {
+                    PACKED(P_Q4_0)
                 } else {
                     PACKED(P_Q5_0)
                 }
@@ -1511,7 +1531,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     repack_panel(type, raw + c0 * row_bytes, row_bytes, K / QK, tmp);
                     panel = tmp;
                 }
-                if (panel && (type == Q8_0 || type == Q5_0))  /* expanded into bytes once for all of M's tiles */
+                if (panel && (type == Q8_0 || type == Q5_0 || type == Q4_0))  /* expanded into bytes once for all of M's tiles */
                     pack_panel_q32(type, panel, K, &p[i]);
                 else if (panel && type == Q6_K)
                     pack_panel_q6k(panel, K, &p[i]);
@@ -1550,7 +1570,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                         default: TILE(T, 1, 1); break;                 \
                     }                                                  \
                 }
-                BY_TYPE(type == Q5_K ? Q4_K : type, TILES);  /* Q5_K expanded: Q4_K's arithmetic */
+                BY_TYPE(type == Q5_K ? Q4_K : type, TILES);  /* Q5_K expanded: Q4_K's arithmetic; Q4_0: Q5_0's */
 #undef TILES
 #undef TILE
             }
@@ -1565,12 +1585,12 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 
 #include "gguf_panels_avx2.h"
 
-/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0 or Q5_0 (the file's rows, raw) repacked into out (as many bytes) for the
+/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q4_0 (the file's rows, raw) repacked into out (as many bytes) for the
  * kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a
- * multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0: 64), or a build without the panels (below AVX2) */
+ * multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0: 64), or a build without the panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
-    const int q32 = type == Q8_0 || type == Q5_0;
+    const int q32 = type == Q8_0 || type == Q5_0 || type == Q4_0;
     if ((type != Q4_K && type != Q5_K && type != Q6_K && !q32) || N % NP || K % (q32 ? 64 : QK)) return -1;
     const int64_t row_bytes = K / block_elems_any(type) * block_bytes_any(type);
 #pragma omp parallel for schedule(static)

@@ -395,9 +395,13 @@ static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
 }
 
-/* word j (0-7) of block h of a Q8_0 / Q5_0 pair, half hf (8 rows), as q32_word reads it (Q8_0: q + 128; Q5_0: q) */
+/* word j (0-7) of block h of a Q8_0 / Q5_0 / Q4_0 pair, half hf (8 rows), as q32_word reads it (Q8_0: q + 128) */
 static inline __attribute__((always_inline)) __m256i q32_word8(int type, const uint8_t *pair, int hf, int h, int j) {
     if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(pair + (1 + 8 * h + j) * 64 + 32 * hf));
+    if (type == Q4_0) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (1 + 4 * h + (j & 3)) * 64 + 32 * hf));
+        return _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+    }
     const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (3 + 4 * h + (j & 3)) * 64 + 32 * hf));
     const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
     /* the fifth bits: bit 4c + i of the 32 bits of this half's mask j is byte 4c + i's; 16 where it is set */
@@ -409,7 +413,7 @@ static inline __attribute__((always_inline)) __m256i q32_word8(int type, const u
     return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* the same for half hf of a repacked Q8_0 / Q5_0 panel (type the file's): packed_q32 of AVX-512 */
+/* the same for half hf of a repacked Q8_0 / Q5_0 / Q4_0 panel (type the file's): packed_q32 of AVX-512 */
 static inline __attribute__((always_inline)) void half_q32(int type, int rt, int64_t K, const uint8_t *pb, int hf,
                                                            const int8_t *qx, const int32_t *xs, const float *dx, float *y,
                                                            int64_t ldy) {
@@ -432,7 +436,7 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
             for (int e = 0; e < split; e++)
                 for (int r = 0; r < rt; r++) a[e][r] = _mm256_setzero_si256();
 #ifndef __AVXVNNI__
-            if (type == Q5_0) {  /* four words' pairs of products summed in int16 (at most 4 * 2 * 31 * 127 = 31496) */
+            if (type == Q5_0 || type == Q4_0) {  /* four words' pairs summed in int16 (at most 4 * 2 * 31 * 127 = 31496) */
                 for (int w0 = 0; w0 < 8; w0 += 4) {
                     __m256i p[RTA];
                     for (int r = 0; r < rt; r++) p[r] = _mm256_setzero_si256();
@@ -443,7 +447,7 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
                     for (int r = 0; r < rt; r++) a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(p[r], _mm256_set1_epi16(1)));
                 }
             }
-            for (int j = 0; j < 8 && type != Q5_0; j++) {
+            for (int j = 0; j < 8 && type == Q8_0; j++) {
 #else
             for (int j = 0; j < 8; j++) {
 #endif
@@ -532,6 +536,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 PACKED(P_Q6_K, 0)
             } else if (ptype == P_Q8_0) {
                 PACKED(P_Q8_0, 0)
+            } else if (ptype == P_Q4_0) {
+                PACKED(P_Q4_0, 0)
             } else {
                 PACKED(P_Q5_0, 0)
             }

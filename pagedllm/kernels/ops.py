@@ -437,10 +437,10 @@ GROUP_LAYOUTS = {
 }
 # the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
 GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
-# the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q5_K
-GGUF_PANEL_ONLY = {t: GROUP_LAYOUTS[t][1:] for t in (13,)}
-# Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a row, type id
-# 100 + the file's
+# the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q4_0, Q5_K
+GGUF_PANEL_ONLY = {t: GROUP_LAYOUTS[t][1:] for t in (2, 13)}
+# Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a
+# row, type id 100 + the file's
 GGUF_PANELS = {100 + t: size for t, size in (GGUF_BLOCKS | GGUF_PANEL_ONLY).items()}
 
 
@@ -449,10 +449,10 @@ _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
 
 def fits_panels(qtype: int, n: int, k: int) -> bool:
     """Whether a weight [n, k] of ggml type ``qtype`` can be repacked into panels (GGUFBlocks.pack, where the CPU
-    has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 rows of whole
-    pairs of blocks."""
+    has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 / Q4_0 rows of
+    whole pairs of blocks."""
     known = qtype in GGUF_BLOCKS or qtype in GGUF_PANEL_ONLY
-    return known and n > 0 and n % 16 == 0 and k % (64 if qtype in (6, 8) else 256) == 0
+    return known and n > 0 and n % 16 == 0 and k % (64 if qtype in (2, 6, 8) else 256) == 0
 
 
 class GGUFBlocks:
@@ -541,7 +541,7 @@ class GGUFBlocks:
             _check_type(-1, qtype)
             raise AssertionError  # unreachable: _check_type raised
         elems, nbytes = size
-        if qtype in (106, 108):  # Q5_0 / Q8_0 panels hold their blocks in pairs: a unit of two
+        if qtype in (102, 106, 108):  # Q4_0 / Q5_0 / Q8_0 panels hold their blocks in pairs: a unit of two
             elems, nbytes = 2 * elems, 2 * nbytes
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
             raise ValueError(f"raw must be uint8 [N, a multiple of {nbytes} bytes], got {raw.dtype} {list(raw.shape)}")
@@ -594,7 +594,10 @@ class GGUFBlocks:
     def matmul_a8_parts(self, qtypes: list[int], x: torch.Tensor, raws: list[torch.Tensor]) -> torch.Tensor:
         """x [M, K] float32 contiguous @ [W_0; W_1; ...]^T: [M, sum of N_p], part p's columns matmul_a8(qtypes[p],
         x, raws[p]) bit for bit, with x rounded once per block size (a fused projection's shards, one call)."""
-        ks = {self.in_features(q, r) for q, r in zip(qtypes, raws, strict=True)}  # refuses a type it cannot read
+        for q in qtypes:  # the file's layout of a type read only in panels (Q4_0, Q5_K) is not multiplied either
+            if q not in GGUF_BLOCKS and q not in GGUF_PANELS:
+                _check_type(-1, q)
+        ks = {self.in_features(q, r) for q, r in zip(qtypes, raws, strict=True)}
         if ks != {x.shape[1]}:
             raise ValueError(f"x has {x.shape[1]} features, the weights' rows {sorted(ks)}")
         n = len(raws)
@@ -603,7 +606,7 @@ class GGUFBlocks:
         ns = (ctypes.c_int64 * n)(*(r.shape[0] for r in raws))
         y = x.new_empty(x.shape[0], sum(r.shape[0] for r in raws))
         rc = self._matmul_a8_parts(n, types, ptrs, ns, x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1])
-        _check_type(rc, qtypes[0])  # only -2 (out of memory) is left: in_features refused an unknown type
+        _check_type(rc, qtypes[0])  # only -2 (out of memory) is left: every type was checked above
         return y
 
     def matmul_f32(self, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The weight is the file's own bytes, ``raw`` [N, bytes a row] uint8 (a view of a read-only mmap is fine):
 nothing is widened at load, and decode reads the 4.5 bits a weight of Q4_K (6.56 of Q6_K) instead of a wider
-layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``), and Q5_K in panels only (below).
+layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``), and Q5_K and Q4_0 in panels only (below).
 
 ``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8
 per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
@@ -31,7 +31,8 @@ from pagedllm.layers.linear import SMALL_BATCH, onednn_available, onednn_linear
 from pagedllm.layers.linear import float_bias as _bias
 from pagedllm.layers.linear import quantized_scratch as _scratch
 
-GGUF_TYPES = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # the ggml types the kernels read, by name
+# the ggml types the kernels read, by name
+GGUF_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 class GGUFLinear(nn.Module):
@@ -58,8 +59,9 @@ class GGUFLinear(nn.Module):
             # a copy: the pages of the file it was read from need not stay in this process
             qtype, raw = self._kernels.pack(qtype, raw, copied=release_mapped_pages)
         if qtype in GGUF_PANEL_ONLY:
+            name = next(n for n, t in GGUF_TYPES.items() if t == qtype)
             raise ValueError(
-                f"GGUFLinear reads ggml type {qtype} (Q5_K) only in panels, with int8 activations, where the CPU "
+                f"GGUFLinear reads ggml type {qtype} ({name}) only in panels, with int8 activations, where the CPU "
                 f"has AVX2 and the weight whole panels of 16 rows; got {list(raw.shape)} at "
                 f"activation_bits={activation_bits}"
             )

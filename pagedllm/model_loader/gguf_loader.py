@@ -545,8 +545,8 @@ def iter_gguf_blocks(
 ) -> Iterator[tuple[str, tuple[str, tuple[torch.Tensor, ...]]]]:
     """:func:`gguf_quantized_blocks` one tensor at a time, each converted in slices of rows (a 150k-token
     vocabulary's temporaries stay small). Tensors of a type named in ``native`` (``"Q4_K"``, ``"Q6_K"``; Q8_0 /
-    Q5_0 / Q5_K ones only where they fit panels: ``fits_panels``, whose kernels are the only ones that beat our
-    int8 groups for them, and Q5_K's only ones) come as the file stores them instead, nothing converted or
+    Q5_0 / Q5_K / Q4_0 ones only where they fit panels: ``fits_panels``, whose kernels are the only ones that beat
+    our groups for them, and Q5_K's and Q4_0's only ones) come as the file stores them instead, nothing converted or
     copied: ``(type name, (rows,))``, ``rows`` a uint8 view [N, bytes a row] of a read-only mapping of the file
     (the kernels of :class:`~pagedllm.layers.gguf_linear.GGUFLinear` read them there; the page cache holds them
     once for every process that maps the file). A row permutation (llama's Q / K) makes those a copy of the rows."""
@@ -559,7 +559,7 @@ def iter_gguf_blocks(
 
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
         stored = qtype.name in native and data.ndim == 2
-        if stored and qtype.name in ("Q8_0", "Q5_0", "Q5_K"):
+        if stored and qtype.name in ("Q8_0", "Q5_0", "Q5_K", "Q4_0"):
             _, elems, size = GROUP_LAYOUTS[int(qtype)]
             stored = fits_panels(int(qtype), data.shape[0], data.shape[1] // size * elems)
         if stored:
