@@ -420,12 +420,14 @@ class AsyncLLM:
             if self.on_dead is not None:
                 self.on_dead(e)
 
-    def _fail_streams(self, error: BaseException) -> None:
-        """Every open stream ends with ``error``, after every output already on its way."""
+    def _fail_streams(self, error: BaseException) -> list[str]:
+        """Every open stream ends with ``error``, after every output already on its way; the ids of those requests
+        (every stream registered by then, whether or not its request reached the engine thread)."""
         with self._lock:
-            targets = list(self._streams.values())
-        for loop, q in targets:
+            targets = list(self._streams.items())
+        for _, (loop, q) in targets:
             self._outbox.put((loop, [(q, error)]))
+        return [rid for rid, _ in targets]
 
     def _restart(self, error: Exception) -> bool:
         """A step failed and no request could be blamed: fail every request in flight, then rebuild the engine

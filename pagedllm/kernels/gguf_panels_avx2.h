@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) __m256i q5_bits8(__m256i h, int cc,
 }
 
 /* chunk cc's low (hi = 0) or high nibbles of word j of a Q5_K super-block's half b, each with its fifth bit; or
- * where xp the same word expanded already (ex: 64 words of 32 bytes in the order (cc, hi, j): expand_q5k) */
+ * where xp the same word expanded already (ex: 64 words of 32 bytes in the order (cc, hi, j): expand_panel) */
 static inline __attribute__((always_inline)) __m256i q5k_word_at(int xp, const uint8_t *b, const uint8_t *ex, int cc, int hi, int j) {
     if (xp) return _mm256_load_si256((const __m256i *)(ex + ((2 * cc + hi) * 8 + j) * 32));
     const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (12 + 8 * cc + j) * 64));
@@ -82,23 +82,9 @@ static inline __attribute__((always_inline)) __m256i q5k_word_at(int xp, const u
     return _mm256_or_si256(n, q5_bits8(_mm256_loadu_si256((const __m256i *)(b + (4 + j) * 64)), cc, hi));
 }
 
-/* a repacked Q5_K panel's weights decoded once (q 0..31, both halves: half hf's super-block sb at ex + (hf * K /
- * 256 + sb) * 2048), for the tiles of many rows of x that each read them */
-static void expand_q5k(const uint8_t *pb, int64_t K, uint8_t *ex) {
-    const int64_t nsb = K / QK;
-    for (int hf = 0; hf < 2; hf++)
-        for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *b = pb + sb * NP * 176 + 32 * hf;
-            uint8_t *o = ex + (hf * nsb + sb) * 2048;
-            for (int cc = 0; cc < 4; cc++)
-                for (int hi = 0; hi < 2; hi++)
-                    for (int j = 0; j < 8; j++)
-                        _mm256_store_si256((__m256i *)(o + ((2 * cc + hi) * 8 + j) * 32), q5k_word_at(0, b, NULL, cc, hi, j));
-        }
-}
 
 /* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb, or of a Q5_K one where q5, its weights
- * from ex where xp: expand_q5k's) as packed_q4k of AVX-512 computes them */
+ * from ex where xp: expand_panel's) as packed_q4k of AVX-512 computes them */
 static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                            int hf, const int8_t *qx, const int32_t *xs2, const float *dx,
                                                            float *y, int64_t ldy) {
@@ -213,25 +199,26 @@ static inline __attribute__((always_inline)) __m256i q6k_word8(__m256i lo, __m25
 }
 
 /* word j of elements 128h + 32t + 4j of a Q6_K super-block's half b (8 rows), or where xp of its expanded words ex
- * (64 words of 32 bytes in the order (h, t, j): expand_q6k). xp a constant at each call: one kernel for each */
+ * (64 words of 32 bytes in the order (h, t, j): expand_panel). xp a constant at each call: one kernel for each */
 static inline __attribute__((always_inline)) __m256i q6k_word_at(int xp, const uint8_t *b, const uint8_t *ex, int h, int t, int j) {
     if (xp) return _mm256_load_si256((const __m256i *)(ex + ((4 * h + t) * 8 + j) * 32));
     const __m256i l = _mm256_loadu_si256((const __m256i *)(b + (16 * h + 8 * (t & 1) + j) * 64));
     return q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
 }
 
-/* a repacked Q6_K panel's words decoded once (q 0..63, both halves: half hf's super-block sb at ex + (hf * K / 256 +
- * sb) * 2048), for the tiles of many rows of x that each read them */
-static void expand_q6k(const uint8_t *pb, int64_t K, uint8_t *ex) {
+/* a repacked Q5_K (q5) or Q6_K panel's words decoded once, q 0..31 or 0..63, for the tiles of many rows of x that
+ * each read them: both halves, half hf's super-block sb at ex + (hf * K / 256 + sb) * 2048, its 64 words in the
+ * order q5k_word_at / q6k_word_at read them (word a * 8 + j: Q5_K's a = 2cc + hi, Q6_K's a = 4h + t) */
+static void expand_panel(int q5, const uint8_t *pb, int64_t K, uint8_t *ex) {
     const int64_t nsb = K / QK;
     for (int hf = 0; hf < 2; hf++)
         for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *b = pb + sb * NP * 210 + 32 * hf;
+            const uint8_t *b = pb + sb * NP * (q5 ? 176 : 210) + 32 * hf;
             uint8_t *o = ex + (hf * nsb + sb) * 2048;
-            for (int h = 0; h < 2; h++)
-                for (int t = 0; t < 4; t++)
-                    for (int j = 0; j < 8; j++)
-                        _mm256_store_si256((__m256i *)(o + ((4 * h + t) * 8 + j) * 32), q6k_word_at(0, b, NULL, h, t, j));
+            for (int a = 0; a < 8; a++)
+                for (int j = 0; j < 8; j++)
+                    _mm256_store_si256((__m256i *)(o + (a * 8 + j) * 32),
+                                       q5 ? q5k_word_at(0, b, NULL, a / 2, a % 2, j) : q6k_word_at(0, b, NULL, a / 4, a % 4, j));
         }
 }
 
@@ -373,7 +360,7 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
 #endif
 
 /* the same for half hf of a repacked Q6_K panel: packed_q6k of AVX-512 (its words from ex where not NULL:
- * expand_q6k's) */
+ * expand_panel's) */
 static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex, int hf,
                                                            const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                            const float *dx, float *y, int64_t ldy) {
@@ -473,7 +460,7 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
 }
 
 /* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q5_K / Q6_K: their
- * words from ex, expand_q5k's / expand_q6k's, where xp) */
+ * words from ex, expand_panel's / expand_panel's, where xp) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                               const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                               const float *dx, float *y, int64_t ldy) {
@@ -484,7 +471,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
     }
 }
 
-/* more rows of x than this decode each Q5_K / Q6_K panel's words once (expand_q5k / expand_q6k) for all their
+/* more rows of x than this decode each Q5_K / Q6_K panel's words once (expand_panel) for all their
  * tiles: the same bits */
 #ifndef EXPAND_ROWS
 #define EXPAND_ROWS 8
@@ -509,7 +496,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (expands && !ex) continue;
-        if (ex) (ptype == P_Q5_K ? expand_q5k : expand_q6k)(raw + n0 * row_bytes, K, ex);
+        if (ex) expand_panel(ptype == P_Q5_K, raw + n0 * row_bytes, K, ex);
         for (int64_t m0 = 0; m0 < M; m0 += RTA) {
             const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
             const uint8_t *pb = raw + n0 * row_bytes;
