@@ -108,7 +108,7 @@ static int block_bytes_any(int type) {
     }
 }
 
-/* Q4_K, Q6_K, Q8_0 and Q5_0 repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): their
+/* Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and Q4_0 repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): their
  * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
  * row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
@@ -395,8 +395,8 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
     }
 }
 
-/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (Q5_K's rows as the file stores
- * them are read here too: a panel's row looked up, an embedding's) */
+/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (Q5_K's and Q4_0's rows as the
+ * file stores them, read only in panels otherwise, are read here too: a panel's row looked up, an embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
     if (!block_elems(type) && type != Q5_K && type != Q4_0) return -1;
     const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
@@ -840,7 +840,7 @@ static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K,
     const int64_t ng = K / G;
     const int off = type == Q6_K ? 32 : type == Q8_0 ? 128 : type == Q5_0 ? 16 : type == Q4_0 ? 8 : 1;
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
-    int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);  /* filled for Q4_K, the one that reads it */
+    int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);
     if (!xs || !xs2) {
         free(xs), free(xs2);
         return NULL;
@@ -1265,7 +1265,6 @@ static inline __attribute__((always_inline)) __m512i dpbusd_b(__m512i acc, __m51
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const x4_t *)x4));
     return acc;
 }
-
 
 /* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words. q5: a
  * Q5_K panel (176 bytes a block: Q4_K's d, dmin and scales in words 0-3, then qh in words 4-11 and the nibbles in

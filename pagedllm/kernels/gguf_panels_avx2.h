@@ -82,7 +82,6 @@ static inline __attribute__((always_inline)) __m256i q5k_word_at(int xp, const u
     return _mm256_or_si256(n, q5_bits8(_mm256_loadu_si256((const __m256i *)(b + (4 + j) * 64)), cc, hi));
 }
 
-
 /* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb, or of a Q5_K one where q5, its weights
  * from ex where xp: expand_panel's) as packed_q4k of AVX-512 computes them */
 static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,

@@ -442,6 +442,8 @@ GGUF_PANEL_ONLY = {t: GROUP_LAYOUTS[t][1:] for t in (2, 13)}
 # Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a
 # row, type id 100 + the file's
 GGUF_PANELS = {100 + t: size for t, size in (GGUF_BLOCKS | GGUF_PANEL_ONLY).items()}
+# (elements, bytes) of a block of every type gguf_blocks.c takes, as stored or in panels
+_BLOCK_SIZES = GGUF_BLOCKS | GGUF_PANEL_ONLY | GGUF_PANELS
 
 
 _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
@@ -451,8 +453,7 @@ def fits_panels(qtype: int, n: int, k: int) -> bool:
     """Whether a weight [n, k] of ggml type ``qtype`` can be repacked into panels (GGUFBlocks.pack, where the CPU
     has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 / Q4_0 rows of
     whole pairs of blocks."""
-    known = qtype in GGUF_BLOCKS or qtype in GGUF_PANEL_ONLY
-    return known and n > 0 and n % 16 == 0 and k % (64 if qtype in (2, 6, 8) else 256) == 0
+    return 100 + qtype in GGUF_PANELS and n > 0 and n % 16 == 0 and k % (64 if qtype in (2, 6, 8) else 256) == 0
 
 
 class GGUFBlocks:
@@ -501,12 +502,12 @@ class GGUFBlocks:
         self, qtype: int, raw: torch.Tensor, copied: Callable[[torch.Tensor], object] | None = None
     ) -> tuple[int, torch.Tensor]:
         """``(qtype, raw)`` as the integer kernels read it best: a weight of a type in GGUF_BLOCKS with a multiple of
-        16 rows (and, Q8_0 / Q5_0, of 64 columns), where the panel kernels are built (``has_panels``), repacked
+        16 rows (and, Q8_0 / Q5_0 / Q4_0, of 64 columns), where the panel kernels are built (``has_panels``), repacked
         into panels of 16 rows (a new tensor of raw's shape, type id 100 + qtype), which one kernel multiplies at
         every row count, a row's bits the same whatever shares its call; anything else as it is. The float32
         kernels (matmul_f32) do not read a repacked weight. ``copied`` is called with each slice of raw's rows once
         the copy holds it (to let a file's pages go before the next slice is read)."""
-        k = self.in_features(qtype, raw) if qtype in GGUF_BLOCKS or qtype in GGUF_PANEL_ONLY else 0
+        k = self.in_features(qtype, raw) if 100 + qtype in GGUF_PANELS else 0
         if not self.has_panels or not fits_panels(qtype, raw.shape[0], k):
             return qtype, raw
         raw = raw.contiguous()
@@ -536,11 +537,9 @@ class GGUFBlocks:
     @staticmethod
     def in_features(qtype: int, raw: torch.Tensor) -> int:
         """K of a weight stored as ``raw`` [N, bytes a row] in ``qtype``'s blocks."""
-        size = GGUF_BLOCKS.get(qtype) or GGUF_PANEL_ONLY.get(qtype) or GGUF_PANELS.get(qtype)
-        if size is None:
+        if qtype not in _BLOCK_SIZES:
             _check_type(-1, qtype)
-            raise AssertionError  # unreachable: _check_type raised
-        elems, nbytes = size
+        elems, nbytes = _BLOCK_SIZES[qtype]
         if qtype in (102, 106, 108):  # Q4_0 / Q5_0 / Q8_0 panels hold their blocks in pairs: a unit of two
             elems, nbytes = 2 * elems, 2 * nbytes
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
@@ -550,7 +549,7 @@ class GGUFBlocks:
     @staticmethod
     def activation_block(qtype: int) -> int:
         """Elements per int8 rounding of the activations: 256 (Q8_K) for the K-quants, 32 (Q8_0) else."""
-        return (GGUF_BLOCKS.get(qtype) or GGUF_PANEL_ONLY.get(qtype) or GGUF_PANELS[qtype])[0]
+        return _BLOCK_SIZES[qtype][0]
 
     def quantize(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [M, K] float32 contiguous rounded per ``block`` (256 or 32) elements as the a8 kernels round it:

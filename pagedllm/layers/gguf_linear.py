@@ -8,7 +8,7 @@ layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``), and Q5_K and 
 per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
 float32 activations, the float32 function of the dequantized weights. Either way the layer computes the same
 function at every batch size, up to float summation order. int8, where the CPU has AVX2 (and on AVX-512 VNNI):
-a weight of whole panels (Q8_0 / Q5_0: and of pairs of blocks a row) is repacked at load into panels of 16 rows
+a weight of whole panels (Q8_0 / Q5_0 / Q4_0: and of pairs of blocks a row) is repacked at load into panels of 16 rows
 (the same bytes permuted; the file's pages are let go), and one kernel multiplies every row count, a row's bits
 the same whatever shares its call (and the same at both levels); on AVX-512 VNNI other weights stream their
 blocks a weight row at a time up to a few rows, and more rows (a prefill chunk, a large decode batch) run a GEMM

@@ -407,7 +407,7 @@ def all_in_panels(path: str) -> bool:
     """Whether the int8 kernels hold every quantized tensor of the file in panels of 16 rows on this CPU
     (``GGUFBlocks.pack``: Q4_K / Q6_K, and Q8_0 / Q5_0 of a multiple of 64 columns, with whole panels of rows,
     AVX2 and AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with
-    Q4_0 / Q4_1 tensors are not."""
+    Q4_1 tensors are not."""
     from pagedllm import kernels
     from pagedllm.kernels.ops import fits_panels
 
