@@ -740,6 +740,36 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
     assert r.choices[0].message.tool_calls == [] and r.choices[0].message.content
 
 
+@pytest.mark.parametrize("fence", ["", "```json\n"])
+def test_auto_streams_an_untagged_call_in_pieces_as_the_openai_stream_helper_sees_it(client, fence):
+    """The untagged form small Qwen models write (the call as bare JSON, or in a ```json fence) streams as it is
+    written, like a tagged call: the openai client's stream helper gets the arguments over several chunks and
+    accumulates them to the non-streamed answer's call."""
+    call = r'\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}'
+    rx = f"{re.escape(fence)}{call}" + (r"\n```" if fence else "")
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        max_tokens=80,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": rx}},
+    )
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (expected,) = whole.message.tool_calls
+    _check_call(expected)
+    with client.chat.completions.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    (got,) = final.message.tool_calls
+    assert (got.function.name, got.function.arguments) == (expected.function.name, expected.function.arguments)
+    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(pieces) > 3 and "".join(pieces) == expected.function.arguments
+    assert not [e for e in events if e.type == "content.delta" and e.delta]  # nothing of it leaks out as text
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

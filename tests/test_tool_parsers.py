@@ -69,7 +69,6 @@ def test_hermes_streams_each_tagged_call_as_it_is_written():
     assert seen[1][0] == ("get_time", '{"tz": "CET"}')
     # arguments written as a JSON string are not streamed (their text is not the arguments): sent at the end
     assert seen[2][-1] == ("get_time", "") and json.loads(calls[2].arguments) == {"tz": "UTC"}
-    assert p.stream_calls(PARIS) == []  # untagged: a call only once it validates, so never streamed
 
 
 # Qwen2.5-Coder 1.5B and 0.5B, asked by their template for <tool_call> tags, answer with the call as plain JSON
@@ -104,6 +103,27 @@ def test_hermes_takes_parallel_untagged_calls():
         assert content is None and [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Oslo"]
 
 
+@pytest.mark.parametrize(("text", "content"), UNTAGGED)
+def test_hermes_streams_untagged_calls_as_they_are_written(text, content):
+    p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL, TIME_TOOL])
+    seen = _fed_a_character_at_a_time(p.stream_calls, text)
+    _, calls = p.extract(text)
+    assert [s[-1] for s in seen] == [(c.name, c.arguments) for c in calls]  # the end adds up to the answer's calls
+    assert len(seen[0]) > 10  # the arguments arrived in many pieces
+    assert seen[0][0] == ("get_weather", "{")  # from where they begin: a tool's name alone is no call yet
+    assert p.stream_calls(text.replace('"get_weather", ', '"get_weather", "id": 3, ')) == []  # more than a call
+
+
+def test_hermes_streams_parallel_untagged_calls_and_keeps_them_as_written():
+    p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL, TIME_TOOL])
+    oslo = '{"name":"get_weather","arguments":{"city":"Oslo","unit":"f"}}'  # written without blanks
+    for text in (f"{PARIS}\n{oslo}", f"{PARIS};{oslo}", f"[{PARIS}, {oslo}]", f"```json\n[{PARIS},\n {oslo}]\n```"):
+        seen = _fed_a_character_at_a_time(p.stream_calls, text)
+        content, calls = p.extract(text)
+        assert content is None and [s[-1] for s in seen] == [(c.name, c.arguments) for c in calls]
+        assert calls[1].arguments == '{"city":"Oslo","unit":"f"}'  # as written, which is what streaming sent
+
+
 ORDINARY_JSON = [
     '{"city": "Paris", "unit": "c"}',  # the arguments alone: the user asked for a JSON record
     '{"name": "get_weather", "arguments": {"city": "Paris"}}',  # misses the required unit
@@ -119,10 +139,18 @@ ORDINARY_JSON = [
 ]
 
 
-@pytest.mark.parametrize("text", ORDINARY_JSON)
-def test_hermes_leaves_ordinary_json_answers_as_text(text):
+# the ordinary answers a stream shows as a call while it is written (one that ends as no call is sent as content
+# too, as a tagged call whose JSON turns out malformed): those that name an offered tool and begin its arguments
+STREAMED_AS_WRITTEN = {1, 2, 3, 6, 8, 10}
+
+
+@pytest.mark.parametrize("i", range(len(ORDINARY_JSON)))
+def test_hermes_leaves_ordinary_json_answers_as_text(i):
+    text = ORDINARY_JSON[i]
     p = TOOL_PARSERS["hermes"]().for_tools([WEATHER_TOOL, TIME_TOOL])
     assert p.extract(text) == (text, [])
+    streamed = any(p.stream_calls(text[:k]) for k in range(len(text) + 1))
+    assert streamed == (i in STREAMED_AS_WRITTEN)
     # with no tools offered nothing is held back or taken (the server's unbound parser)
     assert TOOL_PARSERS["hermes"]().extract(PARIS) == (PARIS, [])
     assert TOOL_PARSERS["hermes"]().streamable(PARIS) == len(PARIS)

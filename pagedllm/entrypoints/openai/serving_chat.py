@@ -334,9 +334,9 @@ async def chat_chunks(
 ) -> AsyncIterator[str]:
     """Content deltas as text arrives. With tools: a named function streams its arguments as tool-call
     deltas; ``auto`` streams the text a call cannot begin in, and each call the parser sees being written
-    (hermes' tagged calls, llama3_json's) as it comes: its id and name once, then its arguments in pieces, as
-    ``required`` streams each call of its array; calls the parser takes only whole (untagged JSON, which is a
-    call only once its arguments validate) go out when the answer ends."""
+    (hermes' tagged and untagged calls, llama3_json's) as it comes: its id and name once, then its arguments in
+    pieces, as ``required`` streams each call of its array; a call the parser shows only once it is whole (its
+    arguments written as a JSON string) goes out when the answer ends."""
     yield sse_event(
         P.ChatCompletionChunk(
             id=rid,

@@ -16,13 +16,14 @@ Streamed, the events are OpenAI's, each with its ``sequence_number``::
     response.completed   (response.incomplete when max_output_tokens cut the answer)
 
 The text streams as the chat path streams it (all of it; under ``tool_choice: auto`` the text no call can begin
-in, and each call the parser sees being written as an item of its own, its arguments in pieces; untagged calls,
-calls only once their arguments validate, whole at the end; a named function's arguments as they come;
+in, and each call the parser sees being written (hermes' tagged and untagged, llama3_json's) as an item of its own,
+its arguments in pieces; a named function's arguments as they come;
 ``required``'s calls each as an item of its own, its arguments in pieces), and the last event carries
 the response a non-streamed request gets. (Two exceptions. As in chat: under ``auto``, whitespace streamed before a
 call began stays in the streamed message, where the non-streamed answer trims it. And a call streamed as it was
-written (hermes' tagged, llama3_json's, required's), then cut short (``max_output_tokens``) or found malformed (or,
-for llama3_json, followed by other text), stays in the streamed response as an
+written (hermes' tagged and untagged, llama3_json's, required's), then cut short (``max_output_tokens``) or found
+malformed (or, for llama3_json and untagged calls, followed by other text; for untagged ones, arguments that fail the
+tool's schema), stays in the streamed response as an
 incomplete ``function_call`` item, out of the stored conversation, where the non-streamed answer holds its text
 in the message.)
 """
@@ -491,7 +492,7 @@ async def _events(turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
         streamed = first_item()
         for event in added(streamed):
             yield event
-    # the calls: those streamed, completed; the rest (untagged JSON, required's) whole
+    # the calls: those streamed, completed; the rest (one whose arguments were written as a JSON string) whole
     tail = call_events(live_calls(c.text, choice, parser))  # the last step's text too
     tail += call_events([(call.name, call.arguments) for call in calls])
     whole: list[_Item] = []

@@ -10,9 +10,10 @@
   and ``llama3_json`` (the whole answer is ``{"name": ..., "parameters": {...}}``, calls separated by
   ``;``, optionally after ``<|python_tag|>``). ``hermes`` also takes the untagged calls small Qwen
   models write instead of the tags their template asks for (see :meth:`ToolParser.untagged_calls`).
-  Streamed, ``hermes``' tagged calls and ``llama3_json``'s calls go out as they are written (a call's id and
-  name once, then its arguments in pieces), as do ``required``'s (:func:`required_stream_calls`); untagged
-  calls are calls only once their arguments validate, so they go out whole at the end.
+  Streamed, every call goes out as it is written (a call's id and name once, then its arguments in pieces):
+  ``hermes``' tagged and untagged calls, ``llama3_json``'s, ``required``'s (:func:`required_stream_calls`). An
+  untagged call streams once it names an offered tool and its arguments have begun; whether it is a call is
+  decided when the answer ends (see :meth:`ToolParser.untagged_stream_calls`).
 * ``"none"``: no tools are offered to the model.
 """
 
@@ -94,28 +95,40 @@ def required_stream_calls(text: str) -> list[tuple[str, str]]:
     return call_sequence(body, 1, ",") if body.startswith("[") else []
 
 
-def call_sequence(body: str, pos: int, separators: str) -> list[tuple[str, str]]:
+def call_sequence(body: str, pos: int, separators: str, blank_separates: bool = False) -> list[tuple[str, str]]:
     """The call objects written one after another in ``body`` from ``pos`` (between them blanks and
-    ``separators``), as far as they go: (name, arguments' text so far) for each whose name is complete; the
-    arguments as written, "" before they begin (or when written as a JSON string, which is not their text)."""
-    calls: list[tuple[str, str]] = []
+    ``separators``; blanks alone too where ``blank_separates``), as far as they go: (name, arguments' text so far)
+    for each whose name is complete; the arguments as written, "" before they begin (or when written as a JSON
+    string, which is not their text)."""
+    return [
+        (scan.name, _escape_controls(scan.arguments or ""))
+        for scan in _call_scans(body, pos, separators, blank_separates)
+        if scan.name is not None
+    ]
+
+
+def _call_scans(body: str, pos: int, separators: str, blank_separates: bool = False) -> list[CallScan]:
+    """:func:`call_sequence`'s calls as their scans (each with its name)."""
+    scans: list[CallScan] = []
     while True:
         while pos < len(body) and body[pos] in " \n\t\r":
             pos += 1
         if not body.startswith("{", pos):
-            return calls
+            return scans
         scan = scan_call(body[pos:])
         if scan.name is None:
-            return calls
-        calls.append((scan.name, _escape_controls(scan.arguments or "")))
+            return scans
+        scans.append(scan)
         end = _value_end(body, pos)
         if end is None:
-            return calls
+            return scans
         pos = end
         while pos < len(body) and body[pos] in " \n\t\r":
             pos += 1
+        if blank_separates and body.startswith("{", pos):
+            continue
         if pos >= len(body) or body[pos] not in separators:
-            return calls
+            return scans
         pos += 1
 
 
@@ -315,7 +328,9 @@ class ToolParser:
         calls = [self._checked_call(v) for item in values for v in (item if isinstance(item, list) else [item])]
         if not calls or any(c is None for c in calls):
             return None
-        return content, [c for c in calls if c is not None]
+        found = [c for c in calls if c is not None]
+        _as_written(found, self.untagged_stream_calls(text))  # what streaming sent piece by piece
+        return content, found
 
     def _checked_call(self, value: Any) -> ParsedCall | None:
         if not isinstance(value, dict) or len(value) != 2 or not isinstance(value.get("name"), str):
@@ -333,6 +348,29 @@ class ToolParser:
         except Exception:  # a schema jsonschema cannot apply (a $ref it cannot resolve, ...)
             return None  # is not one we can vouch for a call by
         return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+    def untagged_stream_calls(self, text: str) -> list[tuple[str, str]]:
+        """The untagged calls (:meth:`untagged_calls`) a partial answer shows being written, as (name, arguments'
+        text so far): each once it names an offered tool and its arguments object has begun, a call's shape and no
+        ordinary JSON answer's. Whether they are calls is decided when the answer ends (the arguments must
+        validate, nothing may follow them); a stream that sent one that is not also gets the text as content, as
+        it does a tagged call whose JSON turns out malformed."""
+        hold = self.untagged_hold(text)
+        if hold is None:
+            return []
+        body = text[hold:]
+        if body.startswith("`"):  # a ```json fence: the calls begin after its first line
+            _, newline, body = body.partition("\n")
+            if not newline:
+                return []
+        body = body.lstrip()
+        bracket = body.startswith("[")
+        calls = []
+        for scan in _call_scans(body, 1, ",") if bracket else _call_scans(body, 0, ";", blank_separates=True):
+            if scan.name is None or scan.name not in self.tools or scan.arguments is None or len(set(scan.keys)) > 2:
+                break
+            calls.append((scan.name, _escape_controls(scan.arguments)))
+        return calls
 
     def untagged_hold(self, text: str) -> int | None:
         """Where, in a partial answer, untagged calls (:meth:`untagged_calls`) may have begun: the answer's
@@ -424,12 +462,14 @@ class CallScan:
     name: str | None  # the name, once its string is complete
     arguments: str | None  # the arguments object's text so far, as written (None before it starts)
     complete: bool  # the arguments object is closed
+    keys: tuple[str, ...] = ()  # the keys read, in order
 
 
 def scan_call(body: str) -> CallScan:
     """Reads a call object's keys as far as ``body`` goes, without needing it to be complete."""
     name = args = None
     complete = False
+    keys: list[str] = []
     i = len(body) - len(body.lstrip())
     if not body[i:].startswith("{"):
         return CallScan(None, None, False)
@@ -442,6 +482,7 @@ def scan_call(body: str) -> CallScan:
         if key_end is None:
             break
         key = json.loads(body[i:key_end])
+        keys.append(key)
         i = key_end + len(body[key_end:]) - len(body[key_end:].lstrip())
         if not body[i:].startswith(":"):
             break
@@ -460,7 +501,7 @@ def scan_call(body: str) -> CallScan:
         if not body[i:].startswith(","):
             break
         i += 1
-    return CallScan(name, args, complete)
+    return CallScan(name, args, complete, tuple(keys))
 
 
 def _call(obj: Any) -> ParsedCall | None:
@@ -501,8 +542,10 @@ class HermesToolParser(ToolParser):
 
     def stream_calls(self, text: str) -> list[tuple[str, str]]:
         """The tagged calls of a partial answer so far, each (name, its arguments' text so far) once the name
-        is complete: a call streams as it is written. Untagged calls go out whole at the end instead, being
-        calls only once their arguments validate."""
+        is complete: a call streams as it is written. Without a tag, the untagged calls
+        (:meth:`~ToolParser.untagged_stream_calls`)."""
+        if self.OPEN not in text:
+            return self.untagged_stream_calls(text)
         calls = []
         for body in self._BLOCK.findall(text):
             scan = scan_call(body)
