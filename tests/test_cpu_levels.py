@@ -128,3 +128,67 @@ def test_an_engine_asked_for_a_level_that_is_not_one_fails_at_once(monkeypatch, 
     monkeypatch.setenv(isa.ENV, "sse9")
     with pytest.raises(isa.CPULevelError, match=r"\$PAGEDLLM_CPU_LEVEL='sse9' is not a level"):
         LLM(str(tiny_model_factory("llama")))
+
+
+class FakePrctl:
+    """arch_prctl as a VM's kernel answers it: the extended features it supports (ARCH_GET_XCOMP_SUPP writes the
+    mask), and whether it grants tile data (ARCH_REQ_XCOMP_PERM)."""
+
+    def __init__(self, supported: int, grants: bool):
+        self.supported, self.grants, self.asked = supported, grants, []
+
+    def __call__(self, code: int, arg: int) -> tuple[int, int]:
+        self.asked.append(code)
+        if code == isa._ARCH_GET_XCOMP_SUPP:
+            ctypes.c_ulong.from_address(arg).value = self.supported
+            return 0, 0
+        return (0, 0) if self.grants else (-1, 1)  # EPERM
+
+
+SAPPHIRE_RAPIDS = CPUS["AVX-512 VNNI"][0] | {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"}
+TILES = 1 << 17 | 1 << 18  # XTILECFG, XTILEDATA
+
+
+def test_amx_is_used_only_where_the_os_grants_tile_data(caplog):
+    """A CPU that lists AMX is asked, as AMX code must ask, whether this process may use tiles: a VM that lists
+    amx_tile but supports no tile state, or refuses the permission, gets 'not used' with the reason; either way the
+    level is the best of the rest (pagedllm has no AMX kernels: a granted AMX is said to be unused)."""
+    refused = FakePrctl(0xE7 | TILES, grants=False)
+    granted, why = isa.amx_status(SAPPHIRE_RAPIDS, refused)
+    assert not granted and "refuses this process tile data" in why and "Operation not permitted" in why
+    assert refused.asked == [isa._ARCH_GET_XCOMP_SUPP, isa._ARCH_REQ_XCOMP_PERM]
+    assert isa.amx_note(SAPPHIRE_RAPIDS, refused).endswith("; not used")
+    unsupported = FakePrctl(0xE7, grants=True)  # as seen on 2026-11-28: listed, no tile state
+    assert isa.amx_status(SAPPHIRE_RAPIDS, unsupported) == (
+        False,
+        "advertised (amx_tile amx_int8 amx_bf16) but the OS does not support tile data (ARCH_GET_XCOMP_SUPP)",
+    )
+    assert unsupported.asked == [isa._ARCH_GET_XCOMP_SUPP]  # nothing requested where nothing is supported
+    ok = FakePrctl(0xE7 | TILES, grants=True)
+    assert isa.amx_status(SAPPHIRE_RAPIDS, ok) == (
+        True,
+        "advertised (amx_tile amx_int8 amx_bf16) and granted by the OS",
+    )
+    assert "no AMX kernels yet: unused" in isa.amx_note(SAPPHIRE_RAPIDS, ok)
+    assert isa.machine_levels(SAPPHIRE_RAPIDS)[-1] == "avx512-vnni"  # AMX is no level
+    assert isa.amx_status(CPUS["AVX-512 VNNI"][0], refused) == (False, "not advertised")
+    assert isa.amx_note(CPUS["AVX2"][0]) == ""
+    # this machine: the real system call answers (where AMX is listed, the kernel is asked for real)
+    granted, why = isa.amx_status()
+    assert granted == (why.endswith("granted by the OS"))
+    assert ("amx_tile" in isa.cpu_flags()) == (why != "not advertised")
+
+
+def test_the_start_up_log_says_why_amx_is_not_used(monkeypatch, caplog):
+    from pagedllm import kernels
+
+    monkeypatch.setattr(isa, "amx_status", lambda *a: (False, "advertised (amx_tile) but the OS refuses it"))
+    kernels.load.cache_clear(), kernels.try_load.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="pagedllm"):
+            kernels.load()
+    finally:
+        kernels.load.cache_clear(), kernels.try_load.cache_clear()
+    lines = [r.getMessage() for r in caplog.records]
+    assert "AMX: advertised (amx_tile) but the OS refuses it; not used" in lines
+    assert any(line.startswith("C kernels: the ") for line in lines)

@@ -76,6 +76,9 @@ def load() -> Kernels:
     except OSError as e:  # e.g. a cached build this system can no longer load
         raise KernelBuildError(f"loading pagedllm's C kernels from {path} failed: {e}") from e
     logger.info("C kernels: the %s instruction-set level (%s; of %s)", level, why, ", ".join(isa.machine_levels()))
+    amx = isa.amx_note()
+    if amx:
+        logger.info("%s", amx)
     return kernels
 
 

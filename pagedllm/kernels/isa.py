@@ -16,12 +16,21 @@ the OS allows too. ``$PAGEDLLM_CPU_LEVEL`` chooses any level the machine runs (n
 Zen 4 and Ice Lake run ``avx512-vnni`` but have no AVX-VNNI), so each can be tested and measured on one
 machine; by default the best is built. ``native`` builds for every feature the compiler sees in the CPU
 (``-march=native``), to compare a level against. The choice is logged where the kernels load.
+
+AMX (Intel Xeon since Sapphire Rapids: int8 and bfloat16 tile multiplies) is no level: pagedllm has no AMX
+kernels. A CPU that advertises it is still asked, as any AMX code must ask before its first tile instruction,
+whether the OS grants this process the tile data (:func:`amx_status`: the kernel's supported extended
+features, then ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); some virtual machines list ``amx_tile``
+in ``/proc/cpuinfo`` and trap the first tile instruction (llama.cpp built ``GGML_NATIVE`` dies there with
+SIGILL). The answer is logged beside the level, so a machine's log says whether AMX kernels could run on it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+from collections.abc import Callable
 
 ENV = "PAGEDLLM_CPU_LEVEL"
 LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni")
@@ -43,6 +52,58 @@ _MARCH: dict[str, list[str]] = {
     "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni"],
     NATIVE: ["-march=native"],
 }
+
+
+_AMX = ("amx_tile", "amx_int8", "amx_bf16")
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_GET_XCOMP_SUPP, _ARCH_REQ_XCOMP_PERM = 0x1021, 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def _arch_prctl(code: int, arg: int) -> tuple[int, int]:
+    """The arch_prctl system call: (its result, errno)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_int(code), ctypes.c_ulong(arg))
+    return result, ctypes.get_errno()
+
+
+def _xcomp_supported(prctl: Callable[[int, int], tuple[int, int]]) -> int | None:
+    """The extended features the kernel supports (ARCH_GET_XCOMP_SUPP's mask), or None where it will not say."""
+    mask = ctypes.c_ulong(0)
+    result, _ = prctl(_ARCH_GET_XCOMP_SUPP, ctypes.addressof(mask))
+    return mask.value if result == 0 else None
+
+
+def amx_status(
+    flags: frozenset[str] | None = None, prctl: Callable[[int, int], tuple[int, int]] | None = None
+) -> tuple[bool, str]:
+    """(whether this process may use AMX tiles, why): AMX must be listed in ``/proc/cpuinfo`` (``flags``), the
+    kernel must support tile data among its extended features, and grant it to this process when asked
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, Linux 5.16 and later). ``prctl``: the system call, for tests."""
+    flags = cpu_flags() if flags is None else flags
+    listed = [f for f in _AMX if f in flags]
+    if "amx_tile" not in listed or not is_x86():
+        return False, "not advertised"
+    prctl = _arch_prctl if prctl is None else prctl
+    supported = _xcomp_supported(prctl)
+    if supported is None or not supported >> _XFEATURE_XTILEDATA & 1:
+        return False, f"advertised ({' '.join(listed)}) but the OS does not support tile data (ARCH_GET_XCOMP_SUPP)"
+    result, errno = prctl(_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+    if result != 0:
+        return False, (
+            f"advertised ({' '.join(listed)}) but the OS refuses this process tile data "
+            f"(ARCH_REQ_XCOMP_PERM: {os.strerror(errno)})"
+        )
+    return True, f"advertised ({' '.join(listed)}) and granted by the OS"
+
+
+def amx_note(flags: frozenset[str] | None = None, prctl: Callable[[int, int], tuple[int, int]] | None = None) -> str:
+    """The start-up log's words on AMX: empty where the CPU does not advertise it."""
+    granted, why = amx_status(flags, prctl)
+    if why == "not advertised":
+        return ""
+    use = "pagedllm has no AMX kernels yet: unused" if granted else "not used"
+    return f"AMX: {why}; {use}"
 
 
 class CPULevelError(ValueError):
