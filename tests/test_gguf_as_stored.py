@@ -121,13 +121,13 @@ def _tensor_type_offset(path: Path, name: str) -> int:
 
 
 def test_a_tensor_type_without_a_kernel_is_refused_by_name(tmp_path):
-    path = tmp_path / "q2k.gguf"
+    path = tmp_path / "iq3.gguf"
     shutil.copy(default_model_path(), path)
     at = _tensor_type_offset(path, "blk.4.ffn_up.weight")
     with open(path, "r+b") as f:
         f.seek(at)
-        f.write(struct.pack("<I", 10))  # Q2_K: smaller than the Q4_1 data there, so the file is not short of it
-    with pytest.raises(UnsupportedModelError, match=r"Q2_K.*blk\.4\.ffn_up\.weight.*quantization='none'"):
+        f.write(struct.pack("<I", 18))  # IQ3_XXS: smaller than the Q4_1 data there, so the file is not short of it
+    with pytest.raises(UnsupportedModelError, match=r"IQ3_XXS.*blk\.4\.ffn_up\.weight.*quantization='none'"):
         LLM(str(path), max_model_len=128)
 
 
@@ -228,15 +228,18 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
 
 
 def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """rows x cols weights in valid random Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 blocks with small float16 scales, [rows,
-    bytes] (every bit pattern is a valid block)."""
-    sizes = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22)}
-    elems, size = {**sizes, "Q4_0": (32, 18)}[kind]
+    """rows x cols weights in valid random blocks of ``kind`` (Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / Q3_K /
+    IQ4_NL / IQ4_XS / Q2_K) with small float16 scales, [rows, bytes] (every bit pattern is a valid block)."""
+    import gguf
+
+    elems, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
     raw = rng.integers(0, 256, (rows, cols // elems, size), dtype=np.uint8)
-    for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
+    for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}.get(kind, (0,)):
         scale = rng.uniform(2e-5, 2e-4, (rows, cols // elems, 1)).astype(np.float16)
         if elems == 32:  # weights of the K-quants' size (theirs: d times a 6-bit sub-block scale times q)
-            scale *= {"Q5_0": 32, "Q4_0": 64}.get(kind, 4)
+            scale *= {"Q5_0": 32, "Q4_0": 64, "IQ4_NL": 1}.get(kind, 4)
+        if kind == "IQ4_XS":  # d times a 6-bit scale (minus 32) times a value of up to 127
+            scale /= 8
         raw[..., off : off + 2] = scale.view(np.uint8)
     return raw.reshape(rows, -1)
 
@@ -247,6 +250,22 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     attn_output and a Q6_K ffn_down, as Q4_K_M files have them (Qwen2.5's
     0.5B falls back to those where its rows of 896 are no whole super-blocks), random blocks; no tokenizer (the
     engine is given SmolLM2's)."""
+
+    def kind(layer: int, name: str) -> str:
+        q4, q6 = ("Q4_K", "Q6_K") if layer == 0 else ("Q5_0", "Q8_0")
+        if name == "ffn_down":
+            return "Q6_K"
+        if layer == 1 and name in ("attn_output", "ffn_up"):
+            return {"attn_output": "Q4_0", "ffn_up": "Q5_K"}[name]
+        return q6 if name == "attn_v" else q4
+
+    return _write_tiny_qwen2(path, vocab, "Q6_K", kind)
+
+
+def _write_tiny_qwen2(path: Path, vocab: int, embedding: str, kind) -> Path:
+    """A 2-layer Qwen2 GGUF of random blocks: the tied embedding of type ``embedding``, each projection of type
+    ``kind(layer, name)`` (name: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down); float32
+    norms and biases; no tokenizer (the engine is given SmolLM2's)."""
     import gguf
 
     rng = np.random.default_rng(11)
@@ -270,22 +289,21 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
         data = np.full(n, value, np.float32) if value is not None else rng.normal(0, 0.02, n).astype(np.float32)
         writer.add_tensor(name, data)
 
-    quant("token_embd.weight", "Q6_K", vocab, hidden)
+    quant("token_embd.weight", embedding, vocab, hidden)
     plain("output_norm.weight", hidden, 1.0)
     for i in range(layers):
         b = f"blk.{i}"
         plain(f"{b}.attn_norm.weight", hidden, 1.0)
         plain(f"{b}.ffn_norm.weight", hidden, 1.0)
-        q4, q6 = ("Q4_K", "Q6_K") if i == 0 else ("Q5_0", "Q8_0")
-        quant(f"{b}.attn_q.weight", q4, heads * head_dim, hidden)
-        quant(f"{b}.attn_k.weight", q4, kv_heads * head_dim, hidden)
-        quant(f"{b}.attn_v.weight", q6, kv_heads * head_dim, hidden)
+        quant(f"{b}.attn_q.weight", kind(i, "attn_q"), heads * head_dim, hidden)
+        quant(f"{b}.attn_k.weight", kind(i, "attn_k"), kv_heads * head_dim, hidden)
+        quant(f"{b}.attn_v.weight", kind(i, "attn_v"), kv_heads * head_dim, hidden)
         for name, n in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
             plain(f"{b}.{name}.bias", n)
-        quant(f"{b}.attn_output.weight", q4 if i == 0 else "Q4_0", hidden, heads * head_dim)
-        quant(f"{b}.ffn_gate.weight", q4, ffn, hidden)
-        quant(f"{b}.ffn_up.weight", q4 if i == 0 else "Q5_K", ffn, hidden)
-        quant(f"{b}.ffn_down.weight", "Q6_K", hidden, ffn)
+        quant(f"{b}.attn_output.weight", kind(i, "attn_output"), hidden, heads * head_dim)
+        quant(f"{b}.ffn_gate.weight", kind(i, "ffn_gate"), ffn, hidden)
+        quant(f"{b}.ffn_up.weight", kind(i, "ffn_up"), ffn, hidden)
+        quant(f"{b}.ffn_down.weight", kind(i, "ffn_down"), hidden, ffn)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -360,3 +378,56 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "backoff_after_rejections": 0}
     assert run(max_num_seqs=16, enable_prefix_caching=False, speculative_config=ngram) == alone
     assert run(max_num_seqs=16, enable_prefix_caching=False, num_gpu_blocks_override=16) == alone
+
+
+def test_q2_k_q3_k_and_the_4_bit_i_quants_load_as_stored_as_float32s_function_of_their_blocks(
+    tmp_path, smollm2_tokenizer_dir
+):
+    """Q2_K, Q3_K (Q3_K_M files), IQ4_NL and IQ4_XS run as stored under the GGUF modes: each tensor in our int8
+    groups holding exactly the values gguf dequantizes it to (Q2_K and Q3_K with a scale per 16, Q2_K with a min
+    per 16), float32 activations under 'gguf-exact', so a model is the float32 function of the file's weights: its
+    greedy tokens are those of the model that widens every weight ('none'). 'gguf' takes int8 activations where a
+    tensor has a scale per 32 (the i-quants). Such files default to 'gguf-exact'; other i-quants are refused
+    (test above)."""
+    from pagedllm.model_loader.gguf_loader import all_in_panels, iter_gguf_weights
+    from pagedllm.worker.loader import resolve_quantization
+
+    kinds = {"attn_q": "Q3_K", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "Q3_K"}
+    kinds |= {"ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "IQ4_NL"}
+    path = _write_tiny_qwen2(tmp_path / "tiny-iq.gguf", 49152, "IQ4_XS", lambda layer, name: kinds[name])
+    assert not all_in_panels(str(path))
+    assert resolve_quantization(None, resolve_model(str(path)), None, CPU) == "gguf-exact"
+    src = resolve_model(str(path))
+    exact, wide = (
+        load_model(src, load_config(src), torch.float32, CPU, quantization=mode) for mode in ("gguf-exact", "none")
+    )
+    layer, ref = exact.layers[0], wide.layers[0]
+    assert type(layer.mlp.down_proj) is Int8Linear and layer.mlp.down_proj.scales_per_group == 1  # IQ4_NL
+    assert type(layer.self_attn.o_proj) is Int8Linear and layer.self_attn.o_proj.scales_per_group == 2  # Q3_K
+    assert isinstance(exact.embed_tokens, QuantizedEmbedding)  # the IQ4_XS table, shared with the head
+    assert not any(isinstance(m, nn.Linear) for m in exact.modules())
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 7, 2, 900, 17])
+    assert torch.equal(exact.embed_tokens(ids), wide.embed_tokens(ids))  # the same values, bit for bit
+    # gguf's own dequantization (iter_gguf_weights widens these types through it), bit for bit
+    weights = dict(iter_gguf_weights(str(path)))
+    mlp = "model.layers.0.mlp"
+    assert torch.equal(layer.mlp.down_proj.dequantized()[0], weights[f"{mlp}.down_proj.weight"])
+    gate_up = torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]])
+    assert torch.equal(layer.mlp.gate_up_proj.dequantized()[0], gate_up)  # IQ4_XS beside Q2_K, fused
+    assert layer.mlp.gate_up_proj.mins.shape[1] == exact.config.hidden_size // 16  # Q2_K's mins per 16
+    x = torch.randn(3, exact.config.hidden_size)
+    torch.testing.assert_close(layer.self_attn.o_proj(x), ref.self_attn.o_proj(x), rtol=1e-5, atol=1e-6)
+    del exact, wide
+
+    prompts = [[(37 * j + 11 * i) % 40000 + 100 for j in range(6 + 5 * i)] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outs = {}
+    for mode in ("gguf-exact", "none", "gguf"):
+        llm = LLM(str(path), tokenizer=str(smollm2_tokenizer_dir), max_model_len=128, quantization=mode)
+        outs[mode] = [
+            o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        ]
+        del llm
+    assert len({tuple(o.token_ids) for o in outs["none"]}) > 1  # the random model does not answer every prompt alike
+    check_greedy_close(outs["gguf-exact"], outs["none"], topk=5, logprob_atol=1e-3, min_exact_fraction=1.0)
+    check_greedy_close(outs["gguf"], outs["gguf-exact"], topk=5, logprob_atol=0.25, min_exact_fraction=0.25)

@@ -319,7 +319,7 @@ def test_the_loader_converts_in_c_with_numpys_shapes():
         kind, got = gguf_loader._q_blocks(raw, T.Q4_K, fix)
         want = gguf_loader._q_blocks_numpy(raw, T.Q4_K, fix)[1]
         assert kind == "int4" and all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
-    assert gguf_loader._q_blocks(raw, T.Q2_K, gguf_loader._identity) is None  # no layout: dequantized instead
+    assert gguf_loader._q_blocks(raw, T.IQ3_XXS, gguf_loader._identity) is None  # no layout: dequantized instead
 
 
 def test_a_conversion_of_a_type_without_a_layout_or_of_torn_rows_is_refused(blocks):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -320,8 +320,9 @@ class Kernels:
     def int8_matmul_g16(
         self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     ) -> torch.Tensor:
-        """As int8_matmul with a scale per 16 weights (GGUF's Q6_K): scales [N, K/16], mins [N, K/32]."""
-        return self._quant_matmul(self._matmul8_g16, x, qweight, scales, mins)
+        """As int8_matmul with a scale per 16 weights (GGUF's Q6_K, Q3_K, Q2_K): scales [N, K/16], mins [N, K/16]
+        (or [N, K/32]: each then taken for both halves of its group)."""
+        return self._quant_matmul(self._matmul8_g16, x, qweight, scales, mins_per_16(mins, qweight.shape[1]))
 
     def f32_matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] float32 contiguous @ W^T with W [n, K] as ``f32_panels(W)``, for a decode step's few rows;
@@ -411,7 +412,9 @@ class Kernels:
     def int8_dequantize_g16(
         self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self._quant_dequantize(self._dequant8_g16, qweight, scales, mins, qweight.shape[1], out)
+        return self._quant_dequantize(
+            self._dequant8_g16, qweight, scales, mins_per_16(mins, qweight.shape[1]), qweight.shape[1], out
+        )
 
     @staticmethod
     def _quant_dequantize(
@@ -422,6 +425,17 @@ class Kernels:
         w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[: n * k].view(n, k)
         fn(qweight.data_ptr(), scales.data_ptr(), _ptr(mins), w.data_ptr(), n, k)
         return w
+
+
+_Mins = TypeVar("_Mins", torch.Tensor, None)
+
+
+def mins_per_16(mins: _Mins, k: int) -> _Mins:
+    """The mins of an int8 layout with a scale per 16 as the kernels read them, one per 16 weights: mins given per
+    32 (a block converted from a type with a min per 32, beside one with a scale per 16) repeated for both halves."""
+    if mins is None or mins.shape[1] * 16 == k:
+        return mins
+    return mins.repeat_interleave(2, 1).contiguous()
 
 
 # the types GGUFBlocks.to_groups converts to pagedllm's layouts: ggml id -> (layout, elements, bytes of a block)

@@ -11,7 +11,8 @@
  * packed as 16 bytes: byte j holds element j (low nibble) and j + 16 (high).
  * int8 layout: W[n, k] = q[n, k] * scale[n, g] + min[n, g] with g = k / 32, q in
  * -128..127: GGUF's Q8_0 is min = 0, and Q4_0 / Q4_1 widen into it exactly.
- * int8 with a scale per 16 (the *_g16 entry points, GGUF's Q6_K): scale[n, k / 16], min[n, k / 32].
+ * int8 with a scale and a min per 16 (the *_g16 entry points, GGUF's Q6_K, Q3_K, Q2_K): scale[n, k / 16],
+ * min[n, k / 16].
  * mins may be NULL: every min 0 (GGUF's Q8_0 / Q5_0 / Q6_K), neither stored nor added.
  *
  * Rows n are split across OpenMP threads; the library is linked against the
@@ -50,13 +51,13 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return t;
 }
 
-/* per row of x, the sum of each group of 32: what the groups' mins multiply */
-static float *group_sums(const float *x, int64_t M, int64_t K) {
-    const int64_t G = K / GROUP;
+/* per row of x, the sum of each group of `size` (32, or 16 for a min per 16): what the groups' mins multiply */
+static float *group_sums(const float *x, int64_t M, int64_t K, int size) {
+    const int64_t G = K / size;
     float *xsum = malloc(M * G * sizeof(float));
     for (int64_t r = 0; r < M * G; r++) {
         float s = 0.f;
-        for (int j = 0; j < GROUP; j++) s += x[r * GROUP + j];
+        for (int j = 0; j < size; j++) s += x[r * size + j];
         xsum[r] = s;
     }
     return xsum;
@@ -113,14 +114,14 @@ static inline __m256 half_dot(const __m256 w[4], const float *xg, int h) {
 #endif
 
 /* y[m, n] = sum_g scale[n, g] * (q_g . x_g) + min[n, g] * sum(x_g), for 4- or 8-bit q; with sg = 2
- * scales per group (int8 only), each half of a group takes its own */
+ * scales and mins per group (int8 only), each half of a group takes its own */
 static inline void quant_matmul(int bits, int sg, const float *x, const uint8_t *qw, const float *scales,
                                 const float *mins, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
-    float *xsum = mins ? group_sums(x, M, K) : NULL;
+    float *xsum = mins ? group_sums(x, M, K, GROUP / sg) : NULL;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const float *sc = scales + n * G * sg, *mn = mins ? mins + n * G : NULL;
+        const float *sc = scales + n * G * sg, *mn = mins ? mins + n * G * sg : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {  /* up to 4 rows of x share each unpacked group */
             const int64_t mc = M - m0 < 4 ? M - m0 : 4;
             float dot[4] = {0.f, 0.f, 0.f, 0.f};
@@ -178,7 +179,7 @@ static inline void quant_matmul(int bits, int sg, const float *x, const uint8_t 
             }
 #endif
             for (int64_t i = 0; i < mc; i++) {
-                y[(m0 + i) * N + n] = mn ? dot[i] + dot_f32(mn, xsum + (m0 + i) * G, G) : dot[i];
+                y[(m0 + i) * N + n] = mn ? dot[i] + dot_f32(mn, xsum + (m0 + i) * G * sg, G * sg) : dot[i];
             }
         }
     }
@@ -201,25 +202,25 @@ void int8_matmul_g16(const float *x, const int8_t *qw, const float *scales, cons
 }
 
 /* W as float32 [N, K]: q * scale + min, multiplied then added (not fused), as GGUF's reference does
- * (sg scales per group: 2, each half of a group its own) */
+ * (sg scales and mins per group: 2, each half of a group its own) */
 static inline void quant_dequantize(int bits, int sg, const uint8_t *qw, const float *scales, const float *mins,
                                     float *w, int64_t N, int64_t K) {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t g = 0; g < G; g++) {
-            const float *s = scales + (n * G + g) * sg, mn = mins ? mins[n * G + g] : 0.f;
+            const float *s = scales + (n * G + g) * sg, *mn = mins ? mins + (n * G + g) * sg : NULL;
             float *o = w + n * K + g * GROUP;
 #ifdef __AVX2__
             __m256 q[4];
             unpack_group(qw, bits, n, g, K, q);
             for (int i = 0; i < 4; i++)
                 _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(q[i], _mm256_set1_ps(s[sg == 2 ? i / 2 : 0])),
-                                                          _mm256_set1_ps(mn)));
+                                                          _mm256_set1_ps(mn ? mn[sg == 2 ? i / 2 : 0] : 0.f)));
 #else
             float q[GROUP];
             unpack_group(qw, bits, n, g, K, q);
-            for (int j = 0; j < GROUP; j++) o[j] = q[j] * s[sg == 2 ? j / 16 : 0] + mn;
+            for (int j = 0; j < GROUP; j++) o[j] = q[j] * s[sg == 2 ? j / 16 : 0] + (mn ? mn[sg == 2 ? j / 16 : 0] : 0.f);
 #endif
         }
 }

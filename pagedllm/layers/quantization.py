@@ -113,7 +113,8 @@ def check_quantization_supported(method: str, device: torch.device) -> None:
 
 class _QuantLinear(nn.Module):
     """Shared by the int8 and int4 linears: q [N, K * bits / 8], scales and mins [N, K/32], optional bias.
-    int8 weights may carry a scale per 16 instead (scales [N, K/16], GGUF's Q6_K), with float32 activations.
+    int8 weights may carry a scale and a min per 16 instead (scales [N, K/16], GGUF's Q6_K / Q3_K / Q2_K; mins
+    [N, K/16], or per 32, then kept per 16), with float32 activations.
     Mins that are all 0 (GGUF's Q8_0 / Q5_0 / Q6_K) are not kept (``mins`` None): a bit less a weight."""
 
     bits: int
@@ -148,6 +149,10 @@ class _QuantLinear(nn.Module):
         g16 = self.scales_per_group == 2
         if g16 and (self.bits != 8 or activation_bits):
             raise ValueError("a scale per 16 weights is an int8 layout with float32 activations")
+        if g16 and self.mins is not None:  # a min per 16 too, as the kernels read them (Q2_K's own; else repeated)
+            from pagedllm.kernels.ops import mins_per_16
+
+            self.mins = mins_per_16(self.mins, self.in_features)
         self._matmul = getattr(
             self._kernels,
             f"int{self.bits}_matmul{f'_a{activation_bits}' if activation_bits else ''}{'_g16' if g16 else ''}",
@@ -257,19 +262,25 @@ def zero_point_blocks(
 
 def common_layout(parts: list[Block]) -> list[Block]:
     """Blocks of one fused linear's shards in one layout holding exactly their values: int4 becomes int8 where
-    any shard is int8, and a scale per 32 becomes two equal scales per 16 where any shard has a scale per 16
-    (a GGUF's Q4_K_M mixes Q4_K and Q6_K within q/k/v). Blocks with an input order (act-order) stay as they are."""
+    any shard is int8, and a scale (a min) per 32 becomes two equal ones per 16 where any shard has a scale (a
+    min) per 16 (a GGUF's Q4_K_M mixes Q4_K and Q6_K within q/k/v; Q2_K has its mins per 16). Blocks with an
+    input order (act-order) stay as they are."""
     if all(kind in NATIVE_GGUF_TYPES for kind, _ in parts):
         return parts  # as the file stores them: one GGUFLinear a shard (see stacked_gguf)
     one_kind = len({kind for kind, _ in parts}) == 1
-    if any(len(t) != 3 for _, t in parts) or (one_kind and len({t[1].shape[1:] for _, t in parts}) == 1):
+    if any(len(t) != 3 for _, t in parts) or (
+        one_kind and len({(t[1].shape[1:], t[2].shape[1:]) for _, t in parts}) == 1
+    ):
         return parts
     int8 = [widen_int4(*t) if kind == "int4" else t for kind, t in parts]
     per16 = max(t[1].shape[1] * GROUP // t[0].shape[1] for t in int8)  # 2 where any has a scale per 16
+    mins16 = max(t[2].shape[1] * GROUP // t[0].shape[1] for t in int8)  # 2 where any has a min per 16 (Q2_K)
     out: list[Block] = []
     for q, scales, mins in int8:
         rep = per16 * q.shape[1] // (scales.shape[1] * GROUP)
-        out.append(("int8", (q, scales.repeat_interleave(rep, 1) if rep > 1 else scales, mins)))
+        mrep = mins16 * q.shape[1] // (mins.shape[1] * GROUP)
+        scales = scales.repeat_interleave(rep, 1) if rep > 1 else scales
+        out.append(("int8", (q, scales, mins.repeat_interleave(mrep, 1) if mrep > 1 else mins)))
     return out
 
 

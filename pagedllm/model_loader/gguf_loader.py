@@ -358,7 +358,20 @@ def fast_transformers_gguf_metadata(arch: str) -> Iterator[None]:
 
 
 # the block types the GGUF modes keep as stored (:func:`_q_blocks`); plain float tensors are taken as they are
-STORED_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+STORED_BLOCK_TYPES = (
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 _PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
 
 
@@ -594,8 +607,11 @@ def _q_blocks_in_slices(
     (a row permutation needs the whole tensor: those are the small Q / K projections)."""
     import torch
 
+    from pagedllm.kernels.ops import GROUP_LAYOUTS
+
     n = data.shape[0]
-    if n <= _SLICE_ROWS or unpermute is not _identity or _group_kernels() is not None:  # C: no temporaries
+    in_c = int(qtype) in GROUP_LAYOUTS and _group_kernels() is not None  # C: no temporaries
+    if n <= _SLICE_ROWS or unpermute is not _identity or in_c:
         return _q_blocks(data, qtype, unpermute)
     first = _q_blocks(data[:_SLICE_ROWS], qtype, unpermute)
     if first is None:
@@ -642,7 +658,8 @@ def _q_blocks_numpy(
 ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
     """One quantized tensor's rows of blocks in pagedllm's int4 / int8 layout (groups of 32 with a float32
     scale and min each, ``w = q * scale + min``), exactly the values ``gguf`` dequantizes them to; None for
-    types that do not fit (Q2_K / Q3_K, the i-quants): those are dequantized.
+    types that do not fit (the i-quants but IQ4_NL / IQ4_XS): those are dequantized. Q2_K / Q3_K / IQ4_NL / IQ4_XS:
+    see :func:`_q_blocks_lookup`.
 
     Q4_0 / Q4_1 / Q8_0 are such groups already. Q5_0 / Q5_1 are 5-bit groups of 32 (int8). The K-quants
     Q4_K / Q5_K are super-blocks of 256: eight groups of 32 whose 6-bit scale and min multiply the
@@ -653,7 +670,20 @@ def _q_blocks_numpy(
     import torch
     from gguf import GGMLQuantizationType as T
 
-    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K):
+    if qtype not in (
+        T.Q4_0,
+        T.Q4_1,
+        T.Q8_0,
+        T.Q5_0,
+        T.Q5_1,
+        T.Q4_K,
+        T.Q5_K,
+        T.Q6_K,
+        T.Q2_K,
+        T.Q3_K,
+        T.IQ4_NL,
+        T.IQ4_XS,
+    ):
         return None
 
     def f16(raw: np.ndarray) -> np.ndarray:
@@ -661,6 +691,8 @@ def _q_blocks_numpy(
 
     n = data.shape[0]
     rows = unpermute(np.asarray(data))
+    if qtype in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS):
+        return _q_blocks_lookup(rows, qtype)
     if qtype == T.Q6_K:  # ql [128], qh [64], scales [16] int8, d: two halves of 128 elements each
         blocks = rows.reshape(n, -1, 210)
         ql = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half, ql[l] | ql[l + 32], l]
@@ -717,6 +749,71 @@ def _q_blocks_numpy(
     return "int4", (q, torch.from_numpy(d), torch.from_numpy(m))
 
 
+def _q_blocks_lookup(rows: np.ndarray, qtype: Any) -> tuple[str, tuple[torch.Tensor, ...]]:
+    """Q2_K, Q3_K, IQ4_NL and IQ4_XS in pagedllm's int8 layout, the values ``gguf`` dequantizes them to (its
+    ``dequantize_blocks``, whose products these are), mins 0 but Q2_K's:
+
+    * Q2_K: 84 bytes / 256: sixteen bytes of a 4-bit scale (low) and min (high) per 16, qs[64], f16 d and dmin;
+      element 128h + 32j + l is bits 2j of qs[32h + l]; w = (d * sc) * q - dmin * m: int8 with a scale and a
+      min per 16, q 0..3.
+
+    * Q3_K: 110 bytes / 256: hmask[32], qs[64], 12 bytes of sixteen 6-bit scales, f16 d; element 128h + 32j + l
+      is bits 2j of qs[32h + l] minus 4 where bit 4h + j of hmask[l] is clear; w = (d * (sc - 32)) * q per 16:
+      int8 with a scale per 16, q -4..3.
+    * IQ4_NL: 18 bytes / 32: f16 d, 16 bytes of nibbles (element j low, j + 16 high), each an index into the
+      16 int8 values of ``IQ4_NL.kvalues``; w = d * kvalues[i]: int8 q = kvalues[i], scale d.
+    * IQ4_XS: 136 bytes / 256: f16 d, u16 of the scales' top two bits (2 per sub-block of 32), 4 bytes of their
+      low nibbles (sub-block 2i low, 2i + 1 high), then IQ4_NL's nibbles per sub-block;
+      w = (d * (ls - 32)) * kvalues[i]: q = kvalues[i], a scale per 32."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import IQ4_NL
+
+    def f16(raw: np.ndarray) -> np.ndarray:
+        return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+    n = rows.shape[0]
+    kvalues = np.array(IQ4_NL.kvalues, dtype=np.int8)
+    if qtype == T.Q2_K:
+        blocks = rows.reshape(n, -1, 84)
+        sc = blocks[..., :16]
+        scales = (f16(blocks[..., 80:82])[..., None] * (sc & 0x0F).astype(np.float32)).reshape(n, -1)
+        mins = -(f16(blocks[..., 82:84])[..., None] * (sc >> 4).astype(np.float32)).reshape(n, -1)
+        q = (blocks[..., 16:80].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        return "int8", (
+            torch.from_numpy(q.reshape(n, -1).view(np.int8)),
+            torch.from_numpy(scales),
+            torch.from_numpy(mins),
+        )
+    if qtype == T.Q3_K:
+        blocks = rows.reshape(n, -1, 110)
+        packed = blocks[..., 96:108]
+        low = (packed[..., None, :8] >> np.array([0, 4], np.uint8).reshape(2, 1)).reshape(*packed.shape[:2], 16)
+        high = (packed[..., None, 8:] >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)).reshape(*packed.shape[:2], 16)
+        sc = ((low & 0x0F) | ((high & 3) << 4)).astype(np.int8) - np.int8(32)
+        scales = (f16(blocks[..., 108:110])[..., None] * sc.astype(np.float32)).reshape(n, -1)
+        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        ql = (blocks[..., 32:96].reshape(n, -1, 2, 1, 32) >> shifts) & 3  # [n, blocks, half, j, l]
+        qh = (blocks[..., None, :32] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [n, blocks, 4h + j, l]
+        q = ql.reshape(n, -1).astype(np.int8) - ((qh.reshape(n, -1) ^ 1) << 2).astype(np.int8)
+        return "int8", (torch.from_numpy(q), torch.from_numpy(scales), torch.zeros(n, q.shape[1] // 32))
+    nibbles = np.array([0, 4], np.uint8).reshape(2, 1)
+    if qtype == T.IQ4_NL:
+        blocks = rows.reshape(n, -1, 18)
+        scales = f16(blocks[..., 0:2])
+        idx = (blocks[..., None, 2:] >> nibbles) & 0x0F  # [n, blocks, low / high, 16]
+    else:
+        blocks = rows.reshape(n, -1, 136)
+        ls_low = ((blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F).reshape(n, -1, 8)
+        ls_high = (blocks[..., 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        ls = (ls_low | (ls_high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+        scales = (f16(blocks[..., 0:2])[..., None] * ls.astype(np.float32)).reshape(n, -1)
+        idx = (blocks[..., 8:].reshape(n, -1, 8, 1, 16) >> nibbles) & 0x0F  # [n, blocks, sub-block, low / high, 16]
+    q = kvalues[idx.reshape(n, -1)]
+    return "int8", (torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(scales)), torch.zeros(scales.shape))
+
+
 def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The eight 6-bit scales and mins of a K-quant super-block, from its 12 bytes (llama.cpp's
     ``get_scale_min_k4``): groups 0-3 in the low six bits of bytes 0-3 / 4-7; groups 4-7 take their low
@@ -731,10 +828,10 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _widen(kind: str, block: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """float32 [N, K] of blocks from :func:`_q_blocks`: ``q * scale + min`` (a scale per 32 or per 16, a min
-    per 32)."""
+    per 32 or per 16)."""
     from pagedllm.layers.quantization import widen_int4
 
     q, scales, mins = widen_int4(*block) if kind == "int4" else block  # one byte per weight
-    n, groups = mins.shape
-    w = q.view(n, scales.shape[1], -1).float().mul_(scales[..., None]).view(n, groups, 32).add_(mins[..., None])
-    return w.view(n, groups * 32)
+    n, k = q.shape
+    w = q.view(n, scales.shape[1], -1).float().mul_(scales[..., None]).view(n, mins.shape[1], -1).add_(mins[..., None])
+    return w.view(n, k)

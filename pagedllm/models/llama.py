@@ -403,7 +403,7 @@ class LlamaForCausalLM(nn.Module):
             leaf = hf_module.split(".")[-1]
             if hf_module == "embed_tokens":
                 if self.lm_head is None and self.ps.is_last_stage:
-                    add("lm_head", 0, (kind, _slice_block(tensors, self._tp_slice(leaf, "weight"))))
+                    add("lm_head", 0, (kind, _slice_block(tensors, self._tp_slice(leaf, "weight"), kind)))
                 if self.embed_tokens is not None and self.ps.tp_size == 1:  # its own rows, where they are whole
                     add("embed_tokens", 0, (kind, tensors))
                 continue
@@ -414,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
             add(
                 ".".join(path[:-1] + [fused]),
                 shard,
-                (kind, _slice_block(tensors, self._tp_slice(leaf, "weight", local))),
+                (kind, _slice_block(tensors, self._tp_slice(leaf, "weight", local), kind)),
             )
         return out
 
@@ -448,11 +448,11 @@ def _materialize(tensor: Any) -> torch.Tensor:
 
 
 def _slice_block(
-    tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | Literal["rank0"] | None
+    tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | Literal["rank0"] | None, kind: str = ""
 ) -> tuple[torch.Tensor, ...] | None:
     """A quantized block's rows / groups for this rank: rows are whole; columns (row-parallel) are cut in
-    groups of 32 (q's bytes, the scales (a 32 or a 16 each) and the mins alike). None where the cut splits a
-    group."""
+    groups of 32 (q's bytes, the scales and the mins (a 32 or a 16 each) alike). None where the cut splits a
+    group. ``kind``: the block's layout ("int4" / "int8": q holds half a byte / a byte a weight)."""
     if part is None:
         return tensors
     if part == "rank0":
@@ -466,7 +466,8 @@ def _slice_block(
         return tensors[0].narrow(1, start, length), tensors[1]
     if start % 32 or length % 32:
         return None
-    k = tensors[-1].shape[1] * 32  # the weights a row: the mins are one per 32 (q holds 1 or 1/2 a byte each)
+    # the weights a row: q's bytes (one or half a one a weight), else the mins (one per 32)
+    k = tensors[0].shape[1] * (2 if kind == "int4" else 1) if kind in ("int4", "int8") else tensors[-1].shape[1] * 32
     return tuple(t.narrow(1, start * t.shape[1] // k, length * t.shape[1] // k) for t in tensors)
 
 
