@@ -24,7 +24,7 @@ from pagedllm.kernels.build import library_flags  # noqa: E402
 from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]  # read as the file stores them and in panels
-PANEL_TYPES = [*TYPES, T.Q5_K, T.Q4_0]  # in panels (Q5_K and Q4_0 only there)
+PANEL_TYPES = [*TYPES, T.Q5_K, T.Q4_0, T.IQ4_NL]  # in panels (Q5_K, Q4_0 and IQ4_NL only there)
 SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf_blocks.c")
 LEVELS = isa.machine_levels()  # every instruction-set level this machine runs (pagedllm.kernels.isa)
 
@@ -45,11 +45,15 @@ def blocks(request, tmp_path_factory) -> GGUFBlocks:
 
 
 def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """n rows of k weights in ``qtype``'s blocks, [n, bytes a row] uint8. gguf quantizes Q8_0 / Q5_0; Q4_K / Q6_K
-    are random bytes (every bit pattern is a valid block) with float16 scales of a realistic size."""
+    """n rows of k weights in ``qtype``'s blocks, [n, bytes a row] uint8. gguf quantizes Q8_0 / Q5_0 / Q4_0; Q4_K /
+    Q6_K / IQ4_NL are random bytes (every bit pattern is a valid block) with float16 scales of a realistic size."""
     rng = np.random.default_rng(seed)
     if qtype in (T.Q8_0, T.Q5_0, T.Q4_0):
         return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
+    if qtype == T.IQ4_NL:  # d, then 16 bytes of nibbles (indices of values up to 127)
+        raw = rng.integers(0, 256, (n, k // 32, 18), dtype=np.uint8)
+        raw[..., 0:2] = rng.uniform(1e-4, 1e-3, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
+        return raw.reshape(n, -1)
     size = {T.Q4_K: 144, T.Q5_K: 176}.get(qtype, 210)
     raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
 
@@ -161,7 +165,7 @@ def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_
 
 @pytest.mark.parametrize(
     "qtype, k",
-    [*((t, 1280) for t in PANEL_TYPES), (T.Q8_0, 896), (T.Q5_0, 896), (T.Q4_0, 896)],  # 896: no whole 256s
+    [*((t, 1280) for t in PANEL_TYPES), *((t, 896) for t in (T.Q8_0, T.Q5_0, T.Q4_0, T.IQ4_NL))],  # 896: no 256s
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, qtype, k):
@@ -207,7 +211,7 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     if qtype not in TYPES:  # the file's layout: looked up (dequantized), never multiplied
         with pytest.raises(ValueError, match=f"does not read ggml type {int(qtype)}"):
             blocks.matmul_a8(int(qtype), x[:1], raw)
-    if qtype in (T.Q8_0, T.Q5_0, T.Q4_0):
+    if qtype in (T.Q8_0, T.Q5_0, T.Q4_0, T.IQ4_NL):
         odd = torch.from_numpy(random_blocks(qtype, n, k - 32))
         assert blocks.pack(int(qtype), odd)[1] is odd
         with pytest.raises(ValueError, match="raw must be"):  # a panel's blocks come in pairs

@@ -14,6 +14,8 @@
  *   Q8_0 (8)   34 bytes / 32: f16 d, int8 q[32]; w = q * d.
  *   Q4_0 (2)   18 bytes / 32: f16 d, 16 bytes of nibbles (element j low, j + 16 high); w = d * (q - 8), q 0..15.
  *              Read in panels only.
+ *   IQ4_NL (20) Q4_0's bytes, each nibble i an index into 16 int8 values: w = d * IQ4_NL_VALUES[i]. In panels
+ *              only, multiplied as Q8_0's bytes (the values + 128, unsigned, looked up by vpshufb).
  *   Q5_0 (6)   22 bytes / 32: f16 d, u32 qh (bit j: element j's fifth bit), 16 bytes of nibbles (element j
  *              low, j + 16 high); w = d * (q - 16), q 0..31.
  *
@@ -66,7 +68,10 @@
 #define GB_PANELS 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20 };
+
+/* the 16 values IQ4_NL's nibbles index (llama.cpp's kvalues_iq4nl) */
+static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 #define QK 256   /* elements of a K-quant super-block, and of a chunk the float path dequantizes */
 #define COLS 16  /* weight rows a thread takes at a time */
@@ -88,7 +93,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* elements and bytes of a block of the eight types gguf_to_groups converts (0: another type) */
 static int block_elems_any(int type) {
     switch (type) {
-        case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
         case Q4_K: case Q5_K: case Q6_K: return 256;
         default: return 0;
     }
@@ -96,7 +101,7 @@ static int block_elems_any(int type) {
 
 static int block_bytes_any(int type) {
     switch (type) {
-        case Q4_0: return 18;
+        case Q4_0: case IQ4_NL: return 18;
         case Q4_1: return 20;
         case Q5_0: return 22;
         case Q5_1: return 24;
@@ -108,18 +113,20 @@ static int block_bytes_any(int type) {
     }
 }
 
-/* Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and Q4_0 repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): their
+/* Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0 and IQ4_NL repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): their
  * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
  * row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
-       P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0 };
+       P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
 /* the same for the types the matmul kernels read (0: a type they do not read): four as stored, six repacked (Q5_K
  * and Q4_0 in panels only) */
 static int reads(int type) {
 #ifdef GB_PANELS
-    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K || type == P_Q4_0) return 1;
+    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K || type == P_Q4_0 ||
+        type == P_IQ4_NL)
+        return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
 }
@@ -131,6 +138,14 @@ static int act_block(int type) { return block_elems(type); }
 
 int gguf_block_elems(int type) { return block_elems(type); }
 int gguf_block_bytes(int type) { return block_bytes(type); }
+
+#if defined(__AVX2__)
+/* IQ4_NL_VALUES + 128 (unsigned bytes, as Q8_0's panels hold q + 128), a nibble's value by vpshufb */
+static inline __m128i iq4nl_table(void) {
+    return _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181,
+                         (char)197, (char)217, (char)241);
+}
+#endif
 
 static inline uint32_t load32(const uint8_t *p) {
     uint32_t v;
@@ -146,7 +161,7 @@ static inline uint32_t load32(const uint8_t *p) {
  *                             element 4j + i, i < 4);
  *         vectors 3 + 4h + w  nibble word w (w < 4) as the file has it: elements 4w .. 4w + 3 in the low
  *                             nibbles, 16 + 4w .. in the high ones;
- *   Q4_0, vectors 1 + 4h + w  nibble word w as Q5_0's, without fifth bits.
+ *   Q4_0, vectors 1 + 4h + w  nibble word w as Q5_0's, without fifth bits (IQ4_NL: the same, its nibbles indices).
  * So element 4j + i of a block is byte i of word j's lane (Q5_0: of word j % 4's low (j < 4) or high nibbles,
  * plus 16 where its mask j's bit is set). The file's bytes, transposed and their bits permuted: a panel holds
  * its rows' bytes, no more (pairs, not single blocks, so that each vector starts on a line of 64 bytes). */
@@ -165,7 +180,7 @@ static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, i
                     const uint32_t w = load32(b + 2 + 4 * j) ^ 0x80808080u;
                     memcpy(pair + (1 + 8 * h + j) * 64 + 4 * c, &w, 4);
                 }
-            } else if (type == Q4_0) {
+            } else if (type == Q4_0 || type == IQ4_NL) {
                 for (int w = 0; w < 4; w++) memcpy(pair + (1 + 4 * h + w) * 64 + 4 * c, b + 2 + 4 * w, 4);
             } else {
                 const uint32_t qh = load32(b + 2);
@@ -191,7 +206,7 @@ static void unpack_row_q32(int type, const uint8_t *panel, int c, int64_t nb, ui
                 const uint32_t w = load32(pair + (1 + 8 * h + j) * 64 + 4 * c) ^ 0x80808080u;
                 memcpy(o + 2 + 4 * j, &w, 4);
             }
-        } else if (type == Q4_0) {
+        } else if (type == Q4_0 || type == IQ4_NL) {
             for (int w = 0; w < 4; w++) memcpy(o + 2 + 4 * w, pair + (1 + 4 * h + w) * 64 + 4 * c, 4);
         } else {
             uint32_t qh = 0;
@@ -211,7 +226,7 @@ static void unpack_row(int type, const uint8_t *packed, int64_t n, int64_t K, ui
     const int bytes = block_bytes(type), words = bytes / 4;
     const int64_t nsb = K / QK, c = n % 16;
     const uint8_t *panel = packed + (n / 16) * 16 * (K / block_elems(type)) * bytes;
-    if (base_type(type) == Q8_0 || base_type(type) == Q5_0 || base_type(type) == Q4_0) {
+    if (base_type(type) == Q8_0 || base_type(type) == Q5_0 || base_type(type) == Q4_0 || base_type(type) == IQ4_NL) {
         unpack_row_q32(base_type(type), panel, (int)c, K / 32, out);
         return;
     }
@@ -381,6 +396,13 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
                     o[j] = d * (float)((int)(b[2 + j] & 15) - 8);
                     o[j + 16] = d * (float)((int)(b[2 + j] >> 4) - 8);
                 }
+            } else if (type == IQ4_NL) {
+                const uint8_t *b = row + g * 18;
+                const float d = f16(b);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)IQ4_NL_VALUES[b[2 + j] & 15];
+                    o[j + 16] = d * (float)IQ4_NL_VALUES[b[2 + j] >> 4];
+                }
             } else {  /* Q5_0 */
                 const uint8_t *b = row + g * 22;
                 const float d = f16(b);
@@ -395,10 +417,11 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
     }
 }
 
-/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (Q5_K's and Q4_0's rows as the
- * file stores them, read only in panels otherwise, are read here too: a panel's row looked up, an embedding's) */
+/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (Q5_K's, Q4_0's and IQ4_NL's rows
+ * as the file stores them, read only in panels otherwise, are read here too: a panel's row looked up, an
+ * embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
-    if (!block_elems(type) && type != Q5_K && type != Q4_0) return -1;
+    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL) return -1;
     const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
     if (type > PANEL) {  /* a row at a time as the file stores it */
         int failed = 0;
@@ -832,13 +855,13 @@ int gguf_has_panels(void) {
 static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
 
 /* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
- * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 128,
- * Q5_0 16, Q4_0 8; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
+ * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 and
+ * IQ4_NL 128, Q5_0 16, Q4_0 8; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
  * (for Q4_K's mins, and AVX2's Q6_K: at most 32 * 127 in magnitude). NULL when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
     const int64_t ng = K / G;
-    const int off = type == Q6_K ? 32 : type == Q8_0 ? 128 : type == Q5_0 ? 16 : type == Q4_0 ? 8 : 1;
+    const int off = type == Q6_K ? 32 : type == Q8_0 || type == IQ4_NL ? 128 : type == Q5_0 ? 16 : type == Q4_0 ? 8 : 1;
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
     int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);
     if (!xs || !xs2) {
@@ -1121,9 +1144,10 @@ static void pack_panel_q6k(const uint8_t *panel, int64_t K, const panel_t *p) {
  * the panel GEMM reads its words: elements 4j .. 4j + 3 of the 16 rows, unsigned (Q8_0: q + 128; Q5_0: q) */
 static inline __attribute__((always_inline)) __m512i q32_word(int type, const uint8_t *pair, int h, int j) {
     if (type == Q8_0) return _mm512_loadu_si512(pair + (1 + 8 * h + j) * 64);
-    if (type == Q4_0) {
+    if (type == Q4_0 || type == IQ4_NL) {
         const __m512i v = _mm512_loadu_si512(pair + (1 + 4 * h + (j & 3)) * 64);
-        return _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        return type == Q4_0 ? nib : _mm512_shuffle_epi8(_mm512_broadcast_i32x4(iq4nl_table()), nib);
     }
     const __m512i v = _mm512_loadu_si512(pair + (3 + 4 * h + (j & 3)) * 64);
     const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
@@ -1485,6 +1509,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     PACKED(P_Q8_0)
                 } else if (ptype == P_Q4_0) {
                     PACKED(P_Q4_0)
+                } else if (ptype == P_IQ4_NL) {
+                    PACKED(P_IQ4_NL)
                 } else {
                     PACKED(P_Q5_0)
                 }
@@ -1530,7 +1556,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     repack_panel(type, raw + c0 * row_bytes, row_bytes, K / QK, tmp);
                     panel = tmp;
                 }
-                if (panel && (type == Q8_0 || type == Q5_0 || type == Q4_0))  /* expanded into bytes once for all of M's tiles */
+                if (panel && (type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL))  /* expanded once for all of M's tiles */
                     pack_panel_q32(type, panel, K, &p[i]);
                 else if (panel && type == Q6_K)
                     pack_panel_q6k(panel, K, &p[i]);
@@ -1569,7 +1595,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                         default: TILE(T, 1, 1); break;                 \
                     }                                                  \
                 }
-                BY_TYPE(type == Q5_K ? Q4_K : type, TILES);  /* Q5_K expanded: Q4_K's arithmetic; Q4_0: Q5_0's */
+                BY_TYPE(type == Q5_K ? Q4_K : type, TILES);  /* Q5_K expanded: Q4_K's arithmetic; Q4_0, IQ4_NL: Q5_0's */
 #undef TILES
 #undef TILE
             }
@@ -1584,12 +1610,13 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 
 #include "gguf_panels_avx2.h"
 
-/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q4_0 (the file's rows, raw) repacked into out (as many bytes) for the
- * kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N not a
- * multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0: 64), or a build without the panels (below AVX2) */
+/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0 or IQ4_NL (the file's rows, raw) repacked into out (as many
+ * bytes) for the kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N
+ * not a multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0 / IQ4_NL: 64), or a build without the panels
+ * (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
-    const int q32 = type == Q8_0 || type == Q5_0 || type == Q4_0;
+    const int q32 = type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL;
     if ((type != Q4_K && type != Q5_K && type != Q6_K && !q32) || N % NP || K % (q32 ? 64 : QK)) return -1;
     const int64_t row_bytes = K / block_elems_any(type) * block_bytes_any(type);
 #pragma omp parallel for schedule(static)

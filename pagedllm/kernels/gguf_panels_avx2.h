@@ -18,7 +18,7 @@
  * vpdpbusd where the CPU has it; else vpmaddubsw (pairs of unsigned x signed bytes into int16, saturating) and
  * vpmaddwd by ones. The pairs stay under 2^15 for every type but Q8_0's bytes (q + 128, up to 255): there the
  * signed q multiplies x with its sign moved onto x (|q| . sign(x, q), at most 2 * 128 * 127), which is the same
- * integer as (q + 128) . x - 128 * sum(x). */
+ * integer as (q + 128) . x - 128 * sum(x); so do IQ4_NL's values (at most 127 in magnitude). */
 #define RTA 4  /* rows of x per tile: AVX2 has 16 vector registers */
 
 static inline __attribute__((always_inline)) __m256i dp8(__m256i acc, __m256i u, __m256i s) {
@@ -381,12 +381,14 @@ static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
 }
 
-/* word j (0-7) of block h of a Q8_0 / Q5_0 / Q4_0 pair, half hf (8 rows), as q32_word reads it (Q8_0: q + 128) */
+/* word j (0-7) of block h of a Q8_0 / Q5_0 / Q4_0 / IQ4_NL pair, half hf (8 rows), as q32_word reads it (Q8_0: q +
+ * 128; IQ4_NL: its values + 128) */
 static inline __attribute__((always_inline)) __m256i q32_word8(int type, const uint8_t *pair, int hf, int h, int j) {
     if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(pair + (1 + 8 * h + j) * 64 + 32 * hf));
-    if (type == Q4_0) {
+    if (type == Q4_0 || type == IQ4_NL) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (1 + 4 * h + (j & 3)) * 64 + 32 * hf));
-        return _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+        const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+        return type == Q4_0 ? nib : _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(iq4nl_table()), nib);
     }
     const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (3 + 4 * h + (j & 3)) * 64 + 32 * hf));
     const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
@@ -399,7 +401,7 @@ static inline __attribute__((always_inline)) __m256i q32_word8(int type, const u
     return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* the same for half hf of a repacked Q8_0 / Q5_0 / Q4_0 panel (type the file's): packed_q32 of AVX-512 */
+/* the same for half hf of a repacked Q8_0 / Q5_0 / Q4_0 / IQ4_NL panel (type the file's): packed_q32 of AVX-512 */
 static inline __attribute__((always_inline)) void half_q32(int type, int rt, int64_t K, const uint8_t *pb, int hf,
                                                            const int8_t *qx, const int32_t *xs, const float *dx, float *y,
                                                            int64_t ldy) {
@@ -408,7 +410,7 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
 #ifdef __AVXVNNI__
     const int signs = 0;  /* vpdpbusd takes Q8_0's q + 128 whole */
 #else
-    const int signs = type == Q8_0;  /* |q| . sign(x, q): vpmaddubsw's pairs stay under 2^15 */
+    const int signs = type == Q8_0 || type == IQ4_NL;  /* |q| . sign(x, q): vpmaddubsw's pairs stay under 2^15 */
 #endif
     __m256 acc[RTA];
     for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
@@ -433,7 +435,7 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
                     for (int r = 0; r < rt; r++) a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(p[r], _mm256_set1_epi16(1)));
                 }
             }
-            for (int j = 0; j < 8 && type == Q8_0; j++) {
+            for (int j = 0; j < 8 && (type == Q8_0 || type == IQ4_NL); j++) {
 #else
             for (int j = 0; j < 8; j++) {
 #endif
@@ -524,6 +526,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 PACKED(P_Q8_0, 0)
             } else if (ptype == P_Q4_0) {
                 PACKED(P_Q4_0, 0)
+            } else if (ptype == P_IQ4_NL) {
+                PACKED(P_IQ4_NL, 0)
             } else {
                 PACKED(P_Q5_0, 0)
             }

@@ -451,10 +451,11 @@ GROUP_LAYOUTS = {
 }
 # the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
 GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
-# the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q4_0, Q5_K
-GGUF_PANEL_ONLY = {t: GROUP_LAYOUTS[t][1:] for t in (2, 13)}
-# Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes a
-# row, type id 100 + the file's
+# the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q4_0, Q5_K, IQ4_NL (Q4_0's bytes, its
+# nibbles indices of 16 int8 values)
+GGUF_PANEL_ONLY = {2: GROUP_LAYOUTS[2][1:], 13: GROUP_LAYOUTS[13][1:], 20: (32, 18)}
+# Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / IQ4_NL repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes
+# a row, type id 100 + the file's
 GGUF_PANELS = {100 + t: size for t, size in (GGUF_BLOCKS | GGUF_PANEL_ONLY).items()}
 # (elements, bytes) of a block of every type gguf_blocks.c takes, as stored or in panels
 _BLOCK_SIZES = GGUF_BLOCKS | GGUF_PANEL_ONLY | GGUF_PANELS
@@ -465,9 +466,9 @@ _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
 
 def fits_panels(qtype: int, n: int, k: int) -> bool:
     """Whether a weight [n, k] of ggml type ``qtype`` can be repacked into panels (GGUFBlocks.pack, where the CPU
-    has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 / Q4_0 rows of
-    whole pairs of blocks."""
-    return 100 + qtype in GGUF_PANELS and n > 0 and n % 16 == 0 and k % (64 if qtype in (2, 6, 8) else 256) == 0
+    has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 / Q4_0 / IQ4_NL
+    rows of whole pairs of blocks."""
+    return 100 + qtype in GGUF_PANELS and n > 0 and n % 16 == 0 and k % (64 if qtype in (2, 6, 8, 20) else 256) == 0
 
 
 class GGUFBlocks:
@@ -554,7 +555,12 @@ class GGUFBlocks:
         if qtype not in _BLOCK_SIZES:
             _check_type(-1, qtype)
         elems, nbytes = _BLOCK_SIZES[qtype]
-        if qtype in (102, 106, 108):  # Q4_0 / Q5_0 / Q8_0 panels hold their blocks in pairs: a unit of two
+        if qtype in (
+            102,
+            106,
+            108,
+            120,
+        ):  # Q4_0 / Q5_0 / Q8_0 / IQ4_NL panels hold their blocks in pairs: a unit of two
             elems, nbytes = 2 * elems, 2 * nbytes
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
             raise ValueError(f"raw must be uint8 [N, a multiple of {nbytes} bytes], got {raw.dtype} {list(raw.shape)}")

@@ -568,12 +568,12 @@ def iter_gguf_blocks(
     import numpy as np
     import torch
 
-    from pagedllm.kernels.ops import GROUP_LAYOUTS, fits_panels
+    from pagedllm.kernels.ops import _BLOCK_SIZES, fits_panels
 
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
         stored = qtype.name in native and data.ndim == 2
-        if stored and qtype.name in ("Q8_0", "Q5_0", "Q5_K", "Q4_0"):
-            _, elems, size = GROUP_LAYOUTS[int(qtype)]
+        if stored and qtype.name in ("Q8_0", "Q5_0", "Q5_K", "Q4_0", "IQ4_NL"):
+            elems, size = _BLOCK_SIZES[int(qtype)]
             stored = fits_panels(int(qtype), data.shape[0], data.shape[1] // size * elems)
         if stored:
             rows = unpermute(data)
