@@ -202,12 +202,13 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         "q5_k_m": _write_gguf(tmp_path / "g.gguf", {**k4m, "blk.0.attn_q.weight": ("Q5_K", 32)}),
         "q4_0": _write_gguf(tmp_path / "i.gguf", {**k4m, "blk.0.attn_q.weight": ("Q4_0", 32)}),
         "iq4_nl": _write_gguf(tmp_path / "j.gguf", {**k4m, "blk.0.attn_q.weight": ("IQ4_NL", 32)}),
+        "iq4_xs": _write_gguf(tmp_path / "k.gguf", {**k4m, "blk.0.attn_q.weight": ("IQ4_XS", 32)}),
         "ragged_q5_k": _write_gguf(tmp_path / "h.gguf", {**k4m, "blk.0.attn_q.weight": ("Q5_K", 40)}),
     }
     panels = kernels.load().gguf.has_panels
     assert all_in_panels(str(files["q4_k_m"])) == all_in_panels(str(files["with_q8_0"])) == panels
     assert all_in_panels(str(files["q5_k_m"])) == all_in_panels(str(files["q4_0"])) == panels
-    assert all_in_panels(str(files["iq4_nl"])) == panels
+    assert all_in_panels(str(files["iq4_nl"])) == all_in_panels(str(files["iq4_xs"])) == panels
     assert not any(all_in_panels(str(files[name])) for name in ("with_q4_1", "ragged", "odd_blocks", "ragged_q5_k"))
     # under an explicit 'gguf', Q8_0 / Q5_0 come as stored only where they fit panels (else as int8 groups)
     names = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.0.attn_k.weight")
@@ -220,7 +221,14 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
     def default(name: str, single: bool = True) -> str | None:
         return resolve_quantization(None, resolve_model(str(files[name])), None, CPU, single)
 
-    assert default("q4_k_m") == default("with_q8_0") == default("q5_k_m") == default("q4_0") == default("iq4_nl")
+    assert (
+        default("q4_k_m")
+        == default("with_q8_0")
+        == default("q5_k_m")
+        == default("q4_0")
+        == default("iq4_nl")
+        == default("iq4_xs")
+    )
     assert default("q4_k_m") == ("gguf" if panels else "gguf-exact")
     assert default("q4_k_m", single=False) == default("with_q4_1") == default("ragged") == "gguf-exact"
     assert resolve_quantization("gguf-exact", resolve_model(str(files["q4_k_m"])), None, CPU) == "gguf-exact"
@@ -249,7 +257,7 @@ def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -
 def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     """A 2-layer Qwen2 GGUF whose every quantized tensor is Q4_K or Q6_K (v, ffn_down and the tied embedding
     Q6_K) in layer 0, Q5_0 and Q8_0 (v) in layer 1 beside a Q5_K ffn_up (a Q5_K_M file's type), a Q4_0
-    attn_output, an IQ4_NL attn_k and a Q6_K ffn_down, as Q4_K_M files have them (Qwen2.5's
+    attn_output, an IQ4_NL attn_k, an IQ4_XS ffn_gate and a Q6_K ffn_down, as Q4_K_M files have them (Qwen2.5's
     0.5B falls back to those where its rows of 896 are no whole super-blocks), random blocks; no tokenizer (the
     engine is given SmolLM2's)."""
 
@@ -257,8 +265,8 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
         q4, q6 = ("Q4_K", "Q6_K") if layer == 0 else ("Q5_0", "Q8_0")
         if name == "ffn_down":
             return "Q6_K"
-        if layer == 1 and name in ("attn_output", "ffn_up", "attn_k"):
-            return {"attn_output": "Q4_0", "ffn_up": "Q5_K", "attn_k": "IQ4_NL"}[name]
+        if layer == 1 and name in ("attn_output", "ffn_up", "attn_k", "ffn_gate"):
+            return {"attn_output": "Q4_0", "ffn_up": "Q5_K", "attn_k": "IQ4_NL", "ffn_gate": "IQ4_XS"}[name]
         return q6 if name == "attn_v" else q4
 
     return _write_tiny_qwen2(path, vocab, "Q6_K", kind)
@@ -358,7 +366,7 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
         model = llm.llm_engine.core.runner.model
         assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear) and model.layers[0].mlp.down_proj.qtype == 114
         assert [p.qtype for p in model.layers[1].self_attn.qkv_proj.parts] == [106, 120, 108]  # Q5_0, IQ4_NL, Q8_0
-        assert [p.qtype for p in model.layers[1].mlp.gate_up_proj.parts] == [106, 113]  # Q5_0, Q5_K in panels
+        assert [p.qtype for p in model.layers[1].mlp.gate_up_proj.parts] == [123, 113]  # IQ4_XS, Q5_K in panels
         assert model.layers[1].self_attn.o_proj.qtype == 102  # Q4_0 in panels
         if kw.get("enable_prefix_caching"):
             llm.generate([{"prompt_token_ids": shared + [7]}], sp, use_tqdm=False)

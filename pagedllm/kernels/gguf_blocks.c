@@ -16,6 +16,10 @@
  *              Read in panels only.
  *   IQ4_NL (20) Q4_0's bytes, each nibble i an index into 16 int8 values: w = d * IQ4_NL_VALUES[i]. In panels
  *              only, multiplied as Q8_0's bytes (the values + 128, unsigned, looked up by vpshufb).
+ *   IQ4_XS (23) 136 bytes / 256: f16 d, u16 scales_h, 4 bytes scales_l, then IQ4_NL's 16 bytes of nibbles for each
+ *              sub-block s of 32: w = (d * (ls - 32)) * IQ4_NL_VALUES[i], ls = the low (s even) or high nibble of
+ *              scales_l[s / 2] and bits 2s, 2s + 1 of scales_h above it. In panels only (integer sums per
+ *              sub-block times ls - 32, one float multiply-add per super-block, as the K-quants).
  *   Q5_0 (6)   22 bytes / 32: f16 d, u32 qh (bit j: element j's fifth bit), 16 bytes of nibbles (element j
  *              low, j + 16 high); w = d * (q - 16), q 0..31.
  *
@@ -68,7 +72,7 @@
 #define GB_PANELS 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 /* the 16 values IQ4_NL's nibbles index (llama.cpp's kvalues_iq4nl) */
 static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -94,7 +98,7 @@ static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -1
 static int block_elems_any(int type) {
     switch (type) {
         case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
-        case Q4_K: case Q5_K: case Q6_K: return 256;
+        case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
         default: return 0;
     }
 }
@@ -109,6 +113,7 @@ static int block_bytes_any(int type) {
         case Q4_K: return 144;
         case Q5_K: return 176;
         case Q6_K: return 210;
+        case IQ4_XS: return 136;
         default: return 0;
     }
 }
@@ -117,7 +122,7 @@ static int block_bytes_any(int type) {
  * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
  * row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
-       P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL };
+       P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL, P_IQ4_XS = PANEL + IQ4_XS };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
 /* the same for the types the matmul kernels read (0: a type they do not read): four as stored, six repacked (Q5_K
@@ -125,7 +130,7 @@ static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 static int reads(int type) {
 #ifdef GB_PANELS
     if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K || type == P_Q4_0 ||
-        type == P_IQ4_NL)
+        type == P_IQ4_NL || type == P_IQ4_XS)
         return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
@@ -350,6 +355,19 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
             for (int l = 0; l < 32; l++)
                 out[32 * s + l] = rounded(d1 * (float)(((q[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4))) - m1;
         }
+    } else if (type == IQ4_XS) {
+        const uint8_t *b = row + c * 136;
+        const float d = f16(b);
+        const uint32_t sh = (uint32_t)b[2] | (uint32_t)b[3] << 8;
+        for (int s = 0; s < 8; s++) {
+            const int ls = ((b[4 + s / 2] >> 4 * (s & 1)) & 15) | (((sh >> 2 * s) & 3) << 4);
+            const float dl = d * (float)(ls - 32);
+            const uint8_t *q = b + 8 + 16 * s;
+            for (int j = 0; j < 16; j++) {
+                out[32 * s + j] = dl * (float)IQ4_NL_VALUES[q[j] & 15];
+                out[32 * s + j + 16] = dl * (float)IQ4_NL_VALUES[q[j] >> 4];
+            }
+        }
     } else if (type == Q6_K) {
         const uint8_t *b = row + c * 210;
         const float d = f16(b + 208);
@@ -421,7 +439,7 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
  * as the file stores them, read only in panels otherwise, are read here too: a panel's row looked up, an
  * embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
-    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL) return -1;
+    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL && type != IQ4_XS) return -1;
     const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
     if (type > PANEL) {  /* a row at a time as the file stores it */
         int failed = 0;
@@ -856,12 +874,13 @@ static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
 
 /* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
  * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 and
- * IQ4_NL 128, Q5_0 16, Q4_0 8; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
+ * the i-quants 128, Q5_0 16, Q4_0 8; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
  * (for Q4_K's mins, and AVX2's Q6_K: at most 32 * 127 in magnitude). NULL when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
     const int64_t ng = K / G;
-    const int off = type == Q6_K ? 32 : type == Q8_0 || type == IQ4_NL ? 128 : type == Q5_0 ? 16 : type == Q4_0 ? 8 : 1;
+    const int off = type == Q6_K ? 32 : type == Q8_0 || type == IQ4_NL || type == IQ4_XS ? 128 : type == Q5_0 ? 16
+                  : type == Q4_0 ? 8 : 1;
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
     int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);
     if (!xs || !xs2) {
@@ -1461,12 +1480,57 @@ static inline __attribute__((always_inline)) void packed_q32(int type, int rt, i
 #define PACKED_DIRECT_ROWS 40
 #endif
 
+/* the same for a repacked IQ4_XS panel, at every row count (no expanded form): per super-block, word 0 (d | scales_h)
+ * and word 1 (scales_l), then sub-block s's nibbles in words 2 + 4s .. 5 + 4s (repack_panel's layout); each nibble's
+ * value + 128 looked up (vpshufb), each sub-block's dot less 128 sum(q_x) times its ls - 32, summed in int32, then
+ * one multiply-add by d dx */
+static inline __attribute__((always_inline)) void packed_iq4xs(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                               const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, ng = K / 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(iq4nl_table());
+    __m512 acc[RT];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = pb + sb * NP * 136;
+        PREFETCH_AHEAD(b, NP * 136);
+        const __m512i w0 = _mm512_load_si512(b), w1 = _mm512_load_si512(b + 64);
+        __m512i is[RT];
+        for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            const __m512i lo4 = _mm512_and_si512(_mm512_srli_epi32(w1, 4 * s), _mm512_set1_epi32(15));
+            const __m512i hi2 = _mm512_and_si512(_mm512_srli_epi32(w0, 16 + 2 * s), _mm512_set1_epi32(3));
+            const __m512i sv = _mm512_sub_epi32(_mm512_or_si512(lo4, _mm512_slli_epi32(hi2, 4)), _mm512_set1_epi32(32));
+            const uint8_t *xc = (const uint8_t *)qx + sb * QK + 32 * s;
+            __m512i a[2][RT];
+            for (int r = 0; r < rt; r++) a[0][r] = a[1][r] = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_load_si512(b + (2 + 4 * s + j) * 64);
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+                const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+                for (int r = 0; r < rt; r++) {
+                    a[0][r] = dpbusd_b(a[0][r], lo, xc + r * K + 4 * j);
+                    a[1][r] = dpbusd_b(a[1][r], hi, xc + r * K + 16 + 4 * j);
+                }
+            }
+            for (int r = 0; r < rt; r++) {
+                const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(a[0][r], a[1][r]), _mm512_set1_epi32(xs[r * ng + sb * 8 + s]));
+                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t, sv));
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w0));
+        for (int r = 0; r < rt; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * nsb + sb])), acc[r]);
+    }
+    for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
 /* rows 0 .. rt - 1 of y against repacked panel pb (a repacked type) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                               const int32_t *xs, const int32_t *xs2, const float *dx,
                                                               float *y, int64_t ldy) {
     if (type == P_Q4_K || type == P_Q5_K) packed_q4k(type == P_Q5_K, rt, K, pb, qx, xs2, dx, y, ldy);
     else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
+    else if (type == P_IQ4_XS) packed_iq4xs(rt, K, pb, qx, xs, dx, y, ldy);
     else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
 
@@ -1478,7 +1542,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     int failed = 0;
-    if (ptype > PANEL && M <= PACKED_DIRECT_ROWS) {  /* repacked: each panel's words where they lie */
+    if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || ptype == P_IQ4_XS)) {  /* repacked: each panel's words in place */
 #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NP)
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
@@ -1511,6 +1575,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     PACKED(P_Q4_0)
                 } else if (ptype == P_IQ4_NL) {
                     PACKED(P_IQ4_NL)
+                } else if (ptype == P_IQ4_XS) {
+                    PACKED(P_IQ4_XS)
                 } else {
                     PACKED(P_Q5_0)
                 }
@@ -1610,14 +1676,15 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 
 #include "gguf_panels_avx2.h"
 
-/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0 or IQ4_NL (the file's rows, raw) repacked into out (as many
- * bytes) for the kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another type, N
- * not a multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0 / IQ4_NL: 64), or a build without the panels
- * (below AVX2) */
+/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS (the file's rows, raw) repacked into out (as
+ * many bytes) for the kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another
+ * type, N not a multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0 / IQ4_NL: 64), or a build without the
+ * panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
     const int q32 = type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL;
-    if ((type != Q4_K && type != Q5_K && type != Q6_K && !q32) || N % NP || K % (q32 ? 64 : QK)) return -1;
+    if ((type != Q4_K && type != Q5_K && type != Q6_K && type != IQ4_XS && !q32) || N % NP || K % (q32 ? 64 : QK))
+        return -1;
     const int64_t row_bytes = K / block_elems_any(type) * block_bytes_any(type);
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {

@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) __m256 f16_lanes(__m256i w, int hi)
     return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
 }
 
-/* one panel: 16 rows of a Q4_K, Q5_K or Q6_K weight (row_bytes apart, nsb super-blocks) repacked into dst: word w of
+/* one panel: 16 rows of a Q4_K, Q5_K, Q6_K or IQ4_XS weight (row_bytes apart, nsb super-blocks) repacked into dst: word w of
  * row c at dst + (w * 16 + c) * 4, a block's last bytes (Q6_K's d) after its words as 16 pairs */
 static void repack_panel(int type, const uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *dst) {
     const int bytes = block_bytes_any(type), words = bytes / 4;
@@ -460,6 +460,63 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
 }
 
+/* half hf of a repacked IQ4_XS panel as packed_iq4xs of AVX-512 computes it. With AVX-VNNI the values + 128 (vpdpbusd)
+ * less 128 sum(q_x); without, the signed values with their signs moved onto x (vpmaddubsw pairs of at most
+ * 2 * 127 * 127): the same integer per sub-block */
+static inline __attribute__((always_inline)) void half_iq4xs(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
+                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, ng = K / 32;
+    (void)ng, (void)xs;  /* without AVX-VNNI no offset comes off */
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#ifdef __AVXVNNI__
+    const __m256i table = _mm256_broadcastsi128_si256(iq4nl_table());
+#else
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+#endif
+    __m256 acc[RTA];
+    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = pb + sb * NP * 136 + 32 * hf;
+        if (!hf) PREFETCH_AHEAD(b, NP * 136);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)b), w1 = _mm256_loadu_si256((const __m256i *)(b + 64));
+        __m256i is[RTA];
+        for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * s), _mm256_set1_epi32(15));
+            const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(w0, 16 + 2 * s), _mm256_set1_epi32(3));
+            const __m256i sv = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+            const int8_t *xc = qx + sb * QK + 32 * s;
+            __m256i a[2][RTA];
+            for (int r = 0; r < rt; r++) a[0][r] = a[1][r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (2 + 4 * s + j) * 64));
+                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+                const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                for (int r = 0; r < rt; r++) {
+#ifdef __AVXVNNI__
+                    a[0][r] = dp8(a[0][r], lo, bcast4(xc + r * K + 4 * j));
+                    a[1][r] = dp8(a[1][r], hi, bcast4(xc + r * K + 16 + 4 * j));
+#else
+                    a[0][r] = dp8(a[0][r], _mm256_abs_epi8(lo), _mm256_sign_epi8(bcast4(xc + r * K + 4 * j), lo));
+                    a[1][r] = dp8(a[1][r], _mm256_abs_epi8(hi), _mm256_sign_epi8(bcast4(xc + r * K + 16 + 4 * j), hi));
+#endif
+                }
+            }
+            for (int r = 0; r < rt; r++) {
+                __m256i t = _mm256_add_epi32(a[0][r], a[1][r]);
+#ifdef __AVXVNNI__
+                t = _mm256_sub_epi32(t, _mm256_set1_epi32(xs[r * ng + sb * 8 + s]));
+#endif
+                is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(t, sv));
+            }
+        }
+        const __m256 dv = f16_lanes(w0, 0);
+        for (int r = 0; r < rt; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nsb + sb])), acc[r]);
+    }
+    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
+}
+
 /* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q5_K / Q6_K: their
  * words from ex, expand_panel's / expand_panel's, where xp) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
@@ -468,6 +525,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
     for (int hf = 0; hf < 2; hf++) {
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
+        else if (type == P_IQ4_XS) half_iq4xs(rt, K, pb, hf, qx, xs, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
 }
@@ -528,6 +586,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 PACKED(P_Q4_0, 0)
             } else if (ptype == P_IQ4_NL) {
                 PACKED(P_IQ4_NL, 0)
+            } else if (ptype == P_IQ4_XS) {
+                PACKED(P_IQ4_XS, 0)
             } else {
                 PACKED(P_Q5_0, 0)
             }
