@@ -203,12 +203,14 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         "q4_0": _write_gguf(tmp_path / "i.gguf", {**k4m, "blk.0.attn_q.weight": ("Q4_0", 32)}),
         "iq4_nl": _write_gguf(tmp_path / "j.gguf", {**k4m, "blk.0.attn_q.weight": ("IQ4_NL", 32)}),
         "iq4_xs": _write_gguf(tmp_path / "k.gguf", {**k4m, "blk.0.attn_q.weight": ("IQ4_XS", 32)}),
+        "q3_k_m": _write_gguf(tmp_path / "l.gguf", {**k4m, "blk.0.attn_q.weight": ("Q3_K", 32)}),
         "ragged_q5_k": _write_gguf(tmp_path / "h.gguf", {**k4m, "blk.0.attn_q.weight": ("Q5_K", 40)}),
     }
     panels = kernels.load().gguf.has_panels
     assert all_in_panels(str(files["q4_k_m"])) == all_in_panels(str(files["with_q8_0"])) == panels
     assert all_in_panels(str(files["q5_k_m"])) == all_in_panels(str(files["q4_0"])) == panels
     assert all_in_panels(str(files["iq4_nl"])) == all_in_panels(str(files["iq4_xs"])) == panels
+    assert all_in_panels(str(files["q3_k_m"])) == panels
     assert not any(all_in_panels(str(files[name])) for name in ("with_q4_1", "ragged", "odd_blocks", "ragged_q5_k"))
     # under an explicit 'gguf', Q8_0 / Q5_0 come as stored only where they fit panels (else as int8 groups)
     names = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.0.attn_k.weight")
@@ -228,6 +230,7 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         == default("q4_0")
         == default("iq4_nl")
         == default("iq4_xs")
+        == default("q3_k_m")
     )
     assert default("q4_k_m") == ("gguf" if panels else "gguf-exact")
     assert default("q4_k_m", single=False) == default("with_q4_1") == default("ragged") == "gguf-exact"
@@ -257,12 +260,15 @@ def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -
 def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     """A 2-layer Qwen2 GGUF whose every quantized tensor is Q4_K or Q6_K (v, ffn_down and the tied embedding
     Q6_K) in layer 0, Q5_0 and Q8_0 (v) in layer 1 beside a Q5_K ffn_up (a Q5_K_M file's type), a Q4_0
-    attn_output, an IQ4_NL attn_k, an IQ4_XS ffn_gate and a Q6_K ffn_down, as Q4_K_M files have them (Qwen2.5's
+    attn_output, an IQ4_NL attn_k, an IQ4_XS ffn_gate and a Q6_K ffn_down, as Q4_K_M files have them (and a Q3_K
+    attn_output in layer 0, a Q3_K_M file's type) (Qwen2.5's
     0.5B falls back to those where its rows of 896 are no whole super-blocks), random blocks; no tokenizer (the
     engine is given SmolLM2's)."""
 
     def kind(layer: int, name: str) -> str:
         q4, q6 = ("Q4_K", "Q6_K") if layer == 0 else ("Q5_0", "Q8_0")
+        if layer == 0 and name == "attn_output":
+            return "Q3_K"
         if name == "ffn_down":
             return "Q6_K"
         if layer == 1 and name in ("attn_output", "ffn_up", "attn_k", "ffn_gate"):
@@ -368,6 +374,7 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
         assert [p.qtype for p in model.layers[1].self_attn.qkv_proj.parts] == [106, 120, 108]  # Q5_0, IQ4_NL, Q8_0
         assert [p.qtype for p in model.layers[1].mlp.gate_up_proj.parts] == [123, 113]  # IQ4_XS, Q5_K in panels
         assert model.layers[1].self_attn.o_proj.qtype == 102  # Q4_0 in panels
+        assert model.layers[0].self_attn.o_proj.qtype == 111  # Q3_K in panels
         if kw.get("enable_prefix_caching"):
             llm.generate([{"prompt_token_ids": shared + [7]}], sp, use_tqdm=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)

@@ -16,6 +16,9 @@
  *              Read in panels only.
  *   IQ4_NL (20) Q4_0's bytes, each nibble i an index into 16 int8 values: w = d * IQ4_NL_VALUES[i]. In panels
  *              only, multiplied as Q8_0's bytes (the values + 128, unsigned, looked up by vpshufb).
+ *   Q3_K (11)  110 bytes / 256: hmask[32], qs[64], 12 bytes of sixteen 6-bit scales, f16 d. Element 128h + 32j + l
+ *              (h < 2, j < 4, l < 32) is bits 2j of qs[32h + l] plus 4 where bit 4h + j of hmask[l] is set, less 4:
+ *              w = (d * (sc[e / 16] - 32)) * (q - 4), q 0..7. In panels only (Q6_K's arithmetic, offset 4).
  *   IQ4_XS (23) 136 bytes / 256: f16 d, u16 scales_h, 4 bytes scales_l, then IQ4_NL's 16 bytes of nibbles for each
  *              sub-block s of 32: w = (d * (ls - 32)) * IQ4_NL_VALUES[i], ls = the low (s even) or high nibble of
  *              scales_l[s / 2] and bits 2s, 2s + 1 of scales_h above it. In panels only (integer sums per
@@ -72,7 +75,8 @@
 #define GB_PANELS 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+       IQ4_XS = 23 };
 
 /* the 16 values IQ4_NL's nibbles index (llama.cpp's kvalues_iq4nl) */
 static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -98,7 +102,7 @@ static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -1
 static int block_elems_any(int type) {
     switch (type) {
         case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
-        case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
+        case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
         default: return 0;
     }
 }
@@ -114,6 +118,7 @@ static int block_bytes_any(int type) {
         case Q5_K: return 176;
         case Q6_K: return 210;
         case IQ4_XS: return 136;
+        case Q3_K: return 110;
         default: return 0;
     }
 }
@@ -122,7 +127,8 @@ static int block_bytes_any(int type) {
  * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
  * row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
-       P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL, P_IQ4_XS = PANEL + IQ4_XS };
+       P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL, P_IQ4_XS = PANEL + IQ4_XS,
+       P_Q3_K = PANEL + Q3_K };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
 /* the same for the types the matmul kernels read (0: a type they do not read): four as stored, six repacked (Q5_K
@@ -130,7 +136,7 @@ static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 static int reads(int type) {
 #ifdef GB_PANELS
     if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K || type == P_Q4_0 ||
-        type == P_IQ4_NL || type == P_IQ4_XS)
+        type == P_IQ4_NL || type == P_IQ4_XS || type == P_Q3_K)
         return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
@@ -355,6 +361,19 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
             for (int l = 0; l < 32; l++)
                 out[32 * s + l] = rounded(d1 * (float)(((q[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4))) - m1;
         }
+    } else if (type == Q3_K) {
+        const uint8_t *b = row + c * 110, *hm = b, *qs = b + 32, *scb = b + 96;
+        const float d = f16(b + 108);
+        for (int s = 0; s < 16; s++) {
+            const int sc = ((scb[s % 8] >> 4 * (s / 8)) & 15) | (((scb[8 + s % 4] >> 2 * (s / 4)) & 3) << 4);
+            const float dl = d * (float)(sc - 32);
+            const int h = s / 8, j = (s % 8) / 2;
+            for (int i = 0; i < 16; i++) {
+                const int l = 16 * (s % 2) + i;
+                const int q = ((qs[32 * h + l] >> 2 * j) & 3) - (((hm[l] >> (4 * h + j)) & 1) ? 0 : 4);
+                out[16 * s + i] = dl * (float)q;
+            }
+        }
     } else if (type == IQ4_XS) {
         const uint8_t *b = row + c * 136;
         const float d = f16(b);
@@ -439,7 +458,7 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
  * as the file stores them, read only in panels otherwise, are read here too: a panel's row looked up, an
  * embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
-    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL && type != IQ4_XS) return -1;
+    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL && type != IQ4_XS && type != Q3_K) return -1;
     const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
     if (type > PANEL) {  /* a row at a time as the file stores it */
         int failed = 0;
@@ -870,17 +889,17 @@ int gguf_has_panels(void) {
 
 #ifdef GB_PANELS
 #define NP 16  /* columns of a panel: one per int32 lane (AVX2: of its two halves' lanes) */
-static int group_elems(int type) { return type == Q6_K ? 16 : 32; }
+static int group_elems(int type) { return type == Q6_K || type == Q3_K ? 16 : 32; }
 
 /* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
  * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 and
- * the i-quants 128, Q5_0 16, Q4_0 8; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
+ * the i-quants 128, Q5_0 16, Q4_0 8, Q3_K 4; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
  * (for Q4_K's mins, and AVX2's Q6_K: at most 32 * 127 in magnitude). NULL when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
     const int64_t ng = K / G;
     const int off = type == Q6_K ? 32 : type == Q8_0 || type == IQ4_NL || type == IQ4_XS ? 128 : type == Q5_0 ? 16
-                  : type == Q4_0 ? 8 : 1;
+                  : type == Q4_0 || type == Q3_K ? type == Q4_0 ? 8 : 4 : 1;
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
     int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);
     if (!xs || !xs2) {
@@ -1524,6 +1543,56 @@ static inline __attribute__((always_inline)) void packed_iq4xs(int rt, int64_t K
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
+/* the same for a repacked Q3_K panel, at every row count: per super-block, words 0-7 hmask, 8-23 qs, 24-26 the
+ * scales (repack_panel's layout; d after the words as 16 pairs). Word w (< 4) of group g (16 weights: half h = g / 8,
+ * shift j = g % 8 / 2, elements l = 16 (g % 2) + 4w ..) is qs word 8 + 8h + 4 (g % 2) + w's bits 2j, plus hmask word
+ * 4 (g % 2) + w's bit 4h + j at bit 2: q + 4 unsigned. Each group's dot less 4 sum(q_x) times its scale - 32, summed
+ * in int32, then one multiply-add by d dx */
+static inline __attribute__((always_inline)) __m512i q3k_scale16(const __m512i s0, const __m512i s1, const __m512i s2, int g) {
+    const __m512i lo = _mm512_srli_epi32(g % 8 < 4 ? s0 : s1, 8 * (g % 4) + 4 * (g / 8));
+    const __m512i hi = _mm512_srli_epi32(s2, 8 * (g % 4) + 2 * (g / 4));
+    const __m512i sc = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)),
+                                       _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+    return _mm512_sub_epi32(sc, _mm512_set1_epi32(32));
+}
+
+static inline __attribute__((always_inline)) void packed_q3k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, ng = K / 16;
+    const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+    __m512 acc[RT];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = pb + sb * NP * 110;  /* 1,760 bytes a super-block: every other one off a line of 64 */
+        PREFETCH_AHEAD(b, NP * 110);
+        const __m512i s0 = _mm512_loadu_si512(b + 24 * 64), s1 = _mm512_loadu_si512(b + 25 * 64);
+        const __m512i s2 = _mm512_loadu_si512(b + 26 * 64);
+        __m512i is[RT];
+        for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 16; g++) {
+            const int h = g / 8, j = (g % 8) / 2, half = g % 2;
+            const uint8_t *xc = (const uint8_t *)qx + sb * QK + 16 * g;
+            __m512i a[RT];
+            for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
+            for (int w = 0; w < 4; w++) {
+                const __m512i ql = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (8 + 8 * h + 4 * half + w) * 64), 2 * j), m2);
+                const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (4 * half + w) * 64), 4 * h + j), m1);
+                const __m512i u = _mm512_or_si512(ql, _mm512_slli_epi16(hb, 2));
+                for (int r = 0; r < rt; r++) a[r] = dpbusd_b(a[r], u, xc + r * K + 4 * w);
+            }
+            const __m512i sv = q3k_scale16(s0, s1, s2, g);
+            for (int r = 0; r < rt; r++) {
+                const __m512i t = _mm512_sub_epi32(a[r], _mm512_set1_epi32(xs[r * ng + sb * 16 + g]));
+                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t, sv));
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 27 * 64)));
+        for (int r = 0; r < rt; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * nsb + sb])), acc[r]);
+    }
+    for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
 /* rows 0 .. rt - 1 of y against repacked panel pb (a repacked type) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                               const int32_t *xs, const int32_t *xs2, const float *dx,
@@ -1531,6 +1600,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int rt, 
     if (type == P_Q4_K || type == P_Q5_K) packed_q4k(type == P_Q5_K, rt, K, pb, qx, xs2, dx, y, ldy);
     else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
     else if (type == P_IQ4_XS) packed_iq4xs(rt, K, pb, qx, xs, dx, y, ldy);
+    else if (type == P_Q3_K) packed_q3k(rt, K, pb, qx, xs, dx, y, ldy);
     else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
 
@@ -1542,7 +1612,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     int failed = 0;
-    if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || ptype == P_IQ4_XS)) {  /* repacked: each panel's words in place */
+    if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || ptype == P_IQ4_XS || ptype == P_Q3_K)) {  /* words in place */
 #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NP)
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
@@ -1577,6 +1647,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     PACKED(P_IQ4_NL)
                 } else if (ptype == P_IQ4_XS) {
                     PACKED(P_IQ4_XS)
+                } else if (ptype == P_Q3_K) {
+                    PACKED(P_Q3_K)
                 } else {
                     PACKED(P_Q5_0)
                 }
@@ -1676,14 +1748,15 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 
 #include "gguf_panels_avx2.h"
 
-/* W [N, K] of type Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS (the file's rows, raw) repacked into out (as
+/* W [N, K] of type Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS (the file's rows, raw) repacked into out (as
  * many bytes) for the kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another
  * type, N not a multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0 / IQ4_NL: 64), or a build without the
  * panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
     const int q32 = type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL;
-    if ((type != Q4_K && type != Q5_K && type != Q6_K && type != IQ4_XS && !q32) || N % NP || K % (q32 ? 64 : QK))
+    const int k_quant = type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS;
+    if ((!k_quant && !q32) || N % NP || K % (q32 ? 64 : QK))
         return -1;
     const int64_t row_bytes = K / block_elems_any(type) * block_bytes_any(type);
 #pragma omp parallel for schedule(static)
