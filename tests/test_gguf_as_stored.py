@@ -204,13 +204,14 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         "iq4_nl": _write_gguf(tmp_path / "j.gguf", {**k4m, "blk.0.attn_q.weight": ("IQ4_NL", 32)}),
         "iq4_xs": _write_gguf(tmp_path / "k.gguf", {**k4m, "blk.0.attn_q.weight": ("IQ4_XS", 32)}),
         "q3_k_m": _write_gguf(tmp_path / "l.gguf", {**k4m, "blk.0.attn_q.weight": ("Q3_K", 32)}),
+        "q2_k": _write_gguf(tmp_path / "m.gguf", {**k4m, "blk.0.attn_q.weight": ("Q2_K", 32)}),
         "ragged_q5_k": _write_gguf(tmp_path / "h.gguf", {**k4m, "blk.0.attn_q.weight": ("Q5_K", 40)}),
     }
     panels = kernels.load().gguf.has_panels
     assert all_in_panels(str(files["q4_k_m"])) == all_in_panels(str(files["with_q8_0"])) == panels
     assert all_in_panels(str(files["q5_k_m"])) == all_in_panels(str(files["q4_0"])) == panels
     assert all_in_panels(str(files["iq4_nl"])) == all_in_panels(str(files["iq4_xs"])) == panels
-    assert all_in_panels(str(files["q3_k_m"])) == panels
+    assert all_in_panels(str(files["q3_k_m"])) == all_in_panels(str(files["q2_k"])) == panels
     assert not any(all_in_panels(str(files[name])) for name in ("with_q4_1", "ragged", "odd_blocks", "ragged_q5_k"))
     # under an explicit 'gguf', Q8_0 / Q5_0 come as stored only where they fit panels (else as int8 groups)
     names = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.0.attn_k.weight")
@@ -231,6 +232,7 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         == default("iq4_nl")
         == default("iq4_xs")
         == default("q3_k_m")
+        == default("q2_k")
     )
     assert default("q4_k_m") == ("gguf" if panels else "gguf-exact")
     assert default("q4_k_m", single=False) == default("with_q4_1") == default("ragged") == "gguf-exact"
@@ -261,14 +263,14 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     """A 2-layer Qwen2 GGUF whose every quantized tensor is Q4_K or Q6_K (v, ffn_down and the tied embedding
     Q6_K) in layer 0, Q5_0 and Q8_0 (v) in layer 1 beside a Q5_K ffn_up (a Q5_K_M file's type), a Q4_0
     attn_output, an IQ4_NL attn_k, an IQ4_XS ffn_gate and a Q6_K ffn_down, as Q4_K_M files have them (and a Q3_K
-    attn_output in layer 0, a Q3_K_M file's type) (Qwen2.5's
+    attn_output and a Q2_K ffn_up in layer 0) (Qwen2.5's
     0.5B falls back to those where its rows of 896 are no whole super-blocks), random blocks; no tokenizer (the
     engine is given SmolLM2's)."""
 
     def kind(layer: int, name: str) -> str:
         q4, q6 = ("Q4_K", "Q6_K") if layer == 0 else ("Q5_0", "Q8_0")
-        if layer == 0 and name == "attn_output":
-            return "Q3_K"
+        if layer == 0 and name in ("attn_output", "ffn_up"):
+            return "Q3_K" if name == "attn_output" else "Q2_K"
         if name == "ffn_down":
             return "Q6_K"
         if layer == 1 and name in ("attn_output", "ffn_up", "attn_k", "ffn_gate"):
@@ -375,6 +377,7 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
         assert [p.qtype for p in model.layers[1].mlp.gate_up_proj.parts] == [123, 113]  # IQ4_XS, Q5_K in panels
         assert model.layers[1].self_attn.o_proj.qtype == 102  # Q4_0 in panels
         assert model.layers[0].self_attn.o_proj.qtype == 111  # Q3_K in panels
+        assert [p.qtype for p in model.layers[0].mlp.gate_up_proj.parts] == [112, 110]  # Q4_K, Q2_K in panels
         if kw.get("enable_prefix_caching"):
             llm.generate([{"prompt_token_ids": shared + [7]}], sp, use_tqdm=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -400,20 +403,22 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
 def test_q2_k_q3_k_and_the_4_bit_i_quants_load_as_stored_as_float32s_function_of_their_blocks(
     tmp_path, smollm2_tokenizer_dir
 ):
-    """Q2_K, Q3_K (Q3_K_M files), IQ4_NL and IQ4_XS run as stored under the GGUF modes: each tensor in our int8
-    groups holding exactly the values gguf dequantizes it to (Q2_K and Q3_K with a scale per 16, Q2_K with a min
-    per 16), float32 activations under 'gguf-exact', so a model is the float32 function of the file's weights: its
-    greedy tokens are those of the model that widens every weight ('none'). 'gguf' takes int8 activations where a
-    tensor has a scale per 32 (the i-quants). Such files default to 'gguf-exact'; other i-quants are refused
-    (test above)."""
+    """Q2_K, Q3_K (Q3_K_M files), IQ4_NL and IQ4_XS run as stored under the GGUF modes. Under 'gguf-exact' each
+    tensor is in our int8 groups holding exactly the values gguf dequantizes it to (Q2_K and Q3_K with a scale per
+    16, Q2_K with a min per 16), with float32 activations, so a model is the float32 function of the file's weights:
+    its greedy tokens are those of the model that widens every weight ('none'). 'gguf' (their default where the
+    CPU has the panels) runs them in panels, near that function. Other i-quants are refused (test above)."""
     from pagedllm.model_loader.gguf_loader import all_in_panels, iter_gguf_weights
     from pagedllm.worker.loader import resolve_quantization
 
     kinds = {"attn_q": "Q3_K", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "Q3_K"}
     kinds |= {"ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "IQ4_NL"}
     path = _write_tiny_qwen2(tmp_path / "tiny-iq.gguf", 49152, "IQ4_XS", lambda layer, name: kinds[name])
-    assert not all_in_panels(str(path))
-    assert resolve_quantization(None, resolve_model(str(path)), None, CPU) == "gguf-exact"
+    from pagedllm import kernels
+
+    panels = kernels.load().gguf.has_panels
+    assert all_in_panels(str(path)) == panels
+    assert resolve_quantization(None, resolve_model(str(path)), None, CPU) == ("gguf" if panels else "gguf-exact")
     src = resolve_model(str(path))
     exact, wide = (
         load_model(src, load_config(src), torch.float32, CPU, quantization=mode) for mode in ("gguf-exact", "none")

@@ -24,7 +24,7 @@ from pagedllm.kernels.build import library_flags  # noqa: E402
 from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]  # read as the file stores them and in panels
-PANEL_TYPES = [*TYPES, T.Q5_K, T.Q4_0, T.IQ4_NL, T.IQ4_XS, T.Q3_K]  # in panels (all but TYPES only there)
+PANEL_TYPES = [*TYPES, T.Q5_K, T.Q4_0, T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K]  # in panels (all but TYPES only there)
 SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf_blocks.c")
 LEVELS = isa.machine_levels()  # every instruction-set level this machine runs (pagedllm.kernels.isa)
 
@@ -50,12 +50,12 @@ def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if qtype in (T.Q8_0, T.Q5_0, T.Q4_0):
         return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
-    if qtype in (T.IQ4_NL, T.IQ4_XS, T.Q3_K):  # random bytes, d (at 0, Q3_K's at 108) of a realistic size
+    if qtype in (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K):  # random bytes, float16 scales of a realistic size
         elems, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
-        d = rng.uniform(1e-4, 1e-3, (n, k // elems, 1)) / {T.IQ4_NL: 1, T.IQ4_XS: 16, T.Q3_K: 4}[qtype]
-        at = 108 if qtype == T.Q3_K else 0
-        raw[..., at : at + 2] = d.astype(np.float16).view(np.uint8)
+        for at in {T.Q3_K: (108,), T.Q2_K: (80, 82)}.get(qtype, (0,)):
+            d = rng.uniform(1e-4, 1e-3, (n, k // elems, 1)) / {T.IQ4_NL: 1, T.IQ4_XS: 16}.get(qtype, 4)
+            raw[..., at : at + 2] = d.astype(np.float16).view(np.uint8)
         return raw.reshape(n, -1)
     size = {T.Q4_K: 144, T.Q5_K: 176}.get(qtype, 210)
     raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)

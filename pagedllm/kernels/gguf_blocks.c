@@ -16,6 +16,9 @@
  *              Read in panels only.
  *   IQ4_NL (20) Q4_0's bytes, each nibble i an index into 16 int8 values: w = d * IQ4_NL_VALUES[i]. In panels
  *              only, multiplied as Q8_0's bytes (the values + 128, unsigned, looked up by vpshufb).
+ *   Q2_K (10)  84 bytes / 256: sixteen bytes of a 4-bit scale (low) and min (high) per 16, qs[64], f16 d and dmin.
+ *              Element 128h + 32j + l is bits 2j of qs[32h + l]: w = (d * sc) * q - dmin * m, q 0..3. In panels
+ *              only (Q4_K's arithmetic per 16: the mins times the plain sums of x per 16).
  *   Q3_K (11)  110 bytes / 256: hmask[32], qs[64], 12 bytes of sixteen 6-bit scales, f16 d. Element 128h + 32j + l
  *              (h < 2, j < 4, l < 32) is bits 2j of qs[32h + l] plus 4 where bit 4h + j of hmask[l] is set, less 4:
  *              w = (d * (sc[e / 16] - 32)) * (q - 4), q 0..7. In panels only (Q6_K's arithmetic, offset 4).
@@ -75,8 +78,8 @@
 #define GB_PANELS 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
-       IQ4_XS = 23 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       IQ4_NL = 20, IQ4_XS = 23 };
 
 /* the 16 values IQ4_NL's nibbles index (llama.cpp's kvalues_iq4nl) */
 static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -102,7 +105,7 @@ static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -1
 static int block_elems_any(int type) {
     switch (type) {
         case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
-        case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
+        case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
         default: return 0;
     }
 }
@@ -119,6 +122,7 @@ static int block_bytes_any(int type) {
         case Q6_K: return 210;
         case IQ4_XS: return 136;
         case Q3_K: return 110;
+        case Q2_K: return 84;
         default: return 0;
     }
 }
@@ -128,7 +132,7 @@ static int block_bytes_any(int type) {
  * row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
        P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL, P_IQ4_XS = PANEL + IQ4_XS,
-       P_Q3_K = PANEL + Q3_K };
+       P_Q3_K = PANEL + Q3_K, P_Q2_K = PANEL + Q2_K };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
 /* the same for the types the matmul kernels read (0: a type they do not read): four as stored, six repacked (Q5_K
@@ -136,7 +140,7 @@ static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 static int reads(int type) {
 #ifdef GB_PANELS
     if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K || type == P_Q4_0 ||
-        type == P_IQ4_NL || type == P_IQ4_XS || type == P_Q3_K)
+        type == P_IQ4_NL || type == P_IQ4_XS || type == P_Q3_K || type == P_Q2_K)
         return 1;
 #endif
     return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
@@ -361,6 +365,15 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
             for (int l = 0; l < 32; l++)
                 out[32 * s + l] = rounded(d1 * (float)(((q[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4))) - m1;
         }
+    } else if (type == Q2_K) {
+        const uint8_t *b = row + c * 84, *qs = b + 16;
+        const float d = f16(b + 80), dmin = f16(b + 82);
+        for (int s = 0; s < 16; s++) {
+            const float dl = d * (float)(b[s] & 15), ml = dmin * (float)(b[s] >> 4);
+            const int h = s / 8, j = (s % 8) / 2;
+            for (int i = 0; i < 16; i++)
+                out[16 * s + i] = rounded(dl * (float)((qs[32 * h + 16 * (s % 2) + i] >> 2 * j) & 3)) - ml;
+        }
     } else if (type == Q3_K) {
         const uint8_t *b = row + c * 110, *hm = b, *qs = b + 32, *scb = b + 96;
         const float d = f16(b + 108);
@@ -458,7 +471,9 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
  * as the file stores them, read only in panels otherwise, are read here too: a panel's row looked up, an
  * embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
-    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL && type != IQ4_XS && type != Q3_K) return -1;
+    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL && type != IQ4_XS && type != Q3_K &&
+        type != Q2_K)
+        return -1;
     const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
     if (type > PANEL) {  /* a row at a time as the file stores it */
         int failed = 0;
@@ -889,11 +904,11 @@ int gguf_has_panels(void) {
 
 #ifdef GB_PANELS
 #define NP 16  /* columns of a panel: one per int32 lane (AVX2: of its two halves' lanes) */
-static int group_elems(int type) { return type == Q6_K || type == Q3_K ? 16 : 32; }
+static int group_elems(int type) { return type == Q6_K || type == Q3_K || type == Q2_K ? 16 : 32; }
 
 /* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
  * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 and
- * the i-quants 128, Q5_0 16, Q4_0 8, Q3_K 4; Q4_K none), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
+ * the i-quants 128, Q5_0 16, Q4_0 8, Q3_K 4; Q4_K and Q2_K none: the plain sums, which their mins multiply), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
  * (for Q4_K's mins, and AVX2's Q6_K: at most 32 * 127 in magnitude). NULL when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
@@ -1593,6 +1608,49 @@ static inline __attribute__((always_inline)) void packed_q3k(int rt, int64_t K, 
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
+/* the same for a repacked Q2_K panel, at every row count: per super-block, words 0-3 the scales and mins (byte g:
+ * group g's), 4-19 qs, 20 d | dmin (repack_panel's layout). Word w (< 4) of group g is qs word 4 + 8h + 4 (g % 2) + w's
+ * bits 2j (h = g / 8, j = g % 8 / 2). Each group's dot times its scale, and its min times the plain sum of x over
+ * it, summed in int32; then d dx times the one, less dmin dx times the other */
+static inline __attribute__((always_inline)) void packed_q2k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, ng = K / 16;
+    const __m512i m2 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi32(15);
+    __m512 acc[RT];
+    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = pb + sb * NP * 84;
+        PREFETCH_AHEAD(b, NP * 84);
+        __m512i is[RT], ms[RT];
+        for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 16; g++) {
+            const int h = g / 8, j = (g % 8) / 2, half = g % 2;
+            const uint8_t *xc = (const uint8_t *)qx + sb * QK + 16 * g;
+            const __m512i sm = _mm512_srli_epi32(_mm512_load_si512(b + (g / 4) * 64), 8 * (g % 4));
+            const __m512i sv = _mm512_and_si512(sm, m4), mv = _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4);
+            __m512i a[RT];
+            for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
+            for (int w = 0; w < 4; w++) {
+                const __m512i u = _mm512_and_si512(_mm512_srli_epi16(_mm512_load_si512(b + (4 + 8 * h + 4 * half + w) * 64), 2 * j), m2);
+                for (int r = 0; r < rt; r++) a[r] = dpbusd_b(a[r], u, xc + r * K + 4 * w);
+            }
+            for (int r = 0; r < rt; r++) {
+                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(a[r], sv));
+                ms[r] = _mm512_add_epi32(ms[r], _mm512_mullo_epi32(_mm512_set1_epi32(xs[r * ng + sb * 16 + g]), mv));
+            }
+        }
+        const __m512i w20 = _mm512_load_si512(b + 20 * 64);
+        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w20));
+        const __m512 dminv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w20, 16)));
+        for (int r = 0; r < rt; r++) {
+            const __m512 dxv = _mm512_set1_ps(dx[r * nsb + sb]);
+            const __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms[r]), _mm512_mul_ps(dminv, dxv), ar);
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
 /* rows 0 .. rt - 1 of y against repacked panel pb (a repacked type) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                               const int32_t *xs, const int32_t *xs2, const float *dx,
@@ -1601,6 +1659,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int rt, 
     else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
     else if (type == P_IQ4_XS) packed_iq4xs(rt, K, pb, qx, xs, dx, y, ldy);
     else if (type == P_Q3_K) packed_q3k(rt, K, pb, qx, xs, dx, y, ldy);
+    else if (type == P_Q2_K) packed_q2k(rt, K, pb, qx, xs, dx, y, ldy);
     else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
 
@@ -1612,7 +1671,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     int failed = 0;
-    if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || ptype == P_IQ4_XS || ptype == P_Q3_K)) {  /* words in place */
+    const int direct_only = ptype == P_IQ4_XS || ptype == P_Q3_K || ptype == P_Q2_K;  /* no expanded form */
+    if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || direct_only)) {  /* repacked: each panel's words in place */
 #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NP)
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
@@ -1649,6 +1709,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     PACKED(P_IQ4_XS)
                 } else if (ptype == P_Q3_K) {
                     PACKED(P_Q3_K)
+                } else if (ptype == P_Q2_K) {
+                    PACKED(P_Q2_K)
                 } else {
                     PACKED(P_Q5_0)
                 }
@@ -1748,14 +1810,14 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 
 #include "gguf_panels_avx2.h"
 
-/* W [N, K] of type Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS (the file's rows, raw) repacked into out (as
+/* W [N, K] of type Q2_K to Q6_K, Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS (the file's rows, raw) repacked into out (as
  * many bytes) for the kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another
  * type, N not a multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0 / IQ4_NL: 64), or a build without the
  * panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
     const int q32 = type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL;
-    const int k_quant = type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS;
+    const int k_quant = type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS;
     if ((!k_quant && !q32) || N % NP || K % (q32 ? 64 : QK))
         return -1;
     const int64_t row_bytes = K / block_elems_any(type) * block_bytes_any(type);

@@ -576,6 +576,56 @@ static inline __attribute__((always_inline)) void half_q3k(int rt, int64_t K, co
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
 }
 
+/* half hf of a repacked Q2_K panel as packed_q2k of AVX-512 computes it (without VNNI a group's 4 words' vpmaddubsw
+ * pairs summed in int16: at most 4 * 2 * 3 * 127 = 3048) */
+static inline __attribute__((always_inline)) void half_q2k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
+                                                           const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+    const int64_t nsb = K / QK, ng = K / 16;
+    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi32(15);
+    __m256 acc[RTA];
+    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = pb + sb * NP * 84 + 32 * hf;
+        if (!hf) PREFETCH_AHEAD(b, NP * 84);
+        __m256i is[RTA], ms[RTA];
+        for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm256_setzero_si256();
+        for (int g = 0; g < 16; g++) {
+            const int h = g / 8, j = (g % 8) / 2, half = g % 2;
+            const int8_t *xc = qx + sb * QK + 16 * g;
+            const __m256i sm = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (g / 4) * 64)), 8 * (g % 4));
+            const __m256i sv = _mm256_and_si256(sm, m4), mv = _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
+            __m256i a[RTA];
+            for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
+            for (int w = 0; w < 4; w++) {
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (4 + 8 * h + 4 * half + w) * 64));
+                const __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
+                for (int r = 0; r < rt; r++) {
+#ifdef __AVXVNNI__
+                    a[r] = dp8(a[r], u, bcast4(xc + r * K + 4 * w));
+#else
+                    a[r] = add_maddubs(a[r], u, xc + r * K + 4 * w);
+#endif
+                }
+            }
+            for (int r = 0; r < rt; r++) {
+#ifndef __AVXVNNI__
+                a[r] = _mm256_madd_epi16(a[r], _mm256_set1_epi16(1));
+#endif
+                is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(a[r], sv));
+                ms[r] = _mm256_add_epi32(ms[r], _mm256_mullo_epi32(_mm256_set1_epi32(xs[r * ng + sb * 16 + g]), mv));
+            }
+        }
+        const __m256i w20 = _mm256_loadu_si256((const __m256i *)(b + 20 * 64));
+        const __m256 dv = f16_lanes(w20, 0), dminv = f16_lanes(w20, 1);
+        for (int r = 0; r < rt; r++) {
+            const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
+            const __m256 ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, dxv), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms[r]), _mm256_mul_ps(dminv, dxv), ar);
+        }
+    }
+    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
+}
+
 /* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q5_K / Q6_K: their
  * words from ex, expand_panel's / expand_panel's, where xp) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
@@ -586,6 +636,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
         else if (type == P_IQ4_XS) half_iq4xs(rt, K, pb, hf, qx, xs, dx, y, ldy);
         else if (type == P_Q3_K) half_q3k(rt, K, pb, hf, qx, xs, dx, y, ldy);
+        else if (type == P_Q2_K) half_q2k(rt, K, pb, hf, qx, xs, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
 }
@@ -650,6 +701,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 PACKED(P_IQ4_XS, 0)
             } else if (ptype == P_Q3_K) {
                 PACKED(P_Q3_K, 0)
+            } else if (ptype == P_Q2_K) {
+                PACKED(P_Q2_K, 0)
             } else {
                 PACKED(P_Q5_0, 0)
             }

@@ -452,10 +452,18 @@ GROUP_LAYOUTS = {
 # the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
 GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
 # the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q4_0, Q5_K, IQ4_NL (Q4_0's bytes, its
-# nibbles indices of 16 int8 values), IQ4_XS (IQ4_NL's nibbles under a 6-bit scale per 32, a float16 per 256), Q3_K
-GGUF_PANEL_ONLY = {2: GROUP_LAYOUTS[2][1:], 13: GROUP_LAYOUTS[13][1:], 20: (32, 18), 23: (256, 136), 11: (256, 110)}
-# Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / IQ4_NL / IQ4_XS repacked into panels of 16 rows (GGUFBlocks.pack):
-# the same bytes a row, type id 100 + the file's
+# nibbles indices of 16 int8 values), IQ4_XS (IQ4_NL's nibbles under a 6-bit scale per 32, a float16 per 256), Q3_K,
+# Q2_K
+GGUF_PANEL_ONLY = {
+    2: GROUP_LAYOUTS[2][1:],
+    13: GROUP_LAYOUTS[13][1:],
+    20: (32, 18),
+    23: (256, 136),
+    11: (256, 110),
+    10: (256, 84),
+}
+# Q2_K to Q6_K / Q8_0 / Q5_0 / Q4_0 / IQ4_NL / IQ4_XS repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes
+# a row, type id 100 + the file's
 GGUF_PANELS = {100 + t: size for t, size in (GGUF_BLOCKS | GGUF_PANEL_ONLY).items()}
 # (elements, bytes) of a block of every type gguf_blocks.c takes, as stored or in panels
 _BLOCK_SIZES = GGUF_BLOCKS | GGUF_PANEL_ONLY | GGUF_PANELS

@@ -2,8 +2,8 @@
 
 The weight is the file's own bytes, ``raw`` [N, bytes a row] uint8 (a view of a read-only mmap is fine):
 nothing is widened at load, and decode reads the 4.5 bits a weight of Q4_K (6.56 of Q6_K) instead of a wider
-layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``), and Q5_K, Q4_0, Q3_K, IQ4_NL and IQ4_XS in panels
-only (below).
+layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``), and Q5_K, Q4_0, Q3_K, Q2_K, IQ4_NL and IQ4_XS in
+panels only (below).
 
 ``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8
 per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
@@ -37,6 +37,7 @@ GGUF_TYPES = {
     "Q4_0": 2,
     "Q5_0": 6,
     "Q8_0": 8,
+    "Q2_K": 10,
     "Q3_K": 11,
     "Q4_K": 12,
     "Q5_K": 13,

@@ -572,7 +572,7 @@ def iter_gguf_blocks(
 
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
         stored = qtype.name in native and data.ndim == 2
-        if stored and qtype.name in ("Q8_0", "Q5_0", "Q5_K", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K"):
+        if stored and qtype.name in ("Q8_0", "Q5_0", "Q5_K", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"):
             elems, size = _BLOCK_SIZES[int(qtype)]
             stored = fits_panels(int(qtype), data.shape[0], data.shape[1] // size * elems)
         if stored:
