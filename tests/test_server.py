@@ -707,11 +707,13 @@ def test_named_and_required_tool_calls_validate(client):
         assert len({c.id for c in final.message.tool_calls}) == len(whole.message.tool_calls)
 
 
-def test_auto_tool_choice_with_the_hermes_parser(client):
-    """The model's own text carries a hermes tool call (here forced by a regex, as a tiny random model would
-    not write one): the parser lifts it into tool_calls, streamed and not."""
-    rx = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}</tool_call>'
-    kw = dict(
+# a weather call as the model's own text (forced by a regex, as a tiny random model would not write one)
+WEATHER_CALL_RX = r'\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}'
+
+
+def _answer_forced(rx: str) -> dict:
+    """A chat request under tool_choice auto whose answer the regex ``rx`` writes."""
+    return dict(
         model=MODEL,
         messages=[{"role": "user", "content": "Weather?"}],
         tools=[WEATHER_TOOL, TIME_TOOL],
@@ -719,6 +721,12 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
         temperature=0,
         extra_body={"structured_outputs": {"regex": rx}},
     )
+
+
+def test_auto_tool_choice_with_the_hermes_parser(client):
+    """The model's own text carries a hermes tool call (here forced by a regex, as a tiny random model would
+    not write one): the parser lifts it into tool_calls, streamed and not."""
+    kw = _answer_forced(f"<tool_call>{WEATHER_CALL_RX}</tool_call>")
     r = client.chat.completions.create(**kw)  # tool_choice defaults to auto when tools are given
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
@@ -745,16 +753,7 @@ def test_auto_streams_an_untagged_call_in_pieces_as_the_openai_stream_helper_see
     """The untagged form small Qwen models write (the call as bare JSON, or in a ```json fence) streams as it is
     written, like a tagged call: the openai client's stream helper gets the arguments over several chunks and
     accumulates them to the non-streamed answer's call."""
-    call = r'\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "c"\}\}'
-    rx = f"{re.escape(fence)}{call}" + (r"\n```" if fence else "")
-    kw = dict(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather?"}],
-        tools=[WEATHER_TOOL, TIME_TOOL],
-        max_tokens=80,
-        temperature=0,
-        extra_body={"structured_outputs": {"regex": rx}},
-    )
+    kw = _answer_forced(f"{re.escape(fence)}{WEATHER_CALL_RX}" + (r"\n```" if fence else ""))
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     (expected,) = whole.message.tool_calls

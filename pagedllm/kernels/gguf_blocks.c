@@ -1558,11 +1558,13 @@ static inline __attribute__((always_inline)) void packed_iq4xs(int rt, int64_t K
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-/* the same for a repacked Q3_K panel, at every row count: per super-block, words 0-7 hmask, 8-23 qs, 24-26 the
- * scales (repack_panel's layout; d after the words as 16 pairs). Word w (< 4) of group g (16 weights: half h = g / 8,
- * shift j = g % 8 / 2, elements l = 16 (g % 2) + 4w ..) is qs word 8 + 8h + 4 (g % 2) + w's bits 2j, plus hmask word
- * 4 (g % 2) + w's bit 4h + j at bit 2: q + 4 unsigned. Each group's dot less 4 sum(q_x) times its scale - 32, summed
- * in int32, then one multiply-add by d dx */
+/* the same for a repacked Q3_K (q3) or Q2_K panel, at every row count, from repack_panel's words of a super-block.
+ * Q3_K: words 0-7 hmask, 8-23 qs, 24-26 the scales, d after the words as 16 pairs; Q2_K: words 0-3 the scales and
+ * mins (byte g: group g's), 4-19 qs, 20 d | dmin. Word w (< 4) of group g (16 weights: half h = g / 8, shift
+ * j = g % 8 / 2, elements l = 16 (g % 2) + 4w ..) is qs word (Q3_K 8, Q2_K 4) + 8h + 4 (g % 2) + w's bits 2j, and
+ * for Q3_K hmask word 4 (g % 2) + w's bit 4h + j at bit 2: q + 4, 0..7. Each group's dot (Q3_K: less 4 sum(q_x))
+ * times its scale (Q3_K: its 6 bits less 32) and, for Q2_K, its min times the plain sum of x over it, summed in
+ * int32; then one multiply-add by d dx (Q2_K: less dmin dx times the mins' sum, as Q4_K) */
 static inline __attribute__((always_inline)) __m512i q3k_scale16(const __m512i s0, const __m512i s1, const __m512i s2, int g) {
     const __m512i lo = _mm512_srli_epi32(g % 8 < 4 ? s0 : s1, 8 * (g % 4) + 4 * (g / 8));
     const __m512i hi = _mm512_srli_epi32(s2, 8 * (g % 4) + 2 * (g / 4));
@@ -1571,81 +1573,52 @@ static inline __attribute__((always_inline)) __m512i q3k_scale16(const __m512i s
     return _mm512_sub_epi32(sc, _mm512_set1_epi32(32));
 }
 
-static inline __attribute__((always_inline)) void packed_q3k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
+static inline __attribute__((always_inline)) void packed_k23(int q3, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
-    const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+    const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;  /* Q3_K: 1,760 bytes a super-block, every other one off a line */
+    const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(15);
     __m512 acc[RT];
     for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = pb + sb * NP * 110;  /* 1,760 bytes a super-block: every other one off a line of 64 */
-        PREFETCH_AHEAD(b, NP * 110);
-        const __m512i s0 = _mm512_loadu_si512(b + 24 * 64), s1 = _mm512_loadu_si512(b + 25 * 64);
-        const __m512i s2 = _mm512_loadu_si512(b + 26 * 64);
-        __m512i is[RT];
-        for (int r = 0; r < rt; r++) is[r] = _mm512_setzero_si512();
-        for (int g = 0; g < 16; g++) {
-            const int h = g / 8, j = (g % 8) / 2, half = g % 2;
-            const uint8_t *xc = (const uint8_t *)qx + sb * QK + 16 * g;
-            __m512i a[RT];
-            for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
-            for (int w = 0; w < 4; w++) {
-                const __m512i ql = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (8 + 8 * h + 4 * half + w) * 64), 2 * j), m2);
-                const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (4 * half + w) * 64), 4 * h + j), m1);
-                const __m512i u = _mm512_or_si512(ql, _mm512_slli_epi16(hb, 2));
-                for (int r = 0; r < rt; r++) a[r] = dpbusd_b(a[r], u, xc + r * K + 4 * w);
-            }
-            const __m512i sv = q3k_scale16(s0, s1, s2, g);
-            for (int r = 0; r < rt; r++) {
-                const __m512i t = _mm512_sub_epi32(a[r], _mm512_set1_epi32(xs[r * ng + sb * 16 + g]));
-                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(t, sv));
-            }
-        }
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 27 * 64)));
-        for (int r = 0; r < rt; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * nsb + sb])), acc[r]);
-    }
-    for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
-}
-
-/* the same for a repacked Q2_K panel, at every row count: per super-block, words 0-3 the scales and mins (byte g:
- * group g's), 4-19 qs, 20 d | dmin (repack_panel's layout). Word w (< 4) of group g is qs word 4 + 8h + 4 (g % 2) + w's
- * bits 2j (h = g / 8, j = g % 8 / 2). Each group's dot times its scale, and its min times the plain sum of x over
- * it, summed in int32; then d dx times the one, less dmin dx times the other */
-static inline __attribute__((always_inline)) void packed_q2k(int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
-                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
-    const int64_t nsb = K / QK, ng = K / 16;
-    const __m512i m2 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi32(15);
-    __m512 acc[RT];
-    for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = pb + sb * NP * 84;
-        PREFETCH_AHEAD(b, NP * 84);
+        const uint8_t *b = pb + sb * NP * bytes;
+        PREFETCH_AHEAD(b, NP * bytes);
+        /* Q3_K's scales (read only there: a Q2_K super-block is 21 vectors) */
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i s0 = q3 ? _mm512_loadu_si512(b + 24 * 64) : zero, s1 = q3 ? _mm512_loadu_si512(b + 25 * 64) : zero;
+        const __m512i s2 = q3 ? _mm512_loadu_si512(b + 26 * 64) : zero;
         __m512i is[RT], ms[RT];
         for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm512_setzero_si512();
         for (int g = 0; g < 16; g++) {
             const int h = g / 8, j = (g % 8) / 2, half = g % 2;
             const uint8_t *xc = (const uint8_t *)qx + sb * QK + 16 * g;
-            const __m512i sm = _mm512_srli_epi32(_mm512_load_si512(b + (g / 4) * 64), 8 * (g % 4));
-            const __m512i sv = _mm512_and_si512(sm, m4), mv = _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4);
+            const __m512i sm = q3 ? zero : _mm512_srli_epi32(_mm512_loadu_si512(b + (g / 4) * 64), 8 * (g % 4));  /* Q2_K's */
+            const __m512i sv = q3 ? q3k_scale16(s0, s1, s2, g) : _mm512_and_si512(sm, m4);
+            const __m512i mv = _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4);
             __m512i a[RT];
             for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
             for (int w = 0; w < 4; w++) {
-                const __m512i u = _mm512_and_si512(_mm512_srli_epi16(_mm512_load_si512(b + (4 + 8 * h + 4 * half + w) * 64), 2 * j), m2);
+                __m512i u = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (qw + 8 * h + 4 * half + w) * 64), 2 * j), m2);
+                if (q3) {
+                    const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (4 * half + w) * 64), 4 * h + j), m1);
+                    u = _mm512_or_si512(u, _mm512_slli_epi16(hb, 2));
+                }
                 for (int r = 0; r < rt; r++) a[r] = dpbusd_b(a[r], u, xc + r * K + 4 * w);
             }
             for (int r = 0; r < rt; r++) {
-                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(a[r], sv));
-                ms[r] = _mm512_add_epi32(ms[r], _mm512_mullo_epi32(_mm512_set1_epi32(xs[r * ng + sb * 16 + g]), mv));
+                const __m512i xsv = _mm512_set1_epi32(xs[r * ng + sb * 16 + g]);
+                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(q3 ? _mm512_sub_epi32(a[r], xsv) : a[r], sv));
+                if (!q3) ms[r] = _mm512_add_epi32(ms[r], _mm512_mullo_epi32(xsv, mv));
             }
         }
-        const __m512i w20 = _mm512_load_si512(b + 20 * 64);
-        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w20));
+        const __m512i w20 = q3 ? zero : _mm512_loadu_si512(b + 20 * 64);  /* Q2_K's d | dmin */
+        const __m512 dv = q3 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 27 * 64)))
+                             : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w20));
         const __m512 dminv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w20, 16)));
         for (int r = 0; r < rt; r++) {
             const __m512 dxv = _mm512_set1_ps(dx[r * nsb + sb]);
-            const __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms[r]), _mm512_mul_ps(dminv, dxv), ar);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dv, dxv), acc[r]);
+            if (!q3) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms[r]), _mm512_mul_ps(dminv, dxv), acc[r]);
         }
     }
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -1658,8 +1631,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int rt, 
     if (type == P_Q4_K || type == P_Q5_K) packed_q4k(type == P_Q5_K, rt, K, pb, qx, xs2, dx, y, ldy);
     else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
     else if (type == P_IQ4_XS) packed_iq4xs(rt, K, pb, qx, xs, dx, y, ldy);
-    else if (type == P_Q3_K) packed_q3k(rt, K, pb, qx, xs, dx, y, ldy);
-    else if (type == P_Q2_K) packed_q2k(rt, K, pb, qx, xs, dx, y, ldy);
+    else if (type == P_Q3_K || type == P_Q2_K) packed_k23(type == P_Q3_K, rt, K, pb, qx, xs, dx, y, ldy);
     else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
 

@@ -517,8 +517,8 @@ static inline __attribute__((always_inline)) void half_iq4xs(int rt, int64_t K, 
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
 }
 
-/* half hf of a repacked Q3_K panel as packed_q3k of AVX-512 computes it (a group's 4 words of q + 4, at most 7: their
- * vpmaddubsw pairs summed in int16 without VNNI, at most 4 * 2 * 7 * 127 = 7112) */
+/* half hf of a repacked Q3_K (q3) or Q2_K panel as packed_k23 of AVX-512 computes it (without VNNI a group's 4 words'
+ * vpmaddubsw pairs summed in int16: at most 4 * 2 * 7 * 127 = 7112) */
 static inline __attribute__((always_inline)) __m256i q3k_scale8(const __m256i s0, const __m256i s1, const __m256i s2, int g) {
     const __m256i lo = _mm256_srli_epi32(g % 8 < 4 ? s0 : s1, 8 * (g % 4) + 4 * (g / 8));
     const __m256i hi = _mm256_srli_epi32(s2, 8 * (g % 4) + 2 * (g / 4));
@@ -527,31 +527,38 @@ static inline __attribute__((always_inline)) __m256i q3k_scale8(const __m256i s0
     return _mm256_sub_epi32(sc, _mm256_set1_epi32(32));
 }
 
-static inline __attribute__((always_inline)) void half_q3k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                           const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void half_k23(int q3, int rt, int64_t K, const uint8_t *pb, int hf,
+                                                           const int8_t *qx, const int32_t *xs, const float *dx, float *y,
+                                                           int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
-    const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
+    const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m4 = _mm256_set1_epi32(15);
+    const __m256i zero = _mm256_setzero_si256();
     __m256 acc[RTA];
     for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = pb + sb * NP * 110 + 32 * hf;
-        if (!hf) PREFETCH_AHEAD(b, NP * 110);
-        const __m256i s0 = _mm256_loadu_si256((const __m256i *)(b + 24 * 64));
-        const __m256i s1 = _mm256_loadu_si256((const __m256i *)(b + 25 * 64));
-        const __m256i s2 = _mm256_loadu_si256((const __m256i *)(b + 26 * 64));
-        __m256i is[RTA];
-        for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
+        const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
+        if (!hf) PREFETCH_AHEAD(b, NP * bytes);
+        const __m256i s0 = q3 ? _mm256_loadu_si256((const __m256i *)(b + 24 * 64)) : zero;
+        const __m256i s1 = q3 ? _mm256_loadu_si256((const __m256i *)(b + 25 * 64)) : zero;
+        const __m256i s2 = q3 ? _mm256_loadu_si256((const __m256i *)(b + 26 * 64)) : zero;
+        __m256i is[RTA], ms[RTA];
+        for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm256_setzero_si256();
         for (int g = 0; g < 16; g++) {
             const int h = g / 8, j = (g % 8) / 2, half = g % 2;
             const int8_t *xc = qx + sb * QK + 16 * g;
+            const __m256i sm = q3 ? zero : _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (g / 4) * 64)), 8 * (g % 4));
+            const __m256i sv = q3 ? q3k_scale8(s0, s1, s2, g) : _mm256_and_si256(sm, m4);
+            const __m256i mv = _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
             __m256i a[RTA];
             for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
             for (int w = 0; w < 4; w++) {
-                const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (8 + 8 * h + 4 * half + w) * 64));
-                const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
-                const __m256i ql = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
-                const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hv, 4 * h + j), m1);
-                const __m256i u = _mm256_or_si256(ql, _mm256_slli_epi16(hb, 2));
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
+                __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
+                if (q3) {
+                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
+                    u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4 * h + j), m1), 2));
+                }
                 for (int r = 0; r < rt; r++) {
 #ifdef __AVXVNNI__
                     a[r] = dp8(a[r], u, bcast4(xc + r * K + 4 * w));
@@ -560,67 +567,23 @@ static inline __attribute__((always_inline)) void half_q3k(int rt, int64_t K, co
 #endif
                 }
             }
-            const __m256i sv = q3k_scale8(s0, s1, s2, g);
             for (int r = 0; r < rt; r++) {
 #ifndef __AVXVNNI__
                 a[r] = _mm256_madd_epi16(a[r], _mm256_set1_epi16(1));
 #endif
-                const __m256i t = _mm256_sub_epi32(a[r], _mm256_set1_epi32(xs[r * ng + sb * 16 + g]));
-                is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(t, sv));
+                const __m256i xsv = _mm256_set1_epi32(xs[r * ng + sb * 16 + g]);
+                is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(q3 ? _mm256_sub_epi32(a[r], xsv) : a[r], sv));
+                if (!q3) ms[r] = _mm256_add_epi32(ms[r], _mm256_mullo_epi32(xsv, mv));
             }
         }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b - 32 * hf + 27 * 64 + 16 * hf)));
-        for (int r = 0; r < rt; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nsb + sb])), acc[r]);
-    }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
-}
-
-/* half hf of a repacked Q2_K panel as packed_q2k of AVX-512 computes it (without VNNI a group's 4 words' vpmaddubsw
- * pairs summed in int16: at most 4 * 2 * 3 * 127 = 3048) */
-static inline __attribute__((always_inline)) void half_q2k(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                           const int32_t *xs, const float *dx, float *y, int64_t ldy) {
-    const int64_t nsb = K / QK, ng = K / 16;
-    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi32(15);
-    __m256 acc[RTA];
-    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = pb + sb * NP * 84 + 32 * hf;
-        if (!hf) PREFETCH_AHEAD(b, NP * 84);
-        __m256i is[RTA], ms[RTA];
-        for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm256_setzero_si256();
-        for (int g = 0; g < 16; g++) {
-            const int h = g / 8, j = (g % 8) / 2, half = g % 2;
-            const int8_t *xc = qx + sb * QK + 16 * g;
-            const __m256i sm = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (g / 4) * 64)), 8 * (g % 4));
-            const __m256i sv = _mm256_and_si256(sm, m4), mv = _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
-            __m256i a[RTA];
-            for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
-            for (int w = 0; w < 4; w++) {
-                const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (4 + 8 * h + 4 * half + w) * 64));
-                const __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
-                for (int r = 0; r < rt; r++) {
-#ifdef __AVXVNNI__
-                    a[r] = dp8(a[r], u, bcast4(xc + r * K + 4 * w));
-#else
-                    a[r] = add_maddubs(a[r], u, xc + r * K + 4 * w);
-#endif
-                }
-            }
-            for (int r = 0; r < rt; r++) {
-#ifndef __AVXVNNI__
-                a[r] = _mm256_madd_epi16(a[r], _mm256_set1_epi16(1));
-#endif
-                is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(a[r], sv));
-                ms[r] = _mm256_add_epi32(ms[r], _mm256_mullo_epi32(_mm256_set1_epi32(xs[r * ng + sb * 16 + g]), mv));
-            }
-        }
-        const __m256i w20 = _mm256_loadu_si256((const __m256i *)(b + 20 * 64));
-        const __m256 dv = f16_lanes(w20, 0), dminv = f16_lanes(w20, 1);
+        const __m256i w20 = q3 ? zero : _mm256_loadu_si256((const __m256i *)(b + 20 * 64));
+        const __m256 dv = q3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b - 32 * hf + 27 * 64 + 16 * hf)))
+                             : f16_lanes(w20, 0);
+        const __m256 dminv = f16_lanes(w20, 1);
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
-            const __m256 ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, dxv), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms[r]), _mm256_mul_ps(dminv, dxv), ar);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, dxv), acc[r]);
+            if (!q3) acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms[r]), _mm256_mul_ps(dminv, dxv), acc[r]);
         }
     }
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
@@ -635,8 +598,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
         else if (type == P_IQ4_XS) half_iq4xs(rt, K, pb, hf, qx, xs, dx, y, ldy);
-        else if (type == P_Q3_K) half_q3k(rt, K, pb, hf, qx, xs, dx, y, ldy);
-        else if (type == P_Q2_K) half_q2k(rt, K, pb, hf, qx, xs, dx, y, ldy);
+        else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, rt, K, pb, hf, qx, xs, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
 }
