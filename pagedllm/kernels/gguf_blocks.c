@@ -1573,8 +1573,12 @@ static inline __attribute__((always_inline)) __m512i q3k_scale16(const __m512i s
     return _mm512_sub_epi32(sc, _mm512_set1_epi32(32));
 }
 
-static inline __attribute__((always_inline)) void packed_k23(int q3, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
-                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+/* where xp, the weights' words (q + 4 / q), scales and mins come from ex instead, decoded once for all the row tiles
+ * (expand_k23's layout: word w of group g of super-block sb at vector (16 sb + g) 4 + w, then the scales' and the
+ * mins' int32 vectors, one a group) */
+static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int rt, int64_t K, const uint8_t *pb,
+                                                             const uint8_t *ex, const int8_t *qx, const int32_t *xs,
+                                                             const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;  /* Q3_K: 1,760 bytes a super-block, every other one off a line */
     const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(15);
@@ -1582,26 +1586,35 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int rt, int
     for (int r = 0; r < rt; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = pb + sb * NP * bytes;
-        PREFETCH_AHEAD(b, NP * bytes);
+        if (!xp) PREFETCH_AHEAD(b, NP * bytes);
         /* Q3_K's scales (read only there: a Q2_K super-block is 21 vectors) */
         const __m512i zero = _mm512_setzero_si512();
-        const __m512i s0 = q3 ? _mm512_loadu_si512(b + 24 * 64) : zero, s1 = q3 ? _mm512_loadu_si512(b + 25 * 64) : zero;
-        const __m512i s2 = q3 ? _mm512_loadu_si512(b + 26 * 64) : zero;
+        const __m512i s0 = q3 && !xp ? _mm512_loadu_si512(b + 24 * 64) : zero;
+        const __m512i s1 = q3 && !xp ? _mm512_loadu_si512(b + 25 * 64) : zero;
+        const __m512i s2 = q3 && !xp ? _mm512_loadu_si512(b + 26 * 64) : zero;
         __m512i is[RT], ms[RT];
         for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm512_setzero_si512();
         for (int g = 0; g < 16; g++) {
             const int h = g / 8, j = (g % 8) / 2, half = g % 2;
             const uint8_t *xc = (const uint8_t *)qx + sb * QK + 16 * g;
-            const __m512i sm = q3 ? zero : _mm512_srli_epi32(_mm512_loadu_si512(b + (g / 4) * 64), 8 * (g % 4));  /* Q2_K's */
-            const __m512i sv = q3 ? q3k_scale16(s0, s1, s2, g) : _mm512_and_si512(sm, m4);
-            const __m512i mv = _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4);
+            const uint8_t *eg = ex + (sb * 16 + g) * 4 * 64;  /* where xp: this group's words */
+            const __m512i sm = q3 || xp ? zero : _mm512_srli_epi32(_mm512_loadu_si512(b + (g / 4) * 64), 8 * (g % 4));
+            const __m512i sv = xp ? _mm512_load_si512(ex + (size_t)K * 16 + (sb * 16 + g) * 64)
+                                  : q3 ? q3k_scale16(s0, s1, s2, g) : _mm512_and_si512(sm, m4);
+            const __m512i mv = xp ? (q3 ? zero : _mm512_load_si512(ex + (size_t)K * 20 + (sb * 16 + g) * 64))
+                                  : _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4);
             __m512i a[RT];
             for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
             for (int w = 0; w < 4; w++) {
-                __m512i u = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (qw + 8 * h + 4 * half + w) * 64), 2 * j), m2);
-                if (q3) {
-                    const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (4 * half + w) * 64), 4 * h + j), m1);
-                    u = _mm512_or_si512(u, _mm512_slli_epi16(hb, 2));
+                __m512i u;
+                if (xp) {
+                    u = _mm512_load_si512(eg + w * 64);
+                } else {
+                    u = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (qw + 8 * h + 4 * half + w) * 64), 2 * j), m2);
+                    if (q3) {
+                        const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (4 * half + w) * 64), 4 * h + j), m1);
+                        u = _mm512_or_si512(u, _mm512_slli_epi16(hb, 2));
+                    }
                 }
                 for (int r = 0; r < rt; r++) a[r] = dpbusd_b(a[r], u, xc + r * K + 4 * w);
             }
@@ -1624,14 +1637,43 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int rt, int
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-/* rows 0 .. rt - 1 of y against repacked panel pb (a repacked type) */
-static inline __attribute__((always_inline)) void packed_rows(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
-                                                              const int32_t *xs, const int32_t *xs2, const float *dx,
-                                                              float *y, int64_t ldy) {
+/* a repacked Q3_K (q3) or Q2_K panel's words, scales and mins as packed_k23 decodes them, into ex (K * 24 bytes,
+ * 64-aligned), once for every tile of rows of a large call: the same bits. Taken for Q3_K (a [8960, 1536] weight,
+ * medians of 8 calls alternated in one process: 367 GMAC/s at 40 rows in place, 446 at 48 and 581 at 512 expanded);
+ * not for Q2_K, whose words cost two instructions to decode (369 / 378 / 408 expanded, 341 / 359 / 373 in place) */
+static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
+    const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
+    const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(15);
+    for (int64_t sb = 0; sb < K / QK; sb++) {
+        const uint8_t *b = pb + sb * NP * bytes;
+        const __m512i s0 = _mm512_loadu_si512(b + (q3 ? 24 : 0) * 64), s1 = _mm512_loadu_si512(b + (q3 ? 25 : 0) * 64);
+        const __m512i s2 = _mm512_loadu_si512(b + (q3 ? 26 : 0) * 64);
+        for (int g = 0; g < 16; g++) {
+            const int h = g / 8, j = (g % 8) / 2, half = g % 2;
+            const __m512i sm = _mm512_srli_epi32(_mm512_loadu_si512(b + (q3 ? 0 : g / 4) * 64), 8 * (g % 4));
+            _mm512_store_si512(ex + (size_t)K * 16 + (sb * 16 + g) * 64, q3 ? q3k_scale16(s0, s1, s2, g) : _mm512_and_si512(sm, m4));
+            _mm512_store_si512(ex + (size_t)K * 20 + (sb * 16 + g) * 64, _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4));
+            for (int w = 0; w < 4; w++) {
+                __m512i u = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (qw + 8 * h + 4 * half + w) * 64), 2 * j), m2);
+                if (q3) {
+                    const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (4 * half + w) * 64), 4 * h + j), m1);
+                    u = _mm512_or_si512(u, _mm512_slli_epi16(hb, 2));
+                }
+                _mm512_store_si512(ex + ((sb * 16 + g) * 4 + w) * 64, u);
+            }
+        }
+    }
+}
+
+/* rows 0 .. rt - 1 of y against repacked panel pb (a repacked type); ex: Q3_K's / Q2_K's words expanded (expand_k23),
+ * where xp */
+static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb,
+                                                              const uint8_t *ex, const int8_t *qx, const int32_t *xs,
+                                                              const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
     if (type == P_Q4_K || type == P_Q5_K) packed_q4k(type == P_Q5_K, rt, K, pb, qx, xs2, dx, y, ldy);
     else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
     else if (type == P_IQ4_XS) packed_iq4xs(rt, K, pb, qx, xs, dx, y, ldy);
-    else if (type == P_Q3_K || type == P_Q2_K) packed_k23(type == P_Q3_K, rt, K, pb, qx, xs, dx, y, ldy);
+    else if (type == P_Q3_K || type == P_Q2_K) packed_k23(type == P_Q3_K, xp, rt, K, pb, ex, qx, xs, dx, y, ldy);
     else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
 
@@ -1643,10 +1685,20 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     int failed = 0;
-    const int direct_only = ptype == P_IQ4_XS || ptype == P_Q3_K || ptype == P_Q2_K;  /* no expanded form */
+    const int k23 = ptype == P_Q3_K || ptype == P_Q2_K, direct_only = ptype == P_IQ4_XS || k23;  /* no panel_t form */
     if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || direct_only)) {  /* repacked: each panel's words in place */
-#pragma omp parallel for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += NP)
+        const int expands = ptype == P_Q3_K && M > PACKED_DIRECT_ROWS;  /* Q3_K: its words decoded once a panel */
+#pragma omp parallel
+        {
+        uint8_t *ex = expands ? aligned_alloc(64, (size_t)K * 24) : NULL;
+        if (expands && !ex) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NP) {
+            if (expands && !ex) continue;
+            if (ex) expand_k23(ptype == P_Q3_K, raw + n0 * row_bytes, K, ex);
             for (int64_t m0 = 0; m0 < M; m0 += RT) {
                 const int rt = M - m0 < RT ? (int)(M - m0) : RT;
                 const uint8_t *pb = raw + n0 * row_bytes;
@@ -1654,42 +1706,49 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);
                 const float *dxr = dx + m0 * ndx;
                 float *yr = y + m0 * ldy + n0;
-#define PACKED(T)                                                                      \
-                switch (rt) {                                                          \
-                    case 8: packed_rows(T, 8, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-                    case 7: packed_rows(T, 7, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-                    case 6: packed_rows(T, 6, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-                    case 5: packed_rows(T, 5, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-                    case 4: packed_rows(T, 4, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-                    case 3: packed_rows(T, 3, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-                    case 2: packed_rows(T, 2, K, pb, q, xsr, xs2r, dxr, yr, ldy); break;  \
-                    default: packed_rows(T, 1, K, pb, q, xsr, xs2r, dxr, yr, ldy); break; \
+#define PACKED(T, XP)                                                                            \
+                switch (rt) {                                                                    \
+                    case 8: packed_rows(T, XP, 8, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 7: packed_rows(T, XP, 7, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 6: packed_rows(T, XP, 6, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 5: packed_rows(T, XP, 5, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 4: packed_rows(T, XP, 4, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 3: packed_rows(T, XP, 3, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
+                    default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break; \
                 }
                 if (ptype == P_Q4_K) {
-                    PACKED(P_Q4_K)
+                    PACKED(P_Q4_K, 0)
                 } else if (ptype == P_Q5_K) {
-                    PACKED(P_Q5_K)
+                    PACKED(P_Q5_K, 0)
                 } else if (ptype == P_Q6_K) {
-                    PACKED(P_Q6_K)
+                    PACKED(P_Q6_K, 0)
                 } else if (ptype == P_Q8_0) {
-                    PACKED(P_Q8_0)
+                    PACKED(P_Q8_0, 0)
                 } else if (ptype == P_Q4_0) {
-                    PACKED(P_Q4_0)
+                    PACKED(P_Q4_0, 0)
                 } else if (ptype == P_IQ4_NL) {
-                    PACKED(P_IQ4_NL)
+                    PACKED(P_IQ4_NL, 0)
                 } else if (ptype == P_IQ4_XS) {
-                    PACKED(P_IQ4_XS)
+                    PACKED(P_IQ4_XS, 0)
+                } else if (ptype == P_Q3_K && ex) {
+                    PACKED(P_Q3_K, 1)
                 } else if (ptype == P_Q3_K) {
-                    PACKED(P_Q3_K)
+                    PACKED(P_Q3_K, 0)
+                } else if (ptype == P_Q2_K && ex) {
+                    PACKED(P_Q2_K, 1)
                 } else if (ptype == P_Q2_K) {
-                    PACKED(P_Q2_K)
+                    PACKED(P_Q2_K, 0)
                 } else {
-                    PACKED(P_Q5_0)
+                    PACKED(P_Q5_0, 0)
                 }
 #undef PACKED
             }
+        }
+        free(ex);
+        }
         free(xs), free(xs2);
-        return 0;
+        return failed ? -2 : 0;
     }
 #pragma omp parallel
     {
