@@ -527,9 +527,9 @@ static inline __attribute__((always_inline)) __m256i q3k_scale8(const __m256i s0
     return _mm256_sub_epi32(sc, _mm256_set1_epi32(32));
 }
 
-static inline __attribute__((always_inline)) void half_k23(int q3, int rt, int64_t K, const uint8_t *pb, int hf,
-                                                           const int8_t *qx, const int32_t *xs, const float *dx, float *y,
-                                                           int64_t ldy) {
+static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int rt, int64_t K, const uint8_t *pb, int hf,
+                                                           const uint8_t *ex, const int8_t *qx, const int32_t *xs,
+                                                           const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
     const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m4 = _mm256_set1_epi32(15);
@@ -538,26 +538,35 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int rt, int64
     for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
-        if (!hf) PREFETCH_AHEAD(b, NP * bytes);
-        const __m256i s0 = q3 ? _mm256_loadu_si256((const __m256i *)(b + 24 * 64)) : zero;
-        const __m256i s1 = q3 ? _mm256_loadu_si256((const __m256i *)(b + 25 * 64)) : zero;
-        const __m256i s2 = q3 ? _mm256_loadu_si256((const __m256i *)(b + 26 * 64)) : zero;
+        if (!hf && !xp) PREFETCH_AHEAD(b, NP * bytes);
+        const __m256i s0 = q3 && !xp ? _mm256_loadu_si256((const __m256i *)(b + 24 * 64)) : zero;
+        const __m256i s1 = q3 && !xp ? _mm256_loadu_si256((const __m256i *)(b + 25 * 64)) : zero;
+        const __m256i s2 = q3 && !xp ? _mm256_loadu_si256((const __m256i *)(b + 26 * 64)) : zero;
         __m256i is[RTA], ms[RTA];
         for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm256_setzero_si256();
         for (int g = 0; g < 16; g++) {
             const int h = g / 8, j = (g % 8) / 2, half = g % 2;
             const int8_t *xc = qx + sb * QK + 16 * g;
-            const __m256i sm = q3 ? zero : _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (g / 4) * 64)), 8 * (g % 4));
-            const __m256i sv = q3 ? q3k_scale8(s0, s1, s2, g) : _mm256_and_si256(sm, m4);
-            const __m256i mv = _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
+            /* where xp, from expand_k23's layout (ex): this group's words, scale and min, this half's lanes */
+            const uint8_t *eg = ex + (sb * 16 + g) * 4 * 64 + 32 * hf;
+            const __m256i sm = q3 || xp ? zero : _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (g / 4) * 64)), 8 * (g % 4));
+            const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + (size_t)K * 16 + (sb * 16 + g) * 64 + 32 * hf))
+                                  : q3 ? q3k_scale8(s0, s1, s2, g) : _mm256_and_si256(sm, m4);
+            const __m256i mv = xp ? (q3 ? zero : _mm256_load_si256((const __m256i *)(ex + (size_t)K * 20 + (sb * 16 + g) * 64 + 32 * hf)))
+                                  : _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
             __m256i a[RTA];
             for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
             for (int w = 0; w < 4; w++) {
-                const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
-                __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
-                if (q3) {
-                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
-                    u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4 * h + j), m1), 2));
+                __m256i u;
+                if (xp) {
+                    u = _mm256_load_si256((const __m256i *)(eg + w * 64));
+                } else {
+                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
+                    u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
+                    if (q3) {
+                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
+                        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4 * h + j), m1), 2));
+                    }
                 }
                 for (int r = 0; r < rt; r++) {
 #ifdef __AVXVNNI__
@@ -589,6 +598,35 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int rt, int64
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
 }
 
+/* expand_k23 of AVX-512 on 256-bit registers (Q3_K's words, scales and mins into ex, K * 24 bytes, both halves) */
+static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
+    const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
+    const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m4 = _mm256_set1_epi32(15);
+    for (int64_t sb = 0; sb < K / QK; sb++)
+        for (int hf = 0; hf < 2; hf++) {
+            const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
+            const __m256i s0 = _mm256_loadu_si256((const __m256i *)(b + (q3 ? 24 : 0) * 64));
+            const __m256i s1 = _mm256_loadu_si256((const __m256i *)(b + (q3 ? 25 : 0) * 64));
+            const __m256i s2 = _mm256_loadu_si256((const __m256i *)(b + (q3 ? 26 : 0) * 64));
+            for (int g = 0; g < 16; g++) {
+                const int h = g / 8, j = (g % 8) / 2, half = g % 2;
+                const __m256i sm = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (q3 ? 0 : g / 4) * 64)), 8 * (g % 4));
+                uint8_t *e = ex + (sb * 16 + g) * 64 + 32 * hf;
+                _mm256_store_si256((__m256i *)(e + (size_t)K * 16), q3 ? q3k_scale8(s0, s1, s2, g) : _mm256_and_si256(sm, m4));
+                _mm256_store_si256((__m256i *)(e + (size_t)K * 20), _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4));
+                for (int w = 0; w < 4; w++) {
+                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
+                    __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
+                    if (q3) {
+                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
+                        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4 * h + j), m1), 2));
+                    }
+                    _mm256_store_si256((__m256i *)(ex + ((sb * 16 + g) * 4 + w) * 64 + 32 * hf), u);
+                }
+            }
+        }
+}
+
 /* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q5_K / Q6_K: their
  * words from ex, expand_panel's / expand_panel's, where xp) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
@@ -598,7 +636,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
         else if (type == P_IQ4_XS) half_iq4xs(rt, K, pb, hf, qx, xs, dx, y, ldy);
-        else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, rt, K, pb, hf, qx, xs, dx, y, ldy);
+        else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, xp, rt, K, pb, hf, ex, qx, xs, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
 }
@@ -616,11 +654,12 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     const int64_t ng = K / group_elems(type), ndx = K / act_block(ptype), row_bytes = K / block_elems(ptype) * block_bytes(ptype);
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
-    const int expands = (ptype == P_Q5_K || ptype == P_Q6_K) && M > EXPAND_ROWS;
+    const int k23 = ptype == P_Q3_K || ptype == P_Q2_K;
+    const int expands = (ptype == P_Q5_K || ptype == P_Q6_K || k23) && M > EXPAND_ROWS;
     int failed = 0;
 #pragma omp parallel
     {
-    uint8_t *ex = expands ? aligned_alloc(32, (size_t)K * 16) : NULL;
+    uint8_t *ex = expands ? aligned_alloc(32, (size_t)K * (k23 ? 24 : 16)) : NULL;
     if (expands && !ex) {
 #pragma omp atomic write
         failed = 1;
@@ -628,7 +667,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (expands && !ex) continue;
-        if (ex) expand_panel(ptype == P_Q5_K, raw + n0 * row_bytes, K, ex);
+        if (ex && k23) expand_k23(ptype == P_Q3_K, raw + n0 * row_bytes, K, ex);
+        else if (ex) expand_panel(ptype == P_Q5_K, raw + n0 * row_bytes, K, ex);
         for (int64_t m0 = 0; m0 < M; m0 += RTA) {
             const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
             const uint8_t *pb = raw + n0 * row_bytes;
@@ -661,8 +701,12 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 PACKED(P_IQ4_NL, 0)
             } else if (ptype == P_IQ4_XS) {
                 PACKED(P_IQ4_XS, 0)
+            } else if (ptype == P_Q3_K && ex) {
+                PACKED(P_Q3_K, 1)
             } else if (ptype == P_Q3_K) {
                 PACKED(P_Q3_K, 0)
+            } else if (ptype == P_Q2_K && ex) {
+                PACKED(P_Q2_K, 1)
             } else if (ptype == P_Q2_K) {
                 PACKED(P_Q2_K, 0)
             } else {
