@@ -463,35 +463,48 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
 /* half hf of a repacked IQ4_XS panel as packed_iq4xs of AVX-512 computes it. With AVX-VNNI the values + 128 (vpdpbusd)
  * less 128 sum(q_x); without, the signed values with their signs moved onto x (vpmaddubsw pairs of at most
  * 2 * 127 * 127): the same integer per sub-block */
-static inline __attribute__((always_inline)) void half_iq4xs(int rt, int64_t K, const uint8_t *pb, int hf, const int8_t *qx,
-                                                             const int32_t *xs, const float *dx, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) __m256i iq4_table8(void) {
+#ifdef __AVXVNNI__
+    return _mm256_broadcastsi128_si256(iq4nl_table());  /* the values + 128, for vpdpbusd */
+#else
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));  /* signed, signs onto x */
+#endif
+}
+
+/* where xp, the words' values and the sub-blocks' scales come from ex (expand_iq4xs: word j of sub-block s of
+ * super-block sb, low then high nibbles, at vectors ((8 sb + s) 4 + j) 2 + 0 / 1, then the scales' int32 vectors) */
+static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int64_t K, const uint8_t *pb, int hf,
+                                                             const uint8_t *ex, const int8_t *qx, const int32_t *xs,
+                                                             const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 32;
     (void)ng, (void)xs;  /* without AVX-VNNI no offset comes off */
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-#ifdef __AVXVNNI__
-    const __m256i table = _mm256_broadcastsi128_si256(iq4nl_table());
-#else
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
-#endif
+    const __m256i m4 = _mm256_set1_epi8(0x0F), table = iq4_table8();
     __m256 acc[RTA];
     for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = pb + sb * NP * 136 + 32 * hf;
-        if (!hf) PREFETCH_AHEAD(b, NP * 136);
+        if (!hf && !xp) PREFETCH_AHEAD(b, NP * 136);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)b), w1 = _mm256_loadu_si256((const __m256i *)(b + 64));
         __m256i is[RTA];
         for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
             const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * s), _mm256_set1_epi32(15));
             const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(w0, 16 + 2 * s), _mm256_set1_epi32(3));
-            const __m256i sv = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+            const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + (size_t)K * 16 + (sb * 8 + s) * 64 + 32 * hf))
+                                  : _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
             const int8_t *xc = qx + sb * QK + 32 * s;
             __m256i a[2][RTA];
             for (int r = 0; r < rt; r++) a[0][r] = a[1][r] = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (2 + 4 * s + j) * 64));
-                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
-                const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                __m256i lo, hi;
+                if (xp) {
+                    const uint8_t *e = ex + (((sb * 8 + s) * 4 + j) * 2) * 64 + 32 * hf;
+                    lo = _mm256_load_si256((const __m256i *)e), hi = _mm256_load_si256((const __m256i *)(e + 64));
+                } else {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (2 + 4 * s + j) * 64));
+                    lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+                    hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                }
                 for (int r = 0; r < rt; r++) {
 #ifdef __AVXVNNI__
                     a[0][r] = dp8(a[0][r], lo, bcast4(xc + r * K + 4 * j));
@@ -598,6 +611,29 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
     for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
 }
 
+/* a repacked IQ4_XS panel's values (as half_iq4xs looks them up) and sub-block scales into ex (K * 18 bytes), once for
+ * every tile of rows of a large call: the same bits */
+static void expand_iq4xs(const uint8_t *pb, int64_t K, uint8_t *ex) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), table = iq4_table8();
+    for (int64_t sb = 0; sb < K / QK; sb++)
+        for (int hf = 0; hf < 2; hf++) {
+            const uint8_t *b = pb + sb * NP * 136 + 32 * hf;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)b), w1 = _mm256_loadu_si256((const __m256i *)(b + 64));
+            for (int s = 0; s < 8; s++) {
+                const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * s), _mm256_set1_epi32(15));
+                const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(w0, 16 + 2 * s), _mm256_set1_epi32(3));
+                const __m256i sv = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+                _mm256_store_si256((__m256i *)(ex + (size_t)K * 16 + (sb * 8 + s) * 64 + 32 * hf), sv);
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (2 + 4 * s + j) * 64));
+                    uint8_t *e = ex + (((sb * 8 + s) * 4 + j) * 2) * 64 + 32 * hf;
+                    _mm256_store_si256((__m256i *)e, _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4)));
+                    _mm256_store_si256((__m256i *)(e + 64), _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)));
+                }
+            }
+        }
+}
+
 /* expand_k23 of AVX-512 on 256-bit registers (Q3_K's words, scales and mins into ex, K * 24 bytes, both halves) */
 static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
@@ -635,7 +671,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
     for (int hf = 0; hf < 2; hf++) {
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
-        else if (type == P_IQ4_XS) half_iq4xs(rt, K, pb, hf, qx, xs, dx, y, ldy);
+        else if (type == P_IQ4_XS) half_iq4xs(xp, rt, K, pb, hf, ex, qx, xs, dx, y, ldy);
         else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, xp, rt, K, pb, hf, ex, qx, xs, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
     }
@@ -655,11 +691,11 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     const int k23 = ptype == P_Q3_K || ptype == P_Q2_K;
-    const int expands = (ptype == P_Q5_K || ptype == P_Q6_K || k23) && M > EXPAND_ROWS;
+    const int expands = (ptype == P_Q5_K || ptype == P_Q6_K || ptype == P_IQ4_XS || k23) && M > EXPAND_ROWS;
     int failed = 0;
 #pragma omp parallel
     {
-    uint8_t *ex = expands ? aligned_alloc(32, (size_t)K * (k23 ? 24 : 16)) : NULL;
+    uint8_t *ex = expands ? aligned_alloc(32, (size_t)K * (k23 || ptype == P_IQ4_XS ? 24 : 16)) : NULL;
     if (expands && !ex) {
 #pragma omp atomic write
         failed = 1;
@@ -668,6 +704,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (expands && !ex) continue;
         if (ex && k23) expand_k23(ptype == P_Q3_K, raw + n0 * row_bytes, K, ex);
+        else if (ex && ptype == P_IQ4_XS) expand_iq4xs(raw + n0 * row_bytes, K, ex);
         else if (ex) expand_panel(ptype == P_Q5_K, raw + n0 * row_bytes, K, ex);
         for (int64_t m0 = 0; m0 < M; m0 += RTA) {
             const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
@@ -699,6 +736,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 PACKED(P_Q4_0, 0)
             } else if (ptype == P_IQ4_NL) {
                 PACKED(P_IQ4_NL, 0)
+            } else if (ptype == P_IQ4_XS && ex) {
+                PACKED(P_IQ4_XS, 1)
             } else if (ptype == P_IQ4_XS) {
                 PACKED(P_IQ4_XS, 0)
             } else if (ptype == P_Q3_K && ex) {
