@@ -135,6 +135,29 @@ enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL
        P_Q3_K = PANEL + Q3_K, P_Q2_K = PANEL + Q2_K };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
+/* PACKED(T, XP) (defined where this is used) with T the repacked type ptype as a constant, XP 1 where ex holds its
+ * words expanded for every tile of rows; xps: the types whose words a level expands (XP_*, a constant: the other
+ * types' expanded kernels are not compiled) */
+enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16 };
+#define BY_PANEL_TYPE(ptype, ex, xps)                                                              \
+    do {                                                                                           \
+        if ((ptype) == P_Q4_K) { PACKED(P_Q4_K, 0) }                                               \
+        else if ((ptype) == P_Q5_K && ((xps) & XP_Q5_K) && (ex)) { PACKED(P_Q5_K, 1) }             \
+        else if ((ptype) == P_Q5_K) { PACKED(P_Q5_K, 0) }                                          \
+        else if ((ptype) == P_Q6_K && ((xps) & XP_Q6_K) && (ex)) { PACKED(P_Q6_K, 1) }             \
+        else if ((ptype) == P_Q6_K) { PACKED(P_Q6_K, 0) }                                          \
+        else if ((ptype) == P_Q8_0) { PACKED(P_Q8_0, 0) }                                          \
+        else if ((ptype) == P_Q4_0) { PACKED(P_Q4_0, 0) }                                          \
+        else if ((ptype) == P_IQ4_NL) { PACKED(P_IQ4_NL, 0) }                                      \
+        else if ((ptype) == P_IQ4_XS && ((xps) & XP_IQ4_XS) && (ex)) { PACKED(P_IQ4_XS, 1) }       \
+        else if ((ptype) == P_IQ4_XS) { PACKED(P_IQ4_XS, 0) }                                      \
+        else if ((ptype) == P_Q3_K && ((xps) & XP_Q3_K) && (ex)) { PACKED(P_Q3_K, 1) }             \
+        else if ((ptype) == P_Q3_K) { PACKED(P_Q3_K, 0) }                                          \
+        else if ((ptype) == P_Q2_K && ((xps) & XP_Q2_K) && (ex)) { PACKED(P_Q2_K, 1) }             \
+        else if ((ptype) == P_Q2_K) { PACKED(P_Q2_K, 0) }                                          \
+        else { PACKED(P_Q5_0, 0) }                                                                 \
+    } while (0)
+
 /* the same for the types the matmul kernels read (0: a type they do not read): four as stored, six repacked (Q5_K
  * and Q4_0 in panels only) */
 static int reads(int type) {
@@ -1717,31 +1740,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
                     default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break; \
                 }
-                if (ptype == P_Q4_K) {
-                    PACKED(P_Q4_K, 0)
-                } else if (ptype == P_Q5_K) {
-                    PACKED(P_Q5_K, 0)
-                } else if (ptype == P_Q6_K) {
-                    PACKED(P_Q6_K, 0)
-                } else if (ptype == P_Q8_0) {
-                    PACKED(P_Q8_0, 0)
-                } else if (ptype == P_Q4_0) {
-                    PACKED(P_Q4_0, 0)
-                } else if (ptype == P_IQ4_NL) {
-                    PACKED(P_IQ4_NL, 0)
-                } else if (ptype == P_IQ4_XS) {
-                    PACKED(P_IQ4_XS, 0)
-                } else if (ptype == P_Q3_K && ex) {
-                    PACKED(P_Q3_K, 1)
-                } else if (ptype == P_Q3_K) {
-                    PACKED(P_Q3_K, 0)
-                } else if (ptype == P_Q2_K && ex) {
-                    PACKED(P_Q2_K, 1)
-                } else if (ptype == P_Q2_K) {
-                    PACKED(P_Q2_K, 0)
-                } else {
-                    PACKED(P_Q5_0, 0)
-                }
+                BY_PANEL_TYPE(ptype, ex, XP_Q3_K);
 #undef PACKED
             }
         }

@@ -720,37 +720,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;   \
                 default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
             }
-            if (ptype == P_Q4_K) {
-                PACKED(P_Q4_K, 0)
-            } else if (ptype == P_Q5_K && ex) {
-                PACKED(P_Q5_K, 1)
-            } else if (ptype == P_Q5_K) {
-                PACKED(P_Q5_K, 0)
-            } else if (ptype == P_Q6_K && ex) {
-                PACKED(P_Q6_K, 1)
-            } else if (ptype == P_Q6_K) {
-                PACKED(P_Q6_K, 0)
-            } else if (ptype == P_Q8_0) {
-                PACKED(P_Q8_0, 0)
-            } else if (ptype == P_Q4_0) {
-                PACKED(P_Q4_0, 0)
-            } else if (ptype == P_IQ4_NL) {
-                PACKED(P_IQ4_NL, 0)
-            } else if (ptype == P_IQ4_XS && ex) {
-                PACKED(P_IQ4_XS, 1)
-            } else if (ptype == P_IQ4_XS) {
-                PACKED(P_IQ4_XS, 0)
-            } else if (ptype == P_Q3_K && ex) {
-                PACKED(P_Q3_K, 1)
-            } else if (ptype == P_Q3_K) {
-                PACKED(P_Q3_K, 0)
-            } else if (ptype == P_Q2_K && ex) {
-                PACKED(P_Q2_K, 1)
-            } else if (ptype == P_Q2_K) {
-                PACKED(P_Q2_K, 0)
-            } else {
-                PACKED(P_Q5_0, 0)
-            }
+            BY_PANEL_TYPE(ptype, ex, XP_Q5_K | XP_Q6_K | XP_IQ4_XS | XP_Q3_K | XP_Q2_K);
 #undef PACKED
         }
     }
