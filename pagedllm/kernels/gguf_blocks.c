@@ -127,9 +127,9 @@ static int block_bytes_any(int type) {
     }
 }
 
-/* Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0 and IQ4_NL repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): their
- * type ids PANEL + the file's. The same bytes a row as the file's type, so a weight keeps its shape [N, bytes a
- * row]. */
+/* The types repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): Q2_K to Q6_K, Q8_0,
+ * Q5_0, Q4_0, IQ4_NL and IQ4_XS; their type ids PANEL + the file's. The same bytes a row as the file's type, so a
+ * weight keeps its shape [N, bytes a row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
        P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL, P_IQ4_XS = PANEL + IQ4_XS,
        P_Q3_K = PANEL + Q3_K, P_Q2_K = PANEL + Q2_K };
@@ -158,15 +158,20 @@ enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16 };
         else { PACKED(P_Q5_0, 0) }                                                                 \
     } while (0)
 
-/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, six repacked (Q5_K
- * and Q4_0 in panels only) */
+/* the file's types the matmul kernels read as stored; those they read in panels only; of both, those whose panels
+ * hold their blocks in pairs (blocks of 32: a row of a multiple of 64 weights) */
+static int reads_stored(int type) { return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0; }
+static int panel_only(int type) {
+    return type == Q5_K || type == Q4_0 || type == IQ4_NL || type == IQ4_XS || type == Q3_K || type == Q2_K;
+}
+static int paired(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL; }
+
+/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, ten repacked */
 static int reads(int type) {
 #ifdef GB_PANELS
-    if (type == P_Q4_K || type == P_Q6_K || type == P_Q8_0 || type == P_Q5_0 || type == P_Q5_K || type == P_Q4_0 ||
-        type == P_IQ4_NL || type == P_IQ4_XS || type == P_Q3_K || type == P_Q2_K)
-        return 1;
+    if (type > PANEL) return reads_stored(base_type(type)) || panel_only(base_type(type));
 #endif
-    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0;
+    return reads_stored(type);
 }
 static int block_elems(int type) { return reads(type) ? block_elems_any(base_type(type)) : 0; }
 static int block_bytes(int type) { return reads(type) ? block_bytes_any(base_type(type)) : 0; }
@@ -264,7 +269,7 @@ static void unpack_row(int type, const uint8_t *packed, int64_t n, int64_t K, ui
     const int bytes = block_bytes(type), words = bytes / 4;
     const int64_t nsb = K / QK, c = n % 16;
     const uint8_t *panel = packed + (n / 16) * 16 * (K / block_elems(type)) * bytes;
-    if (base_type(type) == Q8_0 || base_type(type) == Q5_0 || base_type(type) == Q4_0 || base_type(type) == IQ4_NL) {
+    if (paired(base_type(type))) {
         unpack_row_q32(base_type(type), panel, (int)c, K / 32, out);
         return;
     }
@@ -490,13 +495,10 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
     }
 }
 
-/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (Q5_K's, Q4_0's and IQ4_NL's rows
- * as the file stores them, read only in panels otherwise, are read here too: a panel's row looked up, an
- * embedding's) */
+/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (the rows of a type read only in
+ * panels otherwise, as the file stores them, are read here too: a panel's row looked up, an embedding's) */
 int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
-    if (!block_elems(type) && type != Q5_K && type != Q4_0 && type != IQ4_NL && type != IQ4_XS && type != Q3_K &&
-        type != Q2_K)
-        return -1;
+    if (!block_elems(type) && !panel_only(type)) return -1;
     const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
     if (type > PANEL) {  /* a row at a time as the file stores it */
         int failed = 0;
@@ -936,8 +938,15 @@ static int group_elems(int type) { return type == Q6_K || type == Q3_K || type =
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
     const int64_t ng = K / G;
-    const int off = type == Q6_K ? 32 : type == Q8_0 || type == IQ4_NL || type == IQ4_XS ? 128 : type == Q5_0 ? 16
-                  : type == Q4_0 || type == Q3_K ? type == Q4_0 ? 8 : 4 : 1;
+    int off = 1;
+    switch (type) {
+        case Q6_K: off = 32; break;
+        case Q8_0: case IQ4_NL: case IQ4_XS: off = 128; break;
+        case Q5_0: off = 16; break;
+        case Q4_0: off = 8; break;
+        case Q3_K: off = 4; break;
+        default: break;
+    }
     int32_t *xs = malloc(M * ng * sizeof(int32_t) + 64);
     int32_t *xs2 = malloc(M * (ng / 2 + 1) * sizeof(int32_t) + 64);
     if (!xs || !xs2) {
@@ -1786,7 +1795,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     repack_panel(type, raw + c0 * row_bytes, row_bytes, K / QK, tmp);
                     panel = tmp;
                 }
-                if (panel && (type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL))  /* expanded once for all of M's tiles */
+                if (panel && paired(type))  /* expanded into bytes once for all of M's tiles */
                     pack_panel_q32(type, panel, K, &p[i]);
                 else if (panel && type == Q6_K)
                     pack_panel_q6k(panel, K, &p[i]);
@@ -1846,9 +1855,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
  * panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
-    const int q32 = type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL;
-    const int k_quant = type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS;
-    if ((!k_quant && !q32) || N % NP || K % (q32 ? 64 : QK))
+    const int q32 = paired(type);
+    if (!(reads_stored(type) || panel_only(type)) || N % NP || K % (q32 ? 64 : QK))
         return -1;
     const int64_t row_bytes = K / block_elems_any(type) * block_bytes_any(type);
 #pragma omp parallel for schedule(static)

@@ -467,6 +467,9 @@ GGUF_PANEL_ONLY = {
 GGUF_PANELS = {100 + t: size for t, size in (GGUF_BLOCKS | GGUF_PANEL_ONLY).items()}
 # (elements, bytes) of a block of every type gguf_blocks.c takes, as stored or in panels
 _BLOCK_SIZES = GGUF_BLOCKS | GGUF_PANEL_ONLY | GGUF_PANELS
+# the types whose panels hold their blocks (of 32) in pairs, so a row of a multiple of 64 weights: Q4_0, Q5_0, Q8_0,
+# IQ4_NL
+_PAIRED = (2, 6, 8, 20)
 
 
 _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
@@ -476,7 +479,7 @@ def fits_panels(qtype: int, n: int, k: int) -> bool:
     """Whether a weight [n, k] of ggml type ``qtype`` can be repacked into panels (GGUFBlocks.pack, where the CPU
     has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 / Q4_0 / IQ4_NL
     rows of whole pairs of blocks."""
-    return 100 + qtype in GGUF_PANELS and n > 0 and n % 16 == 0 and k % (64 if qtype in (2, 6, 8, 20) else 256) == 0
+    return 100 + qtype in GGUF_PANELS and n > 0 and n % 16 == 0 and k % (64 if qtype in _PAIRED else 256) == 0
 
 
 class GGUFBlocks:
@@ -563,12 +566,7 @@ class GGUFBlocks:
         if qtype not in _BLOCK_SIZES:
             _check_type(-1, qtype)
         elems, nbytes = _BLOCK_SIZES[qtype]
-        if qtype in (
-            102,
-            106,
-            108,
-            120,
-        ):  # Q4_0 / Q5_0 / Q8_0 / IQ4_NL panels hold their blocks in pairs: a unit of two
+        if qtype - 100 in _PAIRED:  # their panels hold blocks in pairs: a unit of two
             elems, nbytes = 2 * elems, 2 * nbytes
         if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % nbytes:
             raise ValueError(f"raw must be uint8 [N, a multiple of {nbytes} bytes], got {raw.dtype} {list(raw.shape)}")

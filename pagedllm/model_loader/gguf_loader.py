@@ -572,7 +572,7 @@ def iter_gguf_blocks(
 
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
         stored = qtype.name in native and data.ndim == 2
-        if stored and qtype.name in ("Q8_0", "Q5_0", "Q5_K", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"):
+        if stored and qtype.name not in ("Q4_K", "Q6_K"):  # the others only where they fit panels
             elems, size = _BLOCK_SIZES[int(qtype)]
             stored = fits_panels(int(qtype), data.shape[0], data.shape[1] // size * elems)
         if stored:
@@ -670,20 +670,9 @@ def _q_blocks_numpy(
     import torch
     from gguf import GGMLQuantizationType as T
 
-    if qtype not in (
-        T.Q4_0,
-        T.Q4_1,
-        T.Q8_0,
-        T.Q5_0,
-        T.Q5_1,
-        T.Q4_K,
-        T.Q5_K,
-        T.Q6_K,
-        T.Q2_K,
-        T.Q3_K,
-        T.IQ4_NL,
-        T.IQ4_XS,
-    ):
+    if qtype in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS):
+        return _q_blocks_lookup(unpermute(np.asarray(data)), qtype)
+    if qtype not in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K):
         return None
 
     def f16(raw: np.ndarray) -> np.ndarray:
@@ -691,8 +680,6 @@ def _q_blocks_numpy(
 
     n = data.shape[0]
     rows = unpermute(np.asarray(data))
-    if qtype in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS):
-        return _q_blocks_lookup(rows, qtype)
     if qtype == T.Q6_K:  # ql [128], qh [64], scales [16] int8, d: two halves of 128 elements each
         blocks = rows.reshape(n, -1, 210)
         ql = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half, ql[l] | ql[l + 32], l]

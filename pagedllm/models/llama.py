@@ -448,7 +448,7 @@ def _materialize(tensor: Any) -> torch.Tensor:
 
 
 def _slice_block(
-    tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | Literal["rank0"] | None, kind: str = ""
+    tensors: tuple[torch.Tensor, ...], part: tuple[int, int, int] | Literal["rank0"] | None, kind: str
 ) -> tuple[torch.Tensor, ...] | None:
     """A quantized block's rows / groups for this rank: rows are whole; columns (row-parallel) are cut in
     groups of 32 (q's bytes, the scales and the mins (a 32 or a 16 each) alike). None where the cut splits a
