@@ -967,6 +967,17 @@ static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K,
 
 static int gguf_gemm_q8(int type, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,
                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
+
+/* a thread's buffer of `bytes` (a multiple of 64) for a panel's expanded words where `wanted`, else NULL; *failed
+ * set where it cannot be had */
+static uint8_t *expand_buffer(int wanted, size_t bytes, int *failed) {
+    uint8_t *b = wanted ? aligned_alloc(64, bytes) : NULL;
+    if (wanted && !b) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return b;
+}
 #endif
 
 #ifdef GB_AVX512
@@ -1722,11 +1733,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         const int expands = ptype == P_Q3_K && M > PACKED_DIRECT_ROWS;  /* Q3_K: its words decoded once a panel */
 #pragma omp parallel
         {
-        uint8_t *ex = expands ? aligned_alloc(64, (size_t)K * 24) : NULL;
-        if (expands && !ex) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        uint8_t *ex = expand_buffer(expands, (size_t)K * 24, &failed);
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NP) {
             if (expands && !ex) continue;

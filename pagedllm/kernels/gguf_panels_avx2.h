@@ -695,11 +695,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int failed = 0;
 #pragma omp parallel
     {
-    uint8_t *ex = expands ? aligned_alloc(32, (size_t)K * (k23 || ptype == P_IQ4_XS ? 24 : 16)) : NULL;
-    if (expands && !ex) {
-#pragma omp atomic write
-        failed = 1;
-    }
+    uint8_t *ex = expand_buffer(expands, (size_t)K * (k23 || ptype == P_IQ4_XS ? 24 : 16), &failed);
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (expands && !ex) continue;
