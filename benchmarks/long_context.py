@@ -2,7 +2,7 @@
 file, the same prompt tokens and the same threads.
 
     python benchmarks/long_context.py [--model qwen2.5-coder-1.5b-instruct-q4_k_m | FILE.gguf]
-        [--llama-server PATH] [--depths 16384,30720] [--mode gguf] [--kv-cache-dtype bfloat16]
+        [--llama-server PATH] [--depths 16384,30720] [--mode gguf] [--kv-cache-dtype bfloat16[,int8]]
         [--document 8192] [--questions 5] [--threads 2] [--out FILE.json]
 
 For each depth, one prompt of that many tokens (this repository's own Python source, which a code model reads
@@ -13,7 +13,8 @@ pays for the document, the later ones should not (pagedllm's prefix cache; llama
 its slot's previous prompt the same way).
 
 Both engines hold a 32,768-token context (the model's own). pagedllm: ``max_model_len=32768``, one sequence,
-``--kv-cache-dtype`` (bfloat16 by default: the same 2 bytes a value as llama.cpp's default f16 cache).
+``--kv-cache-dtype`` (bfloat16 by default: the same 2 bytes a value as llama.cpp's default f16 cache; several,
+comma-separated, run one after the other, e.g. ``bfloat16,int8``).
 llama.cpp: ``llama-server -c 32768 -np 1`` with its defaults (built as ``benchmarks/real_size.py`` says).
 """
 
@@ -66,8 +67,9 @@ def prompts(tokenizer, depths: list[int], document: int, questions: int) -> dict
     return out
 
 
-def kv_bytes_per_token(model: str, elem_bytes: int) -> int:
-    """K and V of every layer for one token, from the GGUF's metadata."""
+def kv_bytes_per_token(model: str, kv_cache_dtype: str) -> int:
+    """K and V of every layer for one token in a cache of ``kv_cache_dtype`` (pagedllm's names; llama.cpp's f16 is
+    ``float16``), from the GGUF's metadata."""
     import gguf
 
     reader = gguf.GGUFReader(model)
@@ -77,7 +79,9 @@ def kv_bytes_per_token(model: str, elem_bytes: int) -> int:
         return int(reader.fields[f"{arch}.{key}"].contents())
 
     head_dim = meta("embedding_length") // meta("attention.head_count")
-    return meta("block_count") * meta("attention.head_count_kv") * head_dim * 2 * elem_bytes
+    elem = 4 if kv_cache_dtype in ("float32", "auto") else 1 if kv_cache_dtype.startswith(("fp8", "int8")) else 2
+    row = head_dim + 4 if kv_cache_dtype == "int8" else head_dim  # int8: each row's float32 scale
+    return meta("block_count") * meta("attention.head_count_kv") * row * 2 * elem
 
 
 def _pagedllm_child(args: argparse.Namespace) -> None:
@@ -176,11 +180,15 @@ def main() -> None:
         server = require_program("benchmarks/long_context.py --llama-server", args.llama_server, fix)
     model = str(resolve(args.model))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    elem = 4 if args.kv_cache_dtype in ("float32", "auto") else 1 if args.kv_cache_dtype.startswith("fp8") else 2
+    dtypes = args.kv_cache_dtype.split(",")
+    names = {d: f"pagedllm {args.mode}" if len(dtypes) == 1 else f"pagedllm {args.mode} {d}" for d in dtypes}
     report: dict = {
         "model": model,
         "threads": args.threads,
-        "kv_bytes_per_token": {"pagedllm": kv_bytes_per_token(model, elem), "llama.cpp": kv_bytes_per_token(model, 2)},
+        "kv_bytes_per_token": {
+            "llama.cpp": kv_bytes_per_token(model, "float16"),
+            **{names[d]: kv_bytes_per_token(model, d) for d in dtypes},
+        },
         "results": {},
     }
     if server:
@@ -189,13 +197,14 @@ def main() -> None:
 
         work = prompts(load_tokenizer(resolve_model(model), None), args.depths, args.document, args.questions)
         report["results"]["llama.cpp"] = _llama_server(server, model, args, work)
-    cmd = [sys.executable, __file__, "--child", "--model", model, "--mode", args.mode]
-    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--depths", ",".join(map(str, args.depths))]
-    cmd += ["--document", str(args.document), "--questions", str(args.questions)]
-    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-    report["results"][f"pagedllm {args.mode}"] = json.loads(out.strip().splitlines()[-1])
+    for dtype in dtypes:
+        cmd = [sys.executable, __file__, "--child", "--model", model, "--mode", args.mode]
+        cmd += ["--kv-cache-dtype", dtype, "--depths", ",".join(map(str, args.depths))]
+        cmd += ["--document", str(args.document), "--questions", str(args.questions)]
+        out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
+        report["results"][names[dtype]] = json.loads(out.strip().splitlines()[-1])
     for name, r in report["results"].items():
-        per_token = report["kv_bytes_per_token"]["llama.cpp" if name == "llama.cpp" else "pagedllm"]
+        per_token = report["kv_bytes_per_token"][name]
         for d, row in r["depths"].items():
             row["kv_gib"] = per_token * int(d) / 2**30
             print(

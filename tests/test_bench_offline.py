@@ -122,6 +122,21 @@ def test_bench_accuracy_reports_agreement_and_perplexity(tiny_model_factory, tmp
     assert abs(res["perplexity"] - res["perplexity_float32"]) / res["perplexity_float32"] < 0.05
 
 
+def test_bench_accuracy_scores_long_prompts_against_another_kv_cache_dtype(tiny_model_factory, tmp_path):
+    """--context-lengths: one prompt of code per length, scored at every position by the engine and by the same
+    engine with the reference cache dtype; the same dtype on both sides gives the very same scores."""
+    model = str(tiny_model_factory("llama"))
+    common = ["accuracy", "--model", model, "--context-lengths", "100,600", "--reference-kv-cache-dtype", "bfloat16"]
+    res = _bench([*common, "--kv-cache-dtype", "int8"], tmp_path)
+    assert res["config"]["kv_cache_dtype"] == "int8" and res["reference_kv_cache_dtype"] == "bfloat16"
+    assert set(res["lengths"]) == {"100", "600"}
+    for row in res["lengths"].values():
+        assert 0.5 < row["same_top_token"] <= 1.0
+        assert abs(row["perplexity"] - row["perplexity_reference"]) / row["perplexity_reference"] < 0.05
+    same = _bench([*common, "--kv-cache-dtype", "bfloat16"], tmp_path)["lengths"]
+    assert all(r["same_top_token"] == 1.0 and r["perplexity"] == r["perplexity_reference"] for r in same.values())
+
+
 def test_teacher_forced_tops_are_the_greedy_choices_along_a_continuation(tiny_model_factory):
     """Read back along its own greedy continuation, an engine ranks each next token first; along a
     continuation of other tokens, the firsts are what it would have chosen there, not that text."""

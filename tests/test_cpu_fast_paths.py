@@ -207,10 +207,13 @@ def _greedy_varied(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
         ("mistral", None, "auto"),
         ("mistral", "w4a16", "bfloat16"),
         ("qwen2", None, "bfloat16"),
+        ("mistral", "w4a8", "int8"),
+        ("qwen2", None, "int8"),
     ],
 )
 # biases (qwen2), a sliding window (mistral), float32 (None: PackedLinear's own GEMV for up to 4 rows), a
-# bfloat16 KV cache (the C loop rounds the new K/V as torch's .to(bfloat16) does)
+# bfloat16 KV cache (the C loop rounds the new K/V as torch's .to(bfloat16) does), an int8 one (the C loop writes
+# the bytes attention.kv_int8.quantize writes)
 def test_fused_decode_loop_is_the_python_loop_bit_for_bit(tiny_model_factory, name, method, kv):
     """A decode-only step of a quantized model runs its layers in one C call: the very tokens and logprobs
     (exactly equal) of the Python loop (enforce_eager), and it falls back when a module is swapped."""
@@ -271,22 +274,22 @@ def test_fused_decode_loop_leaves_other_models_to_python(tiny_model_factory, nam
 
 @pytest.mark.parametrize("heads", [6, 16])  # 3 and 8 query heads a kv head: one pass of the decode's rows, then two
 @pytest.mark.parametrize("window", [None, 21])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(window, kv_dtype, heads):
     """The decode kernel and the prefill kernel (a whole prompt on its own K / V, or a chunk after cached tokens
     read from the paged cache) walk a row's keys in the same tiles and sums: each token's attention has the same
     bits whether it was prefilled whole, chunked at any boundary (a one-token last chunk included) or decoded.
     A narrower cache is read by the whole prompt too, rounded as the chunks and decodes read it."""
-    from pagedllm.attention import cpu_paged
+    from pagedllm.attention import cpu_paged, kv_int8, torch_ref
 
     torch.manual_seed(3)
     n, h, kvh, d, bs = 75, heads, 2, 64, 16
     q, k, v = torch.randn(n, h, d), torch.randn(n, kvh, d), torch.randn(n, kvh, d)
     blocks = (n + bs - 1) // bs
     table = torch.randperm(blocks + 3)[:blocks].to(torch.int64)  # blocks anywhere in the cache
-    cache = torch.zeros(2, blocks + 3, bs, kvh, d, dtype=kv_dtype)
+    cache = torch.zeros(2, blocks + 3, bs, kvh, kv_int8.row_width(d, kv_dtype), dtype=kv_dtype)
     slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
-    cache.view(2, -1, kvh, d)[0, slots], cache.view(2, -1, kvh, d)[1, slots] = k.to(kv_dtype), v.to(kv_dtype)
+    torch_ref.write_kv(k, v, cache, slots)
     kern, scale = kernels.load(), d**-0.5
     whole = torch.empty_like(q)
     assert cpu_paged._prefill(q, k, v, cache, table, 0, scale, window, whole)  # the backend's whole prompt

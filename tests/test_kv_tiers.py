@@ -101,14 +101,15 @@ def test_a_full_ram_tier_drops_its_least_recently_used_blocks(model):
     _clean(llm)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_with_the_ram_tier_keeps_outputs_and_swap_recomputes_nothing(model, mode):
+@pytest.mark.parametrize("mode,kv", [("recompute", "auto"), ("swap", "auto"), ("swap", "int8")])
+def test_preemption_with_the_ram_tier_keeps_outputs_and_swap_recomputes_nothing(model, mode, kv):
+    """int8: a block's rows carry their scales, so the tier moves them as bytes like any other dtype's."""
     rng = random.Random(7)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))]} for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
-    roomy = LLM(model=model, max_model_len=128, num_gpu_blocks_override=256)
+    roomy = LLM(model=model, max_model_len=128, num_gpu_blocks_override=256, kv_cache_dtype=kv)
     ref, ref_computed = _run(roomy, prompts, params)
-    tight = dict(model=model, max_model_len=128, num_gpu_blocks_override=12)
+    tight = dict(model=model, max_model_len=128, num_gpu_blocks_override=12, kv_cache_dtype=kv)
     plain = LLM(**tight)
     _, plain_computed = _run(plain, prompts, params)
     llm = LLM(**tight, kv_offloading_size=0.01, preemption_mode=mode)

@@ -6,7 +6,7 @@ On CPU that copy cost as much as the attention itself; the kernels in
 ``pagedllm/kernels/paged_attention.c`` walk the block tables instead: one query
 per request for decodes, and flash-style tiles of a request's queries for a
 prefill or a chunk of one (causal and window skips, online softmax, no mask
-tensor). They read float32, bfloat16 and fp8 caches (widening rows as they go);
+tensor). They read float32, bfloat16, fp8 and int8 caches (widening rows as they go);
 float16 caches, and shapes past their buffers, use the reference path.
 """
 
@@ -17,12 +17,13 @@ import functools
 import torch
 
 from pagedllm import kernels
-from pagedllm.attention import torch_ref
+from pagedllm.attention import kv_int8, torch_ref
 from pagedllm.attention.interface import AttentionMetadata
 
 
 def kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    _, _, bs, kvh, d = kv_cache.shape
+    _, _, bs, kvh, _ = kv_cache.shape
+    d = kv_int8.head_dim(kv_cache)
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
@@ -33,6 +34,7 @@ def kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and q.shape[1] // kvh <= kernels.MAX_GROUP
         and bs <= kernels.MAX_BLOCK_SIZE
         and d <= kernels.MAX_HEAD_DIM
+        and (kv_cache.dtype != torch.int8 or d % 4 == 0)  # int8 keys are scored four values to a dword
     )
 
 

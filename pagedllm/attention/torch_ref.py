@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import kv_int8
 from pagedllm.attention.interface import AttentionMetadata
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -27,8 +28,9 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     _, num_blocks, block_size, kvh, d = kv_cache.shape
     flat = _bytes(kv_cache).view(2, num_blocks * block_size, kvh, d)
-    flat[0].index_copy_(0, slot_mapping, _bytes(k.to(kv_cache.dtype)))
-    flat[1].index_copy_(0, slot_mapping, _bytes(v.to(kv_cache.dtype)))
+    for half, x in zip(flat, (k, v)):
+        rows = kv_int8.quantize(x) if kv_cache.dtype == torch.int8 else x.to(kv_cache.dtype)
+        half.index_copy_(0, slot_mapping, _bytes(rows))
 
 
 def paged_attention(
@@ -72,14 +74,24 @@ def paged_attention(
         ):
             continue
         k_start = 0
-        if q_len == seq_len:  # nothing cached before this chunk: use the fresh K/V directly
+        qi, sc = q[start:end], scale
+        if kv_cache.dtype == torch.int8:  # the query rounded as the kernels round it, the keys as stored
+            qi, sc = kv_int8.round_query(qi, scale), 1.0
+        if q_len == seq_len and kv_cache.dtype != torch.int8:  # nothing cached before: use the fresh K/V directly
             ki, vi = k[start:end], v[start:end]
         else:
             if sliding_window is not None:  # from the block of the first key the chunk's first query sees
                 k_start = max(0, seq_len - q_len - sliding_window + 1) // meta.block_size * meta.block_size
             ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size, k_start)
         out[start:end] = _prefill(
-            q[start:end], ki.to(q.dtype), vi.to(q.dtype), seq_len - q_len, scale, sliding_window, k_start, spans
+            qi,
+            kv_int8.widen(ki, q.dtype),
+            kv_int8.widen(vi, q.dtype),
+            seq_len - q_len,
+            sc,
+            sliding_window,
+            k_start,
+            spans,
         )
     return out
 
@@ -154,8 +166,8 @@ def _decode(
     block_ids, length, mask = _decode_plan(meta, sliding_window, q.device)
     blocks = _select_blocks(kv_cache, block_ids)  # [2, nd * nb, bs, kvh, d]
     kv = blocks.view(2, nd, -1, *blocks.shape[-2:])[:, :, :length]  # [2, nd, L, kvh, d]
-    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [nd, kvh, L, d]
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    k, v = (kv_int8.widen(x, q.dtype).transpose(1, 2) for x in kv)  # [nd, kvh, L, d]
+    if kv_cache.dtype == torch.int8:  # the query rounded as the kernels round it
+        q, scale = kv_int8.round_query(q, scale), 1.0
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -10,6 +10,8 @@ left-padded static batch.
     pagedllm bench latency                                     # one 128-token prompt, 128 new tokens
     pagedllm bench latency --quantization int4                 # pagedllm int4 vs transformers float32
     pagedllm bench accuracy --quantization int8                # greedy agreement, same top, perplexity vs fp32
+    pagedllm bench accuracy --kv-cache-dtype int8 --reference-kv-cache-dtype bfloat16 \
+        --context-lengths 8192,30720                           # a KV cache dtype against another, long prompts
     pagedllm bench latency --dataset copy --backend spec-vs-off \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'   # speculation on vs off
     pagedllm bench throughput --num-prompts 16 --backend structured-vs-off  # every request under a JSON
@@ -385,6 +387,69 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
     }
 
 
+def package_source() -> str:
+    """This package's own Python source, file by file: real code for long prompts (about 190k tokens)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return "".join(f"# file: {f.relative_to(root.parent)}\n{f.read_text()}\n" for f in sorted(root.rglob("*.py")))
+
+
+def run_context_accuracy(model: str | None, engine_kwargs: dict, reference_kv: str, lengths: list[int]) -> dict:
+    """A KV cache dtype on long prompts: the engine against the same engine with a ``reference_kv`` cache.
+
+    Each reads one prompt of code per length (this package's source) in its default prefill chunks, every later
+    chunk reading the earlier ones' K/V back from the cache as a decode at that depth would, and scores every
+    position. same_top_token: the fraction of the prompt's positions where both rank the same next token first;
+    perplexity: of the prompt's own tokens, each engine's.
+    """
+    import math
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.errors import InvalidParameterError
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+
+    ids = load_tokenizer(resolve_model(model)).encode(package_source())
+    if not lengths or min(lengths) < 2 or max(lengths) > len(ids):
+        raise InvalidParameterError(f"context lengths must be 2 to {len(ids):,} tokens, got {lengths}", "lengths")
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=1)
+
+    def evaluate(kwargs: dict) -> dict[int, tuple[list[int], float, float]]:
+        llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=1, max_model_len=max(lengths) + 1, **kwargs)
+        from tqdm.auto import tqdm
+
+        out = {}
+        for n in tqdm(lengths, desc=f"kv_cache_dtype {kwargs['kv_cache_dtype']}: long prompts"):
+            t0 = time.perf_counter()
+            lps = llm.generate([{"prompt_token_ids": ids[:n]}], scoring, use_tqdm=False)[0].prompt_logprobs
+            seconds = time.perf_counter() - t0
+            assert lps is not None  # asked for by ``scoring``
+            entries = [e for e in lps[1:] if e is not None]  # only the first position has none
+            tops = [next(t for t, lp in e.items() if lp.rank == 1) for e in entries]
+            nll = -sum(e[t].logprob for e, t in zip(entries, ids[1:n])) / (n - 1)
+            out[n] = (tops, math.exp(nll), seconds)
+        del llm
+        gc.collect()
+        return out
+
+    ref = evaluate({**engine_kwargs, "kv_cache_dtype": reference_kv})
+    ours = evaluate(engine_kwargs)
+    return {
+        "config": engine_kwargs,
+        "reference_kv_cache_dtype": reference_kv,
+        "lengths": {
+            n: {
+                "same_top_token": same_top_token([ref[n][0]], [ours[n][0]]),
+                "perplexity": ours[n][1],
+                "perplexity_reference": ref[n][1],
+                "prefill_s": ours[n][2],
+                "prefill_s_reference": ref[n][2],
+            }
+            for n in lengths
+        },
+    }
+
+
 def teacher_forced_tops(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
     """The token LLM ranks first at each position of each continuation, reading prompt + continuation."""
     from pagedllm import SamplingParams
@@ -448,6 +513,7 @@ def _load_transformers(model_path: str | None):
 
 
 def add_parsers(sub) -> None:
+    from pagedllm.config import EngineConfig
     from pagedllm.entrypoints.cli_args import add_command
 
     model_help = "model path or cached repo id; default: the embedded SmolLM2"
@@ -557,6 +623,18 @@ def add_parsers(sub) -> None:
     acc.add_argument("--num-prompts", type=int, default=8, help="prompts whose greedy outputs are compared")
     acc.add_argument("--output-len", type=int, default=128, help="greedy tokens per prompt")
     _add_quant_args(acc, "compared with float32 pagedllm on the same weights")
+    acc.add_argument(
+        "--context-lengths",
+        default=None,
+        help="comma-separated prompt lengths in tokens: instead, score one prompt of code of each length against the "
+        "same engine with --reference-kv-cache-dtype (same top token and perplexity at every position)",
+    )
+    acc.add_argument(
+        "--reference-kv-cache-dtype",
+        default="float32",
+        choices=EngineConfig.choices("cache_config", "kv_cache_dtype"),
+        help="the reference engine's KV cache dtype for --context-lengths",
+    )
     acc.add_argument("--output-json", default=None, help="also write the JSON report here")
     acc.set_defaults(func=_cmd_accuracy)
 
@@ -752,7 +830,14 @@ def _rates(elapsed: float, n_prompt: int, n_out: int, n_requests: int) -> dict:
 
 
 def _cmd_accuracy(args) -> int:
-    emit(run_accuracy(args.model, _quant_kwargs(args), args.num_prompts, args.output_len), args.output_json)
+    if args.context_lengths:
+        lengths = [int(n) for n in args.context_lengths.split(",")]
+        report = run_context_accuracy(args.model, _quant_kwargs(args), args.reference_kv_cache_dtype, lengths)
+    elif args.reference_kv_cache_dtype != "float32":
+        raise SystemExit("--reference-kv-cache-dtype goes with --context-lengths (otherwise float32 is the reference)")
+    else:
+        report = run_accuracy(args.model, _quant_kwargs(args), args.num_prompts, args.output_len)
+    emit(report, args.output_json)
     return 0
 
 

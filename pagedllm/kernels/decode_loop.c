@@ -6,6 +6,7 @@
  * the KV write, paged attention, SiLU) runs here, calling the very kernels the Python loop calls on
  * the same inputs in the same order: the result is bit for bit the Python loop's.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,9 +57,9 @@ typedef struct QLinear {
 typedef struct {
     QLinear qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
-    void *k_cache, *v_cache; /* the layer's [num_blocks, block_size, kv_heads, head_dim] halves */
+    void *k_cache, *v_cache; /* the layer's [num_blocks, block_size, kv_heads, head_dim (int8: + 4)] halves */
     int64_t sliding_window;  /* 0: none */
-    int64_t kv_dtype;        /* 0 float32, 1 bfloat16 (paged_decode_attention's codes) */
+    int64_t kv_dtype;        /* 0 float32, 1 bfloat16, 3 int8 (paged_decode_attention's codes) */
 } DecodeLayer;
 
 /* float32 to bfloat16, rounding to nearest even (PyTorch's conversion; a NaN stays a NaN) */
@@ -69,10 +70,26 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* one token's K or V row into its cache slot, in the cache's dtype */
-static void store_kv(void *cache, int64_t kv_dtype, int64_t slot, const float *row, int64_t n) {
+/* one token's K or V row (kv_heads heads of D) into its cache slot, in the cache's dtype; int8: each head's
+ * D values round(x * 127 / max|x|) and its scale max|x| / 127 after them (attention/kv_int8.py's bytes) */
+static void store_kv(void *cache, int64_t kv_dtype, int64_t slot, const float *row, int64_t kv_heads, int64_t D) {
+    const int64_t n = kv_heads * D;
     if (kv_dtype == 0) {
         memcpy((float *)cache + slot * n, row, n * sizeof(float));
+        return;
+    }
+    if (kv_dtype == 3) {
+        int8_t *dst = (int8_t *)cache + slot * kv_heads * (D + 4);
+        for (int64_t h = 0; h < kv_heads; h++, dst += D + 4, row += D) {
+            float amax = 0.f;
+            for (int64_t i = 0; i < D; i++) amax = fabsf(row[i]) > amax ? fabsf(row[i]) : amax;
+            const float inv = amax > 0.f ? 127.f / amax : 0.f, s = amax / 127.f;
+            for (int64_t i = 0; i < D; i++) {
+                const float r = nearbyintf(row[i] * inv);
+                dst[i] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+            }
+            memcpy(dst + D, &s, 4);
+        }
         return;
     }
     uint16_t *dst = (uint16_t *)cache + slot * n;
@@ -169,8 +186,8 @@ int decode_layers(const DecodeLayer *layers, int64_t n_layers, const float *x, f
         }
         rotary(qkv, qkv_n, cos, sin, qk, T, heads + kv_heads, head_dim); /* q and k heads together */
         for (int64_t t = 0; t < T; t++) {                                /* every new K/V before any read */
-            store_kv(L->k_cache, L->kv_dtype, slots[t], qk + t * (q_size + kv_size) + q_size, kv_size);
-            store_kv(L->v_cache, L->kv_dtype, slots[t], qkv + t * qkv_n + q_size + kv_size, kv_size);
+            store_kv(L->k_cache, L->kv_dtype, slots[t], qk + t * (q_size + kv_size) + q_size, kv_heads, head_dim);
+            store_kv(L->v_cache, L->kv_dtype, slots[t], qkv + t * qkv_n + q_size + kv_size, kv_heads, head_dim);
         }
         for (int64_t t = 0; t < T; t++) {
             const int64_t s = L->sliding_window > 0 ? seq_lens[t] - L->sliding_window : 0;

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 # limits of paged_attention.c's stack buffers, and the cache dtypes it reads (its kv_dtype codes)
 MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 32, 64, 256  # MAX_TASK_HEADS, MAX_BS, MAX_D
-KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2, torch.int8: 3}
+"""The cache dtypes paged_attention.c reads, by its code (int8: rows with their scales, attention.kv_int8)."""
 
 
 @functools.cache

@@ -11,8 +11,10 @@
  *
  * Layout: q [nd, H, D] with row stride q_stride; k, v [num_blocks, bs, KVH, D];
  * block_tables [nd, table_stride]; positions [start[r], seq_len[r]) are attended.
- * The cache holds float32 (kv_dtype 0), bfloat16 (1) or fp8 (2: each byte
- * widened through the 256-entry table lut, so e4m3 and e5m2 are one code path);
+ * The cache holds float32 (kv_dtype 0), bfloat16 (1), fp8 (2: each byte
+ * widened through the 256-entry table lut, so e4m3 and e5m2 are one code path)
+ * or int8 (3: a row's D values q, then its float32 scale s in 4 bytes: rows are
+ * D + 4 bytes apart, and a value is q * s; see pagedllm/attention/kv_int8.py);
  * rows are widened to float32 as they are read.
  */
 #include <math.h>
@@ -29,9 +31,31 @@
 #define PF_KEYS 16    /* keys a tile (see the scores below) */
 #define PF_ROWS (PF_TOKENS * MAX_TASK_HEADS)
 
+/* elements from one cache row to the next of the same token: D, or D + 4 for int8's scale */
+static inline int64_t row_elems(int kv_dtype, int64_t D) { return kv_dtype == 3 ? D + 4 : D; }
+
 static inline const float *row(const void *base, int64_t off, int kv_dtype, const float *lut, float *buf,
                                int64_t D) {
     if (kv_dtype == 0) return (const float *)base + off;
+    if (kv_dtype == 3) {  /* q * s, float32 */
+        const int8_t *p = (const int8_t *)base + off;
+        float s;
+        memcpy(&s, p + D, 4);
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        const __m512 vs = _mm512_set1_ps(s);
+        for (; d + 16 <= D; d += 16)
+            _mm512_storeu_ps(buf + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(p + d)))), vs));
+#elif defined(PAGEDLLM_AVX2)
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(buf + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(p + d)))), vs));
+#endif
+        for (; d < D; d++) buf[d] = (float)p[d] * s;
+        return buf;
+    }
     if (kv_dtype == 1) {  /* a bfloat16 is a float32's upper half */
         const uint16_t *p = (const uint16_t *)base + off;
         int64_t d = 0;
@@ -93,11 +117,18 @@ static inline float exp_shifted(const float *s, float m, float *p, int64_t lo, i
 }
 
 #if defined(__AVX512F__)
-/* V row t's 16 elements from d (float32 rows, or bfloat16 widened in registers) */
-static inline __m512 v16(const void *const *vrows, int bf16, int64_t t, int64_t d) {
-    if (bf16)
+/* an int8 row's 16 values from p: q * s, as row() widens them */
+static inline __m512 i8x16(const int8_t *p, float s) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), _mm512_set1_ps(s));
+}
+
+/* V row t's 16 elements from d: float32 rows (kind 0), bfloat16 (1) or int8 with their scales vs (3), widened in
+ * registers to row()'s values */
+static inline __m512 v16(const void *const *vrows, int kind, const float *vs, int64_t t, int64_t d) {
+    if (kind == 1)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)vrows[t] + d))), 16));
+    if (kind == 3) return i8x16((const int8_t *)vrows[t] + d, vs[t]);
     return _mm512_loadu_ps((const float *)vrows[t] + d);
 }
 
@@ -105,7 +136,8 @@ static inline __m512 v16(const void *const *vrows, int bf16, int64_t t, int64_t 
  * their weights p rows PF_KEYS apart, the same keys [lo, hi)): each V row read once for all of them, the same
  * multiply-adds in the same order per row */
 static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, float *acc, int64_t lda, const float *p,
-                                                                 const void *const *vrows, int bf16, int64_t lo,
+                                                                 const void *const *vrows, int kind, const float *vs,
+                                                                 int64_t lo,
                                                                  int64_t hi, int64_t D) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 a[6][4];
@@ -113,7 +145,7 @@ static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, 
             for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * lda + d0 + 16 * c);
         for (int64_t t = lo; t < hi; t++) {
             __m512 vt[4];
-            for (int c = 0; c < 4; c++) vt[c] = v16(vrows, bf16, t, d0 + 16 * c);
+            for (int c = 0; c < 4; c++) vt[c] = v16(vrows, kind, vs, t, d0 + 16 * c);
             for (int i = 0; i < nr; i++) {
                 const __m512 pt = _mm512_set1_ps(p[(i0 + i) * PF_KEYS + t]);
                 for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(pt, vt[c], a[i][c]);
@@ -124,10 +156,11 @@ static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, 
     }
 }
 
-static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *p, const void *const *vrows, int bf16,
+static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *p, const void *const *vrows, int kind,
+                                   const float *vs,
                                    int64_t lo, int64_t hi, int64_t D) {
     for (int i0 = 0; i0 < n; i0 += 6) {  /* six rows' 4 x 16 sums in registers at a time */
-#define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, vrows, bf16, lo, hi, D)
+#define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, vrows, kind, vs, lo, hi, D)
         switch (n - i0 < 6 ? n - i0 : 6) {
             case 6: ACC(6); break;
             case 5: ACC(5); break;
@@ -147,7 +180,7 @@ static inline void accumulate(float *acc, const float *p, const float *const *vr
     int64_t d0 = 0;
 #if defined(__AVX512F__)  /* the same sums, element by element, 16 lanes wide */
     d0 = D - D % 64;
-    accumulate_nr(1, 0, acc, D, p, (const void *const *)vrows, 0, lo, hi, d0);
+    accumulate_nr(1, 0, acc, D, p, (const void *const *)vrows, 0, NULL, lo, hi, d0);
 #endif
 #ifdef PAGEDLLM_AVX2
     for (; d0 + 64 <= D; d0 += 64) {  /* 64 sums held in registers over the block's rows */
@@ -197,11 +230,18 @@ static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, 
  * token's attention does not depend on how its prompt was cut into chunks, on what the prefix cache held,
  * or on whether it is the last token of a chunk (a decode) or not. */
 
+/* rows tile_scores takes at once: their sums in registers (AVX-512: 8 chains, as many as keep both FMA units busy) */
+#if defined(__AVX512F__)
+#define SCORE_ROWS 8
+#else
+#define SCORE_ROWS 4
+#endif
+
 /* s[i][0..16) = q_i . kt[., 0..16) for rows i < mr (q rows D apart, kt [D][16]); mr a constant where inlined */
 static inline __attribute__((always_inline)) void scores_rows(int mr, const float *q, const float *kt, int64_t D,
-                                                              float s[4][PF_KEYS]) {
+                                                              float (*s)[PF_KEYS]) {
 #if defined(__AVX512F__)
-    __m512 a[4];  /* a row's 16 scores in one register */
+    __m512 a[SCORE_ROWS];  /* a row's 16 scores in one register */
     for (int i = 0; i < mr; i++) a[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
         const __m512 kv = _mm512_loadu_ps(kt + d * PF_KEYS);
@@ -233,9 +273,16 @@ static inline __attribute__((always_inline)) void scores_rows(int mr, const floa
 #endif
 }
 
-/* scores_rows with the row count a constant in each case (the rows' sums then stay in registers) */
-static inline void tile_scores(int mr, const float *q, const float *kt, int64_t D, float s[4][PF_KEYS]) {
+/* scores_rows with the row count (at most SCORE_ROWS) a constant in each case (the rows' sums then stay in
+ * registers); each row's sums are the same whatever rows share the call */
+static inline void tile_scores(int mr, const float *q, const float *kt, int64_t D, float (*s)[PF_KEYS]) {
     switch (mr) {
+#if SCORE_ROWS == 8
+        case 8: scores_rows(8, q, kt, D, s); break;
+        case 7: scores_rows(7, q, kt, D, s); break;
+        case 6: scores_rows(6, q, kt, D, s); break;
+        case 5: scores_rows(5, q, kt, D, s); break;
+#endif
         case 4: scores_rows(4, q, kt, D, s); break;
         case 3: scores_rows(3, q, kt, D, s); break;
         case 2: scores_rows(2, q, kt, D, s); break;
@@ -275,11 +322,142 @@ static inline void keys_tile_bf16(const uint16_t *const *krows, int64_t nk, int6
 
 #endif
 
+/* ---- int8 caches: scores in integers -------------------------------------------------------------------
+ * With an int8 cache a query row is rounded to int8 as a cache row is (its own scale max |q| / 127; the query
+ * pre-scaled as above), and a tile's scores are the exact integer dot products of the two rows' int8 values
+ * times both scales: s = (float)(sum q k) * (sq * sk). An integer sum has one value in whatever order it is
+ * added, so decode and prefill, and every instruction-set level, give a row the same scores. (The keys are
+ * stored + 128 for VNNI's unsigned-by-signed product; the query's sum times 128 is taken off again.) */
+
+/* a query row q [D] as int8 values qi, its scale and the sum of its values (attention/kv_int8.py's rounding) */
+static inline void quantize_query(const float *q, int64_t D, int8_t *qi, float *qscale, int32_t *qsum) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; d++) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t d = 0; d < D; d++) {
+        const float r = nearbyintf(q[d] * inv);
+        qi[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+        sum += qi[d];
+    }
+    *qscale = amax / 127.f;
+    *qsum = sum;
+}
+
+static inline uint32_t load32(const int8_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u;
+}
+
+/* k8 [D / 4][16][4] = the int8 rows krows[0 .. nk) + 128, four values of key j in dword j of each 64 bytes (zeros
+ * past nk, stored as 128); D a multiple of 4 */
+static inline void keys_tile_q8(const int8_t *const *krows, int64_t nk, int64_t D, uint8_t *k8) {
+    int64_t d0 = 0;
+#if defined(__AVX512BW__)
+    for (; d0 + 64 <= D; d0 += 64) {  /* 16 keys x 16 dwords at a time */
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; j++) r[j] = j < nk ? _mm512_loadu_si512(krows[j] + d0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++)
+            _mm512_storeu_si512(k8 + (d0 + 4 * i) * PF_KEYS, _mm512_xor_si512(r[i], _mm512_set1_epi8((char)0x80)));
+    }
+#endif
+    for (int64_t c = d0 / 4; c < D / 4; c++)
+        for (int64_t j = 0; j < PF_KEYS; j++) {
+            const uint32_t u = (j < nk ? load32(krows[j] + 4 * c) : 0u) ^ 0x80808080u;
+            memcpy(k8 + (c * PF_KEYS + j) * 4, &u, 4);
+        }
+}
+
+/* s[i][0..16) = the scores of query rows i < mr (qi rows D apart, their scales and sums) against the tile k8 of
+ * keys with scales ks; mr a constant where inlined */
+static inline __attribute__((always_inline)) void scores_q8_rows(int mr, const int8_t *qi, const float *qscale,
+                                                                 const int32_t *qsum, const uint8_t *k8,
+                                                                 const float *ks, int64_t D, float (*s)[PF_KEYS]) {
+#if defined(__AVX512VNNI__)
+    __m512i a[SCORE_ROWS];
+    for (int i = 0; i < mr; i++) a[i] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < D / 4; c++) {
+        const __m512i kv = _mm512_loadu_si512(k8 + c * 64);
+        for (int i = 0; i < mr; i++) a[i] = _mm512_dpbusd_epi32(a[i], kv, _mm512_set1_epi32((int)load32(qi + i * D + 4 * c)));
+    }
+    const __m512 kscale = _mm512_loadu_ps(ks);
+    for (int i = 0; i < mr; i++) {
+        const __m512i dot = _mm512_sub_epi32(a[i], _mm512_set1_epi32(128 * qsum[i]));
+        _mm512_storeu_ps(s[i], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(qscale[i]), kscale)));
+    }
+#elif defined(PAGEDLLM_AVX2)
+    __m256i a[SCORE_ROWS][2];
+    for (int i = 0; i < mr; i++) a[i][0] = a[i][1] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < D / 4; c++) {
+        const __m256i k0 = _mm256_loadu_si256((const __m256i *)(k8 + c * 64));
+        const __m256i k1 = _mm256_loadu_si256((const __m256i *)(k8 + c * 64 + 32));
+#if defined(__AVXVNNI__)
+        for (int i = 0; i < mr; i++) {
+            const __m256i qb = _mm256_set1_epi32((int)load32(qi + i * D + 4 * c));
+            a[i][0] = _mm256_dpbusd_avx_epi32(a[i][0], k0, qb);
+            a[i][1] = _mm256_dpbusd_avx_epi32(a[i][1], k1, qb);
+        }
+#else  /* |k| times q with k's sign: byte pairs summed to int16 (at most 2 * 127 * 127), then to int32 */
+        (void)qsum;
+        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+        const __m256i s0 = _mm256_xor_si256(k0, flip), s1 = _mm256_xor_si256(k1, flip);
+        const __m256i u0 = _mm256_abs_epi8(s0), u1 = _mm256_abs_epi8(s1);
+        for (int i = 0; i < mr; i++) {
+            const __m256i qb = _mm256_set1_epi32((int)load32(qi + i * D + 4 * c));
+            a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(qb, s0)), ones));
+            a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(qb, s1)), ones));
+        }
+#endif
+    }
+    for (int i = 0; i < mr; i++) {
+#if defined(__AVXVNNI__)
+        const __m256i off = _mm256_set1_epi32(128 * qsum[i]);
+#else
+        const __m256i off = _mm256_setzero_si256();
+#endif
+        const __m256 qs = _mm256_set1_ps(qscale[i]);
+        _mm256_storeu_ps(s[i], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[i][0], off)),
+                                             _mm256_mul_ps(qs, _mm256_loadu_ps(ks))));
+        _mm256_storeu_ps(s[i] + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[i][1], off)),
+                                                 _mm256_mul_ps(qs, _mm256_loadu_ps(ks + 8))));
+    }
+#else
+    (void)qsum;  /* the sums below are of k itself, not k + 128 */
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < PF_KEYS; j++) {
+            int32_t dot = 0;
+            for (int64_t d = 0; d < D; d++) dot += (int32_t)qi[i * D + d] * ((int32_t)k8[((d / 4) * PF_KEYS + j) * 4 + d % 4] - 128);
+            s[i][j] = (float)dot * (qscale[i] * ks[j]);
+        }
+#endif
+}
+
+/* scores_q8_rows with the row count a constant in each case */
+static inline void tile_scores_q8(int mr, const int8_t *qi, const float *qscale, const int32_t *qsum, const uint8_t *k8,
+                                  const float *ks, int64_t D, float (*s)[PF_KEYS]) {
+#define Q8(NR) scores_q8_rows(NR, qi, qscale, qsum, k8, ks, D, s)
+    switch (mr) {
+#if SCORE_ROWS == 8
+        case 8: Q8(8); break;
+        case 7: Q8(7); break;
+        case 6: Q8(6); break;
+        case 5: Q8(5); break;
+#endif
+        case 4: Q8(4); break;
+        case 3: Q8(3); break;
+        case 2: Q8(2); break;
+        default: Q8(1); break;
+    }
+#undef Q8
+}
+
 void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                             const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
                             int64_t bs, float scale, int kv_dtype, const float *lut) {
-    const int64_t group = H / KVH, esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;
+    const int64_t group = H / KVH, esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1, Dr = row_elems(kv_dtype, D);
     /* A task is one request's run of kv heads. With requests enough to share out, a task takes as many
      * heads as its buffers hold, so that it reads each block's rows whole (heads lie side by side in a
      * row); with few requests, one kv head a task keeps every thread busy. */
@@ -295,11 +473,16 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
         const int64_t kh1 = kh0 + per_task < KVH ? kh0 + per_task : KVH, nh = (kh1 - kh0) * group;
         float acc[MAX_TASK_HEADS][MAX_D], m[MAX_TASK_HEADS], l[MAX_TASK_HEADS];
         float qs[MAX_TASK_HEADS * MAX_D], kt[MAX_D * PF_KEYS], kbuf[PF_KEYS][MAX_D], vbuf[PF_KEYS][MAX_D];
+        int8_t qi[MAX_TASK_HEADS * MAX_D];  /* int8 caches: the queries as int8, their scales and sums */
+        float qscale[MAX_TASK_HEADS], ks[PF_KEYS];
+        int32_t qsum[MAX_TASK_HEADS];
+        uint8_t k8[MAX_D * PF_KEYS];
         const float *qr = q + r * q_stride + kh0 * group * D;
         for (int64_t h = 0; h < nh; h++) {
             m[h] = -INFINITY;
             l[h] = 0.f;
             for (int64_t d = 0; d < D; d++) acc[h][d] = 0.f, qs[h * D + d] = qr[h * D + d] * scale;
+            if (kv_dtype == 3) quantize_query(qs + h * D, D, qi + h * D, &qscale[h], &qsum[h]);
         }
         const int64_t len = seq_lens[r], start = starts[r];
         const int64_t *table = block_tables + r * table_stride;
@@ -307,41 +490,60 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
             const int64_t jlo = k0 < start ? start - k0 : 0, nk = len - k0 < PF_KEYS ? len - k0 : PF_KEYS;
             const int64_t next = k0 + PF_KEYS;  /* a new block after this tile: ask for its rows meanwhile */
             if (next < len && next % bs == 0)
-                prefetch_block(k, v, (table[next / bs] * bs * KVH + kh0) * D, bs, KVH * D, (kh1 - kh0) * D * esize,
-                               esize);
+                prefetch_block(k, v, (table[next / bs] * bs * KVH + kh0) * Dr, bs, KVH * Dr,
+                               (kh1 - kh0) * Dr * esize, esize);
             for (int64_t kh = kh0; kh < kh1; kh++) {
                 const int64_t h0 = (kh - kh0) * group;
 #if defined(__AVX512F__)
                 if (kv_dtype != 2 && D % 64 == 0) {  /* rows read in place, V once for all the group's queries */
                     const void *krows[PF_KEYS], *vrows[PF_KEYS];
+                    float vs[PF_KEYS];  /* int8 V rows' scales */
                     for (int64_t j = 0; j < nk; j++) {
-                        const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * D;
+                        const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * Dr;
                         krows[j] = (const char *)k + at * esize;
                         vrows[j] = (const char *)v + at * esize;
+                        if (kv_dtype == 3) {
+                            memcpy(&ks[j], (const int8_t *)krows[j] + D, 4);
+                            memcpy(&vs[j], (const int8_t *)vrows[j] + D, 4);
+                        }
                     }
+                    for (int64_t j = nk; j < PF_KEYS; j++) ks[j] = 0.f;  /* lanes past the keys: scored, never read */
                     if (kv_dtype == 1) keys_tile_bf16((const uint16_t *const *)krows, nk, D, kt);
+                    else if (kv_dtype == 3) keys_tile_q8((const int8_t *const *)krows, nk, D, k8);
                     else keys_tile((const float *const *)krows, nk, D, kt);
                     float s[MAX_TASK_HEADS][PF_KEYS];
-                    for (int64_t h = h0; h < h0 + group; h += 4) {
-                        const int mr = h0 + group - h < 4 ? (int)(h0 + group - h) : 4;
-                        tile_scores(mr, qs + h * D, kt, D, s + (h - h0));
+                    for (int64_t h = h0; h < h0 + group; h += SCORE_ROWS) {
+                        const int mr = h0 + group - h < SCORE_ROWS ? (int)(h0 + group - h) : SCORE_ROWS;
+                        if (kv_dtype == 3)
+                            tile_scores_q8(mr, qi + h * D, qscale + h, qsum + h, k8, ks, D, s + (h - h0));
+                        else
+                            tile_scores(mr, qs + h * D, kt, D, s + (h - h0));
                     }
                     for (int64_t h = h0; h < h0 + group; h++) fold_weights(s[h - h0], jlo, nk, D, &m[h], &l[h], acc[h]);
-                    accumulate_rows((int)group, acc[h0], MAX_D, s[0], vrows, kv_dtype == 1, jlo, nk, D);
+                    accumulate_rows((int)group, acc[h0], MAX_D, s[0], vrows, kv_dtype, vs, jlo, nk, D);
                     continue;
                 }
 #endif
                 const float *krows[PF_KEYS], *vrows[PF_KEYS];
+                const int8_t *k8rows[PF_KEYS];
                 for (int64_t j = 0; j < nk; j++) {
-                    const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * D;
-                    krows[j] = row(k, at, kv_dtype, lut, kbuf[j], D);
+                    const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * Dr;
+                    if (kv_dtype == 3) {
+                        k8rows[j] = (const int8_t *)k + at;
+                        memcpy(&ks[j], k8rows[j] + D, 4);
+                    } else {
+                        krows[j] = row(k, at, kv_dtype, lut, kbuf[j], D);
+                    }
                     vrows[j] = row(v, at, kv_dtype, lut, vbuf[j], D);
                 }
-                keys_tile(krows, nk, D, kt);
-                for (int64_t h = h0; h < h0 + group; h += 4) {
-                    const int mr = h0 + group - h < 4 ? (int)(h0 + group - h) : 4;
-                    float s[4][PF_KEYS];
-                    tile_scores(mr, qs + h * D, kt, D, s);
+                for (int64_t j = nk; j < PF_KEYS; j++) ks[j] = 0.f;
+                if (kv_dtype == 3) keys_tile_q8(k8rows, nk, D, k8);
+                else keys_tile(krows, nk, D, kt);
+                for (int64_t h = h0; h < h0 + group; h += SCORE_ROWS) {
+                    const int mr = h0 + group - h < SCORE_ROWS ? (int)(h0 + group - h) : SCORE_ROWS;
+                    float s[SCORE_ROWS][PF_KEYS];
+                    if (kv_dtype == 3) tile_scores_q8(mr, qi + h * D, qscale + h, qsum + h, k8, ks, D, s);
+                    else tile_scores(mr, qs + h * D, kt, D, s);
                     for (int i = 0; i < mr; i++) fold_scores(s[i], vrows, jlo, nk, D, &m[h + i], &l[h + i], acc[h + i]);
                 }
             }
@@ -361,16 +563,16 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
  * head and a tile of PF_TOKENS queries, i.e. PF_TOKENS * group rows that share every K / V row it
  * reads. It walks the blocks its tile can see (causal and window skips: blocks past its last query or
  * before its first query's window are never read), 16 keys at a time: the keys are transposed once, a
- * register-blocked product scores 4 rows x 16 keys, scores past a row's own position or window become
+ * register-blocked product scores 8 rows (AVX2: 4) x 16 keys, scores past a row's own position or window become
  * -inf, and each row folds them into its running max, sum and weighted V (online softmax). */
 
-/* k, v: the cache's halves, token rows k_stride / v_stride elements apart (KVH * D); or a chunk's own fresh
+/* k, v: the cache's halves, token rows k_stride / v_stride elements apart (KVH * D, int8's KVH * (D + 4)); or a chunk's own fresh
  * K/V when nothing was cached before it (ctx 0), as one block of bs >= Q rows (table {0}). */
 void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, int64_t k_stride,
                              int64_t v_stride, const int64_t *table, int64_t ctx, int64_t Q, float *out,
                              int64_t out_stride, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
                              int64_t window, int kv_dtype, const float *lut) {
-    const int64_t group = H / KVH, tiles = (Q + PF_TOKENS - 1) / PF_TOKENS;
+    const int64_t group = H / KVH, tiles = (Q + PF_TOKENS - 1) / PF_TOKENS, Dr = row_elems(kv_dtype, D);
 #pragma omp parallel
     {
         float *qt = malloc(PF_TOKENS * group * D * sizeof(float)), *acc = malloc(PF_TOKENS * group * D * sizeof(float));
@@ -378,6 +580,11 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
         float m[PF_ROWS], l[PF_ROWS];
         float kbuf[PF_KEYS * MAX_D];
         float(*sbuf)[PF_KEYS] = malloc(PF_ROWS * PF_KEYS * sizeof(float));  /* the tile's scores, a row each */
+        int8_t *qi = malloc(PF_TOKENS * group * D);  /* int8 caches: the rows' queries as int8, scales, sums */
+        float qscale[PF_ROWS], ks[PF_KEYS];
+        int32_t qsum[PF_ROWS];
+        uint8_t k8[MAX_D * PF_KEYS];
+        const int8_t *k8rows[PF_KEYS];
         const float *vrows[PF_KEYS];
         for (int64_t j = 0; j < PF_KEYS; j++) vrows[j] = vt + j * D;
 #pragma omp for schedule(dynamic, 1)
@@ -390,6 +597,10 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                     const float *src = q + (t0 + t) * q_stride + (kh * group + h) * D;
                     float *dst = qt + (t * group + h) * D;
                     for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
+                    if (kv_dtype == 3) {
+                        const int64_t r = t * group + h;
+                        quantize_query(dst, D, qi + r * D, &qscale[r], &qsum[r]);
+                    }
                 }
             for (int64_t r = 0; r < rows; r++) {
                 m[r] = -INFINITY;
@@ -405,15 +616,26 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                 const float *krows[PF_KEYS];
                 for (int64_t j = 0; j < nk; j++) {  /* K transposed, V as rows */
                     const int64_t pos = k0 + j, slot = table[pos / bs] * bs + pos % bs;
-                    krows[j] = row(k, slot * k_stride + kh * D, kv_dtype, lut, kbuf + j * D, D);
-                    const float *vr = row(v, slot * v_stride + kh * D, kv_dtype, lut, vt + j * D, D);
+                    if (kv_dtype == 3) {
+                        k8rows[j] = (const int8_t *)k + slot * k_stride + kh * Dr;
+                        memcpy(&ks[j], k8rows[j] + D, 4);
+                    } else {
+                        krows[j] = row(k, slot * k_stride + kh * Dr, kv_dtype, lut, kbuf + j * D, D);
+                    }
+                    const float *vr = row(v, slot * v_stride + kh * Dr, kv_dtype, lut, vt + j * D, D);
                     if (vr != vt + j * D) memcpy(vt + j * D, vr, D * sizeof(float));
                 }
-                keys_tile(krows, nk, D, kt);
+                for (int64_t j = nk; j < PF_KEYS; j++) ks[j] = 0.f;
+                if (kv_dtype == 3) keys_tile_q8(k8rows, nk, D, k8);
+                else keys_tile(krows, nk, D, kt);
+/* rows r0 .. r0 + mr - 1's scores into S: in integers from an int8 cache */
+#define SCORES(MR, R0, S)                                                                        \
+    (kv_dtype == 3 ? tile_scores_q8(MR, qi + (R0) * D, qscale + (R0), qsum + (R0), k8, ks, D, S) \
+                   : tile_scores(MR, qt + (R0) * D, kt, D, S))
 #if defined(__AVX512F__)
                 if (D % 64 == 0) {  /* a token's rows (its query heads) share their keys: V read once for them */
-                    for (int64_t r0 = 0; r0 < rows; r0 += 4)
-                        tile_scores(rows - r0 < 4 ? (int)(rows - r0) : 4, qt + r0 * D, kt, D, sbuf + r0);
+                    for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS)
+                        SCORES(rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS, r0, sbuf + r0);
                     for (int64_t t = 0; t < nt; t++) {
                         const int64_t pos = first + t, r = t * group;
                         const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
@@ -421,15 +643,16 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                         if (jlo < 0) jlo = 0;
                         if (jlo >= hi) continue;
                         for (int64_t i = r; i < r + group; i++) fold_weights(sbuf[i], jlo, hi, D, &m[i], &l[i], acc + i * D);
-                        accumulate_rows((int)group, acc + r * D, D, sbuf[r], (const void *const *)vrows, 0, jlo, hi, D);
+                        accumulate_rows((int)group, acc + r * D, D, sbuf[r], (const void *const *)vrows, 0, NULL, jlo,
+                                        hi, D);
                     }
                     continue;
                 }
 #endif
-                for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-                    const int mr = rows - r0 < 4 ? (int)(rows - r0) : 4;
-                    float s[4][PF_KEYS];
-                    tile_scores(mr, qt + r0 * D, kt, D, s);
+                for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+                    const int mr = rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS;
+                    float s[SCORE_ROWS][PF_KEYS];
+                    SCORES(mr, r0, s);
                     for (int i = 0; i < mr; i++) {
                         const int64_t r = r0 + i, pos = first + r / group;  /* this row's query position */
                         const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
@@ -438,6 +661,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                         if (jlo < hi) fold_scores(s[i], vrows, jlo, hi, D, &m[r], &l[r], acc + r * D);
                     }
                 }
+#undef SCORES
             }
             for (int64_t t = 0; t < nt; t++)
                 for (int64_t h = 0; h < group; h++) {
@@ -452,5 +676,6 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
         free(kt);
         free(vt);
         free(sbuf);
+        free(qi);
     }
 }

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pagedllm import kernels
-from pagedllm.attention import AttentionMetadata, cpu_paged
+from pagedllm.attention import AttentionMetadata, cpu_paged, kv_int8
 from pagedllm.layers.linear import GEMV_ROWS
 from pagedllm.layers.quantization import SMALL_BATCH
 
@@ -61,7 +61,7 @@ class _Layer(ctypes.Structure):
 
 
 # the KV cache dtypes the C loop writes (decode_loop.c's store_kv); it reads them by kernels.KV_DTYPES' codes
-_KV_WRITTEN = (torch.float32, torch.bfloat16)
+_KV_WRITTEN = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def _linear(lin: Any, keep: list[Any]) -> _QLinear:
@@ -177,7 +177,7 @@ class FusedDecode:
                 cache.dtype not in _KV_WRITTEN
                 or not cache.is_contiguous()
                 or cache.shape[3] != a0.num_kv_heads
-                or cache.shape[4] != a0.head_dim
+                or kv_int8.head_dim(cache) != a0.head_dim
                 or not cpu_paged.kernel_applies(torch.empty(1, a0.num_heads, a0.head_dim), cache)
             ):
                 return False

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from pagedllm.attention import kv_int8
 from pagedllm.config import CacheConfig, GiB
 from pagedllm.errors import InvalidParameterError
 from pagedllm.worker.loader import DTYPES
@@ -16,19 +17,32 @@ logger = logging.getLogger("pagedllm")
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 
 
-_KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_KV_DTYPES = {
+    **DTYPES,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """'auto' stores K/V in the model dtype; fp8 variants store unscaled 8-bit floats (scale 1.0, as vLLM's default)."""
+    """'auto' stores K/V in the model dtype; fp8 variants store unscaled 8-bit floats (scale 1.0, as vLLM's default);
+    int8 stores each token's row of a kv head with its own scale (:mod:`pagedllm.attention.kv_int8`)."""
     return model_dtype if name == "auto" else _KV_DTYPES[name]
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The cache tensor's last dimension: head_dim, and int8's scale bytes."""
+    return kv_int8.row_width(head_dim, dtype)
 
 
 CUDA_MARGIN_BYTES = 256 << 20  # at least this much of a device's free memory is left outside the KV cache
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    row = row_width(head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * row
 
 
 def num_blocks_for_budget(
@@ -109,7 +123,8 @@ def allocate_kv_caches(
     device: torch.device,
     prefault: bool = False,
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] view per layer into a single zeroed buffer.
+    """One [2, num_blocks, block_size, kv_heads, head_dim] view per layer into a single zeroed buffer (int8: rows of
+    head_dim + 4, :mod:`pagedllm.attention.kv_int8`).
 
     On CPU a large buffer is an anonymous memory mapping of its own: the kernel
     zero-fills its pages on first touch, so a 4 GiB cache costs resident memory
@@ -121,8 +136,9 @@ def allocate_kv_caches(
     block is used and the whole cache becomes resident; ``prefault`` makes it resident
     at once (``torch.zeros`` writes every page).
     """
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim
+    row = row_width(head_dim, dtype)
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, row)
+    numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * row
     itemsize = torch.empty((), dtype=dtype).element_size()
     try:
         if device.type == "cpu" and numel * itemsize >= _FRESH_MMAP_BYTES and not prefault:

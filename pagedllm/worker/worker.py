@@ -160,11 +160,12 @@ class Worker:
         return [self._lm, cast("LlamaForCausalLM", self.draft)]  # a draft model, or an EAGLE head (one such)
 
     def kv_block_layout(self) -> tuple[torch.Size, torch.dtype]:
-        """Shape and dtype of one KV block on this rank: [layers, 2, block_size, kv heads, head dim]."""
+        """Shape and dtype of one KV block on this rank: [layers, 2, block_size, kv heads, head dim (int8: its
+        rows' width, with their scales)]."""
         m = self._lm
-        return torch.Size(
-            [len(m.layers), 2, self.config.cache_config.block_size, *m.kv_cache_shape_per_layer]
-        ), self.kv_cache_dtype
+        kvh, d = m.kv_cache_shape_per_layer
+        row = kv_cache.row_width(d, self.kv_cache_dtype)
+        return torch.Size([len(m.layers), 2, self.config.cache_config.block_size, kvh, row]), self.kv_cache_dtype
 
     def kv_connector_info(self) -> dict | None:
         """Where the KV connector's worker half can be reached (MooncakeConnector: its transfer engine)."""
