@@ -15,7 +15,7 @@ from pagedllm.layers.linear import PackedLinear, onednn_available
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import apply_rotary
 
-from utils import GreedyResult, check_greedy_close
+from utils import GreedyResult, check_greedy_close, kernels_at
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -280,6 +280,34 @@ def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(win
     read from the paged cache) walk a row's keys in the same tiles and sums: each token's attention has the same
     bits whether it was prefilled whole, chunked at any boundary (a one-token last chunk included) or decoded.
     A narrower cache is read by the whole prompt too, rounded as the chunks and decodes read it."""
+    _check_cuts(kernels.load(), kv_dtype, window, heads)
+
+
+@pytest.mark.parametrize("level", kernels.isa.machine_levels())
+def test_int8_cache_attention_at_every_level(level):
+    """An int8 cache's scores are integer sums at every level (AVX-512 VNNI, AVX-VNNI, AVX2's byte-pair products,
+    plain C): each level gives a query row the same bits however its prompt was cut, and attention over the
+    cache's values with the query rounded as a cache row is."""
+    from pagedllm.attention import kv_int8
+
+    with kernels_at(level) as kern:
+        q, cache, table, whole = _check_cuts(kern, torch.int8, None, 6)
+        n, _, d = q.shape
+        pos = torch.arange(n)
+        kv = kv_int8.widen(cache[:, table[pos // 16], pos % 16], torch.float32)  # [2, n, kvh, d]
+        ref = F.scaled_dot_product_attention(
+            kv_int8.round_query(q, d**-0.5).transpose(0, 1)[None],
+            kv[0].transpose(0, 1)[None],
+            kv[1].transpose(0, 1)[None],
+            is_causal=True,
+            scale=1.0,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(whole, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def _check_cuts(kern, kv_dtype, window, heads):
+    """The cut-prompt checks on the kernels loaded (``kern``): (q, cache, table, the whole prompt's attention)."""
     from pagedllm.attention import cpu_paged, kv_int8, torch_ref
 
     torch.manual_seed(3)
@@ -290,7 +318,7 @@ def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(win
     cache = torch.zeros(2, blocks + 3, bs, kvh, kv_int8.row_width(d, kv_dtype), dtype=kv_dtype)
     slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
     torch_ref.write_kv(k, v, cache, slots)
-    kern, scale = kernels.load(), d**-0.5
+    scale = d**-0.5
     whole = torch.empty_like(q)
     assert cpu_paged._prefill(q, k, v, cache, table, 0, scale, window, whole)  # the backend's whole prompt
     for cuts in ([0, 16, 32, 75], [0, 24, 50, 74, 75], [0, 1, 2, 40, 75], [0, 37, 74, 75]):
@@ -309,3 +337,4 @@ def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(win
     tables = table[None].expand(len(pos), -1).contiguous()
     got = kern.paged_decode_attention(q[pos].contiguous(), cache, tables, pos + 1, starts, scale)
     assert torch.equal(got, whole[pos])
+    return q, cache, table, whole

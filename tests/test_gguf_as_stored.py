@@ -22,7 +22,7 @@ from pagedllm.model_loader import default_model_path, load_config, resolve_model
 from pagedllm.model_loader.gguf_loader import read_gguf_header
 from pagedllm.worker.loader import load_model
 
-from utils import check_greedy_close
+from utils import check_greedy_close, kernels_at
 
 CPU = torch.device("cpu")
 
@@ -333,20 +333,8 @@ def _write_tiny_qwen2(path: Path, vocab: int, embedding: str, kind) -> Path:
 def kernel_level(request):
     """Every kernel level this machine runs that has the GGUF panels (AVX2 and up): the machine's own build, or one
     built for the level named (``$PAGEDLLM_CPU_LEVEL``), loaded in its place for the test and then put back."""
-    from pagedllm import kernels
-
-    if request.param == kernels.load().level:
+    with kernels_at(request.param):
         yield request.param
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(isa.ENV, request.param)
-        kernels.load.cache_clear(), kernels.try_load.cache_clear()
-        try:
-            assert kernels.load().level == request.param
-            yield request.param
-        finally:
-            kernels.load.cache_clear(), kernels.try_load.cache_clear()
-    assert kernels.load().level != request.param
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -658,3 +659,26 @@ def schemathesis(url: str, *args: str, env: dict[str, str] | None = None) -> sub
         timeout=900,
         env={**os.environ, **(env or {})},
     )
+
+
+@contextmanager
+def kernels_at(level: str):
+    """pagedllm's C kernels built for instruction-set ``level`` (``$PAGEDLLM_CPU_LEVEL``; cached as any build is),
+    loaded in place of the machine's own for the block, then put back."""
+    import pytest
+
+    from pagedllm import kernels
+    from pagedllm.kernels import isa
+
+    if level == kernels.load().level:
+        yield kernels.load()
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(isa.ENV, level)
+        kernels.load.cache_clear(), kernels.try_load.cache_clear()
+        try:
+            assert kernels.load().level == level
+            yield kernels.load()
+        finally:
+            kernels.load.cache_clear(), kernels.try_load.cache_clear()
+    assert kernels.load().level != level
