@@ -26,9 +26,13 @@ CPUS = {
     "AVX2 + AVX-VNNI": (AVX2 | {"avx_vnni"}, ("portable", "avx2", "avx2-vnni")),
     # Skylake-SP: AVX-512 without VNNI: its int8 panels need VNNI, so the level is AVX2's
     "AVX-512 without VNNI": (AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}, ("portable", "avx2")),
-    "AVX-512 VNNI": (
+    "AVX-512 VNNI": (  # Cascade Lake, Ice Lake
         AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"},
         ("portable", "avx2", "avx512-vnni"),
+    ),
+    "AVX-512 VNNI + BF16": (  # Zen 4, Sapphire Rapids
+        AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16"},
+        ("portable", "avx2", "avx512-vnni", "avx512-bf16"),
     ),
 }
 
@@ -54,7 +58,7 @@ def test_the_environment_variable_chooses_a_level_at_or_below_the_machines(monke
     with pytest.raises(isa.CPULevelError, match=r"lacks \(avx_vnni\); its levels: portable, avx2, avx512-vnni"):
         isa.chosen_level(zen4)
     monkeypatch.setenv(isa.ENV, "sse9")
-    with pytest.raises(isa.CPULevelError, match="not a level; the levels: portable, avx2, avx2-vnni, avx512-vnni, nat"):
+    with pytest.raises(isa.CPULevelError, match="the levels: portable, avx2, avx2-vnni, avx512-vnni, avx512-bf16, nat"):
         isa.chosen_level(flags)
 
 
@@ -88,6 +92,21 @@ def test_kernels_built_at_a_lower_level_hold_none_of_the_higher_ones_and_agree(a
     torch.testing.assert_close(
         built.int8_matmul(x, *quantize_int8(w)), kernels.load().int8_matmul(x, *quantize_int8(w)), rtol=1e-5, atol=1e-4
     )
+
+
+def test_the_avx512_vnni_build_holds_no_bfloat16_products(tmp_path):
+    """avx512-bf16 adds vdpbf16ps (attention over a bfloat16 cache); the level below never emits it."""
+    from pagedllm import kernels
+    from pagedllm.kernels.build import library_flags
+
+    if "avx512-vnni" not in isa.machine_levels() or not shutil.which("objdump"):
+        pytest.skip("needs AVX-512 VNNI and objdump")
+    src = Path(kernels.__file__).parent / "paged_attention.c"
+    for level, has in (("avx512-vnni", False), ("avx512-bf16", True)):
+        obj = tmp_path / f"{level}.o"
+        subprocess.run([os.environ.get("CC", "cc"), *library_flags(level), "-c", str(src), "-o", str(obj)], check=True)
+        code = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+        assert ("vdpbf16ps" in code) == has, level
 
 
 def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monkeypatch, caplog, tmp_path):
@@ -170,7 +189,7 @@ def test_amx_is_used_only_where_the_os_grants_tile_data(caplog):
         "advertised (amx_tile amx_int8 amx_bf16) and granted by the OS",
     )
     assert "no AMX kernels yet: unused" in isa.amx_note(SAPPHIRE_RAPIDS, ok)
-    assert isa.machine_levels(SAPPHIRE_RAPIDS)[-1] == "avx512-vnni"  # AMX is no level
+    assert isa.machine_levels(SAPPHIRE_RAPIDS)[-1] == "avx512-bf16"  # AMX is no level
     assert isa.amx_status(CPUS["AVX-512 VNNI"][0], refused) == (False, "not advertised")
     assert isa.amx_note(CPUS["AVX2"][0]) == ""
     # this machine: the real system call answers (where AMX is listed, the kernel is asked for real)

@@ -483,7 +483,16 @@ def test_paged_prefill_kernel_reads_low_precision_caches(dtype):
         scale=scale,
         enable_gqa=True,
     )
-    torch.testing.assert_close(out, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1), **_low_precision_tolerance(dtype))
+
+
+def _low_precision_tolerance(dtype: torch.dtype) -> dict:
+    """At avx512-bf16 a bfloat16 cache is read with bfloat16 pair products: the query and the softmax weights are
+    rounded to bfloat16 too (2^-9 each); otherwise the kernels read the cache's values exactly (int8: the query
+    rounded as the reference rounds it)."""
+    if dtype == torch.bfloat16 and cpu_paged.kernels.load().level == "avx512-bf16":
+        return dict(rtol=1e-2, atol=1e-2)
+    return dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("nd", [2, 11])  # few requests: a task per kv head; many: a task per request
@@ -512,7 +521,7 @@ def test_paged_decode_kernel_reads_low_precision_caches(dtype, head_dim):
     out = cpu_paged._decode(q, low, meta, 0.2, 30)
     meta.scratch.clear()
     ref = torch_ref._decode(q, low if dtype == torch.int8 else low.float(), meta, 0.2, 30)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, **_low_precision_tolerance(dtype))
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:

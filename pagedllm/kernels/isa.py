@@ -8,7 +8,10 @@ Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compile
 * ``avx2-vnni``: ``avx2`` and AVX-VNNI's int8 dot products on 256-bit registers (Intel Alder Lake and later
   client CPUs, AMD Zen 5);
 * ``avx512-vnni``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4) and AVX-512 VNNI (Intel since Cascade Lake, AMD Zen 4
-  and 5): the GGUF panel kernels (``gguf_blocks.c``'s ``GB_AVX512``) are built here only.
+  and 5): the GGUF panel kernels (``gguf_blocks.c``'s ``GB_AVX512``) are built here and above only;
+* ``avx512-bf16``: ``avx512-vnni`` and AVX512_BF16's bfloat16 dot products (Intel since Cooper Lake / Sapphire
+  Rapids, AMD Zen 4 and 5): attention over a bfloat16 KV cache multiplies bfloat16 pairs (``vdpbf16ps``); every
+  other kernel is ``avx512-vnni``'s.
 
 The machine's levels are those whose features ``/proc/cpuinfo`` lists. Linux lists a feature only where the OS
 saves its registers (it clears AVX and AVX-512 when XCR0 does not enable their state), so a listed level is one
@@ -33,23 +36,26 @@ import platform
 from collections.abc import Callable
 
 ENV = "PAGEDLLM_CPU_LEVEL"
-LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni")
+LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni", "avx512-bf16")
 NATIVE = "native"  # not x86-64: the compiler's -march=native, the only level
 # what gcc's -march=x86-64-v3 may emit (x86-64-v2's SSE3 ("pni") to POPCNT, then AVX2, BMI1/2, F16C, FMA,
 # LZCNT ("abm"), MOVBE, XSAVE), by /proc/cpuinfo's names: a level is the machine's only if it lists every one
 _X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
 _AVX2 = _X86_64_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_AVX512_VNNI = _AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
 _NEEDS: dict[str, frozenset[str]] = {
     "portable": frozenset(),
     "avx2": _AVX2,
     "avx2-vnni": _AVX2 | {"avx_vnni"},
-    "avx512-vnni": _AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"},
+    "avx512-vnni": _AVX512_VNNI,
+    "avx512-bf16": _AVX512_VNNI | {"avx512_bf16"},
 }
 _MARCH: dict[str, list[str]] = {
     "portable": ["-march=x86-64"],
     "avx2": ["-march=x86-64-v3"],
     "avx2-vnni": ["-march=x86-64-v3", "-mavxvnni"],
     "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni"],
+    "avx512-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
     NATIVE: ["-march=native"],
 }
 

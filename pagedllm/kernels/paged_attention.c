@@ -97,6 +97,16 @@ static inline void prefetch_block(const void *k, const void *v, int64_t off, int
 static inline float exp_shifted(const float *s, float m, float *p, int64_t lo, int64_t hi) {
     float sum = 0.f;
     int64_t t = lo;
+#if defined(__AVX512F__)
+    if (hi - lo == 16) {  /* a whole tile at once: the 8-wide loop's very values and sum */
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + lo), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(p + lo, e);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(_mm512_castps512_ps256(e), _mm512_extractf32x8_ps(e, 1)));
+        for (int i = 0; i < 8; i++) sum += lanes[i];
+        return sum;
+    }
+#endif
 #ifdef PAGEDLLM_AVX2
     __m256 vsum = _mm256_setzero_ps();
     const __m256 vm = _mm256_set1_ps(m);
@@ -205,7 +215,13 @@ static inline void accumulate(float *acc, const float *p, const float *const *vr
  * in, acc [D] rescaled where the max grew; the scores become the weights in place. */
 static inline void fold_weights(float *s, int64_t lo, int64_t hi, int64_t D, float *m, float *l, float *acc) {
     float bmax = *m;
-    for (int64_t t = lo; t < hi; t++) bmax = s[t] > bmax ? s[t] : bmax;
+#if defined(__AVX512F__)
+    if (hi - lo == 16) {
+        const float tmax = _mm512_reduce_max_ps(_mm512_loadu_ps(s + lo));
+        bmax = tmax > bmax ? tmax : bmax;
+    } else
+#endif
+        for (int64_t t = lo; t < hi; t++) bmax = s[t] > bmax ? s[t] : bmax;
     if (bmax > *m) {
         const float corr = expf(*m - bmax);  /* 0 on the first keys (m = -inf) */
         *l *= corr;
@@ -453,6 +469,123 @@ static inline void tile_scores_q8(int mr, const int8_t *qi, const float *qscale,
 #undef Q8
 }
 
+/* ---- bfloat16 caches at avx512-bf16: products of bfloat16 pairs (vdpbf16ps) ---------------------------
+ * A query row is rounded to bfloat16 (after the softmax scale) and a score is one chain of pair products into
+ * float32, two dimensions a step; the weights are rounded to bfloat16 and multiply V two keys a step (keys
+ * 2c, 2c + 1 of a tile; a weight outside a row's keys is 0). Decode and prefill run these same steps for a row,
+ * so they still agree bit for bit. D a multiple of 64. */
+#if defined(__AVX512BF16__)
+#define BF16_PAIRS 1
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+/* qb [D] = q [D] rounded to bfloat16, nearest even */
+static inline void round_bf16(const float *q, int64_t D, uint16_t *qb) {
+    for (int64_t d = 0; d < D; d += 32)
+        _mm512_storeu_si512(qb + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + d + 16), _mm512_loadu_ps(q + d)));
+}
+
+/* kt2 [D / 2][16] = the bfloat16 rows krows[0 .. nk) in place, dimensions d, d + 1 of key j in dword j (zeros past
+ * nk) */
+static inline void keys_pairs_bf16(const uint16_t *const *krows, int64_t nk, int64_t D, uint32_t *kt2) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; j++) r[j] = j < nk ? _mm512_loadu_si512(krows[j] + d0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt2 + (d0 / 2 + i) * PF_KEYS, r[i]);
+    }
+}
+
+/* vp [8][D] = the bfloat16 rows vrows[0 .. nk) in pairs: dword d of pair c holds keys 2c and 2c + 1's value d */
+static inline void values_pairs_bf16(const uint16_t *const *vrows, int64_t nk, int64_t D, uint32_t *vp) {
+    for (int64_t c = 0; c < PF_KEYS / 2; c++)
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512i a = 2 * c < nk ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrows[2 * c] + d)))
+                                         : _mm512_setzero_si512();
+            const __m512i b = 2 * c + 1 < nk
+                                  ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrows[2 * c + 1] + d)))
+                                  : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + c * D + d, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+}
+
+/* s[i][0..16) = qb_i . kt2 for rows i < mr (qb rows D apart); mr a constant where inlined */
+static inline __attribute__((always_inline)) void scores_bf16_rows(int mr, const uint16_t *qb, const uint32_t *kt2,
+                                                                   int64_t D, float (*s)[PF_KEYS]) {
+    __m512 a[SCORE_ROWS];
+    for (int i = 0; i < mr; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 2; c++) {
+        const __m512bh kv = as_bh(_mm512_loadu_si512(kt2 + c * PF_KEYS));
+        for (int i = 0; i < mr; i++) {
+            uint32_t pair;
+            memcpy(&pair, qb + i * D + 2 * c, 4);
+            a[i] = _mm512_dpbf16_ps(a[i], kv, as_bh(_mm512_set1_epi32((int)pair)));
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(s[i], a[i]);
+}
+
+static inline void tile_scores_bf16(int mr, const uint16_t *qb, const uint32_t *kt2, int64_t D, float (*s)[PF_KEYS]) {
+    switch (mr) {
+        case 8: scores_bf16_rows(8, qb, kt2, D, s); break;
+        case 7: scores_bf16_rows(7, qb, kt2, D, s); break;
+        case 6: scores_bf16_rows(6, qb, kt2, D, s); break;
+        case 5: scores_bf16_rows(5, qb, kt2, D, s); break;
+        case 4: scores_bf16_rows(4, qb, kt2, D, s); break;
+        case 3: scores_bf16_rows(3, qb, kt2, D, s); break;
+        case 2: scores_bf16_rows(2, qb, kt2, D, s); break;
+        default: scores_bf16_rows(1, qb, kt2, D, s); break;
+    }
+}
+
+/* pb [8] = a row's weights w[lo, hi) rounded to bfloat16 in pairs, 0 elsewhere */
+static inline void weights_bf16(const float *w, int64_t lo, int64_t hi, uint32_t *pb) {
+    const __mmask16 keep = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+    _mm256_storeu_si256((__m256i *)pb, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, w)));
+}
+
+/* acc rows i0 .. i0 + nr - 1 (lda apart) += their weights pb (rows 8 dwords apart) times V's pairs c0 .. c1 - 1 */
+static inline __attribute__((always_inline)) void accumulate_pairs_nr(int nr, int i0, float *acc, int64_t lda,
+                                                                      const uint32_t *pb, const uint32_t *vp,
+                                                                      int64_t c0, int64_t c1, int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        __m512 a[6][4];
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * lda + d0 + 16 * c);
+        for (int64_t p = c0; p < c1; p++) {
+            __m512bh vt[4];
+            for (int c = 0; c < 4; c++) vt[c] = as_bh(_mm512_loadu_si512(vp + p * D + d0 + 16 * c));
+            for (int i = 0; i < nr; i++) {
+                const __m512bh w = as_bh(_mm512_set1_epi32((int)pb[(i0 + i) * 8 + p]));
+                for (int c = 0; c < 4; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], vt[c], w);
+            }
+        }
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (i0 + i) * lda + d0 + 16 * c, a[i][c]);
+    }
+}
+
+/* the weighted V of keys [lo, hi) into n rows of acc: the pairs holding them */
+static inline void accumulate_pairs(int n, float *acc, int64_t lda, const uint32_t *pb, const uint32_t *vp, int64_t lo,
+                                    int64_t hi, int64_t D) {
+    const int64_t c0 = lo / 2, c1 = (hi + 1) / 2;
+    for (int i0 = 0; i0 < n; i0 += 6) {
+#define PAIRS(NR) accumulate_pairs_nr(NR, i0, acc, lda, pb, vp, c0, c1, D)
+        switch (n - i0 < 6 ? n - i0 : 6) {
+            case 6: PAIRS(6); break;
+            case 5: PAIRS(5); break;
+            case 4: PAIRS(4); break;
+            case 3: PAIRS(3); break;
+            case 2: PAIRS(2); break;
+            default: PAIRS(1); break;
+        }
+#undef PAIRS
+    }
+}
+#else
+#define BF16_PAIRS 0
+#endif
+
 void paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                             const int64_t *starts, float *out, int64_t nd, int64_t H, int64_t KVH, int64_t D,
@@ -477,12 +610,20 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
         float qscale[MAX_TASK_HEADS], ks[PF_KEYS];
         int32_t qsum[MAX_TASK_HEADS];
         uint8_t k8[MAX_D * PF_KEYS];
+#if BF16_PAIRS
+        const int pairs = kv_dtype == 1 && D % 64 == 0;  /* bfloat16 pair products */
+        uint16_t qb[MAX_TASK_HEADS * MAX_D];
+        uint32_t kt2[MAX_D * PF_KEYS / 2], vp[PF_KEYS / 2 * MAX_D], pb[MAX_TASK_HEADS * 8];
+#endif
         const float *qr = q + r * q_stride + kh0 * group * D;
         for (int64_t h = 0; h < nh; h++) {
             m[h] = -INFINITY;
             l[h] = 0.f;
             for (int64_t d = 0; d < D; d++) acc[h][d] = 0.f, qs[h * D + d] = qr[h * D + d] * scale;
             if (kv_dtype == 3) quantize_query(qs + h * D, D, qi + h * D, &qscale[h], &qsum[h]);
+#if BF16_PAIRS
+            if (pairs) round_bf16(qs + h * D, D, qb + h * D);
+#endif
         }
         const int64_t len = seq_lens[r], start = starts[r];
         const int64_t *table = block_tables + r * table_stride;
@@ -494,6 +635,28 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                                (kh1 - kh0) * Dr * esize, esize);
             for (int64_t kh = kh0; kh < kh1; kh++) {
                 const int64_t h0 = (kh - kh0) * group;
+#if BF16_PAIRS
+                if (pairs) {  /* rows read in place */
+                    const uint16_t *krows[PF_KEYS], *vrows[PF_KEYS];
+                    for (int64_t j = 0; j < nk; j++) {
+                        const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * Dr;
+                        krows[j] = (const uint16_t *)k + at;
+                        vrows[j] = (const uint16_t *)v + at;
+                    }
+                    keys_pairs_bf16(krows, nk, D, kt2);
+                    values_pairs_bf16(vrows, nk, D, vp);
+                    float s[MAX_TASK_HEADS][PF_KEYS];
+                    for (int64_t h = h0; h < h0 + group; h += SCORE_ROWS)
+                        tile_scores_bf16(h0 + group - h < SCORE_ROWS ? (int)(h0 + group - h) : SCORE_ROWS, qb + h * D,
+                                         kt2, D, s + (h - h0));
+                    for (int64_t h = h0; h < h0 + group; h++) {
+                        fold_weights(s[h - h0], jlo, nk, D, &m[h], &l[h], acc[h]);
+                        weights_bf16(s[h - h0], jlo, nk, pb + (h - h0) * 8);
+                    }
+                    accumulate_pairs((int)group, acc[h0], MAX_D, pb, vp, jlo, nk, D);
+                    continue;
+                }
+#endif
 #if defined(__AVX512F__)
                 if (kv_dtype != 2 && D % 64 == 0) {  /* rows read in place, V once for all the group's queries */
                     const void *krows[PF_KEYS], *vrows[PF_KEYS];
@@ -585,6 +748,11 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
         int32_t qsum[PF_ROWS];
         uint8_t k8[MAX_D * PF_KEYS];
         const int8_t *k8rows[PF_KEYS];
+#if BF16_PAIRS
+        const int pairs = kv_dtype == 1 && D % 64 == 0;  /* bfloat16 pair products */
+        uint16_t *qb = malloc(PF_TOKENS * group * D * sizeof(uint16_t));
+        uint32_t *pb = malloc(PF_ROWS * 8 * sizeof(uint32_t)), kt2[MAX_D * PF_KEYS / 2], vp[PF_KEYS / 2 * MAX_D];
+#endif
         const float *vrows[PF_KEYS];
         for (int64_t j = 0; j < PF_KEYS; j++) vrows[j] = vt + j * D;
 #pragma omp for schedule(dynamic, 1)
@@ -601,6 +769,9 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                         const int64_t r = t * group + h;
                         quantize_query(dst, D, qi + r * D, &qscale[r], &qsum[r]);
                     }
+#if BF16_PAIRS
+                    if (pairs) round_bf16(dst, D, qb + (t * group + h) * D);
+#endif
                 }
             for (int64_t r = 0; r < rows; r++) {
                 m[r] = -INFINITY;
@@ -613,6 +784,34 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
             lo -= lo % PF_KEYS;  /* tiles at multiples of PF_KEYS, as decode's */
             for (int64_t k0 = lo; k0 <= last; k0 += PF_KEYS) {  /* no tile before the first query's window is read */
                 const int64_t nk = last + 1 - k0 < PF_KEYS ? last + 1 - k0 : PF_KEYS;
+#if BF16_PAIRS
+                if (pairs) {  /* rows read in place; a token's rows (its query heads) share the keys */
+                    const uint16_t *k16[PF_KEYS], *v16rows[PF_KEYS];
+                    for (int64_t j = 0; j < nk; j++) {
+                        const int64_t pos = k0 + j, slot = table[pos / bs] * bs + pos % bs;
+                        k16[j] = (const uint16_t *)k + slot * k_stride + kh * Dr;
+                        v16rows[j] = (const uint16_t *)v + slot * v_stride + kh * Dr;
+                    }
+                    keys_pairs_bf16(k16, nk, D, kt2);
+                    values_pairs_bf16(v16rows, nk, D, vp);
+                    for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS)
+                        tile_scores_bf16(rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS, qb + r0 * D, kt2, D,
+                                         sbuf + r0);
+                    for (int64_t t = 0; t < nt; t++) {
+                        const int64_t pos = first + t, r = t * group;
+                        const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
+                        int64_t jlo = window > 0 ? pos - window + 1 - k0 : 0;
+                        if (jlo < 0) jlo = 0;
+                        if (jlo >= hi) continue;
+                        for (int64_t i = r; i < r + group; i++) {
+                            fold_weights(sbuf[i], jlo, hi, D, &m[i], &l[i], acc + i * D);
+                            weights_bf16(sbuf[i], jlo, hi, pb + i * 8);
+                        }
+                        accumulate_pairs((int)group, acc + r * D, D, pb + r * 8, vp, jlo, hi, D);
+                    }
+                    continue;
+                }
+#endif
                 const float *krows[PF_KEYS];
                 for (int64_t j = 0; j < nk; j++) {  /* K transposed, V as rows */
                     const int64_t pos = k0 + j, slot = table[pos / bs] * bs + pos % bs;
@@ -677,5 +876,9 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
         free(vt);
         free(sbuf);
         free(qi);
+#if BF16_PAIRS
+        free(qb);
+        free(pb);
+#endif
     }
 }
