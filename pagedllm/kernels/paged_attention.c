@@ -30,6 +30,20 @@
 #define PF_TOKENS 32  /* a prefill task's queries */
 #define PF_KEYS 16    /* keys a tile (see the scores below) */
 #define PF_ROWS (PF_TOKENS * MAX_TASK_HEADS)
+/* rows the score kernels take at once: their sums in registers (AVX-512: 8 chains, as many as keep both FMA units
+ * busy) */
+#if defined(__AVX512F__)
+#define SCORE_ROWS 8
+#define ROWS_8_TO_5(CALL) case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break;
+#else
+#define SCORE_ROWS 4
+#define ROWS_8_TO_5(CALL)
+#endif
+/* CALL(r) with the row count r a constant in each case, so that a kernel's sums stay in registers: up to
+ * SCORE_ROWS rows (the scores), or up to 6 (the weighted V: 6 rows x 4 registers) */
+#define ROWS_4_TO_1(CALL) case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); break;
+#define BY_SCORE_ROWS(n, CALL) switch (n) { ROWS_8_TO_5(CALL) ROWS_4_TO_1(CALL) }
+#define BY_SIX_ROWS(n, CALL) switch (n) { case 6: CALL(6); break; case 5: CALL(5); break; ROWS_4_TO_1(CALL) }
 
 /* elements from one cache row to the next of the same token: D, or D + 4 for int8's scale */
 static inline int64_t row_elems(int kv_dtype, int64_t D) { return kv_dtype == 3 ? D + 4 : D; }
@@ -142,17 +156,26 @@ static inline __m512 v16(const void *const *vrows, int kind, const float *vs, in
     return _mm512_loadu_ps((const float *)vrows[t] + d);
 }
 
+/* nr rows' 64 running sums from acc (rows lda apart) into registers, and back */
+static inline __attribute__((always_inline)) void sums_load(int nr, const float *acc, int64_t lda, __m512 a[6][4]) {
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + i * lda + 16 * c);
+}
+
+static inline __attribute__((always_inline)) void sums_store(int nr, float *acc, int64_t lda, __m512 a[6][4]) {
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + i * lda + 16 * c, a[i][c]);
+}
+
 /* accumulate() on elements [0, D) (D a multiple of 64) for rows i0 .. i0 + nr - 1 at once (acc rows lda apart,
  * their weights p rows PF_KEYS apart, the same keys [lo, hi)): each V row read once for all of them, the same
  * multiply-adds in the same order per row */
 static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, float *acc, int64_t lda, const float *p,
                                                                  const void *const *vrows, int kind, const float *vs,
-                                                                 int64_t lo,
-                                                                 int64_t hi, int64_t D) {
+                                                                 int64_t lo, int64_t hi, int64_t D) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 a[6][4];
-        for (int i = 0; i < nr; i++)
-            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * lda + d0 + 16 * c);
+        sums_load(nr, acc + i0 * lda + d0, lda, a);
         for (int64_t t = lo; t < hi; t++) {
             __m512 vt[4];
             for (int c = 0; c < 4; c++) vt[c] = v16(vrows, kind, vs, t, d0 + 16 * c);
@@ -161,8 +184,7 @@ static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, 
                 for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(pt, vt[c], a[i][c]);
             }
         }
-        for (int i = 0; i < nr; i++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (i0 + i) * lda + d0 + 16 * c, a[i][c]);
+        sums_store(nr, acc + i0 * lda + d0, lda, a);
     }
 }
 
@@ -171,14 +193,7 @@ static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *
                                    int64_t lo, int64_t hi, int64_t D) {
     for (int i0 = 0; i0 < n; i0 += 6) {  /* six rows' 4 x 16 sums in registers at a time */
 #define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, vrows, kind, vs, lo, hi, D)
-        switch (n - i0 < 6 ? n - i0 : 6) {
-            case 6: ACC(6); break;
-            case 5: ACC(5); break;
-            case 4: ACC(4); break;
-            case 3: ACC(3); break;
-            case 2: ACC(2); break;
-            default: ACC(1); break;
-        }
+        BY_SIX_ROWS(n - i0 < 6 ? n - i0 : 6, ACC)
 #undef ACC
     }
 }
@@ -246,13 +261,6 @@ static inline void fold_scores(float *s, const float *const *vrows, int64_t lo, 
  * token's attention does not depend on how its prompt was cut into chunks, on what the prefix cache held,
  * or on whether it is the last token of a chunk (a decode) or not. */
 
-/* rows tile_scores takes at once: their sums in registers (AVX-512: 8 chains, as many as keep both FMA units busy) */
-#if defined(__AVX512F__)
-#define SCORE_ROWS 8
-#else
-#define SCORE_ROWS 4
-#endif
-
 /* s[i][0..16) = q_i . kt[., 0..16) for rows i < mr (q rows D apart, kt [D][16]); mr a constant where inlined */
 static inline __attribute__((always_inline)) void scores_rows(int mr, const float *q, const float *kt, int64_t D,
                                                               float (*s)[PF_KEYS]) {
@@ -292,18 +300,9 @@ static inline __attribute__((always_inline)) void scores_rows(int mr, const floa
 /* scores_rows with the row count (at most SCORE_ROWS) a constant in each case (the rows' sums then stay in
  * registers); each row's sums are the same whatever rows share the call */
 static inline void tile_scores(int mr, const float *q, const float *kt, int64_t D, float (*s)[PF_KEYS]) {
-    switch (mr) {
-#if SCORE_ROWS == 8
-        case 8: scores_rows(8, q, kt, D, s); break;
-        case 7: scores_rows(7, q, kt, D, s); break;
-        case 6: scores_rows(6, q, kt, D, s); break;
-        case 5: scores_rows(5, q, kt, D, s); break;
-#endif
-        case 4: scores_rows(4, q, kt, D, s); break;
-        case 3: scores_rows(3, q, kt, D, s); break;
-        case 2: scores_rows(2, q, kt, D, s); break;
-        default: scores_rows(1, q, kt, D, s); break;
-    }
+#define F32(NR) scores_rows(NR, q, kt, D, s)
+    BY_SCORE_ROWS(mr, F32)
+#undef F32
 }
 
 /* kt [D][16] = the rows krows[0 .. nk) side by side (key j in column j), zeros past nk */
@@ -454,18 +453,7 @@ static inline __attribute__((always_inline)) void scores_q8_rows(int mr, const i
 static inline void tile_scores_q8(int mr, const int8_t *qi, const float *qscale, const int32_t *qsum, const uint8_t *k8,
                                   const float *ks, int64_t D, float (*s)[PF_KEYS]) {
 #define Q8(NR) scores_q8_rows(NR, qi, qscale, qsum, k8, ks, D, s)
-    switch (mr) {
-#if SCORE_ROWS == 8
-        case 8: Q8(8); break;
-        case 7: Q8(7); break;
-        case 6: Q8(6); break;
-        case 5: Q8(5); break;
-#endif
-        case 4: Q8(4); break;
-        case 3: Q8(3); break;
-        case 2: Q8(2); break;
-        default: Q8(1); break;
-    }
+    BY_SCORE_ROWS(mr, Q8)
 #undef Q8
 }
 
@@ -526,16 +514,9 @@ static inline __attribute__((always_inline)) void scores_bf16_rows(int mr, const
 }
 
 static inline void tile_scores_bf16(int mr, const uint16_t *qb, const uint32_t *kt2, int64_t D, float (*s)[PF_KEYS]) {
-    switch (mr) {
-        case 8: scores_bf16_rows(8, qb, kt2, D, s); break;
-        case 7: scores_bf16_rows(7, qb, kt2, D, s); break;
-        case 6: scores_bf16_rows(6, qb, kt2, D, s); break;
-        case 5: scores_bf16_rows(5, qb, kt2, D, s); break;
-        case 4: scores_bf16_rows(4, qb, kt2, D, s); break;
-        case 3: scores_bf16_rows(3, qb, kt2, D, s); break;
-        case 2: scores_bf16_rows(2, qb, kt2, D, s); break;
-        default: scores_bf16_rows(1, qb, kt2, D, s); break;
-    }
+#define BF16(NR) scores_bf16_rows(NR, qb, kt2, D, s)
+    BY_SCORE_ROWS(mr, BF16)
+#undef BF16
 }
 
 /* pb [8] = a row's weights w[lo, hi) rounded to bfloat16 in pairs, 0 elsewhere */
@@ -550,8 +531,7 @@ static inline __attribute__((always_inline)) void accumulate_pairs_nr(int nr, in
                                                                       int64_t c0, int64_t c1, int64_t D) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 a[6][4];
-        for (int i = 0; i < nr; i++)
-            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * lda + d0 + 16 * c);
+        sums_load(nr, acc + i0 * lda + d0, lda, a);
         for (int64_t p = c0; p < c1; p++) {
             __m512bh vt[4];
             for (int c = 0; c < 4; c++) vt[c] = as_bh(_mm512_loadu_si512(vp + p * D + d0 + 16 * c));
@@ -560,8 +540,7 @@ static inline __attribute__((always_inline)) void accumulate_pairs_nr(int nr, in
                 for (int c = 0; c < 4; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], vt[c], w);
             }
         }
-        for (int i = 0; i < nr; i++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (i0 + i) * lda + d0 + 16 * c, a[i][c]);
+        sums_store(nr, acc + i0 * lda + d0, lda, a);
     }
 }
 
@@ -571,14 +550,7 @@ static inline void accumulate_pairs(int n, float *acc, int64_t lda, const uint32
     const int64_t c0 = lo / 2, c1 = (hi + 1) / 2;
     for (int i0 = 0; i0 < n; i0 += 6) {
 #define PAIRS(NR) accumulate_pairs_nr(NR, i0, acc, lda, pb, vp, c0, c1, D)
-        switch (n - i0 < 6 ? n - i0 : 6) {
-            case 6: PAIRS(6); break;
-            case 5: PAIRS(5); break;
-            case 4: PAIRS(4); break;
-            case 3: PAIRS(3); break;
-            case 2: PAIRS(2); break;
-            default: PAIRS(1); break;
-        }
+        BY_SIX_ROWS(n - i0 < 6 ? n - i0 : 6, PAIRS)
 #undef PAIRS
     }
 }

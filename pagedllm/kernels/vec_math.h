@@ -5,47 +5,35 @@
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
 
-/* e^x, eight at a time: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor
- * polynomial (relative error about 2e-7, as close to expf as a softmax or SiLU needs). x is clamped
- * to [-87, 88], so e^x below e^-87 comes out as 1.6e-38 rather than 0. */
-static inline __m256 exp8(__m256 x) {
-    /* the constant first: max/min return their second operand for a NaN, so NaN stays NaN */
-    x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+/* e^x, W / 32 at a time (W: 256 or 512 bits): 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6
+ * Taylor polynomial (relative error about 2e-7, as close to expf as a softmax or SiLU needs). x is clamped to
+ * [-87, 88], so e^x below e^-87 comes out as 1.6e-38 rather than 0. The same operations lane by lane at either
+ * width, so exp8 and exp16 give a value the same bits. (The constant first in min/max: they return their second
+ * operand for a NaN, so NaN stays NaN.) */
+#define DEFINE_EXP(NAME, W, ROUND)                                                                          \
+    static inline __m##W NAME(__m##W x) {                                                                   \
+        x = _mm##W##_min_ps(_mm##W##_set1_ps(88.f), _mm##W##_max_ps(_mm##W##_set1_ps(-87.f), x));          \
+        const __m##W n = ROUND(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504f)),                           \
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                              \
+        __m##W r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693145752f), x);                                \
+        r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(1.42860677e-6f), r);                                     \
+        __m##W p = _mm##W##_set1_ps(1.f / 720);                                                             \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.f / 120));                                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.f / 24));                                            \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.f / 6));                                             \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(0.5f));                                                \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.f));                                                 \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.f));                                                 \
+        const __m##W##i e =                                                                                 \
+            _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23); \
+        return _mm##W##_mul_ps(p, _mm##W##_castsi##W##_ps(e));                                              \
+    }
+DEFINE_EXP(exp8, 256, _mm256_round_ps)
 #endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* exp8's e^x sixteen at a time: the same operations lane by lane, so the same bits */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+DEFINE_EXP(exp16, 512, _mm512_roundscale_ps)
 
 /* r[i] holds 16 int32 of row i; after, r[j] holds element j of every row (lane i: row i's) */
 static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
