@@ -69,8 +69,11 @@ def prompts(tokenizer, depths: list[int], document: int, questions: int) -> dict
 
 def kv_bytes_per_token(model: str, kv_cache_dtype: str) -> int:
     """K and V of every layer for one token in a cache of ``kv_cache_dtype`` (pagedllm's names; llama.cpp's f16 is
-    ``float16``), from the GGUF's metadata."""
+    ``float16``), from the GGUF's metadata, as pagedllm sizes its blocks."""
     import gguf
+    import torch
+
+    from pagedllm.worker.kv_cache import bytes_per_block, resolve_kv_cache_dtype
 
     reader = gguf.GGUFReader(model)
     arch = str(reader.fields["general.architecture"].contents())
@@ -79,9 +82,8 @@ def kv_bytes_per_token(model: str, kv_cache_dtype: str) -> int:
         return int(reader.fields[f"{arch}.{key}"].contents())
 
     head_dim = meta("embedding_length") // meta("attention.head_count")
-    elem = 4 if kv_cache_dtype in ("float32", "auto") else 1 if kv_cache_dtype.startswith(("fp8", "int8")) else 2
-    row = head_dim + 4 if kv_cache_dtype == "int8" else head_dim  # int8: each row's float32 scale
-    return meta("block_count") * meta("attention.head_count_kv") * row * 2 * elem
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)  # 'auto': float32 on CPU
+    return bytes_per_block(meta("block_count"), 1, meta("attention.head_count_kv"), head_dim, dtype)
 
 
 def _pagedllm_child(args: argparse.Namespace) -> None:

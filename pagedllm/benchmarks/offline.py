@@ -343,7 +343,6 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
     scored in prefill chunks of 32 tokens so that each chunk reads the earlier ones' K/V back from
     the cache, as decoding does (a single-pass prefill would never see the cache's precision).
     """
-    import math
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.model_loader import load_tokenizer, resolve_model
@@ -357,18 +356,11 @@ def run_accuracy(model: str | None, engine_kwargs: dict, num_prompts: int, outpu
     def evaluate(kwargs: dict, continuations: list[list[int]] | None) -> tuple[list[list[int]], float, list]:
         llm = LLM(model=model, enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=32, **kwargs)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=True)]
-        prompt_logprobs = llm.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs
-        assert prompt_logprobs is not None  # asked for by ``scoring``
-        ids = text["prompt_token_ids"][1:]
-        nll = 0.0
-        for lp, t in zip(prompt_logprobs[1:], ids):
-            assert lp is not None  # only the first position has none
-            nll -= lp[t].logprob
-        nll /= len(ids)
+        ppl = perplexity(llm.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs, text["prompt_token_ids"])
         tops = teacher_forced_tops(llm, [p["prompt_token_ids"] for p in prompts], continuations or outs)
         del llm
         gc.collect()
-        return outs, math.exp(nll), tops
+        return outs, ppl, tops
 
     # float32's function of the same weights: a GGUF's blocks with float32 activations (widening them all would
     # take 16x the file's memory for a K-quant), any other model's float weights
@@ -403,7 +395,6 @@ def run_context_accuracy(model: str | None, engine_kwargs: dict, reference_kv: s
     position. same_top_token: the fraction of the prompt's positions where both rank the same next token first;
     perplexity: of the prompt's own tokens, each engine's.
     """
-    import math
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.errors import InvalidParameterError
@@ -424,10 +415,7 @@ def run_context_accuracy(model: str | None, engine_kwargs: dict, reference_kv: s
             lps = llm.generate([{"prompt_token_ids": ids[:n]}], scoring, use_tqdm=False)[0].prompt_logprobs
             seconds = time.perf_counter() - t0
             assert lps is not None  # asked for by ``scoring``
-            entries = [e for e in lps[1:] if e is not None]  # only the first position has none
-            tops = [next(t for t, lp in e.items() if lp.rank == 1) for e in entries]
-            nll = -sum(e[t].logprob for e, t in zip(entries, ids[1:n])) / (n - 1)
-            out[n] = (tops, math.exp(nll), seconds)
+            out[n] = ([first_ranked(e) for e in lps[1:] if e is not None], perplexity(lps, ids[:n]), seconds)
         del llm
         gc.collect()
         return out
@@ -450,16 +438,30 @@ def run_context_accuracy(model: str | None, engine_kwargs: dict, reference_kv: s
     }
 
 
+def perplexity(prompt_logprobs, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of a prompt's tokens ids[1:], from its prompt_logprobs."""
+    import math
+
+    assert prompt_logprobs is not None  # asked for
+    nll = 0.0
+    for lp, t in zip(prompt_logprobs[1:], ids[1:]):
+        assert lp is not None  # only the first position has none
+        nll -= lp[t].logprob
+    return math.exp(nll / (len(ids) - 1))
+
+
+def first_ranked(entry: dict) -> int:
+    """The token a position's logprobs rank first."""
+    return next(t for t, lp in entry.items() if lp.rank == 1)
+
+
 def teacher_forced_tops(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
     """The token LLM ranks first at each position of each continuation, reading prompt + continuation."""
     from pagedllm import SamplingParams
 
     forced = [{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)]
     outs = llm.generate(forced, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    return [
-        [next(t for t, lp in entry.items() if lp.rank == 1) for entry in o.prompt_logprobs[len(p) :]]
-        for o, p in zip(outs, prompts)
-    ]
+    return [[first_ranked(entry) for entry in o.prompt_logprobs[len(p) :]] for o, p in zip(outs, prompts)]
 
 
 def same_top_token(ref_tops: list[list[int]], tops: list[list[int]]) -> float:

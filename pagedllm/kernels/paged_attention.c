@@ -48,13 +48,27 @@
 /* elements from one cache row to the next of the same token: D, or D + 4 for int8's scale */
 static inline int64_t row_elems(int kv_dtype, int64_t D) { return kv_dtype == 3 ? D + 4 : D; }
 
+/* an int8 row's scale, the 4 bytes after its D values */
+static inline float row_scale(const void *row, int64_t D) {
+    float s;
+    memcpy(&s, (const int8_t *)row + D, 4);
+    return s;
+}
+
+/* the keys [*jlo, returned) of the tile at k0 (nk keys) that the query at pos sees: at or before it, within the
+ * window (if any); none where *jlo is not below the returned end */
+static inline int64_t keys_seen(int64_t pos, int64_t k0, int64_t nk, int64_t window, int64_t *jlo) {
+    const int64_t lo = window > 0 ? pos - window + 1 - k0 : 0;
+    *jlo = lo > 0 ? lo : 0;
+    return pos - k0 + 1 < nk ? pos - k0 + 1 : nk;
+}
+
 static inline const float *row(const void *base, int64_t off, int kv_dtype, const float *lut, float *buf,
                                int64_t D) {
     if (kv_dtype == 0) return (const float *)base + off;
     if (kv_dtype == 3) {  /* q * s, float32 */
         const int8_t *p = (const int8_t *)base + off;
-        float s;
-        memcpy(&s, p + D, 4);
+        const float s = row_scale(p, D);
         int64_t d = 0;
 #if defined(__AVX512F__)
         const __m512 vs = _mm512_set1_ps(s);
@@ -638,8 +652,8 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                         krows[j] = (const char *)k + at * esize;
                         vrows[j] = (const char *)v + at * esize;
                         if (kv_dtype == 3) {
-                            memcpy(&ks[j], (const int8_t *)krows[j] + D, 4);
-                            memcpy(&vs[j], (const int8_t *)vrows[j] + D, 4);
+                            ks[j] = row_scale(krows[j], D);
+                            vs[j] = row_scale(vrows[j], D);
                         }
                     }
                     for (int64_t j = nk; j < PF_KEYS; j++) ks[j] = 0.f;  /* lanes past the keys: scored, never read */
@@ -665,7 +679,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
                     const int64_t pos = k0 + j, at = ((table[pos / bs] * bs + pos % bs) * KVH + kh) * Dr;
                     if (kv_dtype == 3) {
                         k8rows[j] = (const int8_t *)k + at;
-                        memcpy(&ks[j], k8rows[j] + D, 4);
+                        ks[j] = row_scale(k8rows[j], D);
                     } else {
                         krows[j] = row(k, at, kv_dtype, lut, kbuf[j], D);
                     }
@@ -771,9 +785,8 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                                          sbuf + r0);
                     for (int64_t t = 0; t < nt; t++) {
                         const int64_t pos = first + t, r = t * group;
-                        const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
-                        int64_t jlo = window > 0 ? pos - window + 1 - k0 : 0;
-                        if (jlo < 0) jlo = 0;
+                        int64_t jlo;
+                        const int64_t hi = keys_seen(pos, k0, nk, window, &jlo);
                         if (jlo >= hi) continue;
                         for (int64_t i = r; i < r + group; i++) {
                             fold_weights(sbuf[i], jlo, hi, D, &m[i], &l[i], acc + i * D);
@@ -789,7 +802,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                     const int64_t pos = k0 + j, slot = table[pos / bs] * bs + pos % bs;
                     if (kv_dtype == 3) {
                         k8rows[j] = (const int8_t *)k + slot * k_stride + kh * Dr;
-                        memcpy(&ks[j], k8rows[j] + D, 4);
+                        ks[j] = row_scale(k8rows[j], D);
                     } else {
                         krows[j] = row(k, slot * k_stride + kh * Dr, kv_dtype, lut, kbuf + j * D, D);
                     }
@@ -809,9 +822,8 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                         SCORES(rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS, r0, sbuf + r0);
                     for (int64_t t = 0; t < nt; t++) {
                         const int64_t pos = first + t, r = t * group;
-                        const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
-                        int64_t jlo = window > 0 ? pos - window + 1 - k0 : 0;
-                        if (jlo < 0) jlo = 0;
+                        int64_t jlo;
+                        const int64_t hi = keys_seen(pos, k0, nk, window, &jlo);
                         if (jlo >= hi) continue;
                         for (int64_t i = r; i < r + group; i++) fold_weights(sbuf[i], jlo, hi, D, &m[i], &l[i], acc + i * D);
                         accumulate_rows((int)group, acc + r * D, D, sbuf[r], (const void *const *)vrows, 0, NULL, jlo,
@@ -826,9 +838,8 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
                     SCORES(mr, r0, s);
                     for (int i = 0; i < mr; i++) {
                         const int64_t r = r0 + i, pos = first + r / group;  /* this row's query position */
-                        const int64_t hi = pos - k0 + 1 < nk ? pos - k0 + 1 : nk;  /* keys [jlo, hi) seen */
-                        int64_t jlo = window > 0 ? pos - window + 1 - k0 : 0;
-                        if (jlo < 0) jlo = 0;
+                        int64_t jlo;
+                        const int64_t hi = keys_seen(pos, k0, nk, window, &jlo);
                         if (jlo < hi) fold_scores(s[i], vrows, jlo, hi, D, &m[r], &l[r], acc + r * D);
                     }
                 }

@@ -32,16 +32,11 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else _KV_DTYPES[name]
 
 
-def row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """The cache tensor's last dimension: head_dim, and int8's scale bytes."""
-    return kv_int8.row_width(head_dim, dtype)
-
-
 CUDA_MARGIN_BYTES = 256 << 20  # at least this much of a device's free memory is left outside the KV cache
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    row = row_width(head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
+    row = kv_int8.row_width(head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * row
 
 
@@ -136,7 +131,7 @@ def allocate_kv_caches(
     block is used and the whole cache becomes resident; ``prefault`` makes it resident
     at once (``torch.zeros`` writes every page).
     """
-    row = row_width(head_dim, dtype)
+    row = kv_int8.row_width(head_dim, dtype)
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, row)
     numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * row
     itemsize = torch.empty((), dtype=dtype).element_size()

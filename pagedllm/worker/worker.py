@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from pagedllm.attention import kv_int8
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import ParallelState, init_distributed
@@ -164,7 +165,7 @@ class Worker:
         rows' width, with their scales)]."""
         m = self._lm
         kvh, d = m.kv_cache_shape_per_layer
-        row = kv_cache.row_width(d, self.kv_cache_dtype)
+        row = kv_int8.row_width(d, self.kv_cache_dtype)
         return torch.Size([len(m.layers), 2, self.config.cache_config.block_size, kvh, row]), self.kv_cache_dtype
 
     def kv_connector_info(self) -> dict | None:
