@@ -49,6 +49,30 @@ def test_freed_cached_block_is_reused_by_prefix_hit_then_evicted_last():
     assert kv.pool.num_free_blocks == 4
 
 
+def test_freed_empty_blocks_are_handed_out_again_first():
+    """A freed block holding nothing cached is the next one handed out, before blocks never used and before cached
+    ones: the cache's resident pages stay those of the most blocks ever in use at once."""
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_caching=False)
+    seen: set[int] = set()
+    for i in range(20):  # one request at a time, each of 3 blocks: the same 3 blocks every time
+        r = _req(f"r{i}", list(range(100 * i, 100 * i + 10)))
+        assert kv.allocate_slots(r, r.num_tokens) is not None
+        seen.update(kv.get_block_ids(r.request_id))
+        kv.free(r)
+    assert len(seen) == 3
+    kv.check_invariants()
+
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    a = _req("a", list(range(9)))  # 2 full blocks (cached when freed) + 1 partial (empty when freed)
+    kv.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    full, partial = kv.get_block_ids("a")[:2], kv.get_block_ids("a")[2]
+    kv.free(a)
+    queue = [b.block_id for b in kv.pool.free_queue]
+    assert queue[0] == partial and sorted(queue[-2:]) == full  # a request frees its last block first
+    kv.check_invariants()
+
+
 def test_fully_cached_prompt_still_computes_its_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
     a = _req("a", list(range(8)))

@@ -6,10 +6,15 @@ Every block is in exactly one of three states::
     free, cached  ref_cnt == 0, in the free queue, hash set: reusable by a prefix-cache hit
     free, empty   ref_cnt == 0, in the free queue, no hash
 
-The free queue is ordered by eviction priority: allocation pops from the head
-(least recently freed) and a freed block is appended at the tail, so a cached
-block survives as long as possible. A prefix-cache hit on a free block takes it
-out of the middle of the queue in O(1) (doubly-linked list).
+The free queue is ordered by eviction priority: allocation pops from the head.
+A freed block that is cached is appended at the tail (least recently freed
+cached blocks are evicted first), so it survives as long as possible; a freed
+empty block goes to the head, to be the next one handed out. Empty blocks are
+thus reused most recently freed first: their pages are already resident, and
+the cache's resident memory stays that of the most blocks ever in use at once,
+not of every block the pool has (its pages are only faulted in when first
+written). A prefix-cache hit on a free block takes it out of the middle of the
+queue in O(1) (doubly-linked list).
 
 Invariants (checked by :meth:`BlockPool.check_invariants`):
   * ref counts are never negative;
@@ -64,6 +69,13 @@ class FreeBlockQueue:
         prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        assert first is not None  # the head sentinel always links to a block or the tail
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self.num_free += 1
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
@@ -133,14 +145,17 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching 0 go to the queue's tail in this order."""
+        """Drop one reference from each block. A block reaching 0 goes to the queue's tail (in this order) if it is
+        cached, else to its head, to be handed out next (its pages are resident)."""
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self.enable_caching:
                     self._evict(block)
-                self.free_queue.append(block)
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Register a full block under its hash. An identical block already cached keeps the entry."""

@@ -127,9 +127,10 @@ def allocate_kv_caches(
     allocator may serve even a large request from memory freed earlier, dirty, as
     CI once caught.) Small buffers are zeroed explicitly. Unwritten slots must read
     as zeros, never NaN: attention multiplies masked-out values by 0.
-    The free queue hands out the least recently freed block first, so over time every
-    block is used and the whole cache becomes resident; ``prefault`` makes it resident
-    at once (``torch.zeros`` writes every page).
+    The free queue hands out the most recently freed empty block first, so the cache's
+    resident memory is that of the most blocks ever in use at once, plus the prefix
+    cache's blocks; ``prefault`` makes it all resident at once (``torch.zeros`` writes
+    every page).
     """
     row = kv_int8.row_width(head_dim, dtype)
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, row)
