@@ -36,7 +36,18 @@ _SOURCES = [
         "gguf_blocks.c",
     )
 ]
-_HEADERS = [os.path.join(_DIR, name) for name in ("vec_math.h", "gguf_panels_avx2.h")]
+_HEADERS = [
+    os.path.join(_DIR, name)
+    for name in (
+        "vec_math.h",
+        "gguf_types.h",
+        "gguf_panels.h",
+        "gguf_dequant.h",
+        "gguf_rows.h",
+        "gguf_panels_avx512.h",
+        "gguf_panels_avx2.h",
+    )
+]
 
 
 def library_flags(level: str) -> list[str]:

@@ -8,7 +8,7 @@ Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compile
 * ``avx2-vnni``: ``avx2`` and AVX-VNNI's int8 dot products on 256-bit registers (Intel Alder Lake and later
   client CPUs, AMD Zen 5);
 * ``avx512-vnni``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4) and AVX-512 VNNI (Intel since Cascade Lake, AMD Zen 4
-  and 5): the GGUF panel kernels (``gguf_blocks.c``'s ``GB_AVX512``) are built here and above only;
+  and 5): the GGUF panels' AVX-512 kernels (``gguf_panels_avx512.h``) here and above, AVX2's below;
 * ``avx512-bf16``: ``avx512-vnni`` and AVX512_BF16's bfloat16 dot products (Intel since Cooper Lake / Sapphire
   Rapids, AMD Zen 4 and 5): attention over a bfloat16 KV cache multiplies bfloat16 pairs (``vdpbf16ps``); every
   other kernel is ``avx512-vnni``'s.

@@ -1,0 +1,339 @@
+/* Float32 weights (included by gguf_blocks.c after gguf_panels.h), three ways:
+ *   - gguf_dequantize: W [N, K] as float32, gguf's values bit for bit (a repacked weight unpacked a row at a time);
+ *   - gguf_matmul_f32, the "gguf-exact" mode's GEMV: each super-block (or 256 elements of 32-blocks) dequantized
+ *     into a buffer on the stack as gguf_dequantize does it, bit for bit, then multiplied with FMAs: the float32
+ *     function of the dequantized weights up to summation order;
+ *   - gguf_to_groups: the blocks as pagedllm's int4 / int8 groups (below).
+ * What it reads: the file's blocks (gguf_types.h), as stored. */
+
+/* ---- dequantization ------------------------------------------------------------------------------ */
+
+/* elements [c * 256, c * 256 + 256) of one row (for the 32-element types: its 8 blocks; K a multiple of 256
+ * there) as float32, gguf's values bit for bit */
+static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_elems, float *out) {
+    if (type == Q4_K) {
+        const uint8_t *b = row + c * 144;
+        const float d = f16(b), dmin = f16(b + 2);
+        uint64_t scw, mnw;
+        k4_scales(b + 4, &scw, &mnw);
+        for (int s = 0; s < 8; s++) {
+            const float d1 = d * (float)((scw >> 8 * s) & 0xFF), m1 = dmin * (float)((mnw >> 8 * s) & 0xFF);
+            const uint8_t *q = b + 16 + 32 * (s / 2);
+            const int shift = 4 * (s & 1);
+            float *o = out + 32 * s;
+#ifdef GB_AVX512
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            for (int h = 0; h < 2; h++) {
+                const __m128i qb = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * h)), shift), m4);
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qb)), _mm512_set1_ps(d1));
+                __asm__("" : "+v"(t));  /* as rounded(): not fused with the subtraction */
+                _mm512_storeu_ps(o + 16 * h, _mm512_sub_ps(t, _mm512_set1_ps(m1)));
+            }
+#else
+            for (int l = 0; l < 32; l++) o[l] = rounded(d1 * (float)((q[l] >> shift) & 15)) - m1;
+#endif
+        }
+    } else if (type == Q5_K) {  /* Q4_K's scales and nibbles, and bit s of qh[l] the fifth of sub-block s's l-th */
+        const uint8_t *b = row + c * 176, *qh = b + 16;
+        const float d = f16(b), dmin = f16(b + 2);
+        uint64_t scw, mnw;
+        k4_scales(b + 4, &scw, &mnw);
+        for (int s = 0; s < 8; s++) {
+            const float d1 = d * (float)((scw >> 8 * s) & 0xFF), m1 = dmin * (float)((mnw >> 8 * s) & 0xFF);
+            const uint8_t *q = b + 48 + 32 * (s / 2);
+            const int shift = 4 * (s & 1);
+            for (int l = 0; l < 32; l++)
+                out[32 * s + l] = rounded(d1 * (float)(((q[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4))) - m1;
+        }
+    } else if (type == Q2_K) {
+        const uint8_t *b = row + c * 84, *qs = b + 16;
+        const float d = f16(b + 80), dmin = f16(b + 82);
+        for (int s = 0; s < 16; s++) {
+            const float dl = d * (float)(b[s] & 15), ml = dmin * (float)(b[s] >> 4);
+            const int h = s / 8, j = (s % 8) / 2;
+            for (int i = 0; i < 16; i++)
+                out[16 * s + i] = rounded(dl * (float)((qs[32 * h + 16 * (s % 2) + i] >> 2 * j) & 3)) - ml;
+        }
+    } else if (type == Q3_K) {
+        const uint8_t *b = row + c * 110, *hm = b, *qs = b + 32, *scb = b + 96;
+        const float d = f16(b + 108);
+        for (int s = 0; s < 16; s++) {
+            const int sc = ((scb[s % 8] >> 4 * (s / 8)) & 15) | (((scb[8 + s % 4] >> 2 * (s / 4)) & 3) << 4);
+            const float dl = d * (float)(sc - 32);
+            const int h = s / 8, j = (s % 8) / 2;
+            for (int i = 0; i < 16; i++) {
+                const int l = 16 * (s % 2) + i;
+                const int q = ((qs[32 * h + l] >> 2 * j) & 3) - (((hm[l] >> (4 * h + j)) & 1) ? 0 : 4);
+                out[16 * s + i] = dl * (float)q;
+            }
+        }
+    } else if (type == IQ4_XS) {
+        const uint8_t *b = row + c * 136;
+        const float d = f16(b);
+        const uint32_t sh = (uint32_t)b[2] | (uint32_t)b[3] << 8;
+        for (int s = 0; s < 8; s++) {
+            const int ls = ((b[4 + s / 2] >> 4 * (s & 1)) & 15) | (((sh >> 2 * s) & 3) << 4);
+            const float dl = d * (float)(ls - 32);
+            const uint8_t *q = b + 8 + 16 * s;
+            for (int j = 0; j < 16; j++) {
+                out[32 * s + j] = dl * (float)IQ4_NL_VALUES[q[j] & 15];
+                out[32 * s + j + 16] = dl * (float)IQ4_NL_VALUES[q[j] >> 4];
+            }
+        }
+    } else if (type == Q6_K) {
+        const uint8_t *b = row + c * 210;
+        const float d = f16(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+#ifdef GB_AVX512
+        __m512i w[4];
+        q6k_decode(b, w);
+        for (int j = 0; j < 16; j++) {  /* group j of 16: bytes 16 (j % 4) .. of vector j / 4 */
+            const __m128i q = _mm512_extracti32x4_epi32(w[j / 4], 0);
+            const __m128i qj = j % 4 == 0 ? q
+                               : j % 4 == 1 ? _mm512_extracti32x4_epi32(w[j / 4], 1)
+                               : j % 4 == 2 ? _mm512_extracti32x4_epi32(w[j / 4], 2)
+                                            : _mm512_extracti32x4_epi32(w[j / 4], 3);
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(qj), _mm512_set1_epi32(32)));
+            _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[j]), v));
+        }
+#else
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            for (int l = 0; l < 32; l++) {
+                const int q0 = (ql[l] & 15) | ((qh[l] & 3) << 4), q1 = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+                const int q2 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), q3 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                float *o = out + 128 * h + l;
+                const int j = 8 * h + l / 16;
+                o[0] = (d * (float)sc[j]) * (float)(q0 - 32);
+                o[32] = (d * (float)sc[j + 2]) * (float)(q1 - 32);
+                o[64] = (d * (float)sc[j + 4]) * (float)(q2 - 32);
+                o[96] = (d * (float)sc[j + 6]) * (float)(q3 - 32);
+            }
+        }
+#endif
+    } else {
+        const int64_t first = c * 8, last = first + 8 < n_elems / 32 ? first + 8 : n_elems / 32;
+        for (int64_t g = first; g < last; g++) {
+            float *o = out + 32 * (g - first);
+            if (type == Q8_0) {
+                const uint8_t *b = row + g * 34;
+                const float d = f16(b);
+                for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)b[2 + j] * d;
+            } else if (type == Q4_0) {
+                const uint8_t *b = row + g * 18;
+                const float d = f16(b);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)((int)(b[2 + j] & 15) - 8);
+                    o[j + 16] = d * (float)((int)(b[2 + j] >> 4) - 8);
+                }
+            } else if (type == IQ4_NL) {
+                const uint8_t *b = row + g * 18;
+                const float d = f16(b);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)IQ4_NL_VALUES[b[2 + j] & 15];
+                    o[j + 16] = d * (float)IQ4_NL_VALUES[b[2 + j] >> 4];
+                }
+            } else {  /* Q5_0 */
+                const uint8_t *b = row + g * 22;
+                const float d = f16(b);
+                uint32_t qh;
+                memcpy(&qh, b + 2, 4);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)((int)((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+                    o[j + 16] = d * (float)((int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+                }
+            }
+        }
+    }
+}
+
+/* W [N, K] as float32 into w [N, K]; 0, or -1 for a type these kernels do not read (the rows of a type read only in
+ * panels otherwise, as the file stores them, are read here too: a panel's row looked up, an embedding's) */
+int gguf_dequantize(int type, const uint8_t *raw, float *w, int64_t N, int64_t K) {
+    if (!block_elems(type) && !panel_only(type)) return -1;
+    const int64_t row_bytes = K / block_elems_any(base_type(type)) * block_bytes_any(base_type(type)), chunks = (K + QK - 1) / QK;
+    if (type > PANEL) {  /* a row at a time as the file stores it */
+        int failed = 0;
+#pragma omp parallel
+        {
+            uint8_t *row = malloc(row_bytes);
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                if (!row) continue;
+                unpack_row(type, raw, n, K, row);
+                for (int64_t c = 0; c < chunks; c++) dequant_chunk(base_type(type), row, c, K, w + n * K + c * QK);
+            }
+            if (!row) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            free(row);
+        }
+        return failed ? -2 : 0;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t len = K - c * QK < QK ? K - c * QK : QK;
+            if (len == QK) {
+                dequant_chunk(type, raw + n * row_bytes, c, K, w + n * K + c * QK);
+            } else {  /* the last 32-blocks of a row not a multiple of 256 */
+                float buf[QK];
+                dequant_chunk(type, raw + n * row_bytes, c, K, buf);
+                memcpy(w + n * K + c * QK, buf, len * sizeof(float));
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- float32 activations ------------------------------------------------------------------------------ */
+
+/* y [M, N] = x [M, K] . W_dequantized^T, each chunk of 256 weights dequantized as gguf_dequantize does it and
+ * multiplied in float32 (four chains a row); 0, or -1 for a type these kernels do not read */
+int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int64_t M, int64_t N, int64_t K) {
+    if (!block_elems(type) || type > PANEL) return -1;
+    const int64_t row_bytes = K / block_elems(type) * block_bytes(type), chunks = (K + QK - 1) / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += COLS) {
+        const int64_t n1 = n0 + COLS < N ? n0 + COLS : N;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = raw + n * row_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int64_t mc = M - m0 < MR ? M - m0 : MR;
+                float tot[MR] = {0.f};
+                for (int64_t c = 0; c < chunks; c++) {
+                    float w[QK] __attribute__((aligned(64)));
+                    dequant_chunk(type, row, c, K, w);
+                    const int64_t len = K - c * QK < QK ? K - c * QK : QK;
+                    for (int64_t i = 0; i < mc; i++) {
+                        const float *xc = x + (m0 + i) * K + c * QK;
+#ifdef GB_AVX512
+                        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                        for (int64_t k = 0; k < len; k += 16)
+                            a[(k / 16) & 3] = _mm512_fmadd_ps(_mm512_load_ps(w + k), _mm512_loadu_ps(xc + k), a[(k / 16) & 3]);
+                        tot[i] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+#elif defined(__AVX2__)
+                        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                        for (int64_t k = 0; k < len; k += 8)
+                            a[(k / 8) & 3] = _mm256_fmadd_ps(_mm256_load_ps(w + k), _mm256_loadu_ps(xc + k), a[(k / 8) & 3]);
+                        tot[i] += hsum256(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+#else
+                        float a = 0.f;
+                        for (int64_t k = 0; k < len; k++) a += w[k] * xc[k];
+                        tot[i] += a;
+#endif
+                    }
+                }
+                for (int64_t i = 0; i < mc; i++) y[(m0 + i) * N + n] = tot[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * A GGUF tensor's blocks in pagedllm's int4 / int8 group layout (pagedllm/layers/quantization.py), the
+ * values gguf_loader._q_blocks computes with numpy, bit for bit, in one pass at the memory's speed: groups of
+ * 32 weights w = q * scale + min, a float32 scale and min per group (Q6_K: a scale per 16, mins 0).
+ *   int4 (Q4_0, Q4_1, Q4_K): q [N, K/2] bytes, byte j of a group holding element j (low) and j + 16 (high);
+ *   int8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): q [N, K] int8.
+ * Q4_0 keeps q 0..15 with min -8d; Q5_0 and Q6_K subtract their offsets (16, 32) from q.
+ * ------------------------------------------------------------------------------------------------------- */
+static void k_scale_min(const uint8_t *p, int j, uint8_t *sc, uint8_t *m) {  /* llama.cpp's get_scale_min_k4 */
+    if (j < 4) {
+        *sc = p[j] & 63;
+        *m = p[j + 4] & 63;
+    } else {
+        *sc = (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4);
+        *m = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+    }
+}
+
+/* one row: K elements from src; q, scales and mins that row's outputs */
+static void row_to_groups(int type, const uint8_t *src, int64_t K, uint8_t *q, float *scales, float *mins) {
+    if (type == Q4_K || type == Q5_K) {
+        const int bb = type == Q4_K ? 144 : 176;
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *b = src + s * bb, *qs = b + bb - 128;
+            const float d = f16(b), dmin = f16(b + 2);
+            for (int g = 0; g < 8; g++) {
+                uint8_t sc, m;
+                k_scale_min(b + 4, g, &sc, &m);
+                scales[s * 8 + g] = d * (float)sc;
+                mins[s * 8 + g] = -(dmin * (float)m);
+                const uint8_t *chunk = qs + (g / 2) * 32;
+                const int shift = (g & 1) * 4;
+                if (type == Q4_K) {  /* byte j: element j's nibble (low), element j + 16's (high), 8 bytes a word */
+                    const uint64_t low = 0x0F0F0F0F0F0F0F0Full;
+                    for (int w = 0; w < 2; w++) {
+                        uint64_t a, b;
+                        memcpy(&a, chunk + 8 * w, 8);
+                        memcpy(&b, chunk + 16 + 8 * w, 8);
+                        const uint64_t v = ((a >> shift) & low) | (((b >> shift) & low) << 4);
+                        memcpy(q + (s * 8 + g) * 16 + 8 * w, &v, 8);
+                    }
+                } else {
+                    uint8_t *out = q + (s * 8 + g) * 32;
+                    for (int l = 0; l < 32; l++)
+                        out[l] = (uint8_t)(((chunk[l] >> shift) & 0xF) | (((b[16 + l] >> g) & 1) << 4));
+                }
+            }
+        }
+    } else if (type == Q6_K) {
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *b = src + s * 210;
+            const float d = f16(b + 208);
+            int8_t *out = (int8_t *)q + s * 256;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                for (int l = 0; l < 32; l++) {
+                    out[128 * h + l] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                    out[128 * h + l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                    out[128 * h + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                    out[128 * h + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                }
+            }
+            for (int j = 0; j < 16; j++) scales[s * 16 + j] = d * (float)(int8_t)b[192 + j];
+            for (int j = 0; j < 8; j++) mins[s * 8 + j] = 0.f;
+        }
+    } else {  /* the blocks of 32 */
+        const int head = type == Q4_1 || type == Q5_1 ? 4 : 2;
+        const int bb = block_bytes_any(type);
+        for (int64_t g = 0; g < K / 32; g++) {
+            const uint8_t *b = src + g * bb;
+            const float d = f16(b);
+            scales[g] = d;
+            mins[g] = type == Q4_1 || type == Q5_1 ? f16(b + 2) : type == Q4_0 ? -8 * d : 0.f;
+            if (type == Q4_0 || type == Q4_1) {
+                memcpy(q + g * 16, b + head, 16);
+            } else if (type == Q8_0) {
+                memcpy(q + g * 32, b + 2, 32);
+            } else {  /* Q5_0 / Q5_1 */
+                uint32_t qh;
+                memcpy(&qh, b + head, 4);
+                const uint8_t *qs = b + head + 4;
+                const int off = type == Q5_0 ? 16 : 0;
+                int8_t *out = (int8_t *)q + g * 32;
+                for (int j = 0; j < 16; j++) {
+                    out[j] = (int8_t)(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - off);
+                    out[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+                }
+            }
+        }
+    }
+}
+
+/* N rows of `type`'s blocks, K elements a row, into q, scales and mins (row-major, sized as above).
+ * 0, or -1 for a type without a layout (or K not a whole number of blocks). */
+int gguf_to_groups(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *q, float *scales, float *mins) {
+    const int64_t elems = block_elems_any(type);
+    if (!elems || K % elems) return -1;
+    const int64_t row_bytes = K / elems * block_bytes_any(type);
+    const int64_t q_row = type == Q4_0 || type == Q4_1 || type == Q4_K ? K / 2 : K;
+    const int64_t s_row = type == Q6_K ? K / 16 : K / 32;
+#pragma omp parallel for schedule(dynamic, 16)  /* rows, in chunks a thread takes when free: another thread (the tokenizer loading) may share its core */
+    for (int64_t n = 0; n < N; n++)
+        row_to_groups(type, src + n * row_bytes, K, q + n * q_row, scales + n * s_row, mins + n * (K / 32));
+    return 0;
+}
