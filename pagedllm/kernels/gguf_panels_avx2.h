@@ -85,15 +85,19 @@ static inline __attribute__((always_inline)) __m256i q5k_word_at(int xp, const u
 /* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb, or of a Q5_K one where q5, its weights
  * from ex where xp: expand_panel's) as packed_q4k of AVX-512 computes them */
 static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
-                                                           int hf, const int8_t *qx, const int32_t *xs2, const float *dx,
+                                                           int hf0, int nh, const int8_t *qx, const int32_t *xs2, const float *dx,
                                                            float *y, int64_t ldy) {
     const int64_t nsb = K / QK, npair = K / 64;
     const int bytes = q5 ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
     const __m256i ff = _mm256_set1_epi32(0xFF);
-    float accm[RTA * 8] __attribute__((aligned(32)));
-    for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
-    for (int64_t sb = 0; sb < nsb; sb++) {
+    float accms[2][RTA * 8] __attribute__((aligned(32)));
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) _mm256_store_ps(accms[hh] + r * 8, _mm256_setzero_ps());
+    for (int64_t sb = 0; sb < nsb; sb++)
+    for (int hh = 0; hh < nh; hh++) {
+        const int hf = hf0 + hh;
+        float *accm = accms[hh];
         const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
         const uint8_t *eb = xp ? ex + (hf * nsb + sb) * 2048 : NULL;
         if (!hf && !xp) PREFETCH_AHEAD(b, NP * bytes);
@@ -186,7 +190,8 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
             _mm256_store_ps(accm + r * 8, ar);
         }
     }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * (hf0 + hh), _mm256_load_ps(accms[hh] + r * 8));
 }
 
 /* Q6_K's word t (0-3) of 8 rows from ql words lo (word j) and lo32 (word j + 8) and qh word hi: q6k_word's bits */
@@ -360,14 +365,18 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
 
 /* the same for half hf of a repacked Q6_K panel: packed_q6k of AVX-512 (its words from ex where not NULL:
  * expand_panel's) */
-static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex, int hf,
+static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex, int hf0, int nh,
                                                            const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                            const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK;
-    float accm[RTA * 8] __attribute__((aligned(32)));
+    float accms[2][RTA * 8] __attribute__((aligned(32)));
     __m256i is[RTA];
-    for (int r = 0; r < rt; r++) _mm256_store_ps(accm + r * 8, _mm256_setzero_ps());
-    for (int64_t sb = 0; sb < nsb; sb++) {
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) _mm256_store_ps(accms[hh] + r * 8, _mm256_setzero_ps());
+    for (int64_t sb = 0; sb < nsb; sb++)
+    for (int hh = 0; hh < nh; hh++) {
+        const int hf = hf0 + hh;
+        float *accm = accms[hh];
         /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
         const uint8_t *b = pb + sb * NP * 210;
         if (!hf && !xp) PREFETCH_AHEAD(b, NP * 210);
@@ -378,7 +387,8 @@ static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64
             _mm256_store_ps(accm + r * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8)));
         }
     }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accm + r * 8));
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * (hf0 + hh), _mm256_load_ps(accms[hh] + r * 8));
 }
 
 /* word j (0-7) of block h of a Q8_0 / Q5_0 / Q4_0 / IQ4_NL pair, half hf (8 rows), as q32_word reads it (Q8_0: q +
@@ -401,8 +411,9 @@ static inline __attribute__((always_inline)) __m256i q32_word8(int type, const u
     return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* the same for half hf of a repacked Q8_0 / Q5_0 / Q4_0 / IQ4_NL panel (type the file's): packed_q32 of AVX-512 */
-static inline __attribute__((always_inline)) void half_q32(int type, int rt, int64_t K, const uint8_t *pb, int hf,
+/* the same for halves hf0 .. hf0 + nh - 1 of a repacked Q8_0 / Q5_0 / Q4_0 / IQ4_NL panel (type the file's): packed_q32
+ * of AVX-512 (nh 2: both halves in one pass, packed_rows) */
+static inline __attribute__((always_inline)) void half_q32(int type, int rt, int64_t K, const uint8_t *pb, int hf0, int nh,
                                                            const int8_t *qx, const int32_t *xs, const float *dx, float *y,
                                                            int64_t ldy) {
     const int64_t nb = K / 32;
@@ -412,12 +423,16 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
 #else
     const int signs = type == Q8_0 || type == IQ4_NL;  /* |q| . sign(x, q): vpmaddubsw's pairs stay under 2^15 */
 #endif
-    __m256 acc[RTA];
-    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
+    __m256 accs[2][RTA];
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) accs[hh][r] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < nb; g0 += 2) {
         const uint8_t *pair = pb + (g0 / 2) * pair_bytes;
-        if (!hf) PREFETCH_AHEAD(pair, pair_bytes);
-        for (int h = 0; h < 2; h++) {
+        if (!hf0) PREFETCH_AHEAD(pair, pair_bytes);
+        for (int h = 0; h < 2; h++)
+        for (int hh = 0; hh < nh; hh++) {
+            const int hf = hf0 + hh;
+            __m256 *acc = accs[hh];
             const int64_t g = g0 + h;
             const int split = rt <= 2 ? 2 : 1;
             __m256i a[2][RTA];
@@ -457,7 +472,8 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
             }
         }
     }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * (hf0 + hh), accs[hh][r]);
 }
 
 /* half hf of a repacked IQ4_XS panel as packed_iq4xs of AVX-512 computes it. With AVX-VNNI the values + 128 (vpdpbusd)
@@ -473,15 +489,19 @@ static inline __attribute__((always_inline)) __m256i iq4_table8(void) {
 
 /* where xp, the words' values and the sub-blocks' scales come from ex (expand_iq4xs: word j of sub-block s of
  * super-block sb, low then high nibbles, at vectors ((8 sb + s) 4 + j) 2 + 0 / 1, then the scales' int32 vectors) */
-static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int64_t K, const uint8_t *pb, int hf,
+static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int64_t K, const uint8_t *pb, int hf0, int nh,
                                                              const uint8_t *ex, const int8_t *qx, const int32_t *xs,
                                                              const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 32;
     (void)ng, (void)xs;  /* without AVX-VNNI no offset comes off */
     const __m256i m4 = _mm256_set1_epi8(0x0F), table = iq4_table8();
-    __m256 acc[RTA];
-    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; sb++) {
+    __m256 accs[2][RTA];
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) accs[hh][r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++)
+    for (int hh = 0; hh < nh; hh++) {
+        const int hf = hf0 + hh;
+        __m256 *acc = accs[hh];
         const uint8_t *b = pb + sb * NP * 136 + 32 * hf;
         if (!hf && !xp) PREFETCH_AHEAD(b, NP * 136);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)b), w1 = _mm256_loadu_si256((const __m256i *)(b + 64));
@@ -527,7 +547,8 @@ static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int
         for (int r = 0; r < rt; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nsb + sb])), acc[r]);
     }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * (hf0 + hh), accs[hh][r]);
 }
 
 /* half hf of a repacked Q3_K (q3) or Q2_K panel as packed_k23 of AVX-512 computes it (without VNNI a group's 4 words'
@@ -540,16 +561,20 @@ static inline __attribute__((always_inline)) __m256i q3k_scale8(const __m256i s0
     return _mm256_sub_epi32(sc, _mm256_set1_epi32(32));
 }
 
-static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int rt, int64_t K, const uint8_t *pb, int hf,
+static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int rt, int64_t K, const uint8_t *pb, int hf0, int nh,
                                                            const uint8_t *ex, const int8_t *qx, const int32_t *xs,
                                                            const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
     const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m4 = _mm256_set1_epi32(15);
     const __m256i zero = _mm256_setzero_si256();
-    __m256 acc[RTA];
-    for (int r = 0; r < rt; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; sb++) {
+    __m256 accs[2][RTA];
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) accs[hh][r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++)
+    for (int hh = 0; hh < nh; hh++) {
+        const int hf = hf0 + hh;
+        __m256 *acc = accs[hh];
         const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
         if (!hf && !xp) PREFETCH_AHEAD(b, NP * bytes);
         const __m256i s0 = q3 && !xp ? _mm256_loadu_si256((const __m256i *)(b + 24 * 64)) : zero;
@@ -608,7 +633,8 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
             if (!q3) acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms[r]), _mm256_mul_ps(dminv, dxv), acc[r]);
         }
     }
-    for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, acc[r]);
+    for (int hh = 0; hh < nh; hh++)
+        for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * (hf0 + hh), accs[hh][r]);
 }
 
 /* a repacked IQ4_XS panel's values (as half_iq4xs looks them up) and sub-block scales into ex (K * 18 bytes), once for
@@ -663,17 +689,26 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
         }
 }
 
+/* rows of x up to this take a panel's two halves in one pass (a decode step, a verification of one draft token):
+ * the panel is read once from memory instead of a second time from L2. Each half's lanes take the same operations
+ * in the same order either way (the same bits). */
+#ifndef BOTH_ROWS
+#define BOTH_ROWS 2
+#endif
+
 /* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q5_K / Q6_K: their
  * words from ex, expand_panel's / expand_panel's, where xp) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                               const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                               const float *dx, float *y, int64_t ldy) {
-    for (int hf = 0; hf < 2; hf++) {
-        if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, qx, xs2, dx, y, ldy);
-        else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, qx, xs, xs2, dx, y, ldy);
-        else if (type == P_IQ4_XS) half_iq4xs(xp, rt, K, pb, hf, ex, qx, xs, dx, y, ldy);
-        else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, xp, rt, K, pb, hf, ex, qx, xs, dx, y, ldy);
-        else half_q32(base_type(type), rt, K, pb, hf, qx, xs, dx, y, ldy);
+    const int both = rt <= BOTH_ROWS && !xp;  /* both halves in one pass */
+    for (int hf = 0; hf < 2 - both; hf++) {
+        const int nh = both ? 2 : 1;
+        if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, nh, qx, xs2, dx, y, ldy);
+        else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, nh, qx, xs, xs2, dx, y, ldy);
+        else if (type == P_IQ4_XS) half_iq4xs(xp, rt, K, pb, hf, nh, ex, qx, xs, dx, y, ldy);
+        else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, xp, rt, K, pb, hf, nh, ex, qx, xs, dx, y, ldy);
+        else half_q32(base_type(type), rt, K, pb, hf, nh, qx, xs, dx, y, ldy);
     }
 }
 
