@@ -19,8 +19,6 @@ import argparse
 import gc
 import json
 import math
-import subprocess
-import time
 import urllib.request
 from typing import Any
 
@@ -56,19 +54,10 @@ def _pagedllm(path: str, mode: str | None, tokens: int) -> tuple[list[list[int]]
 
 
 def _llama_server(server: str, path: str, ids: list[list[int]], tokens: int, threads: int) -> list[Sequence]:
-    port = 18555
-    cmd = [server, "-m", path, "-t", str(threads), "-c", "2048", "-np", "1", "--port", str(port), "--no-warmup"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from _servers import start, stop  # beside this script: the folder is on sys.path when it runs
+
+    proc, url = start([server, "-m", path, "-t", str(threads), "-c", "2048", "-np", "1", "--no-warmup"])
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}") from None
-                time.sleep(0.5)
         seqs: list[Sequence] = []
         for prompt in ids:
             body = {
@@ -81,7 +70,7 @@ def _llama_server(server: str, path: str, ids: list[list[int]], tokens: int, thr
                 "ignore_eos": True,
             }
             req = urllib.request.Request(
-                f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+                f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
             )
             steps: list[dict[str, Any]] = json.loads(urllib.request.urlopen(req, timeout=900).read())[
                 "completion_probabilities"
@@ -89,8 +78,7 @@ def _llama_server(server: str, path: str, ids: list[list[int]], tokens: int, thr
             seqs.append(([s["id"] for s in steps], [{t["id"]: t["logprob"] for t in s["top_logprobs"]} for s in steps]))
         return seqs
     finally:
-        proc.terminate()
-        proc.wait()
+        stop([proc])
 
 
 def compare(ref: list[Sequence], other: list[Sequence], k: int = 5) -> dict[str, Any]:
