@@ -83,7 +83,8 @@ static inline __attribute__((always_inline)) __m256i q5k_word_at(int xp, const u
 }
 
 /* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb, or of a Q5_K one where q5, its weights
- * from ex where xp: expand_panel's) as packed_q4k of AVX-512 computes them */
+ * from ex where xp: expand_panel's) as packed_q4k of AVX-512 computes them. Like every half_* kernel, it takes
+ * halves hf0 .. hf0 + nh - 1 (hf below), nh 2 for both in one pass (packed_rows) */
 static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                            int hf0, int nh, const int8_t *qx, const int32_t *xs2, const float *dx,
                                                            float *y, int64_t ldy) {
