@@ -702,9 +702,8 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                               const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                               const float *dx, float *y, int64_t ldy) {
-    const int both = rt <= BOTH_ROWS && !xp;  /* both halves in one pass */
-    for (int hf = 0; hf < 2 - both; hf++) {
-        const int nh = both ? 2 : 1;
+    const int nh = rt <= BOTH_ROWS && !xp ? 2 : 1;  /* halves a pass: both in one, or one each */
+    for (int hf = 0; hf < 2; hf += nh) {
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, nh, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, nh, qx, xs, xs2, dx, y, ldy);
         else if (type == P_IQ4_XS) half_iq4xs(xp, rt, K, pb, hf, nh, ex, qx, xs, dx, y, ldy);
