@@ -37,11 +37,7 @@ def _pagedllm(path: str, mode: str | None, tokens: int) -> tuple[list[list[int]]
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(path, max_model_len=1024, **({"quantization": mode} if mode else {}))
-    tok = llm.get_tokenizer()
-    ids = []
-    for p in PROMPTS:
-        got = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-        ids.append(list(got["input_ids"] if hasattr(got, "keys") else got))  # transformers 5: a BatchEncoding
+    ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     sp = SamplingParams(temperature=0, max_tokens=tokens, logprobs=5, ignore_eos=True)
     seqs: list[Sequence] = []
     for o in llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False):
