@@ -205,6 +205,46 @@ def test_a_killed_worker_fails_the_engine_fast(qwen2_dir: Path) -> None:
         llm.llm_engine.shutdown()
 
 
+class _ReapedLate:
+    """A worker process that was killed: its sockets are closed, but it can be reaped only after ``polls``."""
+
+    def __init__(self, polls: int):
+        self.polls, self.returncode = polls, None
+
+    def poll(self) -> int | None:
+        self.polls -= 1
+        if self.polls < 0:
+            self.returncode = -9
+        return self.returncode
+
+
+class _Alive:
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+
+def test_a_peers_death_is_blamed_even_when_a_rank_reports_the_broken_collective_first() -> None:
+    from multiprocessing import Pipe
+
+    from pagedllm.executor.multiproc import MultiprocExecutor
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)  # its two ranks' pipes, without processes
+    executor._dead, executor._started = None, True
+    executor._stop_workers = lambda: None  # type: ignore[method-assign]
+    (ours0, theirs0), (ours1, _theirs1) = Pipe(), Pipe()
+    executor.conns, executor.procs = [ours0, ours1], [_Alive(), _ReapedLate(polls=5)]
+    theirs0.send(("error", RuntimeError("Read error: Connection reset by peer"), "Traceback ..."))
+    with pytest.raises(EngineDeadError, match=r"^worker 1 died \(exit code -9\); then worker 0 failed: "):
+        executor._receive([0, 1])
+    executor._dead = None  # a rank's own error, with every peer alive, is its own
+    executor.procs = [_Alive(), _Alive()]
+    theirs0.send(("error", ValueError("bad"), "Traceback ..."))
+    with pytest.raises(EngineDeadError, match=r"^worker 0 failed: ValueError"):
+        executor._receive([0, 1])
+
+
 def test_bad_parallel_sizes_are_refused_at_start(qwen2_dir: Path) -> None:
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size=3 does not divide the model's 4"):
         LLM(str(qwen2_dir), tensor_parallel_size=3)

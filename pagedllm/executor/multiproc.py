@@ -79,12 +79,28 @@ class MultiprocExecutor(DistributedExecutor):
                 except (EOFError, OSError):
                     self._fail(f"worker {rank} died (exit code {self.procs[rank].poll()})")
                 if reply[0] == "error":
-                    self._fail(f"worker {rank} failed: {reply[1]!r}\n{reply[2]}", reply[1])
+                    failed = f"worker {rank} failed: {reply[1]!r}\n{reply[2]}"
+                    dead = self._dead_peer(rank)
+                    if dead is not None:  # its collective broke because a peer died: the death is the cause
+                        failed = f"worker {dead} died (exit code {self.procs[dead].returncode}); then {failed}"
+                    self._fail(failed, reply[1])
                 got[rank] = reply[1]
             for rank, proc in enumerate(self.procs):
                 if proc.poll() is not None and rank in want - got.keys():
                     self._fail(f"worker {rank} died (exit code {proc.returncode})")
         return [got[r] for r in sorted(want)]
+
+    def _dead_peer(self, rank: int, grace: float = 1.0) -> int | None:
+        """A rank other than ``rank`` that has exited, waiting up to ``grace`` seconds: a killed peer closes
+        its sockets (which fails the others' collectives) a moment before it can be reaped."""
+        deadline = time.monotonic() + grace
+        while True:
+            for other, proc in enumerate(self.procs):
+                if other != rank and proc.poll() is not None:
+                    return other
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _call_all(self, method: str, args: tuple) -> list[Any]:
         self._send(range(self.world_size), pickle.dumps((method, args)))
