@@ -301,6 +301,11 @@ def _write_tiny_qwen2(path: Path, vocab: int, embedding: str, kind) -> Path:
 
     def quant(name: str, kind: str, rows: int, cols: int) -> None:
         qtype = gguf.GGMLQuantizationType[kind]
+        if kind in ("F16", "BF16"):  # float weights: float16 as it is, bfloat16 as its top 16 bits
+            w = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
+            half = w.astype(np.float16) if kind == "F16" else (w.view(np.uint32) >> 16).astype(np.uint16)
+            writer.add_tensor(name, half.view(np.uint8), raw_dtype=qtype)
+            return
         writer.add_tensor(name, _random_k_quant(kind, rows, cols, rng), raw_dtype=qtype)
 
     def plain(name: str, n: int, value: float | None = None) -> None:
@@ -441,3 +446,63 @@ def test_q2_k_q3_k_and_the_4_bit_i_quants_load_as_stored_as_float32s_function_of
     assert len({tuple(o.token_ids) for o in outs["none"]}) > 1  # the random model does not answer every prompt alike
     check_greedy_close(outs["gguf-exact"], outs["none"], topk=5, logprob_atol=1e-3, min_exact_fraction=1.0)
     check_greedy_close(outs["gguf"], outs["gguf-exact"], topk=5, logprob_atol=0.25, min_exact_fraction=0.25)
+
+
+def test_f16_and_bf16_matrices_run_as_stored_as_float32s_function_of_the_files_weights(
+    tmp_path, smollm2_tokenizer_dir, monkeypatch
+):
+    """An F16 / BF16 GGUF's matrices stay 2 bytes a weight under both GGUF modes (HalfLinear, never a float32
+    copy): float32 products of the weights widened exactly. 'gguf-exact', the default for a file of float tensors
+    only, gives transformers' greedy tokens on the same file; 'gguf' runs one kernel at every row count, so a
+    request's logprobs are the same bits alone as beside others."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.layers.gguf_linear import HalfLinear
+    from pagedllm.model_loader.gguf_loader import all_in_panels
+    from pagedllm.worker.loader import resolve_quantization
+
+    from utils import hf_greedy
+
+    path = _write_tiny_qwen2(tmp_path / "tiny-f16.gguf", 49152, "F16", lambda layer, name: ("F16", "BF16")[layer])
+    src = resolve_model(str(path))
+    assert not all_in_panels(str(path))  # no integer arithmetic to run: float32 activations
+    assert resolve_quantization(None, src, None, CPU) == "gguf-exact"
+    exact, wide = (
+        load_model(src, load_config(src), torch.float32, CPU, quantization=mode) for mode in ("gguf-exact", "none")
+    )
+    qkv, gate_up = exact.layers[0].self_attn.qkv_proj, exact.layers[1].mlp.gate_up_proj
+    assert type(qkv) is HalfLinear and qkv.weight.dtype == torch.float16
+    assert type(gate_up) is HalfLinear and gate_up.weight.dtype == torch.bfloat16
+    assert isinstance(exact.embed_tokens, QuantizedEmbedding) and type(exact.lm_head) is HalfLinear  # one table
+    assert not any(isinstance(m, nn.Linear) for m in exact.modules())
+    halves = [m for m in exact.modules() if isinstance(m, HalfLinear)]
+    assert all(m.weight.element_size() == 2 for m in halves) and len(halves) == 1 + 2 * 4
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 7, 2, 900, 17])
+    assert torch.equal(exact.embed_tokens(ids), wide.embed_tokens(ids))  # the file's values, bit for bit
+    for m in (3, 20):  # the kernel, and the float32 GEMM on the widened weights
+        x = torch.randn(m, exact.config.hidden_size)
+        for ours, ref in ((qkv, wide.layers[0].self_attn.qkv_proj), (gate_up, wide.layers[1].mlp.gate_up_proj)):
+            torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
+    head = torch.randn(9, exact.config.hidden_size)
+    torch.testing.assert_close(exact.lm_head(head), wide.lm_head(head), rtol=1e-5, atol=1e-6)
+    from pagedllm.layers import gguf_linear
+
+    monkeypatch.setattr(gguf_linear, "_WIDEN_ELEMS", 1000 * exact.config.hidden_size)  # widened 1,000 rows at a time
+    torch.testing.assert_close(exact.lm_head(head), wide.lm_head(head), rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    del exact, wide
+
+    prompts = [[(37 * j + 11 * i) % 40000 + 100 for j in range(6 + 5 * i)] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    want = hf_greedy(hf, prompts, 8)
+    assert len({tuple(r.token_ids) for r in want}) > 1  # the random model does not answer every prompt alike
+    del hf
+
+    def run(mode: str, **kw) -> list:
+        llm = LLM(str(path), tokenizer=str(smollm2_tokenizer_dir), max_model_len=128, quantization=mode, **kw)
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+
+    check_greedy_close(run("gguf-exact"), want, topk=5, logprob_atol=1e-3, min_exact_fraction=1.0)
+    alone = [(o.token_ids, o.logprobs) for o in run("gguf", max_num_seqs=1)]
+    assert [(o.token_ids, o.logprobs) for o in run("gguf", max_num_seqs=8)] == alone

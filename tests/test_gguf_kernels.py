@@ -268,6 +268,26 @@ def test_float_activation_gemv_is_the_dequantized_weights(blocks, qtype, m):
     assert_matches(blocks.matmul_f32(int(qtype), x, torch.from_numpy(raw)), x, reference_weights(qtype, raw))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k", [1536, 1000, 7])  # whole vectors; a tail after them; only a tail
+def test_half_weights_are_widened_exactly_and_a_rows_bits_ignore_what_shares_its_call(blocks, dtype, k):
+    """An F16 / BF16 GGUF matrix as stored: float32 products of the weights widened exactly, at every level, and
+    each row of x the same bits alone as beside up to 40 others (the 'gguf' mode runs it at every row count)."""
+    n = 45
+    w = (torch.randn(n, k) * 0.05).to(dtype)
+    w[3, : min(k, 5)] = torch.tensor([0.0, -0.0, 6e-8, -65504.0, 1e-3])[: min(k, 5)].to(dtype)  # zero, subnormal, large
+    x = torch.randn(41, k)
+    y = blocks.matmul_half(x, w)
+    assert_matches(y, x, w.float())
+    for m in (1, 2, 5, 6, 7, 13):
+        assert torch.equal(blocks.matmul_half(x[:m].contiguous(), w), y[:m])
+        assert torch.equal(blocks.matmul_half(x[m : m + 1].contiguous(), w), y[m : m + 1])
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        blocks.matmul_half(x, w.float())
+    with pytest.raises(ValueError, match=f"float32 \\[M, {k}\\]"):
+        blocks.matmul_half(x[:, :-1].contiguous() if k > 1 else x, w)
+
+
 def test_a_nan_in_the_input_makes_its_row_nan_not_finite(blocks):
     raw = torch.from_numpy(random_blocks(T.Q4_K, 8, 512))
     x = torch.randn(2, 512)

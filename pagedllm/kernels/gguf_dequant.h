@@ -3,6 +3,8 @@
  *   - gguf_matmul_f32, the "gguf-exact" mode's GEMV: each super-block (or 256 elements of 32-blocks) dequantized
  *     into a buffer on the stack as gguf_dequantize does it, bit for bit, then multiplied with FMAs: the float32
  *     function of the dequantized weights up to summation order;
+ *   - gguf_matmul_half: float16 / bfloat16 weights as stored (an F16 or BF16 GGUF's), widened exactly in
+ *     registers and multiplied in float32;
  *   - gguf_to_groups: the blocks as pagedllm's int4 / int8 groups (below).
  * What it reads: the file's blocks (gguf_types.h), as stored. */
 
@@ -226,6 +228,96 @@ int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int6
                     }
                 }
                 for (int64_t i = 0; i < mc; i++) y[(m0 + i) * N + n] = tot[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- float16 / bfloat16 weights ---------------------------------------------------------------------- */
+
+/* HALF lanes of a float16 (bf16 = 0) or bfloat16 (bf16 = 1) row from p, widened to float32 exactly */
+#ifdef GB_AVX512
+#define HALF 16
+typedef __m512 halfvec;
+static inline halfvec half_load(int bf16, const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+static inline halfvec half_fma(halfvec a, const float *x, halfvec w) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), a); }
+static inline float half_sum(halfvec a, halfvec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+#define HALF_ZERO _mm512_setzero_ps()
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HALF 8
+typedef __m256 halfvec;
+static inline halfvec half_load(int bf16, const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+static inline halfvec half_fma(halfvec a, const float *x, halfvec w) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
+static inline float half_sum(halfvec a, halfvec b) { return hsum256(_mm256_add_ps(a, b)); }
+#define HALF_ZERO _mm256_setzero_ps()
+#endif
+
+static inline float half_to_float(int bf16, uint16_t h) {
+    if (!bf16) return f16((const uint8_t *)&h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* out[0 .. MC) = rows 0 .. MC of x (K apart) . one weight row; MC and BF16 constants where it is inlined: two
+ * chains of vectors a row of x, then the tail of K (K % (2 * HALF)) in order */
+static inline __attribute__((always_inline)) void half_rows(const int BF16, const int MC, const uint16_t *row,
+                                                            const float *x, int64_t K, float *out) {
+    int64_t k = 0;
+#ifdef HALF
+    halfvec a[MR][2];
+    for (int i = 0; i < MC; i++) a[i][0] = a[i][1] = HALF_ZERO;
+    for (; k + 2 * HALF <= K; k += 2 * HALF) {
+        const halfvec w0 = half_load(BF16, row + k), w1 = half_load(BF16, row + k + HALF);
+        for (int i = 0; i < MC; i++) {
+            a[i][0] = half_fma(a[i][0], x + i * K + k, w0);
+            a[i][1] = half_fma(a[i][1], x + i * K + k + HALF, w1);
+        }
+    }
+    for (int i = 0; i < MC; i++) out[i] = half_sum(a[i][0], a[i][1]);
+#else
+    for (int i = 0; i < MC; i++) out[i] = 0.f;
+#endif
+    for (int i = 0; i < MC; i++) {
+        float t = 0.f;
+        for (int64_t j = k; j < K; j++) t += half_to_float(BF16, row[j]) * x[i * K + j];
+        out[i] += t;
+    }
+}
+
+/* y [M, N] = x [M, K] . W^T, W [N, K] float16 (bf16 = 0) or bfloat16 (bf16 = 1) as the file stores it: each
+ * weight widened exactly and multiplied in float32 (half_rows); each row of x alone, so a row's bits are the same
+ * at every M */
+int gguf_matmul_half(int bf16, const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += COLS) {
+        const int64_t n1 = n0 + COLS < N ? n0 + COLS : N;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint16_t *row = w + n * K;
+            PREFETCH_AHEAD(row, 2 * K);
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int64_t mc = M - m0 < MR ? M - m0 : MR;
+                float out[MR];
+#define HALF_CASE(BF)                                                         \
+                switch (mc) {                                                 \
+                    case 6: half_rows(BF, 6, row, x + m0 * K, K, out); break; \
+                    case 5: half_rows(BF, 5, row, x + m0 * K, K, out); break; \
+                    case 4: half_rows(BF, 4, row, x + m0 * K, K, out); break; \
+                    case 3: half_rows(BF, 3, row, x + m0 * K, K, out); break; \
+                    case 2: half_rows(BF, 2, row, x + m0 * K, K, out); break; \
+                    default: half_rows(BF, 1, row, x + m0 * K, K, out); break; \
+                }
+                if (bf16) HALF_CASE(1) else HALF_CASE(0)
+#undef HALF_CASE
+                for (int64_t i = 0; i < mc; i++) y[(m0 + i) * N + n] = out[i];
             }
         }
     }

@@ -501,6 +501,8 @@ class GGUFBlocks:
         self._dequantize.argtypes = [c_int, p, p, i64, i64]
         self._to_groups = lib.gguf_to_groups
         self._to_groups.argtypes = [c_int, p, i64, i64, p, p, p]
+        self._matmul_half = lib.gguf_matmul_half
+        self._matmul_half.argtypes, self._matmul_half.restype = [c_int, p, p, p, i64, i64, i64], c_int
         self._pack, self._unpack = lib.gguf_pack_panels, lib.gguf_unpack_rows
         self._pack.argtypes, self._unpack.argtypes = [c_int, p, p, i64, i64], [c_int, p, p, i64, i64, p]
         fns = (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._matmul_a8_parts, self._dequantize)
@@ -655,6 +657,18 @@ class GGUFBlocks:
             raise ValueError(f"x has {x.shape[1]} features, the weight's rows {k}")
         y = x.new_empty(x.shape[0], raw.shape[0])
         _check_type(fn(qtype, x.data_ptr(), raw.data_ptr(), y.data_ptr(), x.shape[0], raw.shape[0], k), qtype)
+        return y
+
+    def matmul_half(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous @ W^T: [M, N], W [N, K] float16 or bfloat16 (contiguous) widened exactly and
+        multiplied in float32, each row of x alone (its bits the same at every M); meant for few rows."""
+        if w.dtype not in (torch.float16, torch.bfloat16) or w.dim() != 2 or not w.is_contiguous():
+            raise ValueError(f"w must be contiguous float16 or bfloat16 [N, K], got {w.dtype} {list(w.shape)}")
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x must be contiguous float32 [M, {w.shape[1]}], got {x.dtype} {list(x.shape)}")
+        y = x.new_empty(x.shape[0], w.shape[0])
+        bf16 = int(w.dtype == torch.bfloat16)
+        self._matmul_half(bf16, x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1])
         return y
 
     def dequantize(self, qtype: int, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -111,6 +111,70 @@ class GGUFLinear(nn.Module):
         return self._kernels.dequantize(self.file_qtype, self._kernels.unpack_rows(self.qtype, self.raw, ids))
 
 
+_WIDEN_ELEMS = 16 << 20  # weights widened at a time for the float32 GEMM (64 MiB of float32: an MLP's, a head's slice)
+
+
+class HalfLinear(nn.Module):
+    """y = x @ W.T + b with W [N, K] an F16 or BF16 GGUF matrix as the file stores it, ``weight`` float16 /
+    bfloat16 (a view of the file's read-only mapping is fine): 2 bytes a weight, never a float32 copy of the model.
+    Every product is float32's, on the weights widened exactly, so both GGUF modes compute the float32 function of
+    the file's weights (there is no integer arithmetic to run on a float weight). Up to ``SMALL_BATCH`` rows of x,
+    and at every row count with ``one_kernel`` (the "gguf" mode: a row's bits never depend on what shares its call),
+    ``gguf_matmul_half`` reads the weights where they lie, each row of x alone; more rows ("gguf-exact") widen the
+    weight, 16M weights at a time, into the buffer the quantized layers share and run the float32 GEMM."""
+
+    weight: torch.Tensor  # a buffer (register_buffer), typed for mypy
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_kernel: bool = False):
+        super().__init__()
+        from pagedllm import kernels
+
+        if weight.dtype not in (torch.float16, torch.bfloat16) or weight.dim() != 2:
+            got = f"{weight.dtype} {list(weight.shape)}"
+            raise ValueError(f"HalfLinear takes a float16 or bfloat16 [N, K] weight, got {got}")
+        self._kernels = kernels.load().gguf
+        self.one_kernel = one_kernel
+        self.register_buffer("weight", weight.contiguous(), persistent=False)
+        self.out_features, self.in_features = weight.shape
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != torch.float32:
+            return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
+        x = x.contiguous()
+        if self.one_kernel or x.shape[0] <= SMALL_BATCH:
+            y = self._kernels.matmul_half(x, self.weight)
+            return y if self.bias is None else y.add_(self.bias)
+        gemm = onednn_linear if onednn_available() else F.linear
+        n, k = self.weight.shape
+        rows = max(1, min(n, _WIDEN_ELEMS // k))
+        if rows == n:
+            return gemm(x, self._widened(0, n), self.bias)
+        y = x.new_empty(x.shape[0], n)
+        for first in range(0, n, rows):
+            y[:, first : first + rows] = gemm(x, self._widened(first, rows), None)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _widened(self, first: int, rows: int) -> torch.Tensor:
+        """Rows [first, first + rows) of W as float32, in the buffer the quantized layers share."""
+        part = self.weight[first : first + rows]
+        with torch.inference_mode():  # the shared buffer may have been made under it (an engine step)
+            return _scratch(rows * self.in_features)[: part.numel()].view(part.shape).copy_(part)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W float32 [N, K], exactly the file's values; the bias)."""
+        return self.weight.float(), self.bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W, float32 [len(ids), K]: an embedding lookup in the same table (a tied head's)."""
+        return self.weight.index_select(0, ids).float()
+
+    def extra_repr(self) -> str:
+        kind = "float16" if self.weight.dtype == torch.float16 else "bfloat16"
+        how = "one kernel at every row count" if self.one_kernel else f"the float32 GEMM above {SMALL_BATCH} rows"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} as stored, {how}"
+
+
 class StackedLinear(nn.Module):
     """A fused projection (q | k | v, gate | up) whose shards the file stores in different block types (a
     Q4_K_M file mixes Q4_K and Q6_K): each shard's kernel computes its rows of the output, the bias is the

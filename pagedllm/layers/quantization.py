@@ -83,6 +83,8 @@ GGUF_MODES: dict[str, int | None] = {"gguf": 8, "gguf-exact": None}
 # "gguf-exact" (whose float32-activation kernels on our layouts are faster), are converted at load into the int4 /
 # int8 layouts, exactly
 NATIVE_GGUF_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_K", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")
+# the float types whose matrices both GGUF modes keep as the file stores them, 2 bytes a weight (HalfLinear)
+HALF_GGUF_TYPES = ("F16", "BF16")
 
 
 def gguf_linear_types() -> tuple[str, ...]:
@@ -413,6 +415,10 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
     the embedding reads its rows from its own block (or from the tied head's)."""
 
     def stored(block: Block, bias: torch.Tensor | None) -> nn.Module:
+        if block[0] in HALF_GGUF_TYPES:
+            from pagedllm.layers.gguf_linear import HalfLinear
+
+            return HalfLinear(block[1][0], bias, one_kernel=activation_bits is not None)
         if block[0].startswith("gguf:"):
             from pagedllm.layers.gguf_linear import stacked_gguf
 
@@ -446,9 +452,9 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
 
 def taken_head(layer: object) -> bool:
     """Can :class:`QuantizedEmbedding` read its rows from ``layer``?"""
-    from pagedllm.layers.gguf_linear import GGUFLinear
+    from pagedllm.layers.gguf_linear import GGUFLinear, HalfLinear
 
-    return isinstance(layer, _QuantLinear | GGUFLinear)
+    return isinstance(layer, _QuantLinear | GGUFLinear | HalfLinear)
 
 
 class QuantizedEmbedding(nn.Module):

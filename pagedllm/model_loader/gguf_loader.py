@@ -420,19 +420,21 @@ def all_in_panels(path: str) -> bool:
     """Whether the int8 kernels hold every quantized tensor of the file in panels of 16 rows on this CPU
     (``GGUFBlocks.pack``: Q4_K / Q6_K, and Q8_0 / Q5_0 of a multiple of 64 columns, with whole panels of rows,
     AVX2 and AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with
-    Q4_1 tensors are not."""
+    Q4_1 tensors are not, nor files of float tensors only (F16, BF16: no integer arithmetic to run)."""
     from pagedllm import kernels
     from pagedllm.kernels.ops import fits_panels
 
     header = read_gguf_header(path)
+    quantized = False
     for name, dims in header.tensor_shapes.items():
         qtype = _ggml_type(header, name, path)
         if qtype.name in _PLAIN_TYPES or name in _SKIPPED_TENSORS:
             continue
         if len(dims) != 2 or not fits_panels(int(qtype), dims[1], dims[0]):  # dims: (columns, rows)
             return False
+        quantized = True
     found = kernels.try_load()
-    return found is not None and found.gguf.has_panels
+    return quantized and found is not None and found.gguf.has_panels
 
 
 def reverse_llama_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -554,7 +556,7 @@ def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor,
 
 
 def iter_gguf_blocks(
-    path: str, native: Collection[str] = ()
+    path: str, native: Collection[str] = (), halves: bool = False
 ) -> Iterator[tuple[str, tuple[str, tuple[torch.Tensor, ...]]]]:
     """:func:`gguf_quantized_blocks` one tensor at a time, each converted in slices of rows (a 150k-token
     vocabulary's temporaries stay small). Tensors of a type named in ``native`` (``"Q4_K"``, ``"Q6_K"``; Q8_0 /
@@ -562,17 +564,21 @@ def iter_gguf_blocks(
     our groups for them, and Q5_K's and Q4_0's only ones) come as the file stores them instead, nothing converted or
     copied: ``(type name, (rows,))``, ``rows`` a uint8 view [N, bytes a row] of a read-only mapping of the file
     (the kernels of :class:`~pagedllm.layers.gguf_linear.GGUFLinear` read them there; the page cache holds them
-    once for every process that maps the file). A row permutation (llama's Q / K) makes those a copy of the rows."""
+    once for every process that maps the file). A row permutation (llama's Q / K) makes those a copy of the rows.
+    ``halves``: F16 and BF16 matrices come as stored too, ``("F16" | "BF16", (weight,))``, ``weight`` a float16 /
+    bfloat16 tensor [N, K] on the mapping (:class:`~pagedllm.layers.gguf_linear.HalfLinear` reads them there)."""
     import warnings
 
     import numpy as np
     import torch
 
     from pagedllm.kernels.ops import _BLOCK_SIZES, fits_panels
+    from pagedllm.layers.quantization import HALF_GGUF_TYPES
 
     for _, name, qtype, data, unpermute in _iter_raw_tensors(path):
-        stored = qtype.name in native and data.ndim == 2
-        if stored and qtype.name not in ("Q4_K", "Q6_K"):  # the others only where they fit panels
+        half = halves and qtype.name in HALF_GGUF_TYPES and data.ndim == 2
+        stored = half or (qtype.name in native and data.ndim == 2)
+        if stored and not half and qtype.name not in ("Q4_K", "Q6_K"):  # the others only where they fit panels
             elems, size = _BLOCK_SIZES[int(qtype)]
             stored = fits_panels(int(qtype), data.shape[0], data.shape[1] // size * elems)
         if stored:
@@ -580,6 +586,8 @@ def iter_gguf_blocks(
             with warnings.catch_warnings():  # a read-only mapping: nothing writes to the weights
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.from_numpy(np.ascontiguousarray(rows))  # the mapping's own bytes when they are in order
+            if half:  # F16 comes as float16 already, BF16 as its bytes
+                raw = raw.view(torch.float16 if qtype.name == "F16" else torch.bfloat16)
             yield name, (qtype.name, (raw,))
             continue
         block = _q_blocks_in_slices(data, qtype, unpermute)

@@ -22,7 +22,7 @@ from pagedllm.distributed import ParallelState, stage_layers
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.quantization import NATIVE_GGUF_TYPES, Block, common_layout
+from pagedllm.layers.quantization import HALF_GGUF_TYPES, NATIVE_GGUF_TYPES, Block, common_layout
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 
@@ -380,6 +380,12 @@ class LlamaForCausalLM(nn.Module):
                 return
             # one layout: int4 shards beside an int8 one widen, a scale per 32 beside one per 16 doubles
             whole = [cast(Block, got[i]) for i in range(n)]
+            halves = {kind for kind, _ in whole if kind in HALF_GGUF_TYPES}
+            if halves:  # float16 / bfloat16 shards as stored: one weight, where every shard is of one such type
+                if len(halves) == 1 and all(kind in halves for kind, _ in whole):
+                    tensors = whole[0][1] if n == 1 else (torch.cat([t[0] for _, t in whole]),)
+                    out[module] = (whole[0][0], tensors)
+                return  # else (beside quantized shards) the module stays float, every shard widened
             if any(kind in NATIVE_GGUF_TYPES for kind, _ in whole) and not all(
                 kind in NATIVE_GGUF_TYPES for kind, _ in whole
             ):  # the file's blocks beside shards in our layouts: converted too

@@ -276,13 +276,14 @@ def _take_blocks(
             yield name, block
 
     if source.kind == "gguf":  # one tensor's blocks at a time: each fused module's shards go once it is built
-        from pagedllm.layers.quantization import gguf_linear_types
+        from pagedllm.layers.quantization import GGUF_MODES, gguf_linear_types
         from pagedllm.model_loader.gguf_loader import iter_gguf_blocks
 
         # the kernels on the file's own blocks: the int8-activation mode, one process (a rank would cut them)
         single = getattr(getattr(model, "ps", None), "world_size", 1) == 1
         native = gguf_linear_types() if method == "gguf" and single else ()
-        blocks = model.quantized_modules(noted(iter_gguf_blocks(source.path, native)))
+        halves = method in GGUF_MODES and single  # F16 / BF16 matrices as stored: HalfLinear
+        blocks = model.quantized_modules(noted(iter_gguf_blocks(source.path, native, halves)))
     elif scheme is not None:
         from pagedllm.model_loader.hf_loader import iter_raw
 
