@@ -551,11 +551,11 @@ def dequantize_model(model: nn.Module) -> None:
     The result computes with exactly the weights the quantized model holds, through
     PyTorch's float32 GEMM: the reference the quantized kernels are tested against.
     """
-    from pagedllm.layers.gguf_linear import GGUFLinear, StackedLinear
+    from pagedllm.layers.gguf_linear import GGUFLinear, HalfLinear, StackedLinear
 
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, (Int8Linear, Int4Linear, Fp8Linear, GGUFLinear, StackedLinear)):
+            if isinstance(child, (Int8Linear, Int4Linear, Fp8Linear, GGUFLinear, StackedLinear, HalfLinear)):
                 w, b = child.dequantized()
                 lin = nn.Linear(child.in_features, child.out_features, bias=b is not None)
                 lin.weight.data.copy_(w)

@@ -384,6 +384,11 @@ class LlamaForCausalLM(nn.Module):
             if halves:  # float16 / bfloat16 shards as stored: one weight, where every shard is of one such type
                 if len(halves) == 1 and all(kind in halves for kind, _ in whole):
                     tensors = whole[0][1] if n == 1 else (torch.cat([t[0] for _, t in whole]),)
+                    if n > 1:  # the copy holds them: the file's pages, read again by the copy, can go
+                        from pagedllm.model_loader.mappings import release_mapped_pages
+
+                        for _, t in whole:
+                            release_mapped_pages(t[0])
                     out[module] = (whole[0][0], tensors)
                 return  # else (beside quantized shards) the module stays float, every shard widened
             if any(kind in NATIVE_GGUF_TYPES for kind, _ in whole) and not all(
