@@ -15,7 +15,8 @@ turned into a TTFT: prompt tokens / rate), llama.cpp built from the ``llama-cpp-
         && cmake --build build -j2 --target llama-bench llama-server
 
 ``--level`` runs pagedllm's kernels at that instruction-set level (``$PAGEDLLM_CPU_LEVEL``: portable, avx2,
-avx2-vnni, avx512-vnni, avx512-bf16; default the machine's best); the peer at the same level is llama.cpp built
+avx2-vnni, avx512-vnni, avx512-bf16; default the machine's best), and below AVX-512 torch's own kernels and oneDNN's
+GEMM at that level too (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``); the peer at the same level is llama.cpp built
 for it without ``GGML_NATIVE`` (a native build may also die on a VM that advertises AMX and traps it), e.g. AVX2:
 
     cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
@@ -130,6 +131,15 @@ def _llama_bench(binary: str, model: str, threads: int, iters: int) -> tuple[dic
     return got, rss
 
 
+# what torch's own kernels (ATen) and oneDNN's GEMM may use at a pagedllm level below AVX-512 (each dispatches
+# to the best the CPU has otherwise: a float32 GEMM ran AVX-512 under --level avx2, 1.8x the AVX2 speed here)
+TORCH_ISA = {
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct-q4_k_m")
@@ -160,6 +170,7 @@ def main() -> None:
 
         os.environ[isa.ENV] = args.level
         isa.chosen_level()  # a level this machine cannot run fails here, before anything is fetched
+        os.environ.update(TORCH_ISA.get(args.level, {}))  # torch's own kernels, oneDNN's GEMM, at that level too
     model = resolve(args.model)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[str, float]] = {}
