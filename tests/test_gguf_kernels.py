@@ -288,6 +288,30 @@ def test_half_weights_are_widened_exactly_and_a_rows_bits_ignore_what_shares_its
         blocks.matmul_half(x[:, :-1].contiguous() if k > 1 else x, w)
 
 
+def test_bfloat16_dot_products_round_x_and_give_a_row_the_same_bits_whatever_shares_its_call(blocks):
+    """A BF16 matrix under 'gguf' on AVX512_BF16: panels of 16 rows (the file's bytes permuted, put back exactly),
+    x rounded to bfloat16 to nearest even as llama.cpp rounds it, products summed in float32: each row of x the
+    same bits alone as beside up to 40 others, and every tail of rows and of panels."""
+    n, k = 80, 1000  # five panels: a tile of four and one alone
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    panels = blocks.pack_bf16(w)
+    if not blocks.has_bf16_dot:
+        assert panels is None  # this level has no bfloat16 dot products: HalfLinear keeps float32 products
+        return
+    assert panels is not None and panels.shape == w.shape and not torch.equal(panels, w)
+    assert torch.equal(blocks.unpack_bf16(panels), w)
+    ids = torch.tensor([0, 17, 79, 17, 42])
+    assert torch.equal(blocks.unpack_bf16(panels, ids), w[ids])
+    x = torch.randn(41, k)
+    y = blocks.matmul_bf16_dot(x, panels)
+    assert_matches(y, x.bfloat16().float(), w.float())
+    assert not torch.equal(y, blocks.matmul_half(x, w))  # x was rounded: not float32's products
+    for m in (1, 2, 5, 6, 7, 13):
+        assert torch.equal(blocks.matmul_bf16_dot(x[:m].contiguous(), panels), y[:m])
+        assert torch.equal(blocks.matmul_bf16_dot(x[m : m + 1].contiguous(), panels), y[m : m + 1])
+    assert blocks.pack_bf16(w[:40]) is None and blocks.pack_bf16(w[:, :999].contiguous()) is None  # no whole panels
+
+
 def test_a_nan_in_the_input_makes_its_row_nan_not_finite(blocks):
     raw = torch.from_numpy(random_blocks(T.Q4_K, 8, 512))
     x = torch.randn(2, 512)

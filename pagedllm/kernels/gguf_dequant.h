@@ -324,6 +324,111 @@ int gguf_matmul_half(int bf16, const float *x, const uint16_t *w, float *y, int6
     return 0;
 }
 
+/* ---- bfloat16 weights in bfloat16 dot products (AVX512_BF16; the "gguf" mode) ----------------------------
+ * W [N, K] bfloat16 repacked at load into panels of 16 rows (N a multiple of 16, K even): panel p, pair j holds
+ * the 16 rows' elements 2j and 2j + 1 as 16 dwords (64 bytes, lane c: row 16p + c, element 2j low), the file's
+ * bytes permuted. x is rounded to bfloat16 (to nearest even, as llama.cpp rounds it for a BF16 weight), and each
+ * vdpbf16ps adds a pair's two products to a float32 lane, in order along K: a row's bits the same at every M. */
+
+int gguf_has_bf16_dot(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* W [N, K] (the file's rows) into panels as above, out as many bytes; 0, or -1 where it does not apply (N not a
+ * multiple of 16, K odd, a build without AVX512_BF16) */
+int gguf_pack_bf16(const uint16_t *w, uint16_t *out, int64_t N, int64_t K) {
+#ifdef __AVX512BF16__
+    if (N % 16 || K % 2) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < N / 16; p++)
+        for (int64_t j = 0; j < K / 2; j++)
+            for (int c = 0; c < 16; c++) {
+                const uint16_t *src = w + (16 * p + c) * K + 2 * j;
+                uint16_t *dst = out + p * 16 * K + j * 32 + 2 * c;
+                dst[0] = src[0], dst[1] = src[1];
+            }
+    return 0;
+#else
+    (void)w, (void)out, (void)N, (void)K;
+    return -1;
+#endif
+}
+
+#ifdef __AVX512BF16__
+#define BD_ROWS 6    /* rows of x a tile */
+#define BD_PANELS 4  /* panels of W a tile (64 columns) */
+/* y rows 0 .. R, columns of NQ panels (from panel, 16 columns each) = x pairs (K / 2 dwords a row) . panels */
+static inline __attribute__((always_inline)) void bf16_tile(const int R, const int NQ, const uint32_t *xp,
+                                                            const uint16_t *panel, int64_t K, float *y, int64_t ldy) {
+    __m512 acc[BD_ROWS][BD_PANELS];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < NQ; q++) acc[r][q] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K / 2; j++) {
+        __m512bh w[BD_PANELS];
+        for (int q = 0; q < NQ; q++) w[q] = (__m512bh)_mm512_loadu_si512(panel + q * 16 * K + j * 32);
+        for (int r = 0; r < R; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)xp[r * (K / 2) + j]);
+            for (int q = 0; q < NQ; q++) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], w[q], b);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < NQ; q++) _mm512_storeu_ps(y + r * ldy + 16 * q, acc[r][q]);
+}
+#endif
+
+/* y [M, N] = bf16(x) [M, K] . W^T, W in gguf_pack_bf16's panels; 0, -1 on a build without AVX512_BF16, -2 when
+ * memory ran out */
+int gguf_matmul_bf16_dot(const float *x, const uint16_t *panels, float *y, int64_t M, int64_t N, int64_t K) {
+#ifdef __AVX512BF16__
+    if (N % 16 || K % 2) return -1;
+    uint32_t *xp = aligned_alloc(64, (M * K * 2 + 63) / 64 * 64);
+    if (!xp) return -2;
+    for (int64_t m = 0; m < M; m++) {  /* x rounded to bfloat16, to nearest even: pairs of elements a dword */
+        const float *src = x + m * K;
+        uint16_t *dst = (uint16_t *)(xp + m * (K / 2));
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32)
+            _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16),
+                                                                      _mm512_loadu_ps(src + k)));
+        for (; k < K; k++) {
+            const __m128bh h = _mm_cvtneps_pbh(_mm_set_ss(src[k]));
+            memcpy(dst + k, &h, 2);
+        }
+    }
+    const int64_t groups = (N / 16 + BD_PANELS - 1) / BD_PANELS;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t p0 = g * BD_PANELS, np = N / 16 - p0 < BD_PANELS ? N / 16 - p0 : BD_PANELS;
+        const uint16_t *panel = panels + p0 * 16 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += BD_ROWS) {
+            const int64_t r = M - m0 < BD_ROWS ? M - m0 : BD_ROWS;
+            const uint32_t *xr = xp + m0 * (K / 2);
+            float *yr = y + m0 * N + 16 * p0;
+#define BD_CASE(NQ)                                                                  \
+            switch (r) {                                                             \
+                case 6: bf16_tile(6, NQ, xr, panel, K, yr, N); break;                \
+                case 5: bf16_tile(5, NQ, xr, panel, K, yr, N); break;                \
+                case 4: bf16_tile(4, NQ, xr, panel, K, yr, N); break;                \
+                case 3: bf16_tile(3, NQ, xr, panel, K, yr, N); break;                \
+                case 2: bf16_tile(2, NQ, xr, panel, K, yr, N); break;                \
+                default: bf16_tile(1, NQ, xr, panel, K, yr, N); break;               \
+            }
+            if (np == 4) BD_CASE(4) else if (np == 3) BD_CASE(3) else if (np == 2) BD_CASE(2) else BD_CASE(1)
+#undef BD_CASE
+        }
+    }
+    free(xp);
+    return 0;
+#else
+    (void)x, (void)panels, (void)y, (void)M, (void)N, (void)K;
+    return -1;
+#endif
+}
+
 /* ---------------------------------------------------------------------------------------------------------
  * A GGUF tensor's blocks in pagedllm's int4 / int8 group layout (pagedllm/layers/quantization.py), the
  * values gguf_loader._q_blocks computes with numpy, bit for bit, in one pass at the memory's speed: groups of

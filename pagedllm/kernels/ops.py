@@ -503,6 +503,12 @@ class GGUFBlocks:
         self._to_groups.argtypes = [c_int, p, i64, i64, p, p, p]
         self._matmul_half = lib.gguf_matmul_half
         self._matmul_half.argtypes, self._matmul_half.restype = [c_int, p, p, p, i64, i64, i64], c_int
+        self._pack_bf16, self._matmul_bf16_dot = lib.gguf_pack_bf16, lib.gguf_matmul_bf16_dot
+        self._pack_bf16.argtypes, self._pack_bf16.restype = [p, p, i64, i64], c_int
+        self._matmul_bf16_dot.argtypes, self._matmul_bf16_dot.restype = [p, p, p, i64, i64, i64], c_int
+        lib.gguf_has_bf16_dot.restype = c_int
+        self.has_bf16_dot = bool(lib.gguf_has_bf16_dot())
+        """Whether bfloat16 weights run bfloat16 dot products (``pack_bf16``, ``matmul_bf16_dot``: AVX512_BF16)."""
         self._pack, self._unpack = lib.gguf_pack_panels, lib.gguf_unpack_rows
         self._pack.argtypes, self._unpack.argtypes = [c_int, p, p, i64, i64], [c_int, p, p, i64, i64, p]
         fns = (self._matmul_a8, self._matmul_f32, self._matmul_q8, self._matmul_a8_parts, self._dequantize)
@@ -669,6 +675,40 @@ class GGUFBlocks:
         y = x.new_empty(x.shape[0], w.shape[0])
         bf16 = int(w.dtype == torch.bfloat16)
         self._matmul_half(bf16, x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1])
+        return y
+
+    def pack_bf16(self, w: torch.Tensor) -> torch.Tensor | None:
+        """W [N, K] bfloat16 repacked into panels of 16 rows for ``matmul_bf16_dot`` (a new tensor of w's shape and
+        bytes, permuted), or None where that does not apply (no AVX512_BF16, N not a multiple of 16, K odd)."""
+        if w.dtype != torch.bfloat16 or w.dim() != 2:
+            raise ValueError(f"w must be bfloat16 [N, K], got {w.dtype} {list(w.shape)}")
+        if not self.has_bf16_dot or w.shape[0] % 16 or w.shape[1] % 2:
+            return None
+        w = w.contiguous()
+        out = torch.empty_like(w)
+        return out if self._pack_bf16(w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1]) == 0 else None
+
+    @staticmethod
+    def unpack_bf16(panels: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (all by default) of a weight ``pack_bf16`` repacked, as the file stores them."""
+        n, k = panels.shape
+        v = panels.view(n // 16, k // 2, 16, 2)
+        if ids is None:
+            return v.permute(0, 2, 1, 3).reshape(n, k)
+        return v[ids // 16, :, ids % 16, :].reshape(len(ids), k)
+
+    def matmul_bf16_dot(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous, rounded to bfloat16, @ W^T in bfloat16 dot products (float32 sums in order
+        along K, each row of x alone: its bits the same at every M): [M, N]; W as ``pack_bf16`` made it."""
+        n, k = panels.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != k:
+            raise ValueError(f"x must be contiguous float32 [M, {k}], got {x.dtype} {list(x.shape)}")
+        y = x.new_empty(x.shape[0], n)
+        rc = self._matmul_bf16_dot(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k)
+        if rc == -2:
+            raise MemoryError("gguf_blocks.c could not allocate its working buffers")
+        if rc != 0:
+            raise ValueError(f"no bfloat16 dot products for a [{n}, {k}] weight on this build")
         return y
 
     def dequantize(self, qtype: int, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

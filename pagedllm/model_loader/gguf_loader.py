@@ -420,20 +420,25 @@ def all_in_panels(path: str) -> bool:
     """Whether the int8 kernels hold every quantized tensor of the file in panels of 16 rows on this CPU
     (``GGUFBlocks.pack``: Q4_K / Q6_K, and Q8_0 / Q5_0 of a multiple of 64 columns, with whole panels of rows,
     AVX2 and AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with
-    Q4_1 tensors are not, nor files of float tensors only (F16, BF16: no integer arithmetic to run)."""
+    Q4_1 tensors are not, nor files of float tensors only (F16: no integer arithmetic to run), but where the CPU has
+    AVX512_BF16 a BF16 matrix counts (bfloat16 dot products, llama.cpp's arithmetic for it)."""
     from pagedllm import kernels
     from pagedllm.kernels.ops import fits_panels
 
     header = read_gguf_header(path)
+    found = kernels.try_load()
+    bf16_dot = found is not None and found.gguf.has_bf16_dot
     quantized = False
     for name, dims in header.tensor_shapes.items():
         qtype = _ggml_type(header, name, path)
+        if bf16_dot and qtype.name == "BF16" and len(dims) == 2:
+            quantized = True  # bfloat16 dot products (HalfLinear), one kernel at every row count
+            continue
         if qtype.name in _PLAIN_TYPES or name in _SKIPPED_TENSORS:
             continue
         if len(dims) != 2 or not fits_panels(int(qtype), dims[1], dims[0]):  # dims: (columns, rows)
             return False
         quantized = True
-    found = kernels.try_load()
     return quantized and found is not None and found.gguf.has_panels
 
 
