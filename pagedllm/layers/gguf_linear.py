@@ -128,7 +128,9 @@ class HalfLinear(nn.Module):
 
     weight: torch.Tensor  # a buffer (register_buffer), typed for mypy
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_kernel: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_kernel: bool = False, packed: bool = False
+    ):
         super().__init__()
         from pagedllm import kernels
 
@@ -138,9 +140,14 @@ class HalfLinear(nn.Module):
         self._kernels = kernels.load().gguf
         self.one_kernel = one_kernel
         self.out_features, self.in_features = weight.shape
-        # "gguf" on AVX512_BF16: a bfloat16 weight in panels for bfloat16 dot products (x rounded to bfloat16)
-        panels = self._kernels.pack_bf16(weight) if one_kernel and weight.dtype == torch.bfloat16 else None
-        self.bf16_dot = panels is not None
+        # "gguf" on AVX512_BF16: a bfloat16 weight in panels for bfloat16 dot products (x rounded to bfloat16);
+        # ``packed``: weight is such panels already (GGUFBlocks.pack_bf16, as the loader hands them over)
+        if packed and not (one_kernel and weight.dtype == torch.bfloat16 and self._kernels.has_bf16_dot):
+            raise ValueError("packed bfloat16 panels run only as one kernel, on a CPU with AVX512_BF16")
+        panels = (
+            self._kernels.pack_bf16(weight) if one_kernel and weight.dtype == torch.bfloat16 and not packed else None
+        )
+        self.bf16_dot = packed or panels is not None
         if panels is not None:
             from pagedllm.model_loader.mappings import release_mapped_pages
 

@@ -83,8 +83,9 @@ GGUF_MODES: dict[str, int | None] = {"gguf": 8, "gguf-exact": None}
 # "gguf-exact" (whose float32-activation kernels on our layouts are faster), are converted at load into the int4 /
 # int8 layouts, exactly
 NATIVE_GGUF_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_K", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")
-# the float types whose matrices both GGUF modes keep as the file stores them, 2 bytes a weight (HalfLinear)
-HALF_GGUF_TYPES = ("F16", "BF16")
+# the float types whose matrices both GGUF modes keep as the file stores them, 2 bytes a weight (HalfLinear);
+# BF16P: a BF16 one repacked for bfloat16 dot products ("gguf" on AVX512_BF16)
+HALF_GGUF_TYPES = ("F16", "BF16", "BF16P")
 
 
 def gguf_linear_types() -> tuple[str, ...]:
@@ -418,7 +419,7 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
         if block[0] in HALF_GGUF_TYPES:
             from pagedllm.layers.gguf_linear import HalfLinear
 
-            return HalfLinear(block[1][0], bias, one_kernel=activation_bits is not None)
+            return HalfLinear(block[1][0], bias, one_kernel=activation_bits is not None, packed=block[0] == "BF16P")
         if block[0].startswith("gguf:"):
             from pagedllm.layers.gguf_linear import stacked_gguf
 

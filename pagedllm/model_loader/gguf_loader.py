@@ -561,7 +561,7 @@ def gguf_quantized_blocks(path: str) -> dict[str, tuple[str, tuple[torch.Tensor,
 
 
 def iter_gguf_blocks(
-    path: str, native: Collection[str] = (), halves: bool = False
+    path: str, native: Collection[str] = (), halves: bool = False, bf16_panels: bool = False
 ) -> Iterator[tuple[str, tuple[str, tuple[torch.Tensor, ...]]]]:
     """:func:`gguf_quantized_blocks` one tensor at a time, each converted in slices of rows (a 150k-token
     vocabulary's temporaries stay small). Tensors of a type named in ``native`` (``"Q4_K"``, ``"Q6_K"``; Q8_0 /
@@ -571,7 +571,9 @@ def iter_gguf_blocks(
     (the kernels of :class:`~pagedllm.layers.gguf_linear.GGUFLinear` read them there; the page cache holds them
     once for every process that maps the file). A row permutation (llama's Q / K) makes those a copy of the rows.
     ``halves``: F16 and BF16 matrices come as stored too, ``("F16" | "BF16", (weight,))``, ``weight`` a float16 /
-    bfloat16 tensor [N, K] on the mapping (:class:`~pagedllm.layers.gguf_linear.HalfLinear` reads them there)."""
+    bfloat16 tensor [N, K] on the mapping (:class:`~pagedllm.layers.gguf_linear.HalfLinear` reads them there);
+    with ``bf16_panels`` (the "gguf" mode) a BF16 one comes repacked for bfloat16 dot products where the CPU has them,
+    ``("BF16P", (panels,))`` (``GGUFBlocks.pack_bf16``: a copy, so only one tensor's file pages are read at a time)."""
     import warnings
 
     import numpy as np
@@ -593,6 +595,11 @@ def iter_gguf_blocks(
                 raw = torch.from_numpy(np.ascontiguousarray(rows))  # the mapping's own bytes when they are in order
             if half:  # F16 comes as float16 already, BF16 as its bytes
                 raw = raw.view(torch.float16 if qtype.name == "F16" else torch.bfloat16)
+                k = _group_kernels() if bf16_panels and qtype.name == "BF16" else None
+                panels = None if k is None else k.pack_bf16(raw)
+                if panels is not None:
+                    yield name, ("BF16P", (panels,))
+                    continue
             yield name, (qtype.name, (raw,))
             continue
         block = _q_blocks_in_slices(data, qtype, unpermute)

@@ -381,6 +381,11 @@ class LlamaForCausalLM(nn.Module):
             # one layout: int4 shards beside an int8 one widen, a scale per 32 beside one per 16 doubles
             whole = [cast(Block, got[i]) for i in range(n)]
             halves = {kind for kind, _ in whole if kind in HALF_GGUF_TYPES}
+            if halves == {"BF16", "BF16P"}:  # a shard not in whole panels beside repacked ones: all as stored
+                from pagedllm.kernels.ops import GGUFBlocks
+
+                whole = [("BF16", (GGUFBlocks.unpack_bf16(t[0]),)) if k == "BF16P" else (k, t) for k, t in whole]
+                halves = {"BF16"}
             if halves:  # float16 / bfloat16 shards as stored: one weight, where every shard is of one such type
                 if len(halves) == 1 and all(kind in halves for kind, _ in whole):
                     tensors = whole[0][1] if n == 1 else (torch.cat([t[0] for _, t in whole]),)

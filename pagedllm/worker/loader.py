@@ -283,7 +283,7 @@ def _take_blocks(
         single = getattr(getattr(model, "ps", None), "world_size", 1) == 1
         native = gguf_linear_types() if method == "gguf" and single else ()
         halves = method in GGUF_MODES and single  # F16 / BF16 matrices as stored: HalfLinear
-        blocks = model.quantized_modules(noted(iter_gguf_blocks(source.path, native, halves)))
+        blocks = model.quantized_modules(noted(iter_gguf_blocks(source.path, native, halves, method == "gguf")))
     elif scheme is not None:
         from pagedllm.model_loader.hf_loader import iter_raw
 
