@@ -225,6 +225,15 @@ class _Alive:
         return None
 
 
+class _Exited:
+    """A worker that exited by itself (code 0), as one does after reporting its error."""
+
+    returncode = 0
+
+    def poll(self) -> int:
+        return 0
+
+
 def test_a_peers_death_is_blamed_even_when_a_rank_reports_the_broken_collective_first() -> None:
     from multiprocessing import Pipe
 
@@ -243,6 +252,16 @@ def test_a_peers_death_is_blamed_even_when_a_rank_reports_the_broken_collective_
     theirs0.send(("error", ValueError("bad"), "Traceback ..."))
     with pytest.raises(EngineDeadError, match=r"^worker 0 failed: ValueError"):
         executor._receive([0, 1])
+    # a peer that failed on its own and exited (code 0) after reporting it: its error is the cause, not a death
+    executor._dead = None
+    executor.procs = [_Alive(), _Exited()]
+    theirs0.send(("error", RuntimeError("Connection reset by peer"), "Traceback ..."))
+    _theirs1.send(("error", MemoryError("out of memory on rank 1"), "Traceback ..."))
+    with pytest.raises(EngineDeadError) as failed:
+        executor._receive([0, 1])
+    message = str(failed.value)
+    assert "worker 1 failed: MemoryError" in message and "worker 0 failed: RuntimeError" in message
+    assert "died" not in message
 
 
 def test_bad_parallel_sizes_are_refused_at_start(qwen2_dir: Path) -> None:

@@ -292,6 +292,12 @@ def test_bfloat16_dot_products_round_x_and_give_a_row_the_same_bits_whatever_sha
     """A BF16 matrix under 'gguf' on AVX512_BF16: panels of 16 rows (the file's bytes permuted, put back exactly),
     x rounded to bfloat16 to nearest even as llama.cpp rounds it, products summed in float32: each row of x the
     same bits alone as beside up to 40 others, and every tail of rows and of panels."""
+    for n in (96, 112):  # tiles of four panels then two, then three
+        w = (torch.randn(n, 64) * 0.05).to(torch.bfloat16)
+        panels = blocks.pack_bf16(w)
+        if panels is not None:
+            x = torch.randn(7, 64)
+            assert_matches(blocks.matmul_bf16_dot(x, panels), x.bfloat16().float(), w.float())
     n, k = 80, 1000  # five panels: a tile of four and one alone
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     panels = blocks.pack_bf16(w)

@@ -80,24 +80,32 @@ class MultiprocExecutor(DistributedExecutor):
                     self._fail(f"worker {rank} died (exit code {self.procs[rank].poll()})")
                 if reply[0] == "error":
                     failed = f"worker {rank} failed: {reply[1]!r}\n{reply[2]}"
-                    dead = self._dead_peer(rank)
-                    if dead is not None:  # its collective broke because a peer died: the death is the cause
-                        failed = f"worker {dead} died (exit code {self.procs[dead].returncode}); then {failed}"
-                    self._fail(failed, reply[1])
+                    cause = self._peer_failure(rank)
+                    # its collective may have broken because a peer died or failed first: that is the cause
+                    self._fail(failed if cause is None else f"{cause}; then {failed}", reply[1])
                 got[rank] = reply[1]
             for rank, proc in enumerate(self.procs):
                 if proc.poll() is not None and rank in want - got.keys():
                     self._fail(f"worker {rank} died (exit code {proc.returncode})")
         return [got[r] for r in sorted(want)]
 
-    def _dead_peer(self, rank: int, grace: float = 1.0) -> int | None:
-        """A rank other than ``rank`` that has exited, waiting up to ``grace`` seconds: a killed peer closes
-        its sockets (which fails the others' collectives) a moment before it can be reaped."""
+    def _peer_failure(self, rank: int, grace: float = 1.0) -> str | None:
+        """How a rank other than ``rank`` failed, waiting up to ``grace`` seconds: an error it reported (a worker
+        exits after sending one), or its death by a signal or a crash (a killed peer closes its sockets, which
+        fails the others' collectives, a moment before it can be reaped); None if every other rank is well."""
         deadline = time.monotonic() + grace
         while True:
-            for other, proc in enumerate(self.procs):
-                if other != rank and proc.poll() is not None:
-                    return other
+            for other, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
+                if other == rank:
+                    continue
+                try:
+                    reply = conn.recv() if conn.poll() else None
+                except (EOFError, OSError):
+                    reply = None  # its end closed: its exit code tells
+                if reply is not None and reply[0] == "error":
+                    return f"worker {other} failed: {reply[1]!r}\n{reply[2]}"
+                if proc.poll() not in (None, 0):
+                    return f"worker {other} died (exit code {proc.returncode})"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)

@@ -127,6 +127,7 @@ class HalfLinear(nn.Module):
     of the 1.5B's shapes, one kernel at every row count, not float32's function."""
 
     weight: torch.Tensor  # a buffer (register_buffer), typed for mypy
+    activation_dtype = torch.float32  # what it multiplies in (an adapter around it too), whatever its weight's dtype
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_kernel: bool = False, packed: bool = False

@@ -59,6 +59,7 @@ class LoRALinear(nn.Module):
             if weight is not None and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
             else torch.float32
         )
+        dtype = getattr(base, "activation_dtype", dtype)  # a layer whose stored weights are not its arithmetic's
         device = weight.device if weight is not None else torch.device("cpu")
         in_features = cast(int, base.in_features)  # every linear we wrap has it (float, packed, quantized)
         self.register_buffer(

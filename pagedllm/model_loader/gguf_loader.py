@@ -431,10 +431,12 @@ def all_in_panels(path: str) -> bool:
     quantized = False
     for name, dims in header.tensor_shapes.items():
         qtype = _ggml_type(header, name, path)
+        if name in _SKIPPED_TENSORS:
+            continue
         if bf16_dot and qtype.name == "BF16" and len(dims) == 2:
             quantized = True  # bfloat16 dot products (HalfLinear), one kernel at every row count
             continue
-        if qtype.name in _PLAIN_TYPES or name in _SKIPPED_TENSORS:
+        if qtype.name in _PLAIN_TYPES:
             continue
         if len(dims) != 2 or not fits_panels(int(qtype), dims[1], dims[0]):  # dims: (columns, rows)
             return False
