@@ -415,11 +415,13 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
     stored; ``activation_bits`` where its kernel takes them, float32 activations for a scale per 16, Q6_K's);
     the embedding reads its rows from its own block (or from the tied head's)."""
 
-    def stored(block: Block, bias: torch.Tensor | None) -> nn.Module:
+    def stored(block: Block, bias: torch.Tensor | None, lookup_only: bool = False) -> nn.Module:
         if block[0] in HALF_GGUF_TYPES:
             from pagedllm.layers.gguf_linear import HalfLinear
 
-            return HalfLinear(block[1][0], bias, one_kernel=activation_bits is not None, packed=block[0] == "BF16P")
+            packed = block[0] == "BF16P"  # (an embedding's own table only looked up: left as the file stores it)
+            one_kernel = activation_bits is not None and (packed or not lookup_only)
+            return HalfLinear(block[1][0], bias, one_kernel=one_kernel, packed=packed)
         if block[0].startswith("gguf:"):
             from pagedllm.layers.gguf_linear import stacked_gguf
 
@@ -446,7 +448,7 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
     if getattr(model, "tie_word_embeddings", False) and taken_head(model.lm_head):
         model.embed_tokens = QuantizedEmbedding(model.lm_head)  # one table for both
     elif _takes_block(own, embedding.weight):
-        table = stored(own, None)
+        table = stored(own, None, lookup_only=True)
         if taken_head(table):
             model.embed_tokens = QuantizedEmbedding(table)
 

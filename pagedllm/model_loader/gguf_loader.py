@@ -597,7 +597,9 @@ def iter_gguf_blocks(
                 raw = torch.from_numpy(np.ascontiguousarray(rows))  # the mapping's own bytes when they are in order
             if half:  # F16 comes as float16 already, BF16 as its bytes
                 raw = raw.view(torch.float16 if qtype.name == "F16" else torch.bfloat16)
-                k = _group_kernels() if bf16_panels and qtype.name == "BF16" else None
+                # not the embedding: a table of its own is only looked up (its rows stay in the file's mapping, read
+                # as asked), and a tied head packs it as it is built
+                k = _group_kernels() if bf16_panels and qtype.name == "BF16" and "embed_tokens" not in name else None
                 panels = None if k is None else k.pack_bf16(raw)
                 if panels is not None:
                     yield name, ("BF16P", (panels,))
