@@ -122,6 +122,11 @@ class Worker:
         self.model = load_model(
             self.source, self.hf_config, self.dtype, self.device, mc.quantization, stages=self.stages, parallel=self.ps
         )
+        if self.device.type == "cpu":
+            # a step's large activations are not mapped and faulted in anew each time; set once the weights are
+            # in, so that what loading frees (a tensor's copies before its layout) goes back at once, not to a heap
+            # that keeps up to 1 GiB of it (the 1.5B BF16: 0.4 GiB of peak RSS)
+            keep_activations_in_heap()
         if self.encoder:
             return 0, self.stages  # no KV cache: attention sees only the sequence itself
         lm = self._lm
@@ -131,11 +136,6 @@ class Worker:
             with timed_stage(self.stages, "draft_model"):
                 self.draft = self._load_draft_model(spec, lm)
             self._fuse_decode(self.draft)  # a draft model's one-token passes are decode steps too
-        if self.device.type == "cpu":
-            # a step's large activations are not mapped and faulted in anew each time; set after the weights are
-            # in, so that what loading frees (a tensor's copies before its layout) goes back at once, not to a heap
-            # that keeps up to 1 GiB of it (the 1.5B BF16: 0.5 GiB of peak RSS)
-            keep_activations_in_heap()
         with timed_stage(self.stages, "kv_cache"):
             self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
             self.per_block = sum(
