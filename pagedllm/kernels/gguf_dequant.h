@@ -242,7 +242,7 @@ int gguf_matmul_f32(int type, const float *x, const uint8_t *raw, float *y, int6
 typedef __m512 halfvec;
 static inline halfvec half_load(int bf16, const uint16_t *p) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+    return bf16 ? bf16x16_to_f32(h) : _mm512_cvtph_ps(h);
 }
 static inline halfvec half_fma(halfvec a, const float *x, halfvec w) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), a); }
 static inline float half_sum(halfvec a, halfvec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
@@ -252,20 +252,14 @@ static inline float half_sum(halfvec a, halfvec b) { return _mm512_reduce_add_ps
 typedef __m256 halfvec;
 static inline halfvec half_load(int bf16, const uint16_t *p) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+    return bf16 ? bf16x8_to_f32(h) : _mm256_cvtph_ps(h);
 }
 static inline halfvec half_fma(halfvec a, const float *x, halfvec w) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
 static inline float half_sum(halfvec a, halfvec b) { return hsum256(_mm256_add_ps(a, b)); }
 #define HALF_ZERO _mm256_setzero_ps()
 #endif
 
-static inline float half_to_float(int bf16, uint16_t h) {
-    if (!bf16) return f16((const uint8_t *)&h);
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+static inline float half_to_float(int bf16, uint16_t h) { return bf16 ? bf16_to_f32(h) : f16((const uint8_t *)&h); }
 
 /* out[0 .. MC) = rows 0 .. MC of x (K apart) . one weight row; MC and BF16 constants where it is inlined: two
  * chains of vectors a row of x, then the tail of K (K % (2 * HALF)) in order */
@@ -387,18 +381,8 @@ int gguf_matmul_bf16_dot(const float *x, const uint16_t *panels, float *y, int64
     if (N % 16 || K % 2) return -1;
     uint32_t *xp = aligned_alloc(64, (M * K * 2 + 63) / 64 * 64);
     if (!xp) return -2;
-    for (int64_t m = 0; m < M; m++) {  /* x rounded to bfloat16, to nearest even: pairs of elements a dword */
-        const float *src = x + m * K;
-        uint16_t *dst = (uint16_t *)(xp + m * (K / 2));
-        int64_t k = 0;
-        for (; k + 32 <= K; k += 32)
-            _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16),
-                                                                      _mm512_loadu_ps(src + k)));
-        for (; k < K; k++) {
-            const __m128bh h = _mm_cvtneps_pbh(_mm_set_ss(src[k]));
-            memcpy(dst + k, &h, 2);
-        }
-    }
+    for (int64_t m = 0; m < M; m++)  /* x rounded to bfloat16, to nearest even: pairs of elements a dword */
+        round_bf16(x + m * K, K, (uint16_t *)(xp + m * (K / 2)));
     const int64_t groups = (N / 16 + BD_PANELS - 1) / BD_PANELS;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {

@@ -88,18 +88,11 @@ static inline const float *row(const void *base, int64_t off, int kv_dtype, cons
         const uint16_t *p = (const uint16_t *)base + off;
         int64_t d = 0;
 #if defined(__AVX512F__)
-        for (; d + 16 <= D; d += 16)
-            _mm512_storeu_si512(buf + d, _mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + d))), 16));
+        for (; d + 16 <= D; d += 16) _mm512_storeu_ps(buf + d, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(p + d))));
 #elif defined(PAGEDLLM_AVX2)
-        for (; d + 8 <= D; d += 8)
-            _mm256_storeu_si256((__m256i *)(buf + d), _mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + d))), 16));
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(p + d))));
 #endif
-        for (; d < D; d++) {
-            uint32_t u = (uint32_t)p[d] << 16;
-            memcpy(buf + d, &u, 4);
-        }
+        for (; d < D; d++) buf[d] = bf16_to_f32(p[d]);
     } else {
         const uint8_t *p = (const uint8_t *)base + off;
         for (int64_t d = 0; d < D; d++) buf[d] = lut[p[d]];
@@ -480,12 +473,6 @@ static inline void tile_scores_q8(int mr, const int8_t *qi, const float *qscale,
 #define BF16_PAIRS 1
 
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
-
-/* qb [D] = q [D] rounded to bfloat16, nearest even */
-static inline void round_bf16(const float *q, int64_t D, uint16_t *qb) {
-    for (int64_t d = 0; d < D; d += 32)
-        _mm512_storeu_si512(qb + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + d + 16), _mm512_loadu_ps(q + d)));
-}
 
 /* kt2 [D / 2][16] = the bfloat16 rows krows[0 .. nk) in place, dimensions d, d + 1 of key j in dword j (zeros past
  * nk) */

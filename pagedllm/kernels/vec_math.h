@@ -1,6 +1,16 @@
 /* Vector math shared by the kernels. */
 #ifndef PAGEDLLM_VEC_MATH_H
 #define PAGEDLLM_VEC_MATH_H
+#include <stdint.h>
+#include <string.h>
+
+/* a bfloat16 is a float32's upper half: widened exactly */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
@@ -29,11 +39,34 @@
         return _mm##W##_mul_ps(p, _mm##W##_castsi##W##_ps(e));                                              \
     }
 DEFINE_EXP(exp8, 256, _mm256_round_ps)
+
+/* 8 bfloat16 widened to float32 */
+static inline __m256 bf16x8_to_f32(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 #endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 DEFINE_EXP(exp16, 512, _mm512_roundscale_ps)
+
+/* 16 bfloat16 widened to float32 */
+static inline __m512 bf16x16_to_f32(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+#if defined(__AVX512BF16__)
+/* out [n] = x [n] rounded to bfloat16, to nearest even (AVX512_BF16's conversion) */
+static inline void round_bf16(const float *x, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+    for (; i < n; i++) {
+        const __m128bh h = _mm_cvtneps_pbh(_mm_set_ss(x[i]));
+        memcpy(out + i, &h, 2);
+    }
+}
+#endif
 
 /* r[i] holds 16 int32 of row i; after, r[j] holds element j of every row (lane i: row i's) */
 static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
