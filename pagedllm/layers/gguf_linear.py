@@ -162,18 +162,17 @@ class HalfLinear(nn.Module):
         x = x.contiguous()
         if self.bf16_dot:
             y = self._kernels.matmul_bf16_dot(x, self.weight)
-            return y if self.bias is None else y.add_(self.bias)
-        if self.one_kernel or x.shape[0] <= SMALL_BATCH:
+        elif self.one_kernel or x.shape[0] <= SMALL_BATCH:
             y = self._kernels.matmul_half(x, self.weight)
-            return y if self.bias is None else y.add_(self.bias)
-        gemm = onednn_linear if onednn_available() else F.linear
-        n, k = self.weight.shape
-        rows = max(1, min(n, _WIDEN_ELEMS // k))
-        if rows == n:
-            return gemm(x, self._widened(0, n), self.bias)
-        y = x.new_empty(x.shape[0], n)
-        for first in range(0, n, rows):
-            y[:, first : first + rows] = gemm(x, self._widened(first, rows), None)
+        else:
+            gemm = onednn_linear if onednn_available() else F.linear
+            n, k = self.weight.shape
+            rows = max(1, min(n, _WIDEN_ELEMS // k))
+            if rows == n:
+                return gemm(x, self._widened(0, n), self.bias)
+            y = x.new_empty(x.shape[0], n)
+            for first in range(0, n, rows):
+                y[:, first : first + rows] = gemm(x, self._widened(first, rows), None)
         return y if self.bias is None else y.add_(self.bias)
 
     def _widened(self, first: int, rows: int) -> torch.Tensor:
