@@ -149,12 +149,12 @@ def test_tp2_ranks_hold_half_of_each_layer(qwen2_dir: Path) -> None:
     assert len({i["pid"] for i in infos} | {os.getpid()}) == 5  # four worker processes
 
 
-@pytest.mark.parametrize("quantization", ["none", None, "int4", "gguf"])
-def test_tp3_smollm2_matches_single_process(quantization: str | None) -> None:
+@pytest.mark.parametrize("quantization", ["none", "gguf-exact", "int4", "gguf"])
+def test_tp3_smollm2_matches_single_process(quantization: str) -> None:
     """SmolLM2-135M: 9 heads and 3 KV heads over 3 ranks (one KV head each), from the embedded GGUF: float32
-    (none) or as stored (the default gguf-exact, int4, gguf), where each rank cuts the file's Q4_1 blocks (rows,
-    or whole groups of 32 columns). With float32 activations the ranks give the single process's tokens and
-    logprobs to 1e-4."""
+    (none) or as stored (gguf-exact, the default under TP; int4; gguf, the default in one process), where each
+    rank cuts the file's Q4_1 blocks (rows, or whole groups of 32 columns). With float32 activations the ranks give
+    the single process's tokens and logprobs to 1e-4."""
     kw = dict(max_model_len=96, num_gpu_blocks_override=16, max_num_batched_tokens=24, quantization=quantization)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
     prompts = [SYSTEM + q for q in QUESTIONS[:3]]

@@ -32,28 +32,41 @@ def smollm2_models() -> dict[str, nn.Module]:
     src = resolve_model(None)
     return {
         mode: load_model(src, load_config(src), torch.float32, CPU, quantization=mode)
-        for mode in (None, "gguf-exact", "none")
+        for mode in ("gguf-exact", "none")
     }
 
 
-def test_default_keeps_every_block_as_stored(smollm2_models, monkeypatch):
-    """No quantization asked for (gguf-exact): Q4_1 stays 4-bit, the tied Q8_0 embedding is the 8-bit head and
-    its rows are looked up there; no tensor is widened on the way."""
+@pytest.mark.parametrize("mode", [None, "gguf-exact"])
+def test_default_keeps_every_block_as_stored(mode, monkeypatch):
+    """Both GGUF modes keep every block as stored, no tensor widened on the way. The default (where the CPU has the
+    panels, AVX2 and up: 'gguf') runs SmolLM2's Q4_1 projections in panels of 16 rows and its tied Q8_0 embedding
+    as the Q8_0 head in panels too, its rows looked up there; 'gguf-exact' (the default below AVX2) holds Q4_1 as
+    4-bit groups, the embedding as the 8-bit head, with float32 activations."""
+    from pagedllm import kernels
+    from pagedllm.layers.gguf_linear import GGUFLinear
     from pagedllm.model_loader import gguf_loader
 
     widened = []
     real = gguf_loader._widen
     monkeypatch.setattr(gguf_loader, "_widen", lambda *a: widened.append(1) or real(*a))
     src = resolve_model(None)
-    model = load_model(src, load_config(src), torch.float32, CPU)
+    model = load_model(src, load_config(src), torch.float32, CPU, **({"quantization": mode} if mode else {}))
     assert widened == []
     header = read_gguf_header(default_model_path())
     assert {header.tensor_types[f"blk.0.{t}.weight"] for t in ("attn_q", "ffn_up", "ffn_down")} == {3}  # Q4_1
     assert header.tensor_types["token_embd.weight"] == 8  # Q8_0
+    panels = mode is None and kernels.load().gguf.has_panels
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert type(lin) is Int4Linear and lin.activation_bits is None  # float32 activations: exact
-    assert type(model.lm_head) is Int8Linear and isinstance(model.embed_tokens, QuantizedEmbedding)
+            if panels:  # Q4_1 in panels (a fused projection: each shard's), int8 activations
+                assert all(p.qtype == 103 for p in getattr(lin, "parts", [lin])), lin
+            else:
+                assert type(lin) is Int4Linear and lin.activation_bits is None  # float32 activations: exact
+    if panels:
+        assert type(model.lm_head) is GGUFLinear and model.lm_head.qtype == 108  # Q8_0 in panels
+    else:
+        assert type(model.lm_head) is Int8Linear
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
     assert model.embed_tokens.table[0] is model.lm_head  # one table, not two
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
 
@@ -73,18 +86,18 @@ def test_exact_mode_is_the_float32_function_of_the_same_weights(smollm2_models):
         torch.testing.assert_close(a(x), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_gguf_mode_follows_the_exact_default_closely():
+def test_gguf_mode_follows_the_exact_mode_closely():
     """ "gguf" rounds activations to 8 bits (llama.cpp's arithmetic): not float32's function, but near it:
     where the greedy tokens part, each side's token is in the other's top 5, and logprobs stay close before."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "import numpy as np\n"]
     sp = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
     outs = {}
-    for mode in (None, "gguf"):
-        llm = LLM(max_model_len=256, max_num_seqs=4, **({"quantization": mode} if mode else {}))
+    for mode in ("gguf-exact", "gguf"):
+        llm = LLM(max_model_len=256, max_num_seqs=4, quantization=mode)
         outs[mode] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
         del llm
     check_greedy_close(
-        outs[None], outs["gguf"], topk=5, logprob_atol=0.25, min_exact_fraction=0.25, names=("exact", "gguf")
+        outs["gguf-exact"], outs["gguf"], topk=5, logprob_atol=0.25, min_exact_fraction=0.25, names=("exact", "gguf")
     )
 
 
@@ -184,10 +197,11 @@ def _write_gguf(path: Path, tensors: dict[str, tuple]) -> Path:
 
 
 def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs_in_panels(tmp_path, monkeypatch):
-    """A file whose quantized tensors are all Q4_K / Q6_K / Q8_0 / Q5_0 in whole panels of 16 rows (a Q4_K_M
-    file) runs 'gguf' by default where the CPU has the panel kernels, in one process: one kernel at every batch
-    size. Anything else (a Q4_1 tensor, rows not in whole panels, another CPU, several ranks) keeps 'gguf-exact';
-    what was asked is kept."""
+    """A file whose quantized tensors are all of types with panels (Q4_K / Q6_K / Q8_0 / Q5_0 in a Q4_K_M file; Q4_1
+    and Q5_1 since 2026-11-29, so the embedded SmolLM2 too) in whole panels of 16 rows runs 'gguf' by default where
+    the CPU has the panel kernels, in one process: one kernel at every batch size. Anything else (rows not in whole
+    panels, rows of an odd number of 32-blocks, another CPU, several ranks) keeps 'gguf-exact'; what was asked is
+    kept."""
     from pagedllm import kernels
     from pagedllm.model_loader.gguf_loader import all_in_panels, iter_gguf_blocks
     from pagedllm.worker.loader import resolve_quantization
@@ -197,6 +211,9 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         "q4_k_m": _write_gguf(tmp_path / "a.gguf", k4m),
         "with_q8_0": _write_gguf(tmp_path / "b.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q8_0", 32)}),
         "with_q4_1": _write_gguf(tmp_path / "d.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q4_1", 32)}),
+        "with_q5_1": _write_gguf(tmp_path / "n.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q5_1", 32)}),
+        "ragged_q4_1": _write_gguf(tmp_path / "o.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q4_1", 40)}),
+        "odd_q5_1": _write_gguf(tmp_path / "p.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q5_1", 32, 96)}),
         "ragged": _write_gguf(tmp_path / "c.gguf", {**k4m, "blk.0.attn_k.weight": ("Q4_K", 40)}),
         "odd_blocks": _write_gguf(tmp_path / "e.gguf", {**k4m, "blk.0.ffn_down.weight": ("Q5_0", 32, 96)}),
         "q5_k_m": _write_gguf(tmp_path / "g.gguf", {**k4m, "blk.0.attn_q.weight": ("Q5_K", 32)}),
@@ -212,7 +229,9 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
     assert all_in_panels(str(files["q5_k_m"])) == all_in_panels(str(files["q4_0"])) == panels
     assert all_in_panels(str(files["iq4_nl"])) == all_in_panels(str(files["iq4_xs"])) == panels
     assert all_in_panels(str(files["q3_k_m"])) == all_in_panels(str(files["q2_k"])) == panels
-    assert not any(all_in_panels(str(files[name])) for name in ("with_q4_1", "ragged", "odd_blocks", "ragged_q5_k"))
+    assert all_in_panels(str(files["with_q4_1"])) == all_in_panels(str(files["with_q5_1"])) == panels
+    not_in_panels = ("ragged", "odd_blocks", "ragged_q5_k", "ragged_q4_1", "odd_q5_1")
+    assert not any(all_in_panels(str(files[name])) for name in not_in_panels)
     # under an explicit 'gguf', Q8_0 / Q5_0 come as stored only where they fit panels (else as int8 groups)
     names = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.0.attn_k.weight")
     # in panels; rows not in whole panels; 3 blocks a row; Q5_K rows not in whole panels
@@ -233,18 +252,23 @@ def test_the_default_for_a_gguf_is_int8_activations_only_where_every_tensor_runs
         == default("iq4_xs")
         == default("q3_k_m")
         == default("q2_k")
+        == default("with_q4_1")
+        == default("with_q5_1")
     )
     assert default("q4_k_m") == ("gguf" if panels else "gguf-exact")
-    assert default("q4_k_m", single=False) == default("with_q4_1") == default("ragged") == "gguf-exact"
+    assert default("q4_k_m", single=False) == default("ragged_q4_1") == default("ragged") == "gguf-exact"
+    assert default("odd_q5_1") == "gguf-exact"
     assert resolve_quantization("gguf-exact", resolve_model(str(files["q4_k_m"])), None, CPU) == "gguf-exact"
-    assert resolve_quantization(None, resolve_model(None), None, CPU) == "gguf-exact"  # SmolLM2's Q4_1
+    smollm2 = resolve_quantization(None, resolve_model(None), None, CPU)  # its Q4_1 and Q8_0 tensors
+    assert smollm2 == ("gguf" if panels else "gguf-exact")
     monkeypatch.setattr(kernels.load().gguf, "has_panels", False)  # a CPU below AVX2
     assert default("q4_k_m") == "gguf-exact"
 
 
 def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """rows x cols weights in valid random blocks of ``kind`` (Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / Q3_K /
-    IQ4_NL / IQ4_XS / Q2_K) with small float16 scales, [rows, bytes] (every bit pattern is a valid block)."""
+    """rows x cols weights in valid random blocks of ``kind`` (Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q5_1
+    / Q3_K / IQ4_NL / IQ4_XS / Q2_K) with small float16 scales, [rows, bytes] (every bit pattern is a valid block;
+    Q4_1 / Q5_1: a min of about minus half the range, so that the weights' mean is near 0)."""
     import gguf
 
     elems, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
@@ -252,25 +276,27 @@ def _random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -
     for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}.get(kind, (0,)):
         scale = rng.uniform(2e-5, 2e-4, (rows, cols // elems, 1)).astype(np.float16)
         if elems == 32:  # weights of the K-quants' size (theirs: d times a 6-bit sub-block scale times q)
-            scale *= {"Q5_0": 32, "Q4_0": 64, "IQ4_NL": 1}.get(kind, 4)
+            scale *= {"Q5_0": 32, "Q5_1": 32, "Q4_0": 64, "Q4_1": 64, "IQ4_NL": 1}.get(kind, 4)
         if kind == "IQ4_XS":  # d times a 6-bit scale (minus 32) times a value of up to 127
             scale /= 8
         raw[..., off : off + 2] = scale.view(np.uint8)
+        if kind in ("Q4_1", "Q5_1"):  # m after d
+            half_range = {"Q4_1": 8, "Q5_1": 16}[kind] * rng.uniform(0.7, 1.3, scale.shape)
+            raw[..., 2:4] = (-scale.astype(np.float32) * half_range).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     """A 2-layer Qwen2 GGUF whose every quantized tensor is Q4_K or Q6_K (v, ffn_down and the tied embedding
     Q6_K) in layer 0, Q5_0 and Q8_0 (v) in layer 1 beside a Q5_K ffn_up (a Q5_K_M file's type), a Q4_0
-    attn_output, an IQ4_NL attn_k, an IQ4_XS ffn_gate and a Q6_K ffn_down, as Q4_K_M files have them (and a Q3_K
-    attn_output and a Q2_K ffn_up in layer 0) (Qwen2.5's
-    0.5B falls back to those where its rows of 896 are no whole super-blocks), random blocks; no tokenizer (the
-    engine is given SmolLM2's)."""
+    attn_output, an IQ4_NL attn_k, an IQ4_XS ffn_gate and a Q6_K ffn_down, as Q4_K_M files have them (Qwen2.5's
+    0.5B falls back to those where its rows of 896 are no whole super-blocks), and in layer 0 a Q3_K attn_output, a
+    Q2_K ffn_up, a Q4_1 attn_k and a Q5_1 ffn_gate; random blocks; no tokenizer (the engine is given SmolLM2's)."""
 
     def kind(layer: int, name: str) -> str:
         q4, q6 = ("Q4_K", "Q6_K") if layer == 0 else ("Q5_0", "Q8_0")
-        if layer == 0 and name in ("attn_output", "ffn_up"):
-            return "Q3_K" if name == "attn_output" else "Q2_K"
+        if layer == 0 and name in ("attn_output", "ffn_up", "attn_k", "ffn_gate"):
+            return {"attn_output": "Q3_K", "ffn_up": "Q2_K", "attn_k": "Q4_1", "ffn_gate": "Q5_1"}[name]
         if name == "ffn_down":
             return "Q6_K"
         if layer == 1 and name in ("attn_output", "ffn_up", "attn_k", "ffn_gate"):
@@ -346,12 +372,12 @@ def kernel_level(request):
 def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_the_schedule(
     tmp_path, smollm2_tokenizer_dir, kernel_level
 ):
-    """Where the panel kernels run (AVX2 and AVX-512 VNNI), a file of Q4_K / Q6_K / Q5_0 / Q8_0 tensors runs 'gguf' by
-    default, and a request's logprobs are the same bits however it is scheduled: alone or beside 11 others, its
-    prompt's shared start in the prefix cache or not, prefilled whole or in chunks of 24, its tokens drafted by
-    n-gram lookup and verified, or computed again after a preemption. At every level the machine runs (the
-    linears' bits are the same at each, test_gguf_kernels; attention and the norms sum in another order on
-    AVX-512 than on AVX2)."""
+    """Where the panel kernels run (AVX2 and AVX-512 VNNI), a file of Q4_K / Q6_K / Q5_0 / Q8_0 tensors (and every other
+    type with panels) runs 'gguf' by default, and a request's logprobs are the same bits however it is scheduled: alone
+    or beside 11 others, its prompt's shared start in the prefix cache or not, prefilled whole or in chunks of 24, its
+    tokens drafted by n-gram lookup and verified, or computed again after a preemption. At every level the machine runs
+    (the linears' bits are the same at each, test_gguf_kernels; attention and the norms sum in another order on AVX-512
+    than on AVX2)."""
     from pagedllm import kernels
     from pagedllm.layers.gguf_linear import GGUFLinear
 
@@ -370,7 +396,8 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
         assert [p.qtype for p in model.layers[1].mlp.gate_up_proj.parts] == [123, 113]  # IQ4_XS, Q5_K in panels
         assert model.layers[1].self_attn.o_proj.qtype == 102  # Q4_0 in panels
         assert model.layers[0].self_attn.o_proj.qtype == 111  # Q3_K in panels
-        assert [p.qtype for p in model.layers[0].mlp.gate_up_proj.parts] == [112, 110]  # Q4_K, Q2_K in panels
+        assert [p.qtype for p in model.layers[0].self_attn.qkv_proj.parts] == [112, 103, 114]  # Q4_K, Q4_1, Q6_K
+        assert [p.qtype for p in model.layers[0].mlp.gate_up_proj.parts] == [107, 110]  # Q5_1, Q2_K in panels
         if kw.get("enable_prefix_caching"):
             llm.generate([{"prompt_token_ids": shared + [7]}], sp, use_tqdm=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)

@@ -24,7 +24,9 @@ from pagedllm.kernels.build import library_flags  # noqa: E402
 from pagedllm.kernels.ops import GGUFBlocks  # noqa: E402
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]  # read as the file stores them and in panels
-PANEL_TYPES = [*TYPES, T.Q5_K, T.Q4_0, T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K]  # in panels (all but TYPES only there)
+# in panels (all but TYPES only there)
+PANEL_TYPES = [*TYPES, T.Q5_K, T.Q4_0, T.Q4_1, T.Q5_1, T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K]
+PAIRED_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.IQ4_NL)  # panels of pairs of 32-blocks
 SRC = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "kernels", "gguf_blocks.c")
 LEVELS = isa.machine_levels()  # every instruction-set level this machine runs (pagedllm.kernels.isa)
 
@@ -45,11 +47,15 @@ def blocks(request, tmp_path_factory) -> GGUFBlocks:
 
 
 def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """n rows of k weights in ``qtype``'s blocks, [n, bytes a row] uint8. gguf quantizes Q8_0 / Q5_0 / Q4_0; Q4_K /
-    Q6_K / IQ4_NL are random bytes (every bit pattern is a valid block) with float16 scales of a realistic size."""
+    """n rows of k weights in ``qtype``'s blocks, [n, bytes a row] uint8. gguf quantizes Q8_0 / Q5_0 / Q4_0 / Q4_1 /
+    Q5_1 (those two from rows of mostly one sign, so that a block's min is large beside d); the others are random
+    bytes (every bit pattern is a valid block) with float16 scales of a realistic size."""
     rng = np.random.default_rng(seed)
     if qtype in (T.Q8_0, T.Q5_0, T.Q4_0):
         return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
+    if qtype in (T.Q4_1, T.Q5_1):
+        w = rng.standard_normal((n, k), dtype=np.float32) * 0.05 + rng.uniform(-0.2, 0.2, (n, 1)).astype(np.float32)
+        return gguf.quants.quantize(w, qtype)
     if qtype in (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K):  # random bytes, float16 scales of a realistic size
         elems, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
@@ -168,7 +174,7 @@ def test_each_int8_path_gives_a_row_the_same_bits_whatever_shares_its_call(gemm_
 
 @pytest.mark.parametrize(
     "qtype, k",
-    [*((t, 1280) for t in PANEL_TYPES), *((t, 896) for t in (T.Q8_0, T.Q5_0, T.Q4_0, T.IQ4_NL))],  # 896: no 256s
+    [*((t, 1280) for t in PANEL_TYPES), *((t, 896) for t in PAIRED_TYPES)],  # 896: no 256s
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, qtype, k):
@@ -176,9 +182,9 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     kernel at every row count: a row's bits are the same alone (a decode step), beside a few others (a
     speculative verification, a small batch) or in a prefill chunk; they are the same at every level that has
     the panels (AVX2's two halves of 8 lanes compute AVX-512's 16), and on AVX-512 VNNI the file layout's GEMM's;
-    its rows and its dequantized values come back as the file's. Q5_K and Q4_0 are read in panels only (as the file
-    stores them, only dequantized: a row looked up). Below AVX2, for rows not in whole panels, and
-    for Q8_0 / Q5_0 rows of an odd number of blocks (their panels hold blocks in pairs), nothing repacks."""
+    its rows and its dequantized values come back as the file's. The types not in TYPES are read in panels only (as
+    the file stores them, only dequantized: a row looked up). Below AVX2, for rows not in whole panels, and for rows
+    of an odd number of 32-blocks (their panels hold blocks in pairs), nothing repacks."""
     from pagedllm import kernels
 
     blocks = gemm_from(0)  # AVX-512 VNNI: the file's layout through the GEMM at every row count
@@ -214,7 +220,7 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
     if qtype not in TYPES:  # the file's layout: looked up (dequantized), never multiplied
         with pytest.raises(ValueError, match=f"does not read ggml type {int(qtype)}"):
             blocks.matmul_a8(int(qtype), x[:1], raw)
-    if qtype in (T.Q8_0, T.Q5_0, T.Q4_0, T.IQ4_NL):
+    if qtype in PAIRED_TYPES:
         odd = torch.from_numpy(random_blocks(qtype, n, k - 32))
         assert blocks.pack(int(qtype), odd)[1] is odd
         with pytest.raises(ValueError, match="raw must be"):  # a panel's blocks come in pairs

@@ -93,10 +93,10 @@ int gguf_matmul_q8(int type, const int8_t *qx, const float *dx, const int16_t *b
     return matmul_q8(type, qx, dx, bsums, raw, y, N, M, N, K);
 }
 
-/* W [N, K] of type Q2_K to Q6_K, Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS (the file's rows, raw) repacked into out (as
- * many bytes) for the kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply: another
- * type, N not a multiple of 16, K not a multiple of 256 (Q8_0 / Q5_0 / Q4_0 / IQ4_NL: 64), or a build without the
- * panels (below AVX2) */
+/* W [N, K] of type Q2_K to Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, IQ4_NL or IQ4_XS (the file's rows, raw) repacked into
+ * out (as many bytes) for the kernels above; the repacked type's id (PANEL + type), or -1 where it does not apply:
+ * another type, N not a multiple of 16, K not a multiple of 256 (the types of 32-blocks: 64), or a build without
+ * the panels (below AVX2) */
 int gguf_pack_panels(int type, const uint8_t *raw, uint8_t *out, int64_t N, int64_t K) {
 #ifdef GB_PANELS
     const int q32 = paired(type);

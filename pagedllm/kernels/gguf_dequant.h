@@ -135,6 +135,16 @@ static void dequant_chunk(int type, const uint8_t *row, int64_t c, int64_t n_ele
                     o[j] = d * (float)IQ4_NL_VALUES[b[2 + j] & 15];
                     o[j + 16] = d * (float)IQ4_NL_VALUES[b[2 + j] >> 4];
                 }
+            } else if (type == Q4_1 || type == Q5_1) {  /* gguf's (d * q) + m, not fused */
+                const uint8_t *b = row + g * block_bytes_any(type);
+                const float d = f16(b), m = f16(b + 2);
+                uint32_t qh = 0;
+                if (type == Q5_1) memcpy(&qh, b + 4, 4);
+                const uint8_t *qs = b + (type == Q5_1 ? 8 : 4);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = rounded(d * (float)((qs[j] & 15) | (((qh >> j) & 1) << 4))) + m;
+                    o[j + 16] = rounded(d * (float)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4))) + m;
+                }
             } else {  /* Q5_0 */
                 const uint8_t *b = row + g * 22;
                 const float d = f16(b);

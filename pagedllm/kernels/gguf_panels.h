@@ -4,25 +4,27 @@
  *   - the K-quants and IQ4_XS (super-blocks of 256): super-block sb of a panel is its rows' blocks sb, word w (4
  *     bytes) of the 16 rows' blocks as one 64-byte vector (lane c: row c), w = 0 .. bytes / 4 - 1, and the bytes
  *     past the last whole word as 16 runs (repack_panel, in gguf_panels_avx512.h and gguf_panels_avx2.h);
- *   - the types of 32-blocks (Q8_0, Q5_0, Q4_0, IQ4_NL) in pairs of blocks, below (repack_panel_q32).
+ *   - the types of 32-blocks (Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, IQ4_NL) in pairs of blocks, below (repack_panel_q32).
  * Here too: a panel's row unpacked to the file's bytes (an embedding's lookup, the float path), and the sums of the
  * rounded x that the panel kernels take off their integer dots (group_sums). */
 
-/* Q8_0, Q5_0 and Q4_0 in panels (K a multiple of 64) hold their blocks in pairs: pair P (blocks 2P, 2P + 1) of a
- * panel's 16 rows is 11 vectors of 64 bytes (Q8_0: 17; Q4_0: 9), lane c (4 bytes) row c's; for block 2P + h:
+/* Q8_0, Q5_0, Q4_0, Q4_1 and Q5_1 in panels (K a multiple of 64) hold their blocks in pairs: pair P (blocks 2P,
+ * 2P + 1) of a panel's 16 rows is as many vectors of 64 bytes as a block has bytes / 2 (Q8_0: 17, Q5_1: 12, Q5_0:
+ * 11, Q4_1: 10, Q4_0: 9), lane c (4 bytes) row c's; for block 2P + h:
  *   vector 0                  both blocks' d, 16 f16 each (block 2P + h's at bytes 32h + 2c);
+ *   Q4_1, Q5_1: vector 1      both blocks' m, as d;
  *   Q8_0, vectors 1 + 8h + j  word j (j < 8) of q ^ 0x80: elements 4j .. 4j + 3, unsigned q + 128;
- *   Q5_0, vector 1 + h        the fifth bits as 8 masks of 64 bits (mask j, bit 4c + i: that of row c's
- *                             element 4j + i, i < 4);
- *         vectors 3 + 4h + w  nibble word w (w < 4) as the file has it: elements 4w .. 4w + 3 in the low
- *                             nibbles, 16 + 4w .. in the high ones;
- *   Q4_0, vectors 1 + 4h + w  nibble word w as Q5_0's, without fifth bits (IQ4_NL: the same, its nibbles indices).
- * So element 4j + i of a block is byte i of word j's lane (Q5_0: of word j % 4's low (j < 4) or high nibbles,
- * plus 16 where its mask j's bit is set). The file's bytes, transposed and their bits permuted: a panel holds
- * its rows' bytes, no more (pairs, not single blocks, so that each vector starts on a line of 64 bytes). */
+ *   Q5_0 / Q5_1, vector f + h the fifth bits as 8 masks of 64 bits (mask j, bit 4c + i: that of row c's
+ *                             element 4j + i, i < 4), f = fifth_vec (1; Q5_1: 2);
+ *   the nibbles, vectors n + 4h + w   nibble word w (w < 4) as the file has it: elements 4w .. 4w + 3 in the low
+ *                             nibbles, 16 + 4w .. in the high ones, n = nibble_vec (Q4_0 and IQ4_NL, whose
+ *                             nibbles are indices: 1; Q4_1: 2; Q5_0: 3; Q5_1: 4).
+ * So element 4j + i of a block is byte i of word j's lane (Q5_0 / Q5_1: of word j % 4's low (j < 4) or high
+ * nibbles, plus 16 where its mask j's bit is set). The file's bytes, transposed and their bits permuted: a panel
+ * holds its rows' bytes, no more (pairs, not single blocks, so that each vector starts on a line of 64 bytes). */
 #ifdef GB_PANELS
 static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *dst) {
-    const int bytes = block_bytes_any(type);
+    const int bytes = block_bytes_any(type), head = has_min(type) ? 4 : 2, fifth = type == Q5_0 || type == Q5_1;
     for (int64_t g = 0; g < nb; g++) {
         uint8_t *pair = dst + (g / 2) * 32 * bytes;
         const int h = (int)(g & 1);
@@ -30,49 +32,52 @@ static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, i
         for (int c = 0; c < 16; c++) {
             const uint8_t *b = rows + c * row_bytes + g * bytes;
             memcpy(pair + 32 * h + 2 * c, b, 2);
+            if (has_min(type)) memcpy(pair + 64 + 32 * h + 2 * c, b + 2, 2);
             if (type == Q8_0) {
                 for (int j = 0; j < 8; j++) {
                     const uint32_t w = load32(b + 2 + 4 * j) ^ 0x80808080u;
                     memcpy(pair + (1 + 8 * h + j) * 64 + 4 * c, &w, 4);
                 }
-            } else if (type == Q4_0 || type == IQ4_NL) {
-                for (int w = 0; w < 4; w++) memcpy(pair + (1 + 4 * h + w) * 64 + 4 * c, b + 2 + 4 * w, 4);
-            } else {
-                const uint32_t qh = load32(b + 2);
-                for (int j = 0; j < 8; j++) mask[j] |= (uint64_t)((qh >> 4 * j) & 0xF) << 4 * c;
-                for (int w = 0; w < 4; w++) memcpy(pair + (3 + 4 * h + w) * 64 + 4 * c, b + 6 + 4 * w, 4);
+                continue;
             }
+            if (fifth) {
+                const uint32_t qh = load32(b + head);
+                for (int j = 0; j < 8; j++) mask[j] |= (uint64_t)((qh >> 4 * j) & 0xF) << 4 * c;
+            }
+            const uint8_t *nib = b + head + 4 * fifth;
+            for (int w = 0; w < 4; w++) memcpy(pair + (nibble_vec(type) + 4 * h + w) * 64 + 4 * c, nib + 4 * w, 4);
         }
-        if (type == Q5_0) memcpy(pair + (1 + h) * 64, mask, 64);
+        if (fifth) memcpy(pair + (fifth_vec(type) + h) * 64, mask, 64);
     }
 }
 #endif
 
-/* row c of a Q8_0 / Q5_0 / Q4_0 panel (nb blocks) as the file stores it, into out */
+/* row c of a paired type's panel (nb blocks) as the file stores it, into out */
 static void unpack_row_q32(int type, const uint8_t *panel, int c, int64_t nb, uint8_t *out) {
-    const int bytes = block_bytes_any(type);
+    const int bytes = block_bytes_any(type), head = has_min(type) ? 4 : 2, fifth = type == Q5_0 || type == Q5_1;
     for (int64_t g = 0; g < nb; g++) {
         const uint8_t *pair = panel + (g / 2) * 32 * bytes;
         const int h = (int)(g & 1);
         uint8_t *o = out + g * bytes;
         memcpy(o, pair + 32 * h + 2 * c, 2);
+        if (has_min(type)) memcpy(o + 2, pair + 64 + 32 * h + 2 * c, 2);
         if (type == Q8_0) {
             for (int j = 0; j < 8; j++) {
                 const uint32_t w = load32(pair + (1 + 8 * h + j) * 64 + 4 * c) ^ 0x80808080u;
                 memcpy(o + 2 + 4 * j, &w, 4);
             }
-        } else if (type == Q4_0 || type == IQ4_NL) {
-            for (int w = 0; w < 4; w++) memcpy(o + 2 + 4 * w, pair + (1 + 4 * h + w) * 64 + 4 * c, 4);
-        } else {
+            continue;
+        }
+        if (fifth) {
             uint32_t qh = 0;
             for (int j = 0; j < 8; j++) {
                 uint64_t m;
-                memcpy(&m, pair + (1 + h) * 64 + 8 * j, 8);
+                memcpy(&m, pair + (fifth_vec(type) + h) * 64 + 8 * j, 8);
                 qh |= (uint32_t)((m >> 4 * c) & 0xF) << 4 * j;
             }
-            memcpy(o + 2, &qh, 4);
-            for (int w = 0; w < 4; w++) memcpy(o + 6 + 4 * w, pair + (3 + 4 * h + w) * 64 + 4 * c, 4);
+            memcpy(o + head, &qh, 4);
         }
+        for (int w = 0; w < 4; w++) memcpy(o + head + 4 * fifth + 4 * w, pair + (nibble_vec(type) + 4 * h + w) * 64 + 4 * c, 4);
     }
 }
 
@@ -108,7 +113,8 @@ static int group_elems(int type) { return type == Q6_K || type == Q3_K || type =
 
 /* The sums of the rounded x the panel kernels take off their integer dots, from the sums per 16 (bsums): xs [M,
  * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 and
- * the i-quants 128, Q5_0 16, Q4_0 8, Q3_K 4; Q4_K and Q2_K none: the plain sums, which their mins multiply), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
+ * the i-quants 128, Q5_0 16, Q4_0 8, Q3_K 4; Q4_K, Q2_K, Q4_1 and Q5_1 none: the plain sums, which their mins
+ * multiply), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
  * (for Q4_K's mins, and AVX2's Q6_K: at most 32 * 127 in magnitude). NULL when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);

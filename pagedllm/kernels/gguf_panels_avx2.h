@@ -392,19 +392,16 @@ static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64
         for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * (hf0 + hh), _mm256_load_ps(accms[hh] + r * 8));
 }
 
-/* word j (0-7) of block h of a Q8_0 / Q5_0 / Q4_0 / IQ4_NL pair, half hf (8 rows), as q32_word reads it (Q8_0: q +
- * 128; IQ4_NL: its values + 128) */
+/* word j (0-7) of block h of a paired type's pair, half hf (8 rows), as q32_word reads it (Q8_0: q + 128; IQ4_NL:
+ * its values + 128) */
 static inline __attribute__((always_inline)) __m256i q32_word8(int type, const uint8_t *pair, int hf, int h, int j) {
     if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(pair + (1 + 8 * h + j) * 64 + 32 * hf));
-    if (type == Q4_0 || type == IQ4_NL) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (1 + 4 * h + (j & 3)) * 64 + 32 * hf));
-        const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-        return type == Q4_0 ? nib : _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(iq4nl_table()), nib);
-    }
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (3 + 4 * h + (j & 3)) * 64 + 32 * hf));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (nibble_vec(type) + 4 * h + (j & 3)) * 64 + 32 * hf));
     const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+    if (type == IQ4_NL) return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(iq4nl_table()), nib);
+    if (type != Q5_0 && type != Q5_1) return nib;
     /* the fifth bits: bit 4c + i of the 32 bits of this half's mask j is byte 4c + i's; 16 where it is set */
-    const __m256i m = _mm256_shuffle_epi8(bcast4(pair + (1 + h) * 64 + 8 * j + 4 * hf),
+    const __m256i m = _mm256_shuffle_epi8(bcast4(pair + (fifth_vec(type) + h) * 64 + 8 * j + 4 * hf),
                                           _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
@@ -412,8 +409,8 @@ static inline __attribute__((always_inline)) __m256i q32_word8(int type, const u
     return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* the same for halves hf0 .. hf0 + nh - 1 of a repacked Q8_0 / Q5_0 / Q4_0 / IQ4_NL panel (type the file's): packed_q32
- * of AVX-512 (nh 2: both halves in one pass, packed_rows) */
+/* the same for halves hf0 .. hf0 + nh - 1 of a repacked panel of a paired type (the file's): packed_q32 of AVX-512
+ * (nh 2: both halves in one pass, packed_rows) */
 static inline __attribute__((always_inline)) void half_q32(int type, int rt, int64_t K, const uint8_t *pb, int hf0, int nh,
                                                            const int8_t *qx, const int32_t *xs, const float *dx, float *y,
                                                            int64_t ldy) {
@@ -440,7 +437,7 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
             for (int e = 0; e < split; e++)
                 for (int r = 0; r < rt; r++) a[e][r] = _mm256_setzero_si256();
 #ifndef __AVXVNNI__
-            if (type == Q5_0 || type == Q4_0) {  /* four words' pairs summed in int16 (at most 4 * 2 * 31 * 127 = 31496) */
+            if (type != Q8_0 && type != IQ4_NL) {  /* four words' pairs summed in int16 (at most 4 * 2 * 31 * 127 = 31496) */
                 for (int w0 = 0; w0 < 8; w0 += 4) {
                     __m256i p[RTA];
                     for (int r = 0; r < rt; r++) p[r] = _mm256_setzero_si256();
@@ -466,10 +463,12 @@ static inline __attribute__((always_inline)) void half_q32(int type, int rt, int
                 }
             }
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 32 * h + 16 * hf)));
+            const __m256 mv = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 64 + 32 * h + 16 * hf))) : dv;
             for (int r = 0; r < rt; r++) {
                 const __m256i s = split == 2 ? _mm256_add_epi32(a[0][r], a[1][r]) : a[0][r];
-                const __m256i t = signs ? s : _mm256_sub_epi32(s, _mm256_set1_epi32(xs[r * nb + g]));
+                const __m256i t = signs || has_min(type) ? s : _mm256_sub_epi32(s, _mm256_set1_epi32(xs[r * nb + g]));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nb + g])), acc[r]);
+                if (has_min(type)) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(dx[r * nb + g] * (float)xs[r * nb + g]), acc[r]);
             }
         }
     }

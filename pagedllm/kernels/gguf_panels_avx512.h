@@ -25,7 +25,7 @@
 /* A panel's numbers besides its bytes, for column c (group g at [g * NP + c], super-block or block b at
  * [b * NP + c]): sc the integer scale of a group (Q4_K's 6 bits, Q6_K's int8; 1 for Q8_0 / Q5_0), mn Q4_K's
  * 6-bit mins of groups 2k and 2k + 1 as the two int16 of word k (for vpdpwssd), d the scale of a super-block
- * (Q8_0 / Q5_0: of a block), dmin Q4_K's. */
+ * (Q8_0 / Q5_0: of a block), dmin Q4_K's (Q4_1 / Q5_1: a block's m). */
 typedef struct {
     uint32_t *u;
     int32_t *sc, *mn;
@@ -197,26 +197,28 @@ static void pack_panel_q6k(const uint8_t *panel, int64_t K, const panel_t *p) {
     }
 }
 
-/* word j (0-7) of block h (0, 1) of a Q8_0 / Q5_0 pair of a repacked panel (repack_panel_q32's layout), as
- * the panel GEMM reads its words: elements 4j .. 4j + 3 of the 16 rows, unsigned (Q8_0: q + 128; Q5_0: q) */
+/* word j (0-7) of block h (0, 1) of a pair of a paired type's repacked panel (repack_panel_q32's layout), as the
+ * panel GEMM reads its words: elements 4j .. 4j + 3 of the 16 rows, unsigned (Q8_0: q + 128; IQ4_NL: its values +
+ * 128; the others q) */
 static inline __attribute__((always_inline)) __m512i q32_word(int type, const uint8_t *pair, int h, int j) {
     if (type == Q8_0) return _mm512_loadu_si512(pair + (1 + 8 * h + j) * 64);
-    if (type == Q4_0 || type == IQ4_NL) {
-        const __m512i v = _mm512_loadu_si512(pair + (1 + 4 * h + (j & 3)) * 64);
-        const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-        return type == Q4_0 ? nib : _mm512_shuffle_epi8(_mm512_broadcast_i32x4(iq4nl_table()), nib);
-    }
-    const __m512i v = _mm512_loadu_si512(pair + (3 + 4 * h + (j & 3)) * 64);
+    const __m512i v = _mm512_loadu_si512(pair + (nibble_vec(type) + 4 * h + (j & 3)) * 64);
     const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-    return _mm512_mask_add_epi8(nib, _load_mask64((__mmask64 *)(pair + (1 + h) * 64 + 8 * j)), nib, _mm512_set1_epi8(0x10));
+    if (type == IQ4_NL) return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(iq4nl_table()), nib);
+    if (type != Q5_0 && type != Q5_1) return nib;
+    const __mmask64 fifth = _load_mask64((__mmask64 *)(pair + (fifth_vec(type) + h) * 64 + 8 * j));
+    return _mm512_mask_add_epi8(nib, fifth, nib, _mm512_set1_epi8(0x10));
 }
 
-/* a whole repacked panel of 16 Q8_0 / Q5_0 rows expanded as pack_column expands each row */
+/* a whole repacked panel of 16 rows of a paired type expanded as pack_column expands each row (Q4_1 / Q5_1: m in
+ * dmin) */
 static void pack_panel_q32(int type, const uint8_t *panel, int64_t K, const panel_t *p) {
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *pair = panel + (g / 2) * 32 * block_bytes_any(type);
         const int h = (int)(g & 1);
         _mm512_store_ps(p->d + g * NP, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pair + 32 * h))));
+        if (has_min(type))
+            _mm512_store_ps(p->dmin + g * NP, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pair + 64 + 32 * h))));
         for (int j = 0; j < 8; j++) _mm512_store_si512(p->u + (g * 8 + j) * NP, q32_word(type, pair, h, j));
     }
 }
@@ -290,14 +292,18 @@ static inline __attribute__((always_inline)) void panel_rows(int type, int np, i
                 }
             }
         }
-    } else {  /* Q8_0 (weights stored + 128) and Q5_0 (q 0..31): the offset times sum(q_x) comes off */
+    } else {  /* Q8_0 (weights stored + 128), Q5_0 (q 0..31), Q4_0: the offset times sum(q_x) comes off; Q4_1 (its
+               * arithmetic Q5_1's too): a second multiply-add, m times the block's sum of x (dx sum(q_x)) */
         for (int64_t g = 0; g < ng; g++) {
             group_dots(np, rt, 32, K, p, g, qx, a);
             for (int q = 0; q < np; q++) {
                 const __m512 dv = _mm512_load_ps(p[q].d + g * NP);
                 for (int r = 0; r < rt; r++) {
-                    const __m512i t = _mm512_sub_epi32(a[q][r], _mm512_set1_epi32(xs[r * ng + g]));
-                    _mm512_store_ps(acc_at(q, r), _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * ndx + g])), _mm512_load_ps(acc_at(q, r))));
+                    const __m512i t = type == Q4_1 ? a[q][r] : _mm512_sub_epi32(a[q][r], _mm512_set1_epi32(xs[r * ng + g]));
+                    __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * ndx + g])), _mm512_load_ps(acc_at(q, r)));
+                    if (type == Q4_1)
+                        ar = _mm512_fmadd_ps(_mm512_load_ps(p[q].dmin + g * NP), _mm512_set1_ps(dx[r * ndx + g] * (float)xs[r * ng + g]), ar);
+                    _mm512_store_ps(acc_at(q, r), ar);
                 }
             }
         }
@@ -479,7 +485,8 @@ static inline __attribute__((always_inline)) void packed_q6k(int rt, int64_t K, 
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(accm + r * NP));
 }
 
-/* the same for a repacked Q8_0 / Q5_0 panel (type the file's): panel_rows(type, ...) on the panel's words */
+/* the same for a repacked panel of a paired type (the file's): panel_rows(type, ...) on the panel's words (Q4_1 /
+ * Q5_1: panel_rows(Q4_1, ...)) */
 static inline __attribute__((always_inline)) void packed_q32(int type, int rt, int64_t K, const uint8_t *pb, const int8_t *qx,
                                                              const int32_t *xs, const float *dx, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
@@ -501,10 +508,12 @@ static inline __attribute__((always_inline)) void packed_q32(int type, int rt, i
             for (int j = 0; j < 8; j++)
                 for (int r = 0; r < rt; r++) a[j % split][r] = dpbusd_b(a[j % split][r], v[j], qx + r * K + g * 32 + 4 * j);
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pair + 32 * h)));
+            const __m512 mv = has_min(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pair + 64 + 32 * h))) : dv;
             for (int r = 0; r < rt; r++) {
                 const __m512i s = split == 2 ? _mm512_add_epi32(a[0][r], a[1][r]) : a[0][r];
-                const __m512i t = _mm512_sub_epi32(s, _mm512_set1_epi32(xs[r * nb + g]));
+                const __m512i t = has_min(type) ? s : _mm512_sub_epi32(s, _mm512_set1_epi32(xs[r * nb + g]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * nb + g])), acc[r]);
+                if (has_min(type)) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(dx[r * nb + g] * (float)xs[r * nb + g]), acc[r]);
             }
         }
     }
@@ -802,7 +811,11 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                         default: TILE(T, 1, 1); break;                 \
                     }                                                  \
                 }
-                BY_TYPE(type == Q5_K ? Q4_K : type, TILES);  /* Q5_K expanded: Q4_K's arithmetic; Q4_0, IQ4_NL: Q5_0's */
+                if (has_min(type)) {  /* Q5_1 expanded: Q4_1's arithmetic */
+                    TILES(Q4_1)
+                } else {
+                    BY_TYPE(type == Q5_K ? Q4_K : type, TILES);  /* Q5_K expanded: Q4_K's arithmetic; Q4_0, IQ4_NL: Q5_0's */
+                }
 #undef TILES
 #undef TILE
             }

@@ -28,6 +28,9 @@
  *              sub-block times ls - 32, one float multiply-add per super-block, as the K-quants).
  *   Q5_0 (6)   22 bytes / 32: f16 d, u32 qh (bit j: element j's fifth bit), 16 bytes of nibbles (element j
  *              low, j + 16 high); w = d * (q - 16), q 0..31.
+ *   Q4_1 (3)   20 bytes / 32: f16 d, f16 m, then Q4_0's nibbles; w = d * q + m, q 0..15. In panels only (a float
+ *              multiply-add more a block: m times the sum of x over it).
+ *   Q5_1 (7)   24 bytes / 32: f16 d, f16 m, then Q5_0's qh and nibbles; w = d * q + m, q 0..31. In panels only.
  *
  * The kernel files, in the order gguf_blocks.c includes them (each one's comment says what it reads):
  *   gguf_types.h          this: the types, their sizes, the helpers every kernel uses (f16, a Q4_K's scales, ...)
@@ -108,11 +111,11 @@ static int block_bytes_any(int type) {
 }
 
 /* The types repacked into panels of 16 rows (gguf_pack_panels, AVX2 and AVX-512 VNNI builds): Q2_K to Q6_K, Q8_0,
- * Q5_0, Q4_0, IQ4_NL and IQ4_XS; their type ids PANEL + the file's. The same bytes a row as the file's type, so a
+ * Q5_0, Q4_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS; their type ids PANEL + the file's. The same bytes a row as the file's type, so a
  * weight keeps its shape [N, bytes a row]. */
 enum { PANEL = 100, P_Q4_K = PANEL + Q4_K, P_Q6_K = PANEL + Q6_K, P_Q8_0 = PANEL + Q8_0, P_Q5_0 = PANEL + Q5_0,
        P_Q5_K = PANEL + Q5_K, P_Q4_0 = PANEL + Q4_0, P_IQ4_NL = PANEL + IQ4_NL, P_IQ4_XS = PANEL + IQ4_XS,
-       P_Q3_K = PANEL + Q3_K, P_Q2_K = PANEL + Q2_K };
+       P_Q3_K = PANEL + Q3_K, P_Q2_K = PANEL + Q2_K, P_Q4_1 = PANEL + Q4_1, P_Q5_1 = PANEL + Q5_1 };
 static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 
 /* PACKED(T, XP) (defined where this is used) with T the repacked type ptype as a constant, XP 1 where ex holds its
@@ -128,6 +131,8 @@ enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16 };
         else if ((ptype) == P_Q6_K) { PACKED(P_Q6_K, 0) }                                          \
         else if ((ptype) == P_Q8_0) { PACKED(P_Q8_0, 0) }                                          \
         else if ((ptype) == P_Q4_0) { PACKED(P_Q4_0, 0) }                                          \
+        else if ((ptype) == P_Q4_1) { PACKED(P_Q4_1, 0) }                                          \
+        else if ((ptype) == P_Q5_1) { PACKED(P_Q5_1, 0) }                                          \
         else if ((ptype) == P_IQ4_NL) { PACKED(P_IQ4_NL, 0) }                                      \
         else if ((ptype) == P_IQ4_XS && ((xps) & XP_IQ4_XS) && (ex)) { PACKED(P_IQ4_XS, 1) }       \
         else if ((ptype) == P_IQ4_XS) { PACKED(P_IQ4_XS, 0) }                                      \
@@ -142,11 +147,20 @@ enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16 };
  * hold their blocks in pairs (blocks of 32: a row of a multiple of 64 weights) */
 static int reads_stored(int type) { return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0; }
 static int panel_only(int type) {
-    return type == Q5_K || type == Q4_0 || type == IQ4_NL || type == IQ4_XS || type == Q3_K || type == Q2_K;
+    return type == Q5_K || type == Q4_0 || type == Q4_1 || type == Q5_1 || type == IQ4_NL || type == IQ4_XS ||
+           type == Q3_K || type == Q2_K;
 }
-static int paired(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_0 || type == IQ4_NL; }
+static int paired(int type) {
+    return type == Q8_0 || type == Q5_0 || type == Q4_0 || type == Q4_1 || type == Q5_1 || type == IQ4_NL;
+}
+/* the paired types with a min a block (w = d * q + m): a float multiply-add more a block, m times x's sum */
+static int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+/* where a pair of blocks of a paired type's panel (gguf_panels.h) holds the nibbles (vector nibble_vec + 4h + w of
+ * block h), and the fifth bits' masks (vector fifth_vec + h) */
+static int nibble_vec(int type) { return type == Q5_0 ? 3 : type == Q4_1 ? 2 : type == Q5_1 ? 4 : 1; }
+static int fifth_vec(int type) { return type == Q5_1 ? 2 : 1; }
 
-/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, ten repacked */
+/* the same for the types the matmul kernels read (0: a type they do not read): four as stored, twelve repacked */
 static int reads(int type) {
 #ifdef GB_PANELS
     if (type > PANEL) return reads_stored(base_type(type)) || panel_only(base_type(type));

@@ -452,25 +452,27 @@ GROUP_LAYOUTS = {
 }
 # the GGUF types gguf_blocks.c's matmul kernels read as stored (Q5_0, Q8_0, Q4_K, Q6_K): (elements, bytes) of a block
 GGUF_BLOCKS = {t: GROUP_LAYOUTS[t][1:] for t in (6, 8, 12, 14)}
-# the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q4_0, Q5_K, IQ4_NL (Q4_0's bytes, its
-# nibbles indices of 16 int8 values), IQ4_XS (IQ4_NL's nibbles under a 6-bit scale per 32, a float16 per 256), Q3_K,
-# Q2_K
+# the types read only in panels (GGUFBlocks.pack, where the CPU has them): Q4_0, Q4_1 and Q5_1 (Q4_0's and Q5_0's with
+# a min a block), Q5_K, IQ4_NL (Q4_0's bytes, its nibbles indices of 16 int8 values), IQ4_XS (IQ4_NL's nibbles under
+# a 6-bit scale per 32, a float16 per 256), Q3_K, Q2_K
 GGUF_PANEL_ONLY = {
     2: GROUP_LAYOUTS[2][1:],
+    3: GROUP_LAYOUTS[3][1:],
+    7: GROUP_LAYOUTS[7][1:],
     13: GROUP_LAYOUTS[13][1:],
     20: (32, 18),
     23: (256, 136),
     11: (256, 110),
     10: (256, 84),
 }
-# Q2_K to Q6_K / Q8_0 / Q5_0 / Q4_0 / IQ4_NL / IQ4_XS repacked into panels of 16 rows (GGUFBlocks.pack): the same bytes
-# a row, type id 100 + the file's
+# Q2_K to Q6_K / Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q5_1 / IQ4_NL / IQ4_XS repacked into panels of 16 rows (GGUFBlocks.pack):
+# the same bytes a row, type id 100 + the file's
 GGUF_PANELS = {100 + t: size for t, size in (GGUF_BLOCKS | GGUF_PANEL_ONLY).items()}
 # (elements, bytes) of a block of every type gguf_blocks.c takes, as stored or in panels
 _BLOCK_SIZES = GGUF_BLOCKS | GGUF_PANEL_ONLY | GGUF_PANELS
-# the types whose panels hold their blocks (of 32) in pairs, so a row of a multiple of 64 weights: Q4_0, Q5_0, Q8_0,
-# IQ4_NL
-_PAIRED = (2, 6, 8, 20)
+# the types whose panels hold their blocks (of 32) in pairs, so a row of a multiple of 64 weights: Q4_0, Q4_1, Q5_0,
+# Q5_1, Q8_0, IQ4_NL
+_PAIRED = (2, 3, 6, 7, 8, 20)
 
 
 _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
@@ -478,8 +480,8 @@ _PACK_ROWS = 4096  # rows GGUFBlocks.pack copies at a time (a multiple of 16)
 
 def fits_panels(qtype: int, n: int, k: int) -> bool:
     """Whether a weight [n, k] of ggml type ``qtype`` can be repacked into panels (GGUFBlocks.pack, where the CPU
-    has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and Q8_0 / Q5_0 / Q4_0 / IQ4_NL
-    rows of whole pairs of blocks."""
+    has them): a type of GGUF_BLOCKS or GGUF_PANEL_ONLY, whole panels of 16 rows, and the types of 32-blocks
+    (Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q5_1 / IQ4_NL) rows of whole pairs of blocks."""
     return 100 + qtype in GGUF_PANELS and n > 0 and n % 16 == 0 and k % (64 if qtype in _PAIRED else 256) == 0
 
 
@@ -536,12 +538,12 @@ class GGUFBlocks:
     def pack(
         self, qtype: int, raw: torch.Tensor, copied: Callable[[torch.Tensor], object] | None = None
     ) -> tuple[int, torch.Tensor]:
-        """``(qtype, raw)`` as the integer kernels read it best: a weight of a type in GGUF_BLOCKS with a multiple of
-        16 rows (and, Q8_0 / Q5_0 / Q4_0, of 64 columns), where the panel kernels are built (``has_panels``), repacked
-        into panels of 16 rows (a new tensor of raw's shape, type id 100 + qtype), which one kernel multiplies at
-        every row count, a row's bits the same whatever shares its call; anything else as it is. The float32
-        kernels (matmul_f32) do not read a repacked weight. ``copied`` is called with each slice of raw's rows once
-        the copy holds it (to let a file's pages go before the next slice is read)."""
+        """``(qtype, raw)`` as the integer kernels read it best: a weight of a type in GGUF_BLOCKS with a multiple of 16
+        rows (and, the types of 32-blocks, of 64 columns), where the panel kernels are built (``has_panels``), repacked
+        into panels of 16 rows (a new tensor of raw's shape, type id 100 + qtype), which one kernel multiplies at every
+        row count, a row's bits the same whatever shares its call; anything else as it is. The float32 kernels
+        (matmul_f32) do not read a repacked weight. ``copied`` is called with each slice of raw's rows once the copy
+        holds it (to let a file's pages go before the next slice is read)."""
         k = self.in_features(qtype, raw) if 100 + qtype in GGUF_PANELS else 0
         if not self.has_panels or not fits_panels(qtype, raw.shape[0], k):
             return qtype, raw
@@ -628,7 +630,7 @@ class GGUFBlocks:
     def matmul_a8_parts(self, qtypes: list[int], x: torch.Tensor, raws: list[torch.Tensor]) -> torch.Tensor:
         """x [M, K] float32 contiguous @ [W_0; W_1; ...]^T: [M, sum of N_p], part p's columns matmul_a8(qtypes[p],
         x, raws[p]) bit for bit, with x rounded once per block size (a fused projection's shards, one call)."""
-        for q in qtypes:  # the file's layout of a type read only in panels (Q4_0, Q5_K) is not multiplied either
+        for q in qtypes:  # the file's layout of a type read only in panels (Q4_0, Q4_1, Q5_K) is not multiplied either
             if q not in GGUF_BLOCKS and q not in GGUF_PANELS:
                 _check_type(-1, q)
         ks = {self.in_features(q, r) for q, r in zip(qtypes, raws, strict=True)}

@@ -75,14 +75,11 @@ ACTIVATION_BITS = {"w4a8": 8, "w4a16": 16}  # the modes with integer activations
 # A GGUF's blocks as stored, by mode: the activation bits of their integer kernels (None: float32 activations)
 GGUF_MODES: dict[str, int | None] = {"gguf": 8, "gguf-exact": None}
 # the GGUF types "gguf" runs from the file's own bytes (pagedllm/kernels/gguf_blocks.c: 4.5, 6.56, 8.5, 5.5 and 5.5
-# bits a weight, integer sums per block; Q4_0 and IQ4_NL 4.5, IQ4_XS 4.25, Q3_K 3.44, Q2_K 2.63): Q4_K and Q6_K
-# everywhere, Q8_0, Q5_0, Q5_K, Q4_0, Q3_K, Q2_K and the 4-bit i-quants where the CPU runs them in panels of 16 rows
-# (gguf_linear_types); the
-# other types,
-# and every type under
-# "gguf-exact" (whose float32-activation kernels on our layouts are faster), are converted at load into the int4 /
-# int8 layouts, exactly
-NATIVE_GGUF_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_K", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")
+# bits a weight, integer sums per block; Q4_0 and IQ4_NL 4.5, Q4_1 5, Q5_1 6, IQ4_XS 4.25, Q3_K 3.44, Q2_K 2.63): Q4_K
+# and Q6_K everywhere, Q8_0, Q5_0, Q5_K, Q4_0, Q4_1, Q5_1, Q3_K, Q2_K and the 4-bit i-quants where the CPU runs them in
+# panels of 16 rows (gguf_linear_types); the other types, and every type under "gguf-exact" (whose float32-activation
+# kernels on our layouts are faster), are converted at load into the int4 / int8 layouts, exactly
+NATIVE_GGUF_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_K", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")
 # the float types whose matrices both GGUF modes keep as the file stores them, 2 bytes a weight (HalfLinear);
 # BF16P: a BF16 one repacked for bfloat16 dot products ("gguf" on AVX512_BF16)
 HALF_GGUF_TYPES = ("F16", "BF16", "BF16P")
@@ -90,10 +87,10 @@ HALF_GGUF_TYPES = ("F16", "BF16", "BF16P")
 
 def gguf_linear_types() -> tuple[str, ...]:
     """The types of NATIVE_GGUF_TYPES that "gguf" takes as the file stores them on this CPU: Q8_0, Q5_0, Q5_K, Q4_0,
-    Q3_K, Q2_K and the 4-bit i-quants only where their panel kernels are built (AVX2 and AVX-512 VNNI; all but Q8_0 and
-    Q5_0 have no other), and there they beat the int8 groups they were converted to (1.25 bytes a weight against
-    0.69 and 1.06): on AVX-512 VNNI, Qwen2.5-Coder-0.5B's Q5_0 projections 1.4-1.6x at one row, its Q8_0 head (152k
-    rows) 1.2x at one row and 2.9x at five. Elsewhere the int8 groups' kernels are kept."""
+    Q4_1, Q5_1, Q3_K, Q2_K and the 4-bit i-quants only where their panel kernels are built (AVX2 and AVX-512 VNNI; all
+    but Q8_0 and Q5_0 have no other), and there they beat the int8 groups they were converted to (1.25 bytes a weight
+    against 0.69 and 1.06): on AVX-512 VNNI, Qwen2.5-Coder-0.5B's Q5_0 projections 1.4-1.6x at one row, its Q8_0 head
+    (152k rows) 1.2x at one row and 2.9x at five. Elsewhere the int8 groups' kernels are kept."""
     from pagedllm import kernels
 
     found = kernels.try_load()

@@ -418,10 +418,11 @@ def check_gguf_tensors(path: str, as_stored: bool = False) -> None:
 
 def all_in_panels(path: str) -> bool:
     """Whether the int8 kernels hold every quantized tensor of the file in panels of 16 rows on this CPU
-    (``GGUFBlocks.pack``: Q4_K / Q6_K, and Q8_0 / Q5_0 of a multiple of 64 columns, with whole panels of rows,
-    AVX2 and AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are; files with
-    Q4_1 tensors are not, nor files of float tensors only (F16: no integer arithmetic to run), but where the CPU has
-    AVX512_BF16 a BF16 matrix counts (bfloat16 dot products, llama.cpp's arithmetic for it)."""
+    (``GGUFBlocks.pack``: the K-quants, and the types of 32-blocks of a multiple of 64 columns, with whole panels
+    of rows, AVX2 and AVX-512 VNNI), where every row count runs one kernel: Q4_K_M files such as Qwen2.5's are, and
+    the embedded SmolLM2's Q4_1; files with a type that has none (the other i-quants) are not, nor files of float
+    tensors only (F16: no integer arithmetic to run), but where the CPU has AVX512_BF16 a BF16 matrix counts
+    (bfloat16 dot products, llama.cpp's arithmetic for it)."""
     from pagedllm import kernels
     from pagedllm.kernels.ops import fits_panels
 
@@ -566,9 +567,9 @@ def iter_gguf_blocks(
     path: str, native: Collection[str] = (), halves: bool = False, bf16_panels: bool = False
 ) -> Iterator[tuple[str, tuple[str, tuple[torch.Tensor, ...]]]]:
     """:func:`gguf_quantized_blocks` one tensor at a time, each converted in slices of rows (a 150k-token
-    vocabulary's temporaries stay small). Tensors of a type named in ``native`` (``"Q4_K"``, ``"Q6_K"``; Q8_0 /
-    Q5_0 / Q5_K / Q4_0 ones only where they fit panels: ``fits_panels``, whose kernels are the only ones that beat
-    our groups for them, and Q5_K's and Q4_0's only ones) come as the file stores them instead, nothing converted or
+    vocabulary's temporaries stay small). Tensors of a type named in ``native`` (``"Q4_K"``, ``"Q6_K"``; the others
+    only where they fit panels: ``fits_panels``, whose kernels are the only ones that beat our groups for Q8_0 /
+    Q5_0, and the only ones for the rest) come as the file stores them instead, nothing converted or
     copied: ``(type name, (rows,))``, ``rows`` a uint8 view [N, bytes a row] of a read-only mapping of the file
     (the kernels of :class:`~pagedllm.layers.gguf_linear.GGUFLinear` read them there; the page cache holds them
     once for every process that maps the file). A row permutation (llama's Q / K) makes those a copy of the rows.
