@@ -73,8 +73,9 @@ class ModelConfig:
     quantization: Literal["gguf", "gguf-exact", "int8", "int4", "w4a8", "w4a16", "fp8", "none"] | None = _f(
         None,
         "Quantization on CPU. A GGUF file runs as stored by default: 'gguf' where every quantized tensor is "
-        "Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q4_0 in panels, the CPU has AVX2 and the model runs in one process (a "
-        "Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 file: one kernel at every batch size), else "
+        "of a type with panels (Q2_K-Q6_K / Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1 / IQ4_NL / IQ4_XS) in whole panels, "
+        "the CPU has AVX2 and the model runs in one process (a Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 or Q4_1 file, the "
+        "embedded default among them: one kernel at every batch size), else "
         "'gguf-exact'. 'gguf-exact': each tensor keeps its own "
         "block type (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL / IQ4_XS; float tensors "
         "stay float), nothing "

@@ -247,6 +247,15 @@ def test_a_fused_projection_in_one_call_is_each_shards_call_bit_for_bit(gemm_fro
     x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
     y = blocks.matmul_a8_parts([int(t) for t in types], x, raws)
     assert torch.equal(y, torch.cat([blocks.matmul_a8(int(t), x, r) for t, r in zip(types, raws, strict=True)], 1))
+    if blocks.has_panels:  # repacked shards too: Q4_1 / Q5_1 (a min a block) beside Q4_K (another rounding block)
+        packed = [
+            blocks.pack(int(t), torch.from_numpy(random_blocks(t, n, k, seed=n)))
+            for t, n in [(T.Q4_1, 32), (T.Q5_1, 16)]
+        ]
+        parts = [(int(T.Q4_K), raws[0]), *packed]
+        y = blocks.matmul_a8_parts([t for t, _ in parts], x, [r for _, r in parts])
+        assert [t for t, _ in packed] == [103, 107]
+        assert torch.equal(y, torch.cat([blocks.matmul_a8(t, x, r) for t, r in parts], 1))
     with pytest.raises(ValueError, match="features"):
         blocks.matmul_a8_parts([int(T.Q4_K)], torch.randn(1, 256), raws[:1])
     with pytest.raises(ValueError, match="ggml type 2"):

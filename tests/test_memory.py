@@ -74,7 +74,8 @@ def test_engine_bounds_onednn_caches_and_returns_load_garbage():
     assert unbounded["capacities"] == ["1024", "1024"]  # the operator's value, not ours
     # 400 row counts: torch's default keeps a primitive for each, ours at most ONEDNN_CACHE_CAPACITY
     assert unbounded["primitive_heap_mib"] > 2.5 * bounded["primitive_heap_mib"], (bounded, unbounded)
-    # loading SmolLM2's GGUF frees ~270 MiB of temporaries: the engine has handed them back already
+    # what loading SmolLM2's GGUF freed (its repacking's temporaries; ~270 MiB when it was converted to our groups):
+    # the engine has handed it back already
     assert bounded["trim_returns_mib"] < 32, bounded
 
 

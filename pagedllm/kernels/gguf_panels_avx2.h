@@ -2,8 +2,8 @@
  * panel layout and group_sums from gguf_panels.h; built where the level has AVX2 + FMA + F16C but not AVX-512 VNNI).
  *
  * What it reads: a weight repacked by gguf_pack_panels, panels of 16 rows (NP), each a run of the rows' blocks
- * with word w (4 bytes) of the 16 rows' block as one 64-byte vector (lane c: row c), and for Q8_0 / Q5_0 pairs
- * of blocks (repack_panel_q32's layout, described in gguf_panels.h). Per row of x: the int8 activations qx (K
+ * with word w (4 bytes) of the 16 rows' block as one 64-byte vector (lane c: row c), and for the types of 32-blocks
+ * pairs of blocks (repack_panel_q32's layout, described in gguf_panels.h). Per row of x: the int8 activations qx (K
  * bytes), their scales dx (per 256 or per 32) and their sums per group (group_sums: xs, xs2).
  *
  * What it computes: y's 16 columns of a panel, for tiles of up to RTA rows of x, as gguf_gemm_q8 of the AVX-512

@@ -11,10 +11,11 @@
  * of unsigned bytes laid out for vpdpbusd: word j of column c holds the column's elements 4j .. 4j + 3,
  * and the 16 columns' words for one j are one vector. A row of x then costs one vpdpbusd (its 4 int8
  * broadcast to every lane) per 64 products and no horizontal sums. Each type's weights are u 0..255
- * unsigned (Q6_K: q; Q5_0: q; Q8_0: q + 128), so a group's integer dot is (u . q_x) less the offset
- * (Q6_K: 32; Q5_0: 16; Q8_0: 128) times sum(q_x); a super-block's groups are summed in int32 by their
- * integer scales (vpmulld), and the super-block's (a 32-block's) sum then goes into y with one float
- * multiply-add (Q4_K: a second for its mins, whose sum is an integer under 2^24 and so exact in floats):
+ * unsigned (Q6_K: q; Q5_0, Q4_0: q; Q8_0: q + 128; IQ4_NL: its values + 128), so a group's integer dot is
+ * (u . q_x) less the offset (Q6_K: 32; Q5_0: 16; Q4_0: 8; Q8_0, IQ4_NL: 128) times sum(q_x); a super-block's
+ * groups are summed in int32 by their integer scales (vpmulld), and the super-block's (a 32-block's) sum then
+ * goes into y with one float multiply-add (Q4_K: a second for its mins, whose sum is an integer under 2^24 and so
+ * exact in floats; Q4_1 / Q5_1, whose q has no offset: a second for m times dx sum(q_x)):
  * the row kernels' integers, a quarter of the float work of a multiply-add per group, the float sums in
  * another order than the row kernels' lanes. Tiles are two panels by RT2 rows where there are two panels
  * (each row's 4 bytes of x broadcast once for 32 columns), and Q4_K's mins are summed at the start of each
@@ -243,7 +244,8 @@ static inline __attribute__((always_inline)) void group_dots(int np, int rt, int
 }
 
 /* rows 0 .. rt - 1 of y against np (1 or 2) panels side by side (their columns the lanes; panel q's at y + q *
- * NP, mask[q] of them). x's rows K bytes apart; xs (sums of q_x per group, times the weights' offset) ng apart,
+ * NP, mask[q] of them). x's rows K bytes apart; xs (sums of q_x per group, times the weights' offset; the plain
+ * sums for Q4_1 / Q5_1) ng apart,
  * xs2 (Q4_K: the plain sums of groups 2k and 2k + 1 as the two int16 of word k) ng / 2 apart, dx (x's scales)
  * ndx apart. */
 static inline __attribute__((always_inline)) void panel_rows(int type, int np, int rt, int64_t K, int64_t ng,
@@ -299,9 +301,9 @@ static inline __attribute__((always_inline)) void panel_rows(int type, int np, i
             for (int q = 0; q < np; q++) {
                 const __m512 dv = _mm512_load_ps(p[q].d + g * NP);
                 for (int r = 0; r < rt; r++) {
-                    const __m512i t = type == Q4_1 ? a[q][r] : _mm512_sub_epi32(a[q][r], _mm512_set1_epi32(xs[r * ng + g]));
+                    const __m512i t = has_min(type) ? a[q][r] : _mm512_sub_epi32(a[q][r], _mm512_set1_epi32(xs[r * ng + g]));
                     __m512 ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * ndx + g])), _mm512_load_ps(acc_at(q, r)));
-                    if (type == Q4_1)
+                    if (has_min(type))
                         ar = _mm512_fmadd_ps(_mm512_load_ps(p[q].dmin + g * NP), _mm512_set1_ps(dx[r * ndx + g] * (float)xs[r * ng + g]), ar);
                     _mm512_store_ps(acc_at(q, r), ar);
                 }

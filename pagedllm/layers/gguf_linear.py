@@ -5,18 +5,18 @@ nothing is widened at load, and decode reads the 4.5 bits a weight of Q4_K (6.56
 layout of ours. Types: Q4_K, Q6_K, Q8_0 and Q5_0 (``GGUF_TYPES``), and Q5_K, Q4_0, Q4_1, Q5_1, Q3_K, Q2_K, IQ4_NL
 and IQ4_XS in panels only (below).
 
-``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8
-per block of 256 (per 32 for Q8_0 / Q5_0) and the products are summed in integers. ``None`` ("gguf-exact"):
+``activation_bits=8`` (the "gguf" mode, llama.cpp's arithmetic): each row of the input is rounded to int8 per block
+of 256 (per 32 for the types of 32-weight blocks) and the products are summed in integers. ``None`` ("gguf-exact"):
 float32 activations, the float32 function of the dequantized weights. Either way the layer computes the same
-function at every batch size, up to float summation order. int8, where the CPU has AVX2 (and on AVX-512 VNNI):
-a weight of whole panels (the types of 32-blocks: and of pairs of blocks a row) is repacked at load into
-panels of 16 rows (the same bytes permuted; the file's pages are let go), and one kernel multiplies every row
-count, a row's bits the same whatever shares its call (and the same at both levels); on AVX-512 VNNI other weights
-stream their blocks a weight row at a time up to a few rows, and more rows (a prefill chunk, a large decode
-batch) run a GEMM over panels of 16 weight rows decoded to bytes (3.2x the float GEMM on a dequantized copy at 512
-rows of the 1.5B's Q4_K MLP). float32, and int8 on the file's layout without that GEMM: up to ``SMALL_BATCH`` rows the
-kernels stream the blocks; more rows dequantize the weight into a buffer shared by every quantized layer and run
-the float32 GEMM (on the rounded input in the int8 mode).
+function at every batch size, up to float summation order. int8, where the CPU has AVX2 (and on AVX-512 VNNI): a
+weight of whole panels (the types of 32-blocks: and of pairs of blocks a row) is repacked at load into panels of 16
+rows (the same bytes permuted; the file's pages are let go), and one kernel multiplies every row count, a row's bits
+the same whatever shares its call (and the same at both levels); on AVX-512 VNNI other weights stream their blocks a
+weight row at a time up to a few rows, and more rows (a prefill chunk, a large decode batch) run a GEMM over panels
+of 16 weight rows decoded to bytes (3.2x the float GEMM on a dequantized copy at 512 rows of the 1.5B's Q4_K MLP).
+float32, and int8 on the file's layout without that GEMM: up to ``SMALL_BATCH`` rows the kernels stream the blocks;
+more rows dequantize the weight into a buffer shared by every quantized layer and run the float32 GEMM (on the
+rounded input in the int8 mode).
 """
 
 from __future__ import annotations
