@@ -423,15 +423,16 @@ def test_a_q4_k_m_file_runs_int8_activations_by_default_and_its_tokens_ignore_th
 def test_q2_k_q3_k_and_the_4_bit_i_quants_load_as_stored_as_float32s_function_of_their_blocks(
     tmp_path, smollm2_tokenizer_dir
 ):
-    """Q2_K, Q3_K (Q3_K_M files), IQ4_NL and IQ4_XS run as stored under the GGUF modes. Under 'gguf-exact' each
-    tensor is in our int8 groups holding exactly the values gguf dequantizes it to (Q2_K and Q3_K with a scale per
-    16, Q2_K with a min per 16), with float32 activations, so a model is the float32 function of the file's weights:
-    its greedy tokens are those of the model that widens every weight ('none'). 'gguf' (their default where the
-    CPU has the panels) runs them in panels, near that function. Other i-quants are refused (test above)."""
+    """Q2_K, Q3_K (Q3_K_M files), IQ4_NL and IQ4_XS run as stored under the GGUF modes, and Q5_1 and Q4_1 beside them
+    (one fused q | k | v: Q5_1, Q4_1, IQ4_NL). Under 'gguf-exact' each tensor is in our int8 groups holding exactly
+    the values gguf dequantizes it to (Q2_K and Q3_K with a scale per 16, Q2_K with a min per 16; Q5_1 and Q4_1 with
+    a min per 32), with float32 activations, so a model is the float32 function of the file's weights: its greedy
+    tokens are those of the model that widens every weight ('none'). 'gguf' (their default where the CPU has the
+    panels) runs them in panels, near that function. Other i-quants are refused (test above)."""
     from pagedllm.model_loader.gguf_loader import all_in_panels, iter_gguf_weights
     from pagedllm.worker.loader import resolve_quantization
 
-    kinds = {"attn_q": "Q3_K", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "Q3_K"}
+    kinds = {"attn_q": "Q5_1", "attn_k": "Q4_1", "attn_v": "IQ4_NL", "attn_output": "Q3_K"}
     kinds |= {"ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "IQ4_NL"}
     path = _write_tiny_qwen2(tmp_path / "tiny-iq.gguf", 49152, "IQ4_XS", lambda layer, name: kinds[name])
     from pagedllm import kernels
@@ -456,6 +457,9 @@ def test_q2_k_q3_k_and_the_4_bit_i_quants_load_as_stored_as_float32s_function_of
     assert torch.equal(layer.mlp.down_proj.dequantized()[0], weights[f"{mlp}.down_proj.weight"])
     gate_up = torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]])
     assert torch.equal(layer.mlp.gate_up_proj.dequantized()[0], gate_up)  # IQ4_XS beside Q2_K, fused
+    attn = "model.layers.0.self_attn"
+    qkv = torch.cat([weights[f"{attn}.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_proj.dequantized()[0], qkv)  # Q5_1, Q4_1 and IQ4_NL, fused
     assert layer.mlp.gate_up_proj.mins.shape[1] == exact.config.hidden_size // 16  # Q2_K's mins per 16
     x = torch.randn(3, exact.config.hidden_size)
     torch.testing.assert_close(layer.self_attn.o_proj(x), ref.self_attn.o_proj(x), rtol=1e-5, atol=1e-6)
