@@ -24,7 +24,7 @@
  * holds its rows' bytes, no more (pairs, not single blocks, so that each vector starts on a line of 64 bytes). */
 #ifdef GB_PANELS
 static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *dst) {
-    const int bytes = block_bytes_any(type), head = has_min(type) ? 4 : 2, fifth = type == Q5_0 || type == Q5_1;
+    const int bytes = block_bytes_any(type), head = has_min(type) ? 4 : 2, fifth = has_fifth(type);
     for (int64_t g = 0; g < nb; g++) {
         uint8_t *pair = dst + (g / 2) * 32 * bytes;
         const int h = (int)(g & 1);
@@ -54,7 +54,7 @@ static void repack_panel_q32(int type, const uint8_t *rows, int64_t row_bytes, i
 
 /* row c of a paired type's panel (nb blocks) as the file stores it, into out */
 static void unpack_row_q32(int type, const uint8_t *panel, int c, int64_t nb, uint8_t *out) {
-    const int bytes = block_bytes_any(type), head = has_min(type) ? 4 : 2, fifth = type == Q5_0 || type == Q5_1;
+    const int bytes = block_bytes_any(type), head = has_min(type) ? 4 : 2, fifth = has_fifth(type);
     for (int64_t g = 0; g < nb; g++) {
         const uint8_t *pair = panel + (g / 2) * 32 * bytes;
         const int h = (int)(g & 1);

@@ -399,7 +399,7 @@ static inline __attribute__((always_inline)) __m256i q32_word8(int type, const u
     const __m256i v = _mm256_loadu_si256((const __m256i *)(pair + (nibble_vec(type) + 4 * h + (j & 3)) * 64 + 32 * hf));
     const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
     if (type == IQ4_NL) return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(iq4nl_table()), nib);
-    if (type != Q5_0 && type != Q5_1) return nib;
+    if (!has_fifth(type)) return nib;
     /* the fifth bits: bit 4c + i of the 32 bits of this half's mask j is byte 4c + i's; 16 where it is set */
     const __m256i m = _mm256_shuffle_epi8(bcast4(pair + (fifth_vec(type) + h) * 64 + 8 * j + 4 * hf),
                                           _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,

@@ -206,7 +206,7 @@ static inline __attribute__((always_inline)) __m512i q32_word(int type, const ui
     const __m512i v = _mm512_loadu_si512(pair + (nibble_vec(type) + 4 * h + (j & 3)) * 64);
     const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
     if (type == IQ4_NL) return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(iq4nl_table()), nib);
-    if (type != Q5_0 && type != Q5_1) return nib;
+    if (!has_fifth(type)) return nib;
     const __mmask64 fifth = _load_mask64((__mmask64 *)(pair + (fifth_vec(type) + h) * 64 + 8 * j));
     return _mm512_mask_add_epi8(nib, fifth, nib, _mm512_set1_epi8(0x10));
 }

@@ -155,6 +155,8 @@ static int paired(int type) {
 }
 /* the paired types with a min a block (w = d * q + m): a float multiply-add more a block, m times x's sum */
 static int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+/* the paired types with a fifth bit a weight (u32 qh after d, and m where they have one) */
+static int has_fifth(int type) { return type == Q5_0 || type == Q5_1; }
 /* where a pair of blocks of a paired type's panel (gguf_panels.h) holds the nibbles (vector nibble_vec + 4h + w of
  * block h), and the fifth bits' masks (vector fifth_vec + h) */
 static int nibble_vec(int type) { return type == Q5_0 ? 3 : type == Q4_1 ? 2 : type == Q5_1 ? 4 : 1; }

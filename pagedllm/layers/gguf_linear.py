@@ -145,11 +145,10 @@ class HalfLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         # "gguf" on AVX512_BF16: a bfloat16 weight in panels for bfloat16 dot products (x rounded to bfloat16);
         # ``packed``: weight is such panels already (GGUFBlocks.pack_bf16, as the loader hands them over)
-        if packed and not (one_kernel and weight.dtype == torch.bfloat16 and self._kernels.has_bf16_dot):
+        bf16_one = one_kernel and weight.dtype == torch.bfloat16
+        if packed and not (bf16_one and self._kernels.has_bf16_dot):
             raise ValueError("packed bfloat16 panels run only as one kernel, on a CPU with AVX512_BF16")
-        panels = (
-            self._kernels.pack_bf16(weight) if one_kernel and weight.dtype == torch.bfloat16 and not packed else None
-        )
+        panels = self._kernels.pack_bf16(weight) if bf16_one and not packed else None
         self.bf16_dot = packed or panels is not None
         if panels is not None:
             from pagedllm.model_loader.mappings import release_mapped_pages
