@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -117,9 +118,9 @@ def _transformers_child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def _llama_bench(binary: str, model: str, threads: int, iters: int) -> tuple[dict[str, float], int]:
+def _llama_bench(binary: str, model: str, threads: int, iters: int, extra: list[str]) -> tuple[dict[str, float], int]:
     out, rss = _run(
-        [binary, "-m", model, "-t", str(threads), "-p", "128,512", "-n", "128", "-r", str(iters), "-o", "json"]
+        [binary, "-m", model, "-t", str(threads), "-p", "128,512", "-n", "128", "-r", str(iters), "-o", "json", *extra]
     )
     rows = json.loads(out)
     got: dict[str, float] = {}
@@ -144,6 +145,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct-q4_k_m")
     p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    p.add_argument(
+        "--llama-args",
+        default="",
+        help="more arguments for llama-bench, e.g. '--repack 0' (its AMX kernels crash on some CPUs)",
+    )
     p.add_argument("--modes", default="gguf,gguf-exact", help="pagedllm quantization modes, comma-separated")
     p.add_argument("--transformers", action="store_true", help="also transformers (float32, dequantized)")
     p.add_argument("--threads", type=int, default=2)
@@ -180,7 +186,7 @@ def main() -> None:
         print(f"{name}: {json.dumps(got)}", file=sys.stderr, flush=True)
 
     if llama_bench:
-        got, rss = _llama_bench(llama_bench, model, args.threads, args.iters)
+        got, rss = _llama_bench(llama_bench, model, args.threads, args.iters, shlex.split(args.llama_args))
         done("llama.cpp", {**got, "peak_rss_gib": rss / 2**30})
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--child", "pagedllm", "--mode", mode, "--model", model]

@@ -58,7 +58,7 @@ def test_the_environment_variable_chooses_a_level_at_or_below_the_machines(monke
     with pytest.raises(isa.CPULevelError, match=r"lacks \(avx_vnni\); its levels: portable, avx2, avx512-vnni"):
         isa.chosen_level(zen4)
     monkeypatch.setenv(isa.ENV, "sse9")
-    with pytest.raises(isa.CPULevelError, match="the levels: portable, avx2, avx2-vnni, avx512-vnni, avx512-bf16, nat"):
+    with pytest.raises(isa.CPULevelError, match="portable, avx2, avx2-vnni, avx512-vnni, avx512-bf16, amx, native"):
         isa.chosen_level(flags)
 
 
@@ -107,6 +107,24 @@ def test_the_avx512_vnni_build_holds_no_bfloat16_products(tmp_path):
         subprocess.run([os.environ.get("CC", "cc"), *library_flags(level), "-c", str(src), "-o", str(obj)], check=True)
         code = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
         assert ("vdpbf16ps" in code) == has, level
+
+
+def test_only_the_amx_build_holds_tile_multiplies(tmp_path):
+    """The amx level's GGUF kernels configure tiles and multiply on them (tdpbssd for words with an offset,
+    tdpbsud for those without), and let them go; the level below never emits a tile instruction (the compiler is
+    not allowed to: no -mamx-* flag). Compiled only, so it holds on any x86-64 machine."""
+    from pagedllm import kernels
+    from pagedllm.kernels.build import library_flags
+
+    if not isa.is_x86() or not shutil.which("objdump"):
+        pytest.skip("needs x86-64 and objdump")
+    src = Path(kernels.__file__).parent / "gguf_blocks.c"
+    obj = tmp_path / "amx.o"
+    subprocess.run([os.environ.get("CC", "cc"), *library_flags("amx"), "-c", str(src), "-o", str(obj)], check=True)
+    code = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbssd", "tdpbsud", "tilestored", "tilerelease"):
+        assert instruction in code, instruction
+    assert "-mamx-int8" not in library_flags("avx512-bf16") and "-mamx-int8" in library_flags("amx")
 
 
 def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monkeypatch, caplog, tmp_path):
@@ -168,34 +186,48 @@ SAPPHIRE_RAPIDS = CPUS["AVX-512 VNNI"][0] | {"amx_tile", "amx_int8", "amx_bf16",
 TILES = 1 << 17 | 1 << 18  # XTILECFG, XTILEDATA
 
 
-def test_amx_is_used_only_where_the_os_grants_tile_data(caplog):
+def test_amx_is_used_only_where_the_os_grants_tile_data(monkeypatch):
     """A CPU that lists AMX is asked, as AMX code must ask, whether this process may use tiles: a VM that lists
-    amx_tile but supports no tile state, or refuses the permission, gets 'not used' with the reason; either way the
-    level is the best of the rest (pagedllm has no AMX kernels: a granted AMX is said to be unused)."""
+    amx_tile but supports no tile state, or refuses the permission, gets 'not used' with the reason, and the amx
+    level is not among its levels (the best of the rest runs; asked for by name, it is refused with the reason);
+    where the OS grants tile data, amx is the best level, and the log says what AMX does there."""
     refused = FakePrctl(0xE7 | TILES, grants=False)
     granted, why = isa.amx_status(SAPPHIRE_RAPIDS, refused)
     assert not granted and "refuses this process tile data" in why and "Operation not permitted" in why
     assert refused.asked == [isa._ARCH_GET_XCOMP_SUPP, isa._ARCH_REQ_XCOMP_PERM]
-    assert isa.amx_note(SAPPHIRE_RAPIDS, refused).endswith("; not used")
+    assert isa.amx_note("avx512-bf16", SAPPHIRE_RAPIDS, refused).endswith("; not used")
+    assert isa.machine_levels(SAPPHIRE_RAPIDS, refused)[-1] == "avx512-bf16"
+    monkeypatch.delenv(isa.ENV, raising=False)
+    assert isa.chosen_level(SAPPHIRE_RAPIDS, refused)[0] == "avx512-bf16"
+    monkeypatch.setenv(isa.ENV, "amx")
+    with pytest.raises(isa.CPULevelError, match=r"'amx': AMX is advertised .* but the OS refuses this process tile"):
+        isa.chosen_level(SAPPHIRE_RAPIDS, refused)
     unsupported = FakePrctl(0xE7, grants=True)  # as seen on 2026-11-28: listed, no tile state
     assert isa.amx_status(SAPPHIRE_RAPIDS, unsupported) == (
         False,
         "advertised (amx_tile amx_int8 amx_bf16) but the OS does not support tile data (ARCH_GET_XCOMP_SUPP)",
     )
     assert unsupported.asked == [isa._ARCH_GET_XCOMP_SUPP]  # nothing requested where nothing is supported
+    assert isa.machine_levels(SAPPHIRE_RAPIDS, unsupported)[-1] == "avx512-bf16"
     ok = FakePrctl(0xE7 | TILES, grants=True)
     assert isa.amx_status(SAPPHIRE_RAPIDS, ok) == (
         True,
         "advertised (amx_tile amx_int8 amx_bf16) and granted by the OS",
     )
-    assert "no AMX kernels yet: unused" in isa.amx_note(SAPPHIRE_RAPIDS, ok)
-    assert isa.machine_levels(SAPPHIRE_RAPIDS)[-1] == "avx512-bf16"  # AMX is no level
+    assert isa.machine_levels(SAPPHIRE_RAPIDS, ok)[-2:] == ("avx512-bf16", "amx")
+    assert isa.chosen_level(SAPPHIRE_RAPIDS, ok) == ("amx", "$PAGEDLLM_CPU_LEVEL")
+    monkeypatch.delenv(isa.ENV)
+    assert isa.chosen_level(SAPPHIRE_RAPIDS, ok) == ("amx", "the best this CPU and OS run")
+    used = "; used: the GGUF panels' int8 dots, 16 rows of x at a time"
+    assert isa.amx_note("amx", SAPPHIRE_RAPIDS, ok).endswith(used)
+    assert isa.amx_note("avx2", SAPPHIRE_RAPIDS, ok).endswith("; unused at the avx2 level")
     assert isa.amx_status(CPUS["AVX-512 VNNI"][0], refused) == (False, "not advertised")
-    assert isa.amx_note(CPUS["AVX2"][0]) == ""
+    assert isa.amx_note("avx2", CPUS["AVX2"][0]) == ""
     # this machine: the real system call answers (where AMX is listed, the kernel is asked for real)
     granted, why = isa.amx_status()
     assert granted == (why.endswith("granted by the OS"))
     assert ("amx_tile" in isa.cpu_flags()) == (why != "not advertised")
+    assert ("amx" in isa.machine_levels()) == (granted and "amx_int8" in isa.cpu_flags())
 
 
 def test_the_start_up_log_says_why_amx_is_not_used(monkeypatch, caplog):
@@ -210,4 +242,4 @@ def test_the_start_up_log_says_why_amx_is_not_used(monkeypatch, caplog):
         kernels.load.cache_clear(), kernels.try_load.cache_clear()
     lines = [r.getMessage() for r in caplog.records]
     assert "AMX: advertised (amx_tile) but the OS refuses it; not used" in lines
-    assert any(line.startswith("C kernels: the ") for line in lines)
+    assert any(line.startswith("C kernels: the ") and "amx" not in line for line in lines)  # the next level down

@@ -227,6 +227,56 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
             blocks.in_features(ptype, odd)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, *PAIRED_TYPES], ids=lambda t: t.name)
+def test_amx_tiles_give_each_row_the_bits_of_avx512_vnni(qtype):
+    """At the amx level (where the OS grants tile data) the panel GEMM's tiles of 16 rows of x multiply on AMX
+    (Q4_K, Q5_K and the paired types without a min; the others keep AVX-512 VNNI's tiles): the words less their
+    offset as signed bytes (tdpbssd) or unsigned (tdpbsud), Q4_K's scales in exact float chunks, then the same float
+    multiply-adds. Each row's bits equal the same build's AVX-512 VNNI tiles: repacked panels past 40 rows, the
+    file's layout past 16 (a last panel of fewer columns), a last tile of fewer than 16 rows padded, and a K whose
+    count of 32-blocks is no multiple of 4 (the tiles take four groups at a time)."""
+    from pagedllm import kernels
+
+    machine = kernels.load()
+    if machine.level != "amx":
+        pytest.skip(f"the machine's kernels are at the {machine.level} level, not amx (no AMX tile data granted)")
+    blocks = machine.gguf
+    cases = [(48, 1280, True), (48, 1216 if qtype in PAIRED_TYPES else 1536, True)]
+    if qtype in TYPES:
+        cases.append((53, 1280, False))  # the file's layout through the GEMM
+    try:
+        for n, k, repack in cases:
+            raw_np = random_blocks(qtype, n, k, seed=k)
+            if qtype == T.Q8_0:  # q = -128 too, which a file may hold
+                raw_np.reshape(n, -1, 34)[:, ::3, 2:6] = 0x80
+            raw = torch.from_numpy(raw_np)
+            ptype, w = blocks.pack(int(qtype), raw) if repack else (int(qtype), raw)
+            assert (ptype > 100) == repack
+            for m in (17, 41, 70):
+                x = torch.randn(m, k) * torch.logspace(-2, 1, k)[torch.randperm(k)]
+                blocks.use_amx = False
+                want = blocks.matmul_a8(ptype, x, w)
+                blocks.use_amx = True
+                assert torch.equal(blocks.matmul_a8(ptype, x, w), want), (n, k, repack, m)
+                if repack:  # and a row alone (the in-place kernels) the same bits again
+                    alone = torch.cat([blocks.matmul_a8(ptype, x[i : i + 1], w) for i in range(0, m, 7)])
+                    assert torch.equal(want[::7], alone)
+        if qtype in (T.Q4_K, T.Q5_K):  # the largest sums Q4_K's float chunks take: exact only within their bound
+            n, k = 32, 512  # every q, scale and min at its top (bytes 0xFF), d and dmin small
+            raw = np.full((n, k // 256, {T.Q4_K: 144, T.Q5_K: 176}[qtype]), 0xFF, dtype=np.uint8)
+            raw[..., 0:4] = np.array([1e-3, 1e-4], dtype=np.float16).view(np.uint8)
+            ptype, w = blocks.pack(int(qtype), torch.from_numpy(raw.reshape(n, -1)))
+            x = torch.ones(2, 48, k)  # rounded to 127 but one 126 a group (x[1]: two in every fourth group): odd
+            x[:, :, ::32] = 126 / 127  # dots (and some even), so that a float sum of a chunk too long would pass
+            x[1, :, 97::128] = 126 / 127  # 2^24 at an odd integer and round (and not back again)
+            blocks.use_amx = False
+            want = [blocks.matmul_a8(ptype, xi, w) for xi in x]
+            blocks.use_amx = True
+            assert all(torch.equal(blocks.matmul_a8(ptype, xi, w), wi) for xi, wi in zip(x, want, strict=True))
+    finally:
+        blocks.use_amx = True
+
+
 def test_a_nan_row_stays_nan_in_the_gemm_and_leaves_the_others_finite(gemm_from):
     blocks = gemm_from(0)
     raw = torch.from_numpy(random_blocks(T.Q4_K, 20, 512))

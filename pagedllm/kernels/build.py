@@ -45,6 +45,7 @@ _HEADERS = [
         "gguf_dequant.h",
         "gguf_rows.h",
         "gguf_panels_avx512.h",
+        "gguf_panels_amx.h",
         "gguf_panels_avx2.h",
     )
 ]
@@ -87,7 +88,7 @@ def load() -> Kernels:
     except OSError as e:  # e.g. a cached build this system can no longer load
         raise KernelBuildError(f"loading pagedllm's C kernels from {path} failed: {e}") from e
     logger.info("C kernels: the %s instruction-set level (%s; of %s)", level, why, ", ".join(isa.machine_levels()))
-    amx = isa.amx_note()
+    amx = isa.amx_note(level)
     if amx:
         logger.info("%s", amx)
     return kernels

@@ -12,7 +12,7 @@
 #include "gguf_panels.h"
 #include "gguf_dequant.h"
 #include "gguf_rows.h"
-#include "gguf_panels_avx512.h"
+#include "gguf_panels_avx512.h"  /* which includes gguf_panels_amx.h for its GEMM */
 #include "gguf_panels_avx2.h"
 
 /* more rows of x than this (half as many again for Q6_K) go to the panel GEMM (AVX-512), fewer to the row kernels;

@@ -38,6 +38,7 @@
  *   gguf_dequant.h        float32 weights: gguf's dequantization, the gguf-exact GEMV, the int4 / int8 groups
  *   gguf_rows.h           int8 activations (Q8_K / Q8_0) and the row kernels: a weight row read as stored
  *   gguf_panels_avx512.h  the panel GEMM on AVX-512 VNNI: one kernel at every row count
+ *   gguf_panels_amx.h     its integer dots on AMX tiles past 16 rows of x, the same bits (the amx level)
  *   gguf_panels_avx2.h    the same panels and bits on AVX2's 256-bit registers
  *   gguf_blocks.c         the entry points: which kernel a type, a row count and the level take
  */
@@ -54,6 +55,10 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GB_AVX512 1
+#endif
+/* the amx level: the panel GEMM's dots on AMX tiles (gguf_panels_amx.h) */
+#if defined(GB_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define GB_AMX 1
 #endif
 /* the repacked panels (gguf_pack_panels) and their one kernel at every row count: AVX-512 VNNI's, and below it
  * the same panels read as two halves of 8 rows on AVX2's 256-bit registers (the same bits: see gguf_panels_avx2.h) */

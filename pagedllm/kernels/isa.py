@@ -11,7 +11,10 @@ Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compile
   and 5): the GGUF panels' AVX-512 kernels (``gguf_panels_avx512.h``) here and above, AVX2's below;
 * ``avx512-bf16``: ``avx512-vnni`` and AVX512_BF16's bfloat16 dot products (Intel since Cooper Lake / Sapphire
   Rapids, AMD Zen 4 and 5): attention over a bfloat16 KV cache multiplies bfloat16 pairs (``vdpbf16ps``); every
-  other kernel is ``avx512-vnni``'s.
+  other kernel is ``avx512-vnni``'s;
+* ``amx``: ``avx512-bf16`` and AMX's int8 tile multiplies (Intel Xeon since Sapphire Rapids), only where the OS
+  grants this process tile data (below): the GGUF panel GEMM's integer dots for 16 rows of x at a time
+  (``gguf_panels_amx.h``, the same bits as ``avx512-vnni``'s); every other kernel is ``avx512-bf16``'s.
 
 The machine's levels are those whose features ``/proc/cpuinfo`` lists. Linux lists a feature only where the OS
 saves its registers (it clears AVX and AVX-512 when XCR0 does not enable their state), so a listed level is one
@@ -20,12 +23,12 @@ Zen 4 and Ice Lake run ``avx512-vnni`` but have no AVX-VNNI), so each can be tes
 machine; by default the best is built. ``native`` builds for every feature the compiler sees in the CPU
 (``-march=native``), to compare a level against. The choice is logged where the kernels load.
 
-AMX (Intel Xeon since Sapphire Rapids: int8 and bfloat16 tile multiplies) is no level: pagedllm has no AMX
-kernels. A CPU that advertises it is still asked, as any AMX code must ask before its first tile instruction,
-whether the OS grants this process the tile data (:func:`amx_status`: the kernel's supported extended
-features, then ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); some virtual machines list ``amx_tile``
-in ``/proc/cpuinfo`` and trap the first tile instruction (llama.cpp built ``GGML_NATIVE`` dies there with
-SIGILL). The answer is logged beside the level, so a machine's log says whether AMX kernels could run on it.
+AMX is the one feature /proc/cpuinfo's word is not enough for: a CPU that advertises it is asked, as any AMX code
+must ask before its first tile instruction, whether the OS grants this process the tile data (:func:`amx_status`:
+the kernel's supported extended features, then ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); some
+virtual machines list ``amx_tile`` in ``/proc/cpuinfo`` and trap the first tile instruction (llama.cpp built
+``GGML_NATIVE`` dies there with SIGILL). Where it is refused, the ``amx`` level is not the machine's, and the
+best of the rest runs; the answer is logged beside the level either way.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import platform
 from collections.abc import Callable
 
 ENV = "PAGEDLLM_CPU_LEVEL"
-LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni", "avx512-bf16")
+LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni", "avx512-bf16", "amx")
 NATIVE = "native"  # not x86-64: the compiler's -march=native, the only level
 # what gcc's -march=x86-64-v3 may emit (x86-64-v2's SSE3 ("pni") to POPCNT, then AVX2, BMI1/2, F16C, FMA,
 # LZCNT ("abm"), MOVBE, XSAVE), by /proc/cpuinfo's names: a level is the machine's only if it lists every one
@@ -49,6 +52,7 @@ _NEEDS: dict[str, frozenset[str]] = {
     "avx2-vnni": _AVX2 | {"avx_vnni"},
     "avx512-vnni": _AVX512_VNNI,
     "avx512-bf16": _AVX512_VNNI | {"avx512_bf16"},
+    "amx": _AVX512_VNNI | {"avx512_bf16", "amx_tile", "amx_int8"},  # and the OS's grant of tile data
 }
 _MARCH: dict[str, list[str]] = {
     "portable": ["-march=x86-64"],
@@ -56,6 +60,7 @@ _MARCH: dict[str, list[str]] = {
     "avx2-vnni": ["-march=x86-64-v3", "-mavxvnni"],
     "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni"],
     "avx512-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
+    "amx": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
     NATIVE: ["-march=native"],
 }
 
@@ -103,12 +108,21 @@ def amx_status(
     return True, f"advertised ({' '.join(listed)}) and granted by the OS"
 
 
-def amx_note(flags: frozenset[str] | None = None, prctl: Callable[[int, int], tuple[int, int]] | None = None) -> str:
-    """The start-up log's words on AMX: empty where the CPU does not advertise it."""
+def amx_note(
+    level: str,
+    flags: frozenset[str] | None = None,
+    prctl: Callable[[int, int], tuple[int, int]] | None = None,
+) -> str:
+    """The start-up log's words on AMX for a run at ``level``: empty where the CPU does not advertise it."""
     granted, why = amx_status(flags, prctl)
     if why == "not advertised":
         return ""
-    use = "pagedllm has no AMX kernels yet: unused" if granted else "not used"
+    if not granted:
+        use = "not used"
+    elif level == "amx":
+        use = "used: the GGUF panels' int8 dots, 16 rows of x at a time"
+    else:
+        use = f"unused at the {level} level"
     return f"AMX: {why}; {use}"
 
 
@@ -130,18 +144,27 @@ def is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def machine_levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:
-    """The levels this CPU and OS run, lowest first (``("native",)`` off x86-64). ``flags``: /proc/cpuinfo's."""
+def machine_levels(
+    flags: frozenset[str] | None = None, prctl: Callable[[int, int], tuple[int, int]] | None = None
+) -> tuple[str, ...]:
+    """The levels this CPU and OS run, lowest first (``("native",)`` off x86-64). ``flags``: /proc/cpuinfo's;
+    ``amx`` only where the OS grants tile data (:func:`amx_status`, asking through ``prctl``: for tests)."""
     if flags is None:
         if not is_x86():
             return (NATIVE,)
         flags = cpu_flags()
-    return tuple(level for level in LEVELS if _NEEDS[level] <= flags)
+    listed = [level for level in LEVELS if _NEEDS[level] <= flags]
+    if "amx" in listed and not amx_status(flags, prctl)[0]:
+        listed.remove("amx")
+    return tuple(listed)
 
 
-def chosen_level(flags: frozenset[str] | None = None) -> tuple[str, str]:
-    """(the level to build, why): ``$PAGEDLLM_CPU_LEVEL`` where set, else the machine's best."""
-    levels = machine_levels(flags)
+def chosen_level(
+    flags: frozenset[str] | None = None, prctl: Callable[[int, int], tuple[int, int]] | None = None
+) -> tuple[str, str]:
+    """(the level to build, why): ``$PAGEDLLM_CPU_LEVEL`` where set, else the machine's best (``flags`` and
+    ``prctl`` as :func:`machine_levels` takes them)."""
+    levels = machine_levels(flags, prctl)
     asked = os.environ.get(ENV, "").strip().lower()
     if not asked:
         return levels[-1], "the best this CPU and OS run"
@@ -153,6 +176,9 @@ def chosen_level(flags: frozenset[str] | None = None) -> tuple[str, str]:
         if levels == (NATIVE,):
             raise CPULevelError(f"${ENV}={asked!r} is an x86-64 level, and this machine is not x86-64: use native")
         missing = sorted(_NEEDS[asked] - (flags if flags is not None else cpu_flags()))
+        if not missing:  # the amx level on a CPU that lists AMX: the OS does not grant it
+            why = amx_status(flags, prctl)[1]
+            raise CPULevelError(f"${ENV}={asked!r}: AMX is {why}; its levels: {', '.join(levels)}")
         raise CPULevelError(
             f"${ENV}={asked!r} needs what this machine lacks ({', '.join(missing)}); its levels: {', '.join(levels)}"
         )

@@ -517,6 +517,7 @@ class GGUFBlocks:
         for fn in (*fns, self._to_groups, self._pack, self._unpack):
             fn.restype = c_int
         self._gemm_min_rows = ctypes.c_int.in_dll(lib, "gguf_gemm_min_rows")
+        self._use_amx = ctypes.c_int.in_dll(lib, "gguf_use_amx") if hasattr(lib, "gguf_use_amx") else None
         lib.gguf_has_gemm.restype = lib.gguf_has_panels.restype = c_int
         self.has_gemm = bool(lib.gguf_has_gemm())
         """Whether many rows of integer activations on the file's layout run a GEMM (AVX-512 VNNI builds); else
@@ -524,6 +525,17 @@ class GGUFBlocks:
         self.has_panels = bool(lib.gguf_has_panels())
         """Whether ``pack`` repacks weights into panels of 16 rows, which one kernel multiplies at every row count
         (AVX2 and AVX-512 VNNI builds)."""
+
+    @property
+    def use_amx(self) -> bool:
+        """Whether the panel GEMM's tiles of 16 rows of x take AMX (builds of the ``amx`` level only; the same
+        bits either way): for tests and benchmarks to compare the two in one build."""
+        return bool(self._use_amx.value) if self._use_amx is not None else False
+
+    @use_amx.setter
+    def use_amx(self, on: bool) -> None:
+        if self._use_amx is not None:
+            self._use_amx.value = int(on)
 
     @property
     def gemm_min_rows(self) -> int:
