@@ -110,9 +110,9 @@ def test_the_avx512_vnni_build_holds_no_bfloat16_products(tmp_path):
 
 
 def test_only_the_amx_build_holds_tile_multiplies(tmp_path):
-    """The amx level's GGUF kernels configure tiles and multiply on them (tdpbssd for words with an offset,
-    tdpbsud for those without), and let them go; the level below never emits a tile instruction (the compiler is
-    not allowed to: no -mamx-* flag). Compiled only, so it holds on any x86-64 machine."""
+    """The amx level's GGUF kernels configure tiles, multiply on them (tdpbssd) and let them go; the level below
+    never emits a tile instruction (the compiler is not allowed to: no -mamx-* flag). Compiled only, so it holds on
+    any x86-64 machine."""
     from pagedllm import kernels
     from pagedllm.kernels.build import library_flags
 
@@ -122,7 +122,7 @@ def test_only_the_amx_build_holds_tile_multiplies(tmp_path):
     obj = tmp_path / "amx.o"
     subprocess.run([os.environ.get("CC", "cc"), *library_flags("amx"), "-c", str(src), "-o", str(obj)], check=True)
     code = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
-    for instruction in ("ldtilecfg", "tileloadd", "tdpbssd", "tdpbsud", "tilestored", "tilerelease"):
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbssd", "tilestored", "tilerelease"):
         assert instruction in code, instruction
     assert "-mamx-int8" not in library_flags("avx512-bf16") and "-mamx-int8" in library_flags("amx")
 
@@ -218,7 +218,7 @@ def test_amx_is_used_only_where_the_os_grants_tile_data(monkeypatch):
     assert isa.chosen_level(SAPPHIRE_RAPIDS, ok) == ("amx", "$PAGEDLLM_CPU_LEVEL")
     monkeypatch.delenv(isa.ENV)
     assert isa.chosen_level(SAPPHIRE_RAPIDS, ok) == ("amx", "the best this CPU and OS run")
-    used = "; used: the GGUF panels' int8 dots, 16 rows of x at a time"
+    used = "; used: the int8 dots of Q8_0, Q5_0, Q4_0 and IQ4_NL panels, 16 rows of x at a time"
     assert isa.amx_note("amx", SAPPHIRE_RAPIDS, ok).endswith(used)
     assert isa.amx_note("avx2", SAPPHIRE_RAPIDS, ok).endswith("; unused at the avx2 level")
     assert isa.amx_status(CPUS["AVX-512 VNNI"][0], refused) == (False, "not advertised")

@@ -748,14 +748,14 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         return failed ? -2 : 0;
     }
 #ifdef GB_AMX
-    const int amx = gguf_use_amx && M >= AMX_ROWS && amx_takes(type) && amx_granted();
+    const int amx = gguf_use_amx && M >= AMX_ROWS && amx_offset(type) && amx_granted();
 #endif
 #pragma omp parallel
     {
         int ok = 1;
 #ifdef GB_AMX
         amx_pad_t pad = {0};
-        if (amx) amx_configure(G), ok = amx_pad(&pad, K, ng, ndx);  /* G: 32 for every type AMX takes */
+        if (amx) amx_configure(), ok = amx_pad(&pad, K);
 #endif
         const size_t nums = (size_t)ng * NP * 4, ubytes = (size_t)K / 4 * NP * 4;
         panel_t p[2];
@@ -800,7 +800,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 else
                     for (int c = 0; c < nc; c++) pack_column(type, raw + (c0 + c) * row_bytes, K, c, &p[i]);
 #ifdef GB_AMX
-                if (amx && amx_offset(type)) amx_signed(&p[i], K, amx_offset(type));  /* read by AMX only */
+                if (amx) amx_signed(&p[i], K, amx_offset(type));  /* read by AMX only */
 #endif
             }
             const int tile = np == 2 ? RT2 : RT;
@@ -809,20 +809,10 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 if (amx) {  /* 16 rows on AMX, a panel at a time (the last tile padded): the same bits */
                     rt = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
                     const int8_t *q = qx + m0 * K;
-                    const int32_t *xs2r = xs2 + m0 * (ng / 2);
                     const float *dxr = dx + m0 * ndx;
-                    if (rt < AMX_ROWS) {
-                        amx_pad_rows(&pad, (int)rt, K, ng, ndx, q, xs2r, dxr);
-                        q = pad.qx, xs2r = pad.xs2, dxr = pad.dx;
-                    }
-                    for (int i = 0; i < np; i++) {
-                        const panel_t *pi = &p[i];
-                        float *yr = y + m0 * ldy + n0 + i * NP;
-                        if (type == Q4_K || type == Q5_K)
-                            amx_rows(Q4_K, type == Q5_K, (int)rt, K, ng, pi, q, xs2r, dxr, ndx, yr, ldy, mask[i]);
-                        else  /* Q8_0, Q5_0, Q4_0, IQ4_NL: Q5_0's arithmetic, the words signed */
-                            amx_rows(Q5_0, 0, (int)rt, K, ng, pi, q, xs2r, dxr, ndx, yr, ldy, mask[i]);
-                    }
+                    if (rt < AMX_ROWS) amx_pad_rows(&pad, (int)rt, K, q, dxr), q = pad.qx, dxr = pad.dx;
+                    for (int i = 0; i < np; i++)
+                        amx_rows((int)rt, K, &p[i], q, dxr, y + m0 * ldy + n0 + i * NP, ldy, mask[i]);
                     continue;
                 }
 #endif

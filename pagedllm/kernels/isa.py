@@ -13,8 +13,9 @@ Levels, lowest first (x86-64; elsewhere the one level is ``native``, the compile
   Rapids, AMD Zen 4 and 5): attention over a bfloat16 KV cache multiplies bfloat16 pairs (``vdpbf16ps``); every
   other kernel is ``avx512-vnni``'s;
 * ``amx``: ``avx512-bf16`` and AMX's int8 tile multiplies (Intel Xeon since Sapphire Rapids), only where the OS
-  grants this process tile data (below): the GGUF panel GEMM's integer dots for 16 rows of x at a time
-  (``gguf_panels_amx.h``, the same bits as ``avx512-vnni``'s); every other kernel is ``avx512-bf16``'s.
+  grants this process tile data (below): the GGUF panel GEMM's integer dots of Q8_0, Q5_0, Q4_0 and IQ4_NL for 16
+  rows of x at a time (``gguf_panels_amx.h``, the same bits as ``avx512-vnni``'s); every other kernel is
+  ``avx512-bf16``'s.
 
 The machine's levels are those whose features ``/proc/cpuinfo`` lists. Linux lists a feature only where the OS
 saves its registers (it clears AVX and AVX-512 when XCR0 does not enable their state), so a listed level is one
@@ -120,7 +121,7 @@ def amx_note(
     if not granted:
         use = "not used"
     elif level == "amx":
-        use = "used: the GGUF panels' int8 dots, 16 rows of x at a time"
+        use = "used: the int8 dots of Q8_0, Q5_0, Q4_0 and IQ4_NL panels, 16 rows of x at a time"
     else:
         use = f"unused at the {level} level"
     return f"AMX: {why}; {use}"
