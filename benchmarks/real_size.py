@@ -15,9 +15,10 @@ turned into a TTFT: prompt tokens / rate), llama.cpp built from the ``llama-cpp-
         && cmake --build build -j2 --target llama-bench llama-server
 
 ``--level`` runs pagedllm's kernels at that instruction-set level (``$PAGEDLLM_CPU_LEVEL``: portable, avx2,
-avx2-vnni, avx512-vnni, avx512-bf16; default the machine's best), and below AVX-512 torch's own kernels and oneDNN's
-GEMM at that level too (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``); the peer at the same level is llama.cpp built
-for it without ``GGML_NATIVE`` (a native build may also die on a VM that advertises AMX and traps it), e.g. AVX2:
+avx2-vnni, avx512-vnni, avx512-bf16, amx; default the machine's best), and below AVX-512 torch's own kernels and
+oneDNN's GEMM at that level too (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``); the peer at the same level is
+llama.cpp built for it without ``GGML_NATIVE`` (a native build may also die on a VM that advertises AMX and traps
+it, and its AMX kernels crashed on one that grants it: ``--llama-args "--repack 0"`` runs it without them), e.g. AVX2:
 
     cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
         -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF  (add -DGGML_AVX_VNNI=ON for avx2-vnni)

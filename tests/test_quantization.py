@@ -487,10 +487,10 @@ def test_paged_prefill_kernel_reads_low_precision_caches(dtype):
 
 
 def _low_precision_tolerance(dtype: torch.dtype) -> dict:
-    """At avx512-bf16 a bfloat16 cache is read with bfloat16 pair products: the query and the softmax weights are
-    rounded to bfloat16 too (2^-9 each); otherwise the kernels read the cache's values exactly (int8: the query
-    rounded as the reference rounds it)."""
-    if dtype == torch.bfloat16 and cpu_paged.kernels.load().level == "avx512-bf16":
+    """Where the kernels are built with AVX512_BF16 (avx512-bf16 and amx) a bfloat16 cache is read with bfloat16
+    pair products: the query and the softmax weights are rounded to bfloat16 too (2^-9 each); otherwise the kernels
+    read the cache's values exactly (int8: the query rounded as the reference rounds it)."""
+    if dtype == torch.bfloat16 and cpu_paged.kernels.load().gguf.has_bf16_dot:  # the one __AVX512BF16__ both ask
         return dict(rtol=1e-2, atol=1e-2)
     return dict(rtol=1e-5, atol=1e-5)
 
