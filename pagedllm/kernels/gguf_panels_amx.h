@@ -66,7 +66,7 @@ static int amx_offset(int type) {
     }
 }
 
-/* panel p's words (K / 4 vectors) less the type's offset, as signed bytes (q: Q8_0's own, Q6_K's q - 32, ...) */
+/* panel p's words (K / 4 vectors) less the type's offset, as signed bytes (Q8_0's own q, Q4_0's q - 8, ...) */
 static void amx_signed(const panel_t *p, int64_t K, int off) {
     const __m512i o = _mm512_set1_epi8((char)off);
     for (int64_t w = 0; w < K / 4; w++) {
@@ -112,7 +112,7 @@ static void amx_configure(void) {
  * multiplies run while AVX-512 takes the four before. */
 static inline __attribute__((always_inline)) void amx_rows(int rt, int64_t K, const panel_t *p, const int8_t *qx,
                                                            const float *dx, float *y, int64_t ldy, __mmask16 mask) {
-    const int64_t nb = K / 32;  /* even: K a multiple of 64 */
+    const int64_t nb = K / 32;  /* any count: the last four may be fewer (the file's layout, an odd count) */
     int32_t dots[4][AMX_ROWS * NP] __attribute__((aligned(64)));
     __m512 acc[AMX_ROWS];
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();

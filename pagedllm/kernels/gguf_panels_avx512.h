@@ -755,7 +755,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         int ok = 1;
 #ifdef GB_AMX
         amx_pad_t pad = {0};
-        if (amx) amx_configure(), ok = amx_pad(&pad, K);
+        if (amx) amx_configure(), ok = M % AMX_ROWS ? amx_pad(&pad, K) : 1;  /* a short last tile's rows */
 #endif
         const size_t nums = (size_t)ng * NP * 4, ubytes = (size_t)K / 4 * NP * 4;
         panel_t p[2];
