@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -628,7 +629,8 @@ def test_kernels_build_from_an_empty_cache(monkeypatch, tmp_path):
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     built = kernels.load.__wrapped__()
-    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no object files left behind
+    # no object files left behind: the .so, and the lock that kept other processes from compiling it too
+    assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".lock", ".so"]
     x, w = torch.randn(2, 64), torch.randn(8, 64)
     torch.testing.assert_close(
         built.int8_matmul(x, *quantize_int8(w)),
@@ -636,6 +638,69 @@ def test_kernels_build_from_an_empty_cache(monkeypatch, tmp_path):
         rtol=1e-5,
         atol=1e-4,
     )
+
+
+def test_processes_that_start_together_on_an_empty_cache_compile_once(tmp_path):
+    """Two processes (TP ranks, replicas, test workers) loading the kernels at once into one empty cache: the first
+    compiles, the other waits on its lock and takes its .so. A "compiler" that logs each call and is slow (1 s) stands
+    in for cc; its .so is not a library, so both then fail to load it, naming the file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    calls = tmp_path / "calls"
+    cc = tmp_path / "slow-cc"
+    cc.write_text(
+        textwrap.dedent(f"""\
+            #!/bin/sh
+            echo "$$ $*" >> {calls}
+            sleep 1
+            while [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done
+            """)
+    )
+    cc.chmod(0o755)
+    code = textwrap.dedent("""\
+        from pagedllm import kernels
+        try:
+            kernels.load()
+        except kernels.KernelBuildError as e:
+            print(e)
+        """)
+    env = {**os.environ, "CC": str(cc), "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all("loading pagedllm's C kernels from" in out for out in outs), outs
+    lines = calls.read_text().splitlines()
+    assert len({line.split()[0] for line in lines}) == len(lines) == 6, lines  # 5 sources and a link: one build
+
+
+def test_threads_that_load_the_kernels_together_build_and_log_once(caplog):
+    """The background build and the engine's own call can meet: one of them loads the library, the other waits and
+    takes it, and the start-up lines appear once."""
+    import threading
+
+    from pagedllm import kernels
+
+    kernels.load.cache_clear(), kernels.try_load.cache_clear()
+    start, got = threading.Barrier(4), []
+
+    def call() -> None:
+        start.wait()
+        got.append(kernels.load())
+
+    try:
+        with caplog.at_level("INFO", logger="pagedllm"):
+            threads = [threading.Thread(target=call) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        kernels.load.cache_clear(), kernels.try_load.cache_clear()
+    assert len(got) == 4 and all(k is got[0] for k in got)
+    assert sum(r.getMessage().startswith("C kernels: the ") for r in caplog.records) == 1
 
 
 def test_kernel_build_without_a_compiler_fails_clearly(monkeypatch, tmp_path):
@@ -648,4 +713,5 @@ def test_kernel_build_without_a_compiler_fails_clearly(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails: its message is passed on
     with pytest.raises(kernels.KernelBuildError, match="building pagedllm's C kernels failed"):
         kernels.load.__wrapped__()
-    assert not list((tmp_path / "kernels").iterdir())  # nothing half-written is left to load
+    # nothing half-written is left to load (only the build's lock)
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".lock"]

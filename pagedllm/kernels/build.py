@@ -6,6 +6,7 @@ The sources sit next to this file (package data: ``"pagedllm.kernels" = ["*.c", 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -17,6 +18,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 import torch
 
@@ -56,10 +59,32 @@ def library_flags(level: str) -> list[str]:
     return ["-O3", *isa.compile_flags(level), "-fopenmp", "-shared", "-fPIC"]
 
 
-_BUILD_LOCK = threading.Lock()
+T = TypeVar("T")
 
 
-@functools.cache
+class _Once(Generic[T]):
+    """``functools.cache`` for a function of no arguments, whose body also runs once when threads call it together
+    (the background build and the engine's own call: both missed ``functools.cache``, built one after the other and
+    logged twice). ``cache_clear`` and ``__wrapped__`` as ``functools.cache`` has them; an exception is not kept."""
+
+    def __init__(self, fn: Callable[[], T]):
+        functools.update_wrapper(self, fn)
+        self.__wrapped__ = fn
+        self._lock = threading.Lock()
+        self._value: list[T] = []
+
+    def __call__(self) -> T:
+        with self._lock:
+            if not self._value:
+                self._value.append(self.__wrapped__())
+            return self._value[0]
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._value.clear()
+
+
+@_Once
 def load() -> Kernels:
     """Build (once per source version and instruction-set level) and load the kernels; raises KernelBuildError when
     that fails, and :class:`~pagedllm.kernels.isa.CPULevelError` for a ``$PAGEDLLM_CPU_LEVEL`` this machine cannot
@@ -76,13 +101,14 @@ def load() -> Kernels:
             digest.update(f.read())
     out_dir = os.path.join(cache_root(), "kernels")
     path = os.path.join(out_dir, f"pagedllm-kernels-{digest.hexdigest()[:16]}.so")
-    with _BUILD_LOCK:  # one build per process: a second caller waits for it (e.g. the background build)
-        if not os.path.exists(path):
-            if shutil.which(cc) is None:
-                raise KernelBuildError(
-                    f"pagedllm's C kernels are compiled on first use, but no C compiler ({cc!r}; set $CC) was found"
-                )
-            _build(cc, flags, out_dir, path)
+    if not os.path.exists(path):  # (one build per process: `_Once`; a second caller waits for it)
+        if shutil.which(cc) is None:
+            raise KernelBuildError(
+                f"pagedllm's C kernels are compiled on first use, but no C compiler ({cc!r}; set $CC) was found"
+            )
+        with _across_processes(out_dir, path):  # and one per machine: TP ranks, replicas, test workers
+            if not os.path.exists(path):  # (built by the process that held the lock before this one)
+                _build(cc, flags, out_dir, path)
     try:
         kernels = Kernels(ctypes.CDLL(path), level)
     except OSError as e:  # e.g. a cached build this system can no longer load
@@ -92,6 +118,30 @@ def load() -> Kernels:
     if amx:
         logger.info("%s", amx)
     return kernels
+
+
+@contextlib.contextmanager
+def _across_processes(out_dir: str, path: str) -> Iterator[None]:
+    """An advisory lock on ``path`` + ".lock" (``flock``: the kernel drops it when its holder exits, however it
+    ends), so that processes starting together on a fresh cache compile once and the others wait for that .so. Where
+    the lock cannot be taken (no ``fcntl``, a file system without locks) each process builds, as before: the .so still
+    appears atomically."""
+    try:
+        import fcntl
+
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def _build(cc: str, flags: list[str], out_dir: str, path: str) -> None:
@@ -140,7 +190,7 @@ def for_tensor(x: torch.Tensor) -> Kernels | None:
     return try_load()
 
 
-@functools.cache
+@_Once
 def try_load() -> Kernels | None:
     """The kernels, or None (with one warning) where they cannot be built: callers fall back to torch."""
     try:

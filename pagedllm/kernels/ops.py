@@ -32,6 +32,8 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL, level: str = "native"):
         self.level = level
         """The instruction-set level the library was built for (:mod:`pagedllm.kernels.isa`)."""
+        self.path: str = lib._name
+        """The shared library's file (in the kernel cache)."""
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._matmul = lib.int4_matmul
         self._dequant = lib.int4_dequantize
