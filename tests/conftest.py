@@ -85,6 +85,10 @@ def pytest_configure(config: pytest.Config) -> None:
             returncode=pytest.ExitCode.USAGE_ERROR,
         )
     home = factory.mktemp("isolated", numbered=False) / "home"
+    # pagedllm's own cache (kernels compiled per level, converted configs and tokenizers) is one for the whole run,
+    # in the controller's folder, so the workers compile each level once between them, not once each (it is made
+    # for sharing: entries appear atomically and a kernel build holds a lock that other processes wait on)
+    shared = (base.parent if not controller else base) / "shared-cache"
     # Ray puts its sockets 70 bytes below its temp dir (ray/session_<date>_<pid>/sockets/plasma_store), and an
     # AF_UNIX path may not pass 107 bytes: the session's base folder itself, where it is short enough
     ray = base / "r"
@@ -99,7 +103,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "XDG_DATA_HOME": home / ".local" / "share",
         "XDG_STATE_HOME": home / ".local" / "state",
         "RAY_TMPDIR": ray,
-        "PAGEDLLM_CACHE_DIR": home / ".cache" / "pagedllm",
+        "PAGEDLLM_CACHE_DIR": shared / "pagedllm",
     }
     assert set(dirs) == set(_ISOLATED)
     for name, path in dirs.items():

@@ -62,20 +62,24 @@ def test_the_environment_variable_chooses_a_level_at_or_below_the_machines(monke
         isa.chosen_level(flags)
 
 
-@pytest.fixture(scope="module")
-def avx2_kernels(tmp_path_factory):
-    """The whole kernel library built at the avx2 level, in a cache of its own (the machine's build is untouched)."""
+def _built_at(level: str):
+    """The whole kernel library built at ``level`` (in the kernel cache, as any build; the machine's own stays
+    loaded)."""
     from pagedllm import kernels
 
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(isa.ENV, level)
+        built = kernels.load.__wrapped__()
+    assert built.level == level
+    return built
+
+
+@pytest.fixture(scope="module")
+def avx2_kernels():
     if "avx2" not in isa.machine_levels():
         pytest.skip("this machine does not run AVX2")
-    cache = tmp_path_factory.mktemp("avx2-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(isa.ENV, "avx2")
-        mp.setenv("PAGEDLLM_CACHE_DIR", str(cache))
-        built = kernels.load.__wrapped__()
-    (so,) = (cache / "kernels").glob("*.so")
-    return built, so
+    built = _built_at("avx2")
+    return built, Path(built.path)
 
 
 def test_kernels_built_at_a_lower_level_hold_none_of_the_higher_ones_and_agree(avx2_kernels):
@@ -101,11 +105,15 @@ def test_the_avx512_vnni_build_holds_no_bfloat16_products(tmp_path):
 
     if "avx512-vnni" not in isa.machine_levels() or not shutil.which("objdump"):
         pytest.skip("needs AVX-512 VNNI and objdump")
-    src = Path(kernels.__file__).parent / "paged_attention.c"
     for level, has in (("avx512-vnni", False), ("avx512-bf16", True)):
-        obj = tmp_path / f"{level}.o"
-        subprocess.run([os.environ.get("CC", "cc"), *library_flags(level), "-c", str(src), "-o", str(obj)], check=True)
-        code = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+        if level in isa.machine_levels():  # the build the kernel tests at this level load too
+            code_file = _built_at(level).path
+        else:  # compiled only
+            code_file = str(tmp_path / f"{level}.o")
+            src = Path(kernels.__file__).parent / "paged_attention.c"
+            cc = os.environ.get("CC", "cc")
+            subprocess.run([cc, *library_flags(level), "-c", str(src), "-o", code_file], check=True)
+        code = subprocess.run(["objdump", "-d", code_file], capture_output=True, text=True, check=True).stdout
         assert ("vdpbf16ps" in code) == has, level
 
 
@@ -128,22 +136,16 @@ def test_only_the_amx_build_holds_tile_multiplies(tmp_path):
     assert "-mamx-int8" not in library_flags("avx512-bf16") and "-mamx-int8" in library_flags("amx")
 
 
-def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monkeypatch, caplog, tmp_path):
+def test_the_gguf_default_follows_the_kernel_level(avx2_kernels, qwen_0_5b, monkeypatch, caplog):
     """Qwen2.5-Coder-0.5B's tensors fit the panels: `gguf` where the kernels have them (AVX2 and up), `gguf-exact`
     below (the portable level, gguf_blocks.c built for it); the log names the level."""
     import logging
-    from types import SimpleNamespace
 
     from pagedllm import kernels
-    from pagedllm.kernels.build import library_flags
-    from pagedllm.kernels.ops import GGUFBlocks
     from pagedllm.model_loader.resolve import resolve_model
     from pagedllm.worker.loader import resolve_quantization
 
-    src = Path(kernels.__file__).parent / "gguf_blocks.c"
-    so = tmp_path / "gguf_blocks_portable.so"
-    subprocess.run([os.environ.get("CC", "cc"), *library_flags("portable"), str(src), "-o", str(so)], check=True)
-    portable = SimpleNamespace(gguf=GGUFBlocks(ctypes.CDLL(str(so))), level="portable")
+    portable = _built_at("portable")  # (the build the kernel tests at the portable level load too)
     assert not portable.gguf.has_panels and not portable.gguf.has_gemm
     source = resolve_model(str(qwen_0_5b))
     cpu = torch.device("cpu")
