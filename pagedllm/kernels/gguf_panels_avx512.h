@@ -224,8 +224,19 @@ static void pack_panel_q32(int type, const uint8_t *panel, int64_t K, const pane
     }
 }
 
+/* vpdpbusd with x's 4 bytes as an embedded broadcast ({1to16}): GCC folds no _mm512_set1_epi32 of a load into
+ * this instruction, and its broadcast registers and copies left an 8-row tile spilling (ffn_up at 8 rows:
+ * 472 -> 612 GMAC/s with this and the integer sums in memory) */
+typedef int32_t __attribute__((may_alias)) x4_t;
+static inline __attribute__((always_inline)) __m512i dpbusd_b(__m512i acc, __m512i w, const void *x4) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const x4_t *)x4));
+    return acc;
+}
+
 /* a[q][r] = the integer dots of group g (G elements) of panel q (of np) with rows 0 .. rt - 1 of x (K bytes
- * apart): each row's 4 bytes broadcast once for both panels */
+ * apart): each row's 4 bytes an embedded broadcast of each panel's vpdpbusd, or for Q6_K's groups of 16 one
+ * broadcast register shared by the two panels (on the Intel Xeon of 2026-11-30 the register took 1.03-1.30x the
+ * time of the Q4_K, Q5_K, Q8_0 and Q4_0 GEMMs at 128 and 512 rows, the embedded broadcast 1.01-1.06x Q6_K's) */
 static inline __attribute__((always_inline)) void group_dots(int np, int rt, int G, int64_t K, const panel_t *p, int64_t g,
                                                              const int8_t *qx, __m512i a[2][RT]) {
     for (int q = 0; q < np; q++)
@@ -235,10 +246,14 @@ static inline __attribute__((always_inline)) void group_dots(int np, int rt, int
         __m512i w[2];
         for (int q = 0; q < np; q++) w[q] = _mm512_load_si512(p[q].u + (g * (G / 4) + j) * NP);
         for (int r = 0; r < rt; r++) {
-            int32_t x4;
-            memcpy(&x4, xg + r * K + 4 * j, 4);
-            const __m512i xb = _mm512_set1_epi32(x4);
-            for (int q = 0; q < np; q++) a[q][r] = _mm512_dpbusd_epi32(a[q][r], w[q], xb);
+            if (G == 16) {
+                int32_t x4;
+                memcpy(&x4, xg + r * K + 4 * j, 4);
+                const __m512i xb = _mm512_set1_epi32(x4);
+                for (int q = 0; q < np; q++) a[q][r] = _mm512_dpbusd_epi32(a[q][r], w[q], xb);
+            } else {
+                for (int q = 0; q < np; q++) a[q][r] = dpbusd_b(a[q][r], w[q], xg + r * K + 4 * j);
+            }
         }
     }
 }
@@ -344,15 +359,6 @@ static void repack_panel(int type, const uint8_t *rows, int64_t row_bytes, int64
         if (words % 16) pack_words(src, row_bytes, words - 16, d);  /* the last 16 words: some twice */
         for (int c = 0; c < NP && bytes % 4; c++) memcpy(d + words * 64 + c * (bytes % 4), src + c * row_bytes + 4 * words, bytes % 4);
     }
-}
-
-/* vpdpbusd with x's 4 bytes as an embedded broadcast ({1to16}): GCC folds no _mm512_set1_epi32 of a load into
- * this instruction, and its broadcast registers and copies left an 8-row tile spilling (ffn_up at 8 rows:
- * 472 -> 612 GMAC/s with this and the integer sums in memory) */
-typedef int32_t __attribute__((may_alias)) x4_t;
-static inline __attribute__((always_inline)) __m512i dpbusd_b(__m512i acc, __m512i w, const void *x4) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const x4_t *)x4));
-    return acc;
 }
 
 /* rows 0 .. rt - 1 of y against one repacked Q4_K panel pb: panel_rows(Q4_K, ...) on the panel's words. q5: a
