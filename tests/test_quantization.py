@@ -625,10 +625,15 @@ def test_bad_quantization_settings_are_rejected():
 
 
 def test_kernels_build_from_an_empty_cache(monkeypatch, tmp_path):
+    """At the portable level, the quickest to compile (4 s of the compiler's time against 27 s at amx): the build
+    itself is the same at every level, and the machine's own level was built from an empty cache when this run
+    began (its cache starts empty)."""
     from pagedllm import kernels
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGEDLLM_CPU_LEVEL", "portable")
     built = kernels.load.__wrapped__()
+    assert built.level == "portable"
     # no object files left behind: the .so, and the lock that kept other processes from compiling it too
     assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".lock", ".so"]
     x, w = torch.randn(2, 64), torch.randn(8, 64)
