@@ -53,6 +53,7 @@ _ISOLATED = (
 _DISK_NEEDED = int(2.5 * 2**30)
 _ROOT = Path(__file__).resolve().parent.parent
 _HOME_BEFORE = pytest.StashKey[tuple[Path, set[str]]]()
+_SHARED_CACHE = pytest.StashKey[Path]()
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made the session's temp-path factory
@@ -86,9 +87,12 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     home = factory.mktemp("isolated", numbered=False) / "home"
     # pagedllm's own cache (kernels compiled per level, converted configs and tokenizers) is one for the whole run,
-    # in the controller's folder, so the workers compile each level once between them, not once each (it is made
-    # for sharing: entries appear atomically and a kernel build holds a lock that other processes wait on)
-    shared = (base.parent if not controller else base) / "shared-cache"
+    # in the controller's folder (handed to each xdist worker: pytest_configure_node), so the workers compile each
+    # level once between them, not once each (it is made for sharing: entries appear atomically and a kernel build
+    # holds a lock that other processes wait on)
+    worker_input: dict[str, Any] = getattr(config, "workerinput", {})
+    shared = Path(worker_input["pagedllm_cache"]) if not controller else base / "shared-cache"
+    config.stash[_SHARED_CACHE] = shared
     # Ray puts its sockets 70 bytes below its temp dir (ray/session_<date>_<pid>/sockets/plasma_store), and an
     # AF_UNIX path may not pass 107 bytes: the session's base folder itself, where it is short enough
     ray = base / "r"
@@ -114,6 +118,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # isolated home's, here): one token for the whole run, in the environment, and Ray writes no file for it
     if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(pytest-xdist, in the controller) each worker gets the controller's pagedllm cache folder."""
+    node.workerinput["pagedllm_cache"] = str(node.config.stash[_SHARED_CACHE])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -647,17 +647,20 @@ def test_kernels_build_from_an_empty_cache(monkeypatch, tmp_path):
 
 def test_processes_that_start_together_on_an_empty_cache_compile_once(tmp_path):
     """Two processes (TP ranks, replicas, test workers) loading the kernels at once into one empty cache: the first
-    compiles, the other waits on its lock and takes its .so. A "compiler" that logs each call and is slow (1 s) stands
-    in for cc; its .so is not a library, so both then fail to load it, naming the file."""
+    compiles, the other waits on its lock (and says so) and takes its .so. A "compiler" that logs each call stands in
+    for cc, and it starts only once both processes are about to load, so they overlap however slowly each imports; its
+    .so is not a library, so both then fail to load it, naming the file."""
     import subprocess
     import sys
     import textwrap
+    import time
 
-    calls = tmp_path / "calls"
+    calls, go = tmp_path / "calls", tmp_path / "go"
     cc = tmp_path / "slow-cc"
     cc.write_text(
         textwrap.dedent(f"""\
             #!/bin/sh
+            while [ ! -e {go} ]; do sleep 0.05; done
             echo "$$ $*" >> {calls}
             sleep 1
             while [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done
@@ -665,7 +668,10 @@ def test_processes_that_start_together_on_an_empty_cache_compile_once(tmp_path):
     )
     cc.chmod(0o755)
     code = textwrap.dedent("""\
+        import logging
         from pagedllm import kernels
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        print("ready", flush=True)
         try:
             kernels.load()
         except kernels.KernelBuildError as e:
@@ -673,10 +679,18 @@ def test_processes_that_start_together_on_an_empty_cache_compile_once(tmp_path):
         """)
     env = {**os.environ, "CC": str(cc), "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
     ]
+    assert all(p.stdout.readline().strip() == "ready" for p in procs)
+    time.sleep(1.0)  # both past their imports and into load(): one compiling (held at go), the other at the lock
+    go.touch()
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all("loading pagedllm's C kernels from" in out for out in outs), outs
+    assert sum("compiling pagedllm's C kernels" in out for out in outs) == 1, outs
+    assert sum("waiting for another process's build" in out for out in outs) == 1, outs
     lines = calls.read_text().splitlines()
     assert len({line.split()[0] for line in lines}) == len(lines) == 6, lines  # 5 sources and a link: one build
 

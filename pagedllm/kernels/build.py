@@ -74,6 +74,9 @@ class _Once(Generic[T]):
         self._value: list[T] = []
 
     def __call__(self) -> T:
+        done = self._value  # (the common case, per layer and step: no lock once the value is there)
+        if done:
+            return done[0]
         with self._lock:
             if not self._value:
                 self._value.append(self.__wrapped__())
@@ -120,28 +123,54 @@ def load() -> Kernels:
     return kernels
 
 
+# how long a process waits for another's build of the same library before it builds its own (a holder that hangs)
+_BUILD_WAIT_S = 600.0
+
+
 @contextlib.contextmanager
 def _across_processes(out_dir: str, path: str) -> Iterator[None]:
     """An advisory lock on ``path`` + ".lock" (``flock``: the kernel drops it when its holder exits, however it
-    ends), so that processes starting together on a fresh cache compile once and the others wait for that .so. Where
-    the lock cannot be taken (no ``fcntl``, a file system without locks) each process builds, as before: the .so still
-    appears atomically."""
+    ends), so that processes starting together on a fresh cache compile once and the others wait for that .so (a
+    log line says so). Where the lock cannot be taken (no ``fcntl``, a file system without locks, a holder that has
+    not finished in ``_BUILD_WAIT_S``) a process builds on its own, as before: the .so still appears atomically."""
+    fd = None
     try:
-        import fcntl
-
         os.makedirs(out_dir, exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except (ImportError, OSError):
+        try:
+            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # a cache shared between users: flock needs only a descriptor
+            fd = os.open(path + ".lock", os.O_RDONLY)
+    except OSError:
+        pass
+    if fd is None:
         yield
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
+        if not _try_lock(fd):
+            logger.info("waiting for another process's build of pagedllm's C kernels (%s)", path)
+            deadline = time.monotonic() + _BUILD_WAIT_S
+            while not _try_lock(fd):
+                if time.monotonic() > deadline:
+                    logger.warning("another process's build of %s ran past %.0f s: building here", path, _BUILD_WAIT_S)
+                    break
+                time.sleep(0.2)
         yield
     finally:
         os.close(fd)  # (releases the lock)
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the lock on fd if no other process holds it; True also where there are no locks (no ``fcntl``, a file
+    system without them)."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except (ImportError, OSError):
+        return True
+    return True
 
 
 def _build(cc: str, flags: list[str], out_dir: str, path: str) -> None:

@@ -236,7 +236,8 @@ static inline __attribute__((always_inline)) __m512i dpbusd_b(__m512i acc, __m51
 /* a[q][r] = the integer dots of group g (G elements) of panel q (of np) with rows 0 .. rt - 1 of x (K bytes
  * apart): each row's 4 bytes an embedded broadcast of each panel's vpdpbusd, or for Q6_K's groups of 16 one
  * broadcast register shared by the two panels (on the Intel Xeon of 2026-11-30 the register took 1.03-1.30x the
- * time of the Q4_K, Q5_K, Q8_0 and Q4_0 GEMMs at 128 and 512 rows, the embedded broadcast 1.01-1.06x Q6_K's) */
+ * time of the Q4_K, Q8_0 and Q4_0 GEMMs at 128 and 512 rows and 0.99-1.08x Q5_K's, the embedded broadcast
+ * 1.01-1.06x Q6_K's) */
 static inline __attribute__((always_inline)) void group_dots(int np, int rt, int G, int64_t K, const panel_t *p, int64_t g,
                                                              const int8_t *qx, __m512i a[2][RT]) {
     for (int q = 0; q < np; q++)
