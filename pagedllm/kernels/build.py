@@ -84,7 +84,7 @@ class _Once(Generic[T]):
 
     def cache_clear(self) -> None:
         with self._lock:
-            self._value.clear()
+            self._value = []  # (a new list: a call reading the old one without the lock still finds its value)
 
 
 @_Once
