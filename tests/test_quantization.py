@@ -668,23 +668,25 @@ def test_processes_that_start_together_on_an_empty_cache_compile_once(tmp_path):
     )
     cc.chmod(0o755)
     code = textwrap.dedent("""\
-        import logging
+        import pathlib, sys
         from pagedllm import kernels
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-        print("ready", flush=True)
+        pathlib.Path(sys.argv[1]).touch()  # (a file: communicate() reads the pipe past what a readline buffered)
         try:
             kernels.load()
         except kernels.KernelBuildError as e:
             print(e)
         """)
     env = {**os.environ, "CC": str(cc), "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    ready = [tmp_path / f"ready-{i}" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [sys.executable, "-c", code, str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        for _ in range(2)
+        for r in ready
     ]
-    assert all(p.stdout.readline().strip() == "ready" for p in procs)
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(1.0)  # both past their imports and into load(): one compiling (held at go), the other at the lock
     go.touch()
     outs = [p.communicate(timeout=120)[0] for p in procs]
