@@ -306,10 +306,11 @@ def _write_tiny_q4_k_m(path: Path, vocab: int) -> Path:
     return _write_tiny_qwen2(path, vocab, "Q6_K", kind)
 
 
-def _write_tiny_qwen2(path: Path, vocab: int, embedding: str, kind) -> Path:
-    """A 2-layer Qwen2 GGUF of random blocks: the tied embedding of type ``embedding``, each projection of type
-    ``kind(layer, name)`` (name: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down); float32
-    norms and biases; no tokenizer (the engine is given SmolLM2's)."""
+def _write_tiny_qwen2(path: Path, vocab: int, embedding: str, kind, head: str | None = None) -> Path:
+    """A 2-layer Qwen2 GGUF of random blocks: the embedding of type ``embedding``, tied to the LM head unless
+    ``head`` names the type of an ``output.weight`` of its own, each projection of type ``kind(layer, name)``
+    (name: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down); float32 norms and biases; no
+    tokenizer (the engine is given SmolLM2's)."""
     import gguf
 
     rng = np.random.default_rng(11)
@@ -339,6 +340,8 @@ def _write_tiny_qwen2(path: Path, vocab: int, embedding: str, kind) -> Path:
         writer.add_tensor(name, data)
 
     quant("token_embd.weight", embedding, vocab, hidden)
+    if head is not None:
+        quant("output.weight", head, vocab, hidden)
     plain("output_norm.weight", hidden, 1.0)
     for i in range(layers):
         b = f"blk.{i}"
@@ -358,6 +361,42 @@ def _write_tiny_qwen2(path: Path, vocab: int, embedding: str, kind) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.mark.parametrize("table", ["Q4_K", "Q5_K"])
+def test_an_embedding_beside_its_own_head_stays_in_the_files_mapping(tmp_path, smollm2_tokenizer_dir, table):
+    """A file whose LM head is a tensor of its own (``output.weight``, as most Q4_K_M / Q6_K / Q8_0 files of
+    Qwen2.5 have it) looks its embedding rows up in the file's own mapping: the table is not repacked into
+    panels (a copy in the process's memory, 0.12 GiB of Qwen2.5-1.5B Q4_K_M's RSS), and only the pages of the
+    rows read become resident. Its rows are the file's values bit for bit, for a type read only in panels
+    (Q5_K) too, and the engine's tokens are those of the model with the table widened to float32."""
+    from pagedllm.layers.gguf_linear import GGUF_TYPES, GGUFLinear
+
+    path = _write_tiny_qwen2(tmp_path / "tiny-head.gguf", 49152, table, lambda layer, name: "Q4_K", head="Q6_K")
+    src = resolve_model(str(path))
+    ours, wide = (load_model(src, load_config(src), torch.float32, CPU, quantization=m) for m in ("gguf", "none"))
+    emb = ours.embed_tokens
+    assert isinstance(emb, QuantizedEmbedding) and emb.table[0] is not ours.lm_head  # a table of its own
+    t = emb.table[0]
+    assert type(t) is GGUFLinear and t.lookup_only and t.qtype == t.file_qtype == GGUF_TYPES[table]  # not repacked
+    lo, hi = t.raw.data_ptr(), t.raw.data_ptr() + t.raw.numel()
+    spans = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
+    assert any(int(a, 16) <= lo and hi <= int(b, 16) for a, b in spans)  # the file's mapping, no copy
+    ids = torch.tensor([0, 1, 504, 3458, 49151, 282, 504])
+    assert torch.equal(emb(ids), wide.embed_tokens(ids))  # the file's values, bit for bit
+    assert torch.equal(emb(ids.view(1, -1))[0], emb(ids))
+    with pytest.raises(RuntimeError, match="only looked up"):
+        t(torch.randn(2, t.in_features))
+    del ours, wide
+
+    prompts = [[(37 * j + 11 * i) % 40000 + 100 for j in range(6 + 5 * i)] for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+
+    def run(mode: str) -> list:
+        llm = LLM(str(path), tokenizer=str(smollm2_tokenizer_dir), max_model_len=128, quantization=mode)
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+
+    check_greedy_close(run("gguf-exact"), run("none"), topk=5, logprob_atol=1e-3, min_exact_fraction=1.0)
 
 
 @pytest.fixture(params=[level for level in isa.machine_levels() if level != "portable"])

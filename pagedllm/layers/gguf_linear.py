@@ -51,12 +51,20 @@ GGUF_TYPES = {
 
 class GGUFLinear(nn.Module):
     """y = x @ W.T + b with W [N, K] the GGUF blocks ``raw`` [N, bytes a row] of ggml type ``qtype`` (an id of
-    ``GGUF_TYPES``); ``activation_bits`` 8 (int8 activations) or None (float32)."""
+    ``GGUF_TYPES``); ``activation_bits`` 8 (int8 activations) or None (float32). ``lookup_only``: a table that is
+    only looked up (:meth:`rows`; an embedding's own, beside an LM head of its own) stays as given, not repacked:
+    on a file's mapping only the pages of the rows read become resident (Qwen2.5-1.5B Q4_K_M's 125 MiB Q4_K
+    embedding, repacked, was 0.12 GiB of the process's RSS); such a layer has no :meth:`forward`."""
 
     raw: torch.Tensor  # a buffer (register_buffer), typed for mypy
 
     def __init__(
-        self, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None, activation_bits: int | None = 8
+        self,
+        raw: torch.Tensor,
+        qtype: int,
+        bias: torch.Tensor | None = None,
+        activation_bits: int | None = 8,
+        lookup_only: bool = False,
     ):
         super().__init__()
         from pagedllm import kernels
@@ -66,13 +74,13 @@ class GGUFLinear(nn.Module):
         if activation_bits not in (None, 8):
             raise ValueError(f"GGUFLinear's activations are int8 (8) or float32 (None), not {activation_bits}")
         self._kernels = kernels.load().gguf
-        self.file_qtype, self.activation_bits = qtype, activation_bits
-        if activation_bits:  # repacked into panels where the CPU runs them (GGUFBlocks.pack)
+        self.file_qtype, self.activation_bits, self.lookup_only = qtype, activation_bits, lookup_only
+        if activation_bits and not lookup_only:  # repacked into panels where the CPU runs them (GGUFBlocks.pack)
             from pagedllm.model_loader.mappings import release_mapped_pages
 
             # a copy: the pages of the file it was read from need not stay in this process
             qtype, raw = self._kernels.pack(qtype, raw, copied=release_mapped_pages)
-        if qtype in GGUF_PANEL_ONLY:
+        if qtype in GGUF_PANEL_ONLY and not lookup_only:
             name = next(n for n, t in GGUF_TYPES.items() if t == qtype)
             raise ValueError(
                 f"GGUFLinear reads ggml type {qtype} ({name}) only in panels, with int8 activations, where the CPU "
@@ -85,6 +93,8 @@ class GGUFLinear(nn.Module):
         self.bias = _bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lookup_only:
+            raise RuntimeError(f"this GGUFLinear ({self.extra_repr()}) is a table only looked up: it has no forward")
         if x.dim() != 2 or x.dtype != torch.float32:
             return self.forward(x.reshape(-1, self.in_features).float()).view(*x.shape[:-1], -1).to(x.dtype)
         x = x.contiguous()
@@ -106,6 +116,8 @@ class GGUFLinear(nn.Module):
         layout = " in panels of 16 rows" if self.qtype != self.file_qtype else ""
         act = "int8" if self.activation_bits else "float32"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        if self.lookup_only:
+            return f"{shape}, {name} blocks as stored, only looked up"
         return f"{shape}, {name} blocks{layout}, {act} activations"
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -230,11 +242,20 @@ class StackedLinear(nn.Module):
 
 
 def stacked_gguf(
-    types: list[str], raws: tuple[torch.Tensor, ...], bias: torch.Tensor | None, activation_bits: int | None
+    types: list[str],
+    raws: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    activation_bits: int | None,
+    lookup_only: bool = False,
 ) -> GGUFLinear | StackedLinear:
     """The linear of one module's GGUF shards as stored (``types``: their ggml type names): a GGUFLinear, or
-    a StackedLinear of one a shard (several shards of one type are still one kernel call each: no copy)."""
-    parts = [GGUFLinear(raw, GGUF_TYPES[t], None, activation_bits) for t, raw in zip(types, raws, strict=True)]
+    a StackedLinear of one a shard (several shards of one type are still one kernel call each: no copy).
+    ``lookup_only``: one table only looked up (GGUFLinear's)."""
+    if lookup_only and len(types) != 1:
+        raise ValueError(f"a table only looked up is one tensor, not {len(types)} shards")
+    parts = [
+        GGUFLinear(raw, GGUF_TYPES[t], None, activation_bits, lookup_only) for t, raw in zip(types, raws, strict=True)
+    ]
     if len(parts) == 1:
         parts[0].bias = _bias(bias)
         return parts[0]

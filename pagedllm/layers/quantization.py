@@ -422,7 +422,8 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
         if block[0].startswith("gguf:"):
             from pagedllm.layers.gguf_linear import stacked_gguf
 
-            return stacked_gguf(block[0].removeprefix("gguf:").split(","), block[1], bias, activation_bits)
+            # a table only looked up stays as the file stores it (its rows read from the mapping as asked)
+            return stacked_gguf(block[0].removeprefix("gguf:").split(","), block[1], bias, activation_bits, lookup_only)
         kind, (q, scales, mins) = block[0], block[1][:3]
         g16 = scales.shape[1] * GROUP > q.shape[1] * (2 if kind == "int4" else 1)  # more scales than groups
         abits = None if g16 else activation_bits
