@@ -399,6 +399,35 @@ def test_an_embedding_beside_its_own_head_stays_in_the_files_mapping(tmp_path, s
     check_greedy_close(run("gguf-exact"), run("none"), topk=5, logprob_atol=1e-3, min_exact_fraction=1.0)
 
 
+def test_the_mlp_takes_a_long_chunk_in_runs_of_rows_and_its_tokens_are_unchanged(
+    tmp_path, smollm2_tokenizer_dir, monkeypatch
+):
+    """A prefill chunk's MLP runs ``MLP_ROWS`` rows at a time, so its intermediate activations (gate|up and the
+    activation: 210 MiB for 2,048 rows of Qwen2.5-1.5B) are those of 256 rows at most. In the 'gguf' mode each row's
+    output is computed alone, so a 600-token prompt's logprobs are the same bits whole as in runs of 256 or 100."""
+    from pagedllm import kernels
+    from pagedllm.layers import mlp
+
+    if not kernels.load().gguf.has_panels:
+        pytest.skip("one kernel at every row count needs the panels (AVX2 and up)")
+    path = _write_tiny_qwen2(tmp_path / "tiny-mlp.gguf", 49152, "Q6_K", lambda layer, name: "Q4_K")
+    prompts = [[(37 * j + 11 * i) % 40000 + 100 for j in range(n)] for i, n in enumerate((600, 300, 40))]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    rows: list[int] = []
+    local = mlp.GatedMLP._local
+    monkeypatch.setattr(mlp.GatedMLP, "_local", lambda self, x: rows.append(x.shape[0]) or local(self, x))
+    tok = str(smollm2_tokenizer_dir)
+    llm = LLM(str(path), tokenizer=tok, max_model_len=1024, quantization="gguf", enable_prefix_caching=False)
+    got = {}
+    for run in (10**9, 256, 100):
+        monkeypatch.setattr(mlp, "MLP_ROWS", run)
+        rows.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        got[run] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert max(rows) == min(run, 940)  # the three prompts' 940 tokens in one step, or in runs
+    assert got[256] == got[10**9] and got[100] == got[10**9]
+
+
 @pytest.fixture(params=[level for level in isa.machine_levels() if level != "portable"])
 def kernel_level(request):
     """Every kernel level this machine runs that has the GGUF panels (AVX2 and up): the machine's own build, or one

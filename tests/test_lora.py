@@ -421,3 +421,30 @@ def test_speculative_decoding_keeps_each_adapters_outputs(base_dir: Path, adapte
     b = plain.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [list(o.outputs[0].token_ids) for o in a] == [list(o.outputs[0].token_ids) for o in b]
     assert spec.llm_engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_an_mlp_with_lora_linears_takes_the_steps_rows_at_once(monkeypatch) -> None:
+    """The MLP runs a long step's rows in runs of ``MLP_ROWS`` (its intermediate activations stay small), but a LoRA
+    linear's row segments index the whole step's rows: an MLP holding one takes them at once. Either way the
+    output is the same function of each row."""
+    from types import SimpleNamespace
+
+    from pagedllm.layers import mlp
+    from pagedllm.lora.layers import LoRALinear, LoRAState
+
+    torch.manual_seed(0)
+    block = mlp.GatedMLP(SimpleNamespace(hidden_size=8, intermediate_size=16, hidden_act="silu"))
+    x = torch.randn(10, 8)
+    want = block.down_proj(torch.nn.functional.silu(block.gate_up_proj(x)[:, :16]) * block.gate_up_proj(x)[:, 16:])
+    rows: list[int] = []
+    local = mlp.GatedMLP._local
+    monkeypatch.setattr(mlp.GatedMLP, "_local", lambda self, x: rows.append(x.shape[0]) or local(self, x))
+    monkeypatch.setattr(mlp, "MLP_ROWS", 4)
+    torch.testing.assert_close(block(x), want)
+    assert rows == [4, 4, 2]
+    state = LoRAState()
+    block.gate_up_proj = LoRALinear(block.gate_up_proj, [16, 16], max_loras=1, max_rank=2, state=state)
+    rows.clear()
+    with state.active([(0, slice(0, 10))]):  # the adapter in slot 0 (all zeros) on the step's 10 rows
+        torch.testing.assert_close(block(x), want)
+    assert rows == [10]

@@ -36,9 +36,9 @@ class Gemma3MLP(GatedMLP):
 
     activations = ("gelu_pytorch_tanh", "gelu_tanh")
 
-    def forward(self, x):
+    def _local(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.ps.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):
