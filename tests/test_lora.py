@@ -424,9 +424,9 @@ def test_speculative_decoding_keeps_each_adapters_outputs(base_dir: Path, adapte
 
 
 def test_an_mlp_with_lora_linears_takes_the_steps_rows_at_once(monkeypatch) -> None:
-    """The MLP runs a long step's rows in runs of ``MLP_ROWS`` (its intermediate activations stay small), but a LoRA
-    linear's row segments index the whole step's rows: an MLP holding one takes them at once. Either way the
-    output is the same function of each row."""
+    """The MLP runs a long step's rows in runs of ``MLP_ROWS`` where its linears compute each row alone (GGUF
+    panels; here two float ones said to), but a LoRA linear's row segments index the whole step's rows: an MLP
+    holding one takes them at once, and its adapter reaches the rows it names."""
     from types import SimpleNamespace
 
     from pagedllm.layers import mlp
@@ -434,17 +434,27 @@ def test_an_mlp_with_lora_linears_takes_the_steps_rows_at_once(monkeypatch) -> N
 
     torch.manual_seed(0)
     block = mlp.GatedMLP(SimpleNamespace(hidden_size=8, intermediate_size=16, hidden_act="silu"))
+
+    def reference(gate_up: torch.Tensor) -> torch.Tensor:
+        return block.down_proj(torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:])
+
     x = torch.randn(10, 8)
-    want = block.down_proj(torch.nn.functional.silu(block.gate_up_proj(x)[:, :16]) * block.gate_up_proj(x)[:, 16:])
     rows: list[int] = []
     local = mlp.GatedMLP._local
     monkeypatch.setattr(mlp.GatedMLP, "_local", lambda self, x: rows.append(x.shape[0]) or local(self, x))
     monkeypatch.setattr(mlp, "MLP_ROWS", 4)
-    torch.testing.assert_close(block(x), want)
+    torch.testing.assert_close(block(x), reference(block.gate_up_proj(x)))
+    assert rows == [10]  # float linears: the step's rows at once
+    block.gate_up_proj.rows_alone = block.down_proj.rows_alone = True
+    rows.clear()
+    torch.testing.assert_close(block(x), reference(block.gate_up_proj(x)))
     assert rows == [4, 4, 2]
     state = LoRAState()
-    block.gate_up_proj = LoRALinear(block.gate_up_proj, [16, 16], max_loras=1, max_rank=2, state=state)
-    rows.clear()
-    with state.active([(0, slice(0, 10))]):  # the adapter in slot 0 (all zeros) on the step's 10 rows
+    block.gate_up_proj = lora = LoRALinear(block.gate_up_proj, [16, 16], max_loras=1, max_rank=2, state=state)
+    lora.set_slot(0, [(torch.randn(2, 8), torch.randn(16, 2)), None])  # the gate's adapter
+    with state.active([(0, slice(6, 10))]):  # on the step's rows 6-9
+        want = reference(lora(x))
+        assert not torch.allclose(want[6:], reference(lora.base(x))[6:])  # the adapter changes those rows
+        rows.clear()
         torch.testing.assert_close(block(x), want)
     assert rows == [10]

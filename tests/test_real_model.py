@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -31,16 +32,26 @@ def _reference() -> tuple[list[dict], list[GreedyResult], int]:
     return ref["prompts"], want, ref["max_tokens"]
 
 
-def _resident_kib(path: str) -> int:
-    """KiB of this process's memory in mappings of ``path`` (/proc/self/smaps' Rss)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
-            inside = line.rstrip().endswith(path)
-        elif inside and head[0] == "Rss:":
-            total += int(head[1])
-    return total
+def _resident_kib(path: str, but: tuple[int, int] = (0, 0)) -> int:
+    """KiB of this process's memory in mappings of ``path`` (the pages /proc/self/pagemap says are present),
+    those of the address range ``but`` and of the 64 KiB around it left out (a fault maps the page cache's pages
+    around the one asked for: fault_around_bytes)."""
+    import struct
+
+    page, around = os.sysconf("SC_PAGE_SIZE"), 64 << 10
+    skip = (but[0] // around * around - around, (but[1] + around - 1) // around * around + around)
+    pages = 0
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            if not line.rstrip().endswith(path):
+                continue
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            pagemap.seek(lo // page * 8)
+            entries = struct.unpack(f"{(hi - lo) // page}Q", pagemap.read((hi - lo) // page * 8))
+            for i, entry in enumerate(entries):
+                if entry >> 63 and not skip[0] <= lo + i * page < skip[1]:  # bit 63: present
+                    pages += 1
+    return pages * page // 1024
 
 
 @pytest.mark.slow
@@ -88,7 +99,12 @@ def test_qwen_0_5b_gguf_mode_runs_its_k_quants_from_the_file(qwen_0_5b: Path) ->
     assert all(d.raw.shape == (896, 4864 // 256 * row_bytes[d.file_qtype]) for d in downs)  # the file's size
     if kernels.load().gguf.has_panels:  # a copy in panels, the file's pages let go
         assert {d.qtype for d in downs} == {112, 114} and not any(in_file)
-        assert _resident_kib(str(qwen_0_5b)) < 1024
+        # the embedding, a table of its own beside the Q8_0 head, stays in the mapping (its rows read as asked)
+        table = model.embed_tokens.table[0]
+        assert table is not model.lm_head and table.lookup_only
+        lo = table.raw.data_ptr()
+        assert any(a <= lo and lo + table.raw.numel() <= b for a, b in spans)
+        assert _resident_kib(str(qwen_0_5b), but=(lo, lo + table.raw.numel())) < 1024
         qkv = model.layers[0].self_attn.qkv_proj
         assert [p.qtype for p in qkv.parts] == [106, 106, 108]  # q, k Q5_0; v Q8_0
         assert {p.qtype for p in model.layers[0].mlp.gate_up_proj.parts} == {106}

@@ -107,6 +107,13 @@ class GGUFLinear(nn.Module):
         y = (k.matmul_a8 if self.activation_bits else k.matmul_f32)(self.qtype, x, self.raw)
         return y if self.bias is None else y.add_(self.bias)
 
+    @property
+    def rows_alone(self) -> bool:
+        """Is each row's output computed alone, by one kernel at every row count (a weight in panels, int8
+        activations)? Then a call on part of a step's rows costs its share of the step, no pass more over the
+        whole weight (other layouts past a few rows widen the weight at every call)."""
+        return bool(self.activation_bits) and self.qtype in GGUF_PANELS and not self.lookup_only
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(W float32 [N, K], gguf's values bit for bit; the bias)."""
         return self._kernels.dequantize(self.qtype, self.raw), self.bias
@@ -223,6 +230,11 @@ class StackedLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = _bias(bias)
+
+    @property
+    def rows_alone(self) -> bool:
+        """GGUFLinear's, of every shard."""
+        return all(cast(GGUFLinear, p).rows_alone for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32:

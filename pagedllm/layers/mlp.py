@@ -11,10 +11,12 @@ from pagedllm import kernels
 from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
 
-# rows of x at a time through gate|up, the activation and down: a 512-token prefill chunk of Qwen2.5-1.5B holds 53 MiB
-# of intermediate activations at once (gate|up 35, the activation 18), a 2,048-token one 210; 256 rows hold 26. Its
-# Q4_K_M file's 512- and 2,048-token prefills took 1.01x and 1.02x the time in runs of 256 (128: 1.09x and 1.05x;
-# medians of 3, alternated in one process, 2-core Xeon), and its peak RSS over real_size.py's runs fell 52 MiB
+# rows of x at a time through gate|up, the activation and down where both compute each row alone (GGUF panels): a
+# 512-token prefill chunk of Qwen2.5-1.5B holds 53 MiB of intermediate activations at once (gate|up 35, the
+# activation 18), a 2,048-token one 210; 256 rows hold 26. Its Q4_K_M file's 512- and 2,048-token prefills took 1.01x
+# and 1.02x the time in runs of 256 (128: 1.09x and 1.05x; medians of 3, alternated in one process, 2-core Xeon),
+# and its peak RSS over real_size.py's runs fell 52 MiB. Not other layers: past a few rows those widen their whole
+# weight at each call (quantized groups, gguf-exact), and a float GEMM's rows may round otherwise in a smaller one
 MLP_ROWS = 256
 
 
@@ -38,8 +40,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         n = x.shape[0] if x.dim() == 2 else 0
-        # a LoRA linear reads the step's row segments (pagedllm.lora.layers): it takes the step's rows at once
-        if n <= MLP_ROWS or any(getattr(p, "rows_of_the_step", False) for p in (self.gate_up_proj, self.down_proj)):
+        # rows_alone: GGUFLinear's; a LoRA linear has none (its row segments index the whole step's rows)
+        alone = all(getattr(p, "rows_alone", False) for p in (self.gate_up_proj, self.down_proj))
+        if n <= MLP_ROWS or not alone or x.device.type != "cpu":
             return self.ps.all_reduce(self._local(x))
         first = self._local(x[:MLP_ROWS])  # each row's output is computed alone: the rows in runs of MLP_ROWS
         out = first.new_empty(n, first.shape[1])

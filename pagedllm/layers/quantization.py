@@ -449,6 +449,10 @@ def _take_stored_blocks(model: nn.Module, blocks: dict[str, Block], activation_b
         table = stored(own, None, lookup_only=True)
         if taken_head(table):
             model.embed_tokens = QuantizedEmbedding(table)
+            if getattr(table, "lookup_only", False):  # the file's mapping stays for it: what loading left there goes
+                from pagedllm.model_loader.mappings import release_whole_mapping
+
+                release_whole_mapping(cast(torch.Tensor, table.raw))
 
 
 def taken_head(layer: object) -> bool:

@@ -46,7 +46,6 @@ class LoRAState:
 class LoRALinear(nn.Module):
     lora_a: torch.Tensor  # buffers (register_buffer), typed for mypy
     lora_b: torch.Tensor
-    rows_of_the_step = True  # forward reads the state's row segments, of the whole step's rows: never a part of them
 
     def __init__(self, base: nn.Module, part_sizes: list[int], max_loras: int, max_rank: int, state: LoRAState):
         super().__init__()

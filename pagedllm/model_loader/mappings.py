@@ -48,6 +48,20 @@ def release(mapping: mmap.mmap, start: int, n_bytes: int) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
+def release_whole_mapping(t: torch.Tensor) -> bool:
+    """:func:`release` of the whole mapping that ``t`` lies in (one of :func:`map_read_only`), for a load that keeps
+    a view of the file (a table only looked up): the pages that two copied tensors share, which each one's own
+    release leaves, go too, and the view's pages fault in again as they are read. Whether ``t`` lay in one."""
+    lo = t.data_ptr()
+    with _LOCK:
+        for start, end, ref in _MAPPINGS.values():
+            mapping = ref()
+            if mapping is not None and start <= lo < end:
+                release(mapping, 0, end - start)
+                return True
+    return False
+
+
 def release_mapped_pages(t: torch.Tensor) -> bool:
     """:func:`release` for a tensor that lies in a mapping of :func:`map_read_only`, such as a view of a file's
     blocks that a layer copied into a layout of its own. Whether ``t`` lay in one."""
