@@ -48,28 +48,31 @@ def release(mapping: mmap.mmap, start: int, n_bytes: int) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
+def _holding(lo: int, n: int) -> tuple[mmap.mmap, int] | None:
+    """The live mapping of :func:`map_read_only` that holds bytes [lo, lo + n) of memory, and its first address."""
+    with _LOCK:
+        for start, end, ref in _MAPPINGS.values():
+            mapping = ref()
+            if mapping is not None and start <= lo and lo + n <= end:
+                return mapping, start
+    return None
+
+
 def release_whole_mapping(t: torch.Tensor) -> bool:
     """:func:`release` of the whole mapping that ``t`` lies in (one of :func:`map_read_only`), for a load that keeps
     a view of the file (a table only looked up): the pages that two copied tensors share, which each one's own
     release leaves, go too, and the view's pages fault in again as they are read. Whether ``t`` lay in one."""
-    lo = t.data_ptr()
-    with _LOCK:
-        for start, end, ref in _MAPPINGS.values():
-            mapping = ref()
-            if mapping is not None and start <= lo < end:
-                release(mapping, 0, end - start)
-                return True
-    return False
+    held = _holding(t.data_ptr(), 1)
+    if held is not None:
+        release(held[0], 0, len(held[0]))
+    return held is not None
 
 
 def release_mapped_pages(t: torch.Tensor) -> bool:
     """:func:`release` for a tensor that lies in a mapping of :func:`map_read_only`, such as a view of a file's
     blocks that a layer copied into a layout of its own. Whether ``t`` lay in one."""
     lo, n = t.data_ptr(), t.numel() * t.element_size()
-    with _LOCK:
-        for start, end, ref in _MAPPINGS.values():
-            mapping = ref()
-            if mapping is not None and start <= lo and lo + n <= end and t.is_contiguous():
-                release(mapping, lo - start, n)
-                return True
-    return False
+    held = _holding(lo, n) if t.is_contiguous() else None
+    if held is not None:
+        release(held[0], lo - held[1], n)
+    return held is not None
