@@ -40,14 +40,16 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         n = x.shape[0] if x.dim() == 2 else 0
-        # rows_alone: GGUFLinear's; a LoRA linear has none (its row segments index the whole step's rows)
-        alone = all(getattr(p, "rows_alone", False) for p in (self.gate_up_proj, self.down_proj))
-        if n <= MLP_ROWS or not alone or x.device.type != "cpu":
+        # the row count first: a decode step's few rows never ask the linears. rows_alone: GGUFLinear's; a LoRA
+        # linear has none (its row segments index the whole step's rows)
+        if (
+            n <= MLP_ROWS
+            or x.device.type != "cpu"
+            or not all(getattr(p, "rows_alone", False) for p in (self.gate_up_proj, self.down_proj))
+        ):
             return self.ps.all_reduce(self._local(x))
-        first = self._local(x[:MLP_ROWS])  # each row's output is computed alone: the rows in runs of MLP_ROWS
-        out = first.new_empty(n, first.shape[1])
-        out[:MLP_ROWS] = first
-        for i in range(MLP_ROWS, n, MLP_ROWS):
+        out = x.new_empty(n, self.down_proj.out_features)  # each row's output is computed alone: runs of MLP_ROWS
+        for i in range(0, n, MLP_ROWS):
             out[i : i + MLP_ROWS] = self._local(x[i : i + MLP_ROWS])
         return self.ps.all_reduce(out)
 
