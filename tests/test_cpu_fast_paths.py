@@ -64,6 +64,27 @@ def test_fused_rotary_matches_torch(tokens):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_rotary_tables_are_a_steps_own_and_equal_transformers_bit_for_bit():
+    """cos and sin are computed for a step's positions, not kept for every position the model allows (Qwen2.5's
+    32,768 positions were 16 MiB of tables): the same bits as transformers' at any step length and start."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+
+    cfg = Qwen2Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6)
+    assert cfg.max_position_embeddings == 32768
+    ours, theirs = RotaryEmbedding(128, rope_parameters(cfg)), Qwen2RotaryEmbedding(cfg)
+    held = [v for v in vars(ours).values() if isinstance(v, torch.Tensor)]
+    assert sum(t.numel() for t in held) == 64  # inv_freq alone
+    for steps, start in [(1, 0), (1, 32767), (7, 1000), (513, 5), (2048, 30720)]:
+        positions = torch.arange(start, start + steps)
+        cos, sin = ours.cos_sin(positions)
+        assert cos.shape == sin.shape == (steps, 1, 64) and cos.is_contiguous()
+        want_cos, want_sin = theirs(torch.zeros(1, steps, 256), positions[None])
+        assert torch.equal(cos[:, 0], want_cos[0, :, :64]) and torch.equal(sin[:, 0], want_sin[0, :, :64])
+
+
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])

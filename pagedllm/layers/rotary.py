@@ -54,21 +54,23 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
+    """cos and sin of each position times each frequency, computed for a step's positions when it runs: no table
+    of every position the model allows (Qwen2.5's 32,768 x 64 floats were 16 MiB, Gemma 3's two 64 MiB), and the
+    same bits as such a table or as transformers' (one float32 product, then torch's cos and sin)."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any]):
         super().__init__()
-        inv_freq = _inv_freq(head_dim, params)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        # plain attributes, not buffers: model.to(dtype) must not round these tables
-        self.cos_cache = freqs.cos()
-        self.sin_cache = freqs.sin()
+        # a plain attribute, not a buffer: model.to(dtype) must not round it
+        self.inv_freq = _inv_freq(head_dim, params)
+
+    def freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, D/2]: position t times frequency j, in float32 (positions below 2^24 are exact)."""
+        return positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D/2] tables for this step's positions; computed once per step, shared by every layer."""
-        return (
-            self.cos_cache.index_select(0, positions).unsqueeze(1),
-            self.sin_cache.index_select(0, positions).unsqueeze(1),
-        )
+        freqs = self.freqs(positions).unsqueeze(1)
+        return freqs.cos(), freqs.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -73,9 +73,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModelError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported")
         super().__init__(cfg, parallel)
-        self.rotary_local = RotaryEmbedding(
-            self._attention().head_dim, cfg.max_position_embeddings, self._local_rope_parameters(cfg)
-        )
+        self.rotary_local = RotaryEmbedding(self._attention().head_dim, self._local_rope_parameters(cfg))
         # float32, as transformers keeps it, whatever the weights' dtype
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)

@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(self._layer(cfg, i, qkv_bias, ps) for i in range(self.start_layer, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
-        self.rotary = RotaryEmbedding(self._attention().head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.rotary = RotaryEmbedding(self._attention().head_dim, rope_parameters(cfg))
         untied_head = ps.is_last_stage and not self.tie_word_embeddings
         self.lm_head = (
             nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, ps)[1], bias=False) if untied_head else None

@@ -200,8 +200,8 @@ class MRotaryEmbedding(RotaryEmbedding):
     first ``mrope_section[0]`` frequencies turn with the temporal position, the next ``[1]`` with the row, the
     last ``[2]`` with the column."""
 
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
-        super().__init__(head_dim, max_position, params)
+    def __init__(self, head_dim: int, params: dict[str, Any]):
+        super().__init__(head_dim, params)
         section = list(params.get("mrope_section") or [])
         if sum(section) != head_dim // 2 or len(section) != 3 or min(section) < 0:
             raise UnsupportedModelError(
@@ -212,10 +212,10 @@ class MRotaryEmbedding(RotaryEmbedding):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
             return super().cos_sin(positions)
-        pick = self.section_of.to(positions.device).view(1, 1, -1).expand(1, positions.shape[1], -1)
-        return tuple(  # type: ignore[return-value]
-            table[positions].gather(0, pick)[0].unsqueeze(1).contiguous() for table in (self.cos_cache, self.sin_cache)
-        )
+        # frequency j turns with position component section_of[j]: [T, D/2] positions, each by its frequency
+        picked = positions.index_select(0, self.section_of.to(positions.device)).t()
+        freqs = (picked.to(torch.float32) * self.inv_freq.to(positions.device)).unsqueeze(1)
+        return freqs.cos(), freqs.sin()
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
@@ -231,7 +231,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.merge = int(mm.vision_config.spatial_merge_size)
         params = rope_parameters(cfg)
         head_dim = cast(Any, self)._attention().head_dim  # the text class's
-        self.rotary = MRotaryEmbedding(head_dim, cfg.max_position_embeddings, params)
+        self.rotary = MRotaryEmbedding(head_dim, params)
         self.visual: Qwen2VisionTransformer | None = None
         if self.ps.is_first_stage:
             vc = mm.vision_config

@@ -51,7 +51,7 @@ class EagleHead(LlamaForCausalLM):
     _OPTIONAL = ("embed_tokens.weight", "fc.bias", "lm_head.weight")  # taken from the target, or zero
     d2t: torch.Tensor  # EAGLE-3's buffer (register_buffer), typed for mypy
 
-    def __init__(self, cfg: Any, eagle3: bool, max_positions: int):
+    def __init__(self, cfg: Any, eagle3: bool):
         nn.Module.__init__(self)
         self.config = cfg
         self.ps = ParallelState()  # heads run in one process
@@ -76,7 +76,7 @@ class EagleHead(LlamaForCausalLM):
             first.input_layernorm = nn.Identity()
             self.fc = nn.Linear(2 * h, h, bias=True)
         self.fc.bias.data.zero_()  # published heads may lack it: then it is zero
-        self.rotary = RotaryEmbedding(self._attention().head_dim, max_positions, rope_parameters(cfg))
+        self.rotary = RotaryEmbedding(self._attention().head_dim, rope_parameters(cfg))
 
     # Llama's layers and weight loading, with a forward of its own: a head also takes the target's hidden states
     def forward(  # type: ignore[override]
@@ -310,11 +310,7 @@ def load_spec_head(
         if method == "medusa":
             head: MedusaHead | EagleHead = MedusaHead(cfg)
         else:
-            head = EagleHead(
-                cfg,
-                method == "eagle3",
-                max(cfg.max_position_embeddings, getattr(tcfg, "max_position_embeddings", 0) or 0),
-            )
+            head = EagleHead(cfg, method == "eagle3")
     loaded = head.load_weights(_iter_head_weights(source.path))
     if isinstance(head, EagleHead):
         if "embed_tokens.weight" not in loaded:
