@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
 #pragma GCC unroll 8
                 for (int j = j0; j < j0 + run; j++) {
                     __m256i lo, hi;
-                    if (q5) {
+                    if (q5 || xp) {  /* xp: a load, Q4_K's too */
                         lo = q5k_word_at(xp, b, eb, cc, 0, j), hi = q5k_word_at(xp, b, eb, cc, 1, j);
                     } else {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 __m256i lo, hi;
-                if (q5) {
+                if (q5 || xp) {
                     lo = q5k_word_at(xp, b, eb, cc, 0, j), hi = q5k_word_at(xp, b, eb, cc, 1, j);
                 } else {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
@@ -211,19 +211,28 @@ static inline __attribute__((always_inline)) __m256i q6k_word_at(int xp, const u
     return q6k_word8(l, l, _mm256_loadu_si256((const __m256i *)(b + (32 + 8 * h + j) * 64)), t);
 }
 
-/* a repacked Q5_K (q5) or Q6_K panel's words decoded once, q 0..31 or 0..63, for the tiles of many rows of x that
- * each read them: both halves, half hf's super-block sb at ex + (hf * K / 256 + sb) * 2048, its 64 words in the
- * order q5k_word_at / q6k_word_at read them (word a * 8 + j: Q5_K's a = 2cc + hi, Q6_K's a = 4h + t) */
-static void expand_panel(int q5, const uint8_t *pb, int64_t K, uint8_t *ex) {
-    const int64_t nsb = K / QK;
+/* the Q4_K word of q5k_word_at: chunk cc's low (hi = 0) or high nibbles of word j of a super-block's half b */
+static inline __attribute__((always_inline)) __m256i q4k_word(const uint8_t *b, int cc, int hi, int j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (4 + 8 * cc + j) * 64));
+    return _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+}
+
+/* a repacked Q4_K, Q5_K or Q6_K panel's (ptype's) words decoded once, q 0..15, 0..31 or 0..63, for the tiles of many
+ * rows of x that each read them: both halves, half hf's super-block sb at ex + (hf * K / 256 + sb) * 2048, its 64
+ * words in the order half_q4k / q6k_word_at read them (word a * 8 + j: Q4_K's and Q5_K's a = 2cc + hi, Q6_K's
+ * a = 4h + t). Q4_K's cost a load where each tile's decoding took three vector operations */
+static void expand_panel(int ptype, const uint8_t *pb, int64_t K, uint8_t *ex) {
+    const int64_t nsb = K / QK, bytes = ptype == P_Q4_K ? 144 : ptype == P_Q5_K ? 176 : 210;
     for (int hf = 0; hf < 2; hf++)
         for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *b = pb + sb * NP * (q5 ? 176 : 210) + 32 * hf;
+            const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
             uint8_t *o = ex + (hf * nsb + sb) * 2048;
             for (int a = 0; a < 8; a++)
                 for (int j = 0; j < 8; j++)
                     _mm256_store_si256((__m256i *)(o + (a * 8 + j) * 32),
-                                       q5 ? q5k_word_at(0, b, NULL, a / 2, a % 2, j) : q6k_word_at(0, b, NULL, a / 4, a % 4, j));
+                                       ptype == P_Q4_K   ? q4k_word(b, a / 2, a % 2, j)
+                                       : ptype == P_Q5_K ? q5k_word_at(0, b, NULL, a / 2, a % 2, j)
+                                                         : q6k_word_at(0, b, NULL, a / 4, a % 4, j));
         }
 }
 
@@ -725,7 +734,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     const int k23 = ptype == P_Q3_K || ptype == P_Q2_K;
-    const int expands = (ptype == P_Q5_K || ptype == P_Q6_K || ptype == P_IQ4_XS || k23) && M > EXPAND_ROWS;
+    const int expands = (ptype == P_Q4_K || ptype == P_Q5_K || ptype == P_Q6_K || ptype == P_IQ4_XS || k23) && M > EXPAND_ROWS;
     int failed = 0;
 #pragma omp parallel
     {
@@ -735,7 +744,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         if (expands && !ex) continue;
         if (ex && k23) expand_k23(ptype == P_Q3_K, raw + n0 * row_bytes, K, ex);
         else if (ex && ptype == P_IQ4_XS) expand_iq4xs(raw + n0 * row_bytes, K, ex);
-        else if (ex) expand_panel(ptype == P_Q5_K, raw + n0 * row_bytes, K, ex);
+        else if (ex) expand_panel(ptype, raw + n0 * row_bytes, K, ex);
         for (int64_t m0 = 0; m0 < M; m0 += RTA) {
             const int rt = M - m0 < RTA ? (int)(M - m0) : RTA;
             const uint8_t *pb = raw + n0 * row_bytes;
@@ -750,7 +759,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                 case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;   \
                 default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
             }
-            BY_PANEL_TYPE(ptype, ex, XP_Q5_K | XP_Q6_K | XP_IQ4_XS | XP_Q3_K | XP_Q2_K);
+            BY_PANEL_TYPE(ptype, ex, XP_Q4_K | XP_Q5_K | XP_Q6_K | XP_IQ4_XS | XP_Q3_K | XP_Q2_K);
 #undef PACKED
         }
     }

@@ -126,10 +126,11 @@ static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 /* PACKED(T, XP) (defined where this is used) with T the repacked type ptype as a constant, XP 1 where ex holds its
  * words expanded for every tile of rows; xps: the types whose words a level expands (XP_*, a constant: the other
  * types' expanded kernels are not compiled) */
-enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16 };
+enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16, XP_Q4_K = 32 };
 #define BY_PANEL_TYPE(ptype, ex, xps)                                                              \
     do {                                                                                           \
-        if ((ptype) == P_Q4_K) { PACKED(P_Q4_K, 0) }                                               \
+        if ((ptype) == P_Q4_K && ((xps) & XP_Q4_K) && (ex)) { PACKED(P_Q4_K, 1) }                  \
+        else if ((ptype) == P_Q4_K) { PACKED(P_Q4_K, 0) }                                          \
         else if ((ptype) == P_Q5_K && ((xps) & XP_Q5_K) && (ex)) { PACKED(P_Q5_K, 1) }             \
         else if ((ptype) == P_Q5_K) { PACKED(P_Q5_K, 0) }                                          \
         else if ((ptype) == P_Q6_K && ((xps) & XP_Q6_K) && (ex)) { PACKED(P_Q6_K, 1) }             \
