@@ -189,6 +189,9 @@ def main() -> None:
     if llama_bench:
         got, rss = _llama_bench(llama_bench, model, args.threads, args.iters, shlex.split(args.llama_args))
         done("llama.cpp", {**got, "peak_rss_gib": rss / 2**30})
+    # the kernels compiled for the level (if not cached) in a process of its own: a build inside a measured one would
+    # count the compiler's memory in its peak RSS (wait4's counts reaped children) and its seconds in ready_s
+    subprocess.run([sys.executable, "-c", "from pagedllm import kernels; kernels.load()"], env=env, check=True)
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--child", "pagedllm", "--mode", mode, "--model", model]
         out, rss = _run([*cmd, "--iters", str(args.iters)], env)
