@@ -84,6 +84,18 @@ def test_rotary_tables_are_a_steps_own_and_equal_transformers_bit_for_bit():
         want_cos, want_sin = theirs(torch.zeros(1, steps, 256), positions[None])
         assert torch.equal(cos[:, 0], want_cos[0, :, :64]) and torch.equal(sin[:, 0], want_sin[0, :, :64])
 
+    # Qwen2-VL's M-RoPE: frequency j turns with position component section_of[j] of [3, T] positions
+    from pagedllm.models.qwen2_vl import MRotaryEmbedding
+
+    mrope = MRotaryEmbedding(128, {**rope_parameters(cfg), "mrope_section": [16, 24, 24]})
+    positions = torch.randint(0, 32768, (3, 300), generator=torch.Generator().manual_seed(0))
+    cos, sin = mrope.cos_sin(positions)
+    assert cos.shape == sin.shape == (300, 1, 64) and cos.is_contiguous() and sin.is_contiguous()  # the C rotary's
+    each = [ours.cos_sin(p) for p in positions]  # [T, 1, 64] per component
+    for got, k in ((cos, 0), (sin, 1)):
+        want = torch.stack([c[k][:, 0] for c in each]).gather(0, mrope.section_of.expand(300, -1)[None])[0]
+        assert torch.equal(got[:, 0], want)
+
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])

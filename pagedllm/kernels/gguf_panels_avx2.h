@@ -720,8 +720,8 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
     }
 }
 
-/* more rows of x than this decode each Q5_K / Q6_K panel's words once (expand_panel) for all their
- * tiles: the same bits */
+/* more rows of x than this decode each Q4_K / Q5_K / Q6_K panel's words once (expand_panel; IQ4_XS's, Q3_K's and
+ * Q2_K's their own way) for all their tiles: the same bits */
 #ifndef EXPAND_ROWS
 #define EXPAND_ROWS 8
 #endif

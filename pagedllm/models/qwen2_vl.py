@@ -213,7 +213,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         if positions.dim() == 1:
             return super().cos_sin(positions)
         # frequency j turns with position component section_of[j]: [T, D/2] positions, each by its frequency
-        picked = positions.index_select(0, self.section_of.to(positions.device)).t()
+        picked = positions.index_select(0, self.section_of.to(positions.device)).t().contiguous()  # the C rotary's
         freqs = (picked.to(torch.float32) * self.inv_freq.to(positions.device)).unsqueeze(1)
         return freqs.cos(), freqs.sin()
 
