@@ -37,6 +37,19 @@ static inline void quantize_block(const float *xb, int block, int8_t *q, float *
         bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); /* NaN or infinite */
     }
     const float amax = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__)
+    __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int j = 0; j < block; j += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + j), absmask);
+        vmax = _mm256_max_ps(vmax, a);
+        vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_NLE_UQ)); /* NaN or infinite */
+    }
+    const int bad = _mm256_movemask_ps(vbad);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    float amax = 0.f;
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
 #else
     float amax = 0.f;
     int bad = 0;
@@ -65,6 +78,31 @@ static inline void quantize_block(const float *xb, int block, int8_t *q, float *
         if (q) _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(qi));
         if (bsums) bsums[j / 16] = (int16_t)_mm512_reduce_add_epi32(qi);
         if (xr) _mm512_storeu_ps(xr + j, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), vd));
+    }
+#elif defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(iscale), vd = _mm256_set1_ps(db);
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    for (int g = 0; g < block / 16; g++) {
+        /* nearbyintf's value in the default rounding mode: to nearest, ties to even */
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * g), vs));
+        __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * g + 8), vs));
+        q0 = _mm256_max_epi32(_mm256_min_epi32(q0, lim), nlim), q1 = _mm256_max_epi32(_mm256_min_epi32(q1, lim), nlim);
+        if (q) {  /* 16 int32 to int8, in order */
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);
+            const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            _mm_storeu_si128((__m128i *)(q + 16 * g), b);
+        }
+        if (bsums) {
+            const __m256i t = _mm256_add_epi32(q0, q1);
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+            bsums[g] = (int16_t)_mm_cvtsi128_si32(u);
+        }
+        if (xr) {
+            _mm256_storeu_ps(xr + 16 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(q0), vd));
+            _mm256_storeu_ps(xr + 16 * g + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(q1), vd));
+        }
     }
 #else
     for (int g = 0; g < block / 16; g++) {
