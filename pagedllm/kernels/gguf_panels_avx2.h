@@ -21,6 +21,12 @@
  * integer as (q + 128) . x - 128 * sum(x); so do IQ4_NL's values (at most 127 in magnitude). */
 #define RTA 4  /* rows of x per tile: AVX2 has 16 vector registers */
 
+/* bytes from one (half, super-block)'s expanded words to the next (expand_panel): its 64 words of 32 bytes, then
+ * what the kernels would decode from the block for each tile besides (Q4_K's / Q5_K's q4k_consts, 14 vectors;
+ * Q6_K's q6k_scales16, 24), so a panel's tiles take them with a load */
+#define XP_STRIDE_Q4_K (2048 + 14 * 32)
+static inline int64_t xp_stride(int ptype) { return ptype == P_Q6_K ? 2048 + 24 * 32 : XP_STRIDE_Q4_K; }
+
 static inline __attribute__((always_inline)) __m256i dp8(__m256i acc, __m256i u, __m256i s) {
 #ifdef __AVXVNNI__
     return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -82,6 +88,39 @@ static inline __attribute__((always_inline)) __m256i q5k_word_at(int xp, const u
     return _mm256_or_si256(n, q5_bits8(_mm256_loadu_si256((const __m256i *)(b + (4 + j) * 64)), cc, hi));
 }
 
+/* what half_q4k takes from a Q4_K / Q5_K super-block's half b (8 rows) besides its words, into out: 0-7 the
+ * sub-blocks' scales by chunk cc, low then high nibbles (2cc + hi: AVX-VNNI's as int32 for vpmulld, else in both
+ * int16 of each lane for vpmaddwd), 8-11 the mins of groups 2k and 2k + 1 as the two int16 of a lane (k: groups
+ * 0-1, 2-3 of the low half, then of the high one, as below), 12-13 d and dmin as floats. expand_panel keeps them
+ * after each super-block's expanded words; decoded in place, half_q4k takes them from here */
+static inline __attribute__((always_inline)) void q4k_consts(const uint8_t *b, __m256i *out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
+    const __m256i ff = _mm256_set1_epi32(0xFF), hi16 = _mm256_set1_epi32(0xFF0000);
+    /* vector 0: d | dmin; 1-3: the 12 bytes of scales (k4_scales on 8 rows at once) */
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *)(b + 64)), u1 = _mm256_loadu_si256((const __m256i *)(b + 128));
+    const __m256i u2 = _mm256_loadu_si256((const __m256i *)(b + 192));
+    const __m256i sl = _mm256_and_si256(u0, m6);
+    const __m256i sh = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), top));
+    for (int cc = 0; cc < 4; cc++)
+        for (int hi = 0; hi < 2; hi++) {
+            const __m256i sv = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8 * hi), ff);
+#ifdef __AVXVNNI__
+            out[2 * cc + hi] = sv;
+#else
+            out[2 * cc + hi] = _mm256_or_si256(sv, _mm256_slli_epi32(sv, 16));
+#endif
+        }
+    const __m256i ml = _mm256_and_si256(u1, m6);
+    const __m256i mh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), top));
+    for (int k = 0; k < 2; k++) {
+        const __m256i lo = _mm256_srli_epi32(ml, 16 * k), hi = _mm256_srli_epi32(mh, 16 * k);
+        out[8 + k] = _mm256_or_si256(_mm256_and_si256(lo, ff), _mm256_and_si256(_mm256_slli_epi32(lo, 8), hi16));
+        out[10 + k] = _mm256_or_si256(_mm256_and_si256(hi, ff), _mm256_and_si256(_mm256_slli_epi32(hi, 8), hi16));
+    }
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)b);
+    out[12] = _mm256_castps_si256(f16_lanes(w0, 0)), out[13] = _mm256_castps_si256(f16_lanes(w0, 1));
+}
+
 /* rows 0 .. rt - 1 of y (8 columns: half hf of a repacked Q4_K panel pb, or of a Q5_K one where q5, its weights
  * from ex where xp: expand_panel's) as packed_q4k of AVX-512 computes them. Like every half_* kernel, it takes
  * halves hf0 .. hf0 + nh - 1 (hf below), nh 2 for both in one pass (packed_rows) */
@@ -90,8 +129,7 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
                                                            float *y, int64_t ldy) {
     const int64_t nsb = K / QK, npair = K / 64;
     const int bytes = q5 ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
-    const __m256i ff = _mm256_set1_epi32(0xFF);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     float accms[2][RTA * 8] __attribute__((aligned(32)));
     for (int hh = 0; hh < nh; hh++)
         for (int r = 0; r < rt; r++) _mm256_store_ps(accms[hh] + r * 8, _mm256_setzero_ps());
@@ -100,24 +138,22 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
         const int hf = hf0 + hh;
         float *accm = accms[hh];
         const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
-        const uint8_t *eb = xp ? ex + (hf * nsb + sb) * 2048 : NULL;
+        const uint8_t *eb = xp ? ex + (hf * nsb + sb) * XP_STRIDE_Q4_K : NULL;
         if (!hf && !xp) PREFETCH_AHEAD(b, NP * bytes);
-        /* vector 0: d | dmin; 1-3: the 12 bytes of scales (k4_scales on 8 rows at once) */
-        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(b + 64)), u2 = _mm256_loadu_si256((const __m256i *)(b + 192));
-        const __m256i sl = _mm256_and_si256(u0, m6);
-        const __m256i sh = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), top));
+        __m256i cb[14];
+        const __m256i *cs = cb;  /* q4k_consts' */
+        if (xp) cs = (const __m256i *)(eb + 2048);
+        else q4k_consts(b, cb);
         int32_t ism[RTA * 8] __attribute__((aligned(32)));
         for (int r = 0; r < rt; r++) _mm256_store_si256((__m256i *)(ism + r * 8), _mm256_setzero_si256());
         for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
             const uint8_t *q = b + (q5 ? 12 : 4) * 64 + cc * 8 * 64;
             const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
-            const __m256i svl = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1)), ff);
-            const __m256i svh = _mm256_and_si256(_mm256_srli_epi32(cc < 2 ? sl : sh, 16 * (cc & 1) + 8), ff);
 #ifndef __AVXVNNI__
             /* a sub-block's pairs of products summed in int16 (Q4_K: all 8 words, at most 8 * 2 * 15 * 127 = 30480;
              * Q5_K: 4 words at a time, 4 * 2 * 31 * 127 = 31496), then times its scale (in both int16 of a lane) by
              * vpmaddwd: the integer AVX-512 gets, a third fewer instructions */
-            const __m256i sl16 = _mm256_or_si256(svl, _mm256_slli_epi32(svl, 16)), sh16 = _mm256_or_si256(svh, _mm256_slli_epi32(svh, 16));
+            const __m256i sl16 = _mm256_load_si256(cs + 2 * cc), sh16 = _mm256_load_si256(cs + 2 * cc + 1);
             const int run = q5 ? 4 : 8;
             for (int j0 = 0; j0 < 8; j0 += run) {
                 __m256i pl[RTA], ph[RTA];
@@ -165,28 +201,18 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
                 const __m256i l = split == 2 ? _mm256_add_epi32(al[0][r], al[1][r]) : al[0][r];
                 const __m256i h = split == 2 ? _mm256_add_epi32(ah[0][r], ah[1][r]) : ah[0][r];
                 __m256i *s = (__m256i *)(ism + r * 8);
-                _mm256_store_si256(s, _mm256_add_epi32(_mm256_load_si256(s), _mm256_add_epi32(_mm256_mullo_epi32(l, svl), _mm256_mullo_epi32(h, svh))));
+                _mm256_store_si256(s, _mm256_add_epi32(_mm256_load_si256(s), _mm256_add_epi32(_mm256_mullo_epi32(l, _mm256_load_si256(cs + 2 * cc)),
+                                                                                           _mm256_mullo_epi32(h, _mm256_load_si256(cs + 2 * cc + 1)))));
             }
 #endif
         }
-        /* the mins: mn[k] those of groups 2k and 2k + 1 as the two int16 of a lane */
-        const __m256i u1 = _mm256_loadu_si256((const __m256i *)(b + 128));
-        const __m256i hi16 = _mm256_set1_epi32(0xFF0000);
-        const __m256i ml = _mm256_and_si256(u1, m6);
-        const __m256i mh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), top));
-        __m256i mn[4];
-        for (int k = 0; k < 2; k++) {
-            const __m256i lo = _mm256_srli_epi32(ml, 16 * k), hi = _mm256_srli_epi32(mh, 16 * k);
-            mn[k] = _mm256_or_si256(_mm256_and_si256(lo, ff), _mm256_and_si256(_mm256_slli_epi32(lo, 8), hi16));
-            mn[2 + k] = _mm256_or_si256(_mm256_and_si256(hi, ff), _mm256_and_si256(_mm256_slli_epi32(hi, 8), hi16));
-        }
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)b);
-        const __m256 dv = f16_lanes(w0, 0), dminv = f16_lanes(w0, 1);
+        /* the mins: cs[8 + k] those of groups 2k and 2k + 1 as the two int16 of a lane */
+        const __m256 dv = _mm256_castsi256_ps(_mm256_load_si256(cs + 12)), dminv = _mm256_castsi256_ps(_mm256_load_si256(cs + 13));
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
             __m256 ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(ism + r * 8))), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8));
             __m256i ms = _mm256_setzero_si256();
-            for (int k = 0; k < 4; k++) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[k], _mm256_set1_epi32(xs2[r * npair + sb * 4 + k])));
+            for (int k = 0; k < 4; k++) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(_mm256_load_si256(cs + 8 + k), _mm256_set1_epi32(xs2[r * npair + sb * 4 + k])));
             ar = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dminv, dxv), ar);
             _mm256_store_ps(accm + r * 8, ar);
         }
@@ -217,8 +243,31 @@ static inline __attribute__((always_inline)) __m256i q4k_word(const uint8_t *b, 
     return _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
 }
 
+/* a Q6_K super-block's 16 scales (half b of a repacked panel, 8 rows) as q6k_sums takes them: with AVX-VNNI each
+ * sign-extended to int32 (out 0-15, for vpmulld); else each in both int16 of its lanes (out 0-15), then scales 2k
+ * and 2k + 1 as the two int16 of a lane (out 16-23), for vpmaddwd */
+static inline __attribute__((always_inline)) void q6k_scales16(const uint8_t *b, __m256i *out) {
+    #pragma GCC unroll 8
+    for (int q = 0; q < 4; q++) {
+        const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + q) * 64));
+        #pragma GCC unroll 8
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * t), 24);
+#ifdef __AVXVNNI__
+            out[4 * q + t] = v;
+#else
+            out[4 * q + t] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+#endif
+        }
+    }
+#ifndef __AVXVNNI__
+    for (int k = 0; k < 8; k++) out[16 + k] = _mm256_blend_epi16(out[2 * k], out[2 * k + 1], 0xAA);
+#endif
+}
+
+
 /* a repacked Q4_K, Q5_K or Q6_K panel's (ptype's) words decoded once, q 0..15, 0..31 or 0..63, for the tiles of many
- * rows of x that each read them: both halves, half hf's super-block sb at ex + (hf * K / 256 + sb) * 2048, its 64
+ * rows of x that each read them: both halves, half hf's super-block sb at ex + (hf * K / 256 + sb) * xp_stride, its 64
  * words in the order half_q4k / q6k_word_at read them (word a * 8 + j: Q4_K's and Q5_K's a = 2cc + hi, Q6_K's
  * a = 4h + t). Q4_K's cost a load where each tile's decoding took three vector operations */
 static void expand_panel(int ptype, const uint8_t *pb, int64_t K, uint8_t *ex) {
@@ -226,7 +275,9 @@ static void expand_panel(int ptype, const uint8_t *pb, int64_t K, uint8_t *ex) {
     for (int hf = 0; hf < 2; hf++)
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
-            uint8_t *o = ex + (hf * nsb + sb) * 2048;
+            uint8_t *o = ex + (hf * nsb + sb) * xp_stride(ptype);
+            if (ptype == P_Q6_K) q6k_scales16(b, (__m256i *)(o + 2048));
+            else q4k_consts(b, (__m256i *)(o + 2048));
             for (int a = 0; a < 8; a++)
                 for (int j = 0; j < 8; j++)
                     _mm256_store_si256((__m256i *)(o + (a * 8 + j) * 32),
@@ -259,7 +310,8 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
                 }
                 const int g = 8 * h + 2 * t + jj;
                 const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + g / 4) * 64));
-                const __m256i sv = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
+                const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + 2048) + g)
+                                      : _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
                 for (int r = 0; r < rt; r++) {
                     const __m256i t32 = _mm256_sub_epi32(a[r], _mm256_set1_epi32(xs[r * ng + sb * 16 + g]));
                     is[r] = _mm256_add_epi32(is[r], _mm256_mullo_epi32(t32, sv));
@@ -276,23 +328,15 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
                                                            const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is) {
     const int64_t ng = K / 16;
     (void)xs;
-    __m256i sc16[16] __attribute__((aligned(32)));  /* scale g sign-extended into both int16 of each lane */
-    #pragma GCC unroll 8
-    for (int q = 0; q < 4; q++) {
-        const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + q) * 64));
-        #pragma GCC unroll 8
-        for (int t = 0; t < 4; t++) {
-            const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * t), 24);
-            sc16[4 * q + t] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
-        }
-    }
-    __asm__("" ::"r"(sc16) : "memory");  /* in memory: the registers hold the sums (one load a vpmaddwd) */
+    __m256i scb[24] __attribute__((aligned(32)));
+    const __m256i *sc16 = scb, *pairs = scb + 16;  /* q6k_scales16's: from ex's where xp */
+    if (xp) sc16 = (const __m256i *)(ex + 2048), pairs = sc16 + 16;
+    else q6k_scales16(b, scb);
+    __asm__("" ::"r"(scb) : "memory");  /* in memory: the registers hold the sums (one load a vpmaddwd) */
     for (int r = 0; r < rt; r++) {
         __m256i off = _mm256_setzero_si256();
-        for (int k = 0; k < 8; k++) {  /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
-            const __m256i pair = _mm256_blend_epi16(sc16[2 * k], sc16[2 * k + 1], 0xAA);
-            off = _mm256_add_epi32(off, _mm256_madd_epi16(pair, _mm256_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k])));
-        }
+        for (int k = 0; k < 8; k++)  /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
+            off = _mm256_add_epi32(off, _mm256_madd_epi16(_mm256_load_si256(pairs + k), _mm256_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k])));
         is[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
     }
     const int8_t *xb = qx + sb * QK;
@@ -390,7 +434,7 @@ static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64
         /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
         const uint8_t *b = pb + sb * NP * 210;
         if (!hf && !xp) PREFETCH_AHEAD(b, NP * 210);
-        q6k_sums(xp, rt, K, b + 32 * hf, xp ? ex + (hf * nsb + sb) * 2048 : NULL, sb, qx, xs, xs2, is);
+        q6k_sums(xp, rt, K, b + 32 * hf, xp ? ex + (hf * nsb + sb) * xp_stride(P_Q6_K) : NULL, sb, qx, xs, xs2, is);
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 52 * 64 + 16 * hf)));
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
@@ -738,7 +782,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int failed = 0;
 #pragma omp parallel
     {
-    uint8_t *ex = expand_buffer(expands, (size_t)K * (k23 || ptype == P_IQ4_XS ? 24 : 16), &failed);
+    uint8_t *ex = expand_buffer(expands, (size_t)K * (k23 || ptype == P_IQ4_XS || ptype == P_Q6_K || ptype == P_Q4_K || ptype == P_Q5_K ? 24 : 16), &failed);
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (expands && !ex) continue;
