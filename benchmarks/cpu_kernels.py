@@ -11,6 +11,10 @@
     python benchmarks/cpu_kernels.py gguf        # Qwen2.5-1.5B's MLP + head shapes, one row: a GGUF's Q4_K / Q6_K
                                                  # blocks as stored (gguf_blocks.c) vs the converted int4 / int8
                                                  # layouts (gguf_loader._q_blocks) vs float32 oneDNN
+    python benchmarks/cpu_kernels.py panels --types Q4_K Q6_K --rows 512
+                                                 # the panel GEMM (int8 x, the blocks repacked at load) over
+                                                 # Qwen2.5-1.5B's four linear shapes, GMAC/s, at the level that
+                                                 # $PAGEDLLM_CPU_LEVEL names (two trees: run it from each, in turn)
 
 Times are the best of several repeats (this machine is noisy); ratios are what to read.
 """
@@ -251,10 +255,66 @@ def bench_gguf(calls: int) -> None:
             print(f"{name:8s} {n:6d} x {k:5d}  {label:44s} {t * 1e6:9.1f} {nbytes / t / 1e9:6.1f} {nbytes / 1e6:8.1f}")
 
 
+# Qwen2.5-1.5B's linear shapes (N, K): q / o, k / v, gate / up, down
+PANEL_SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)]
+# where a block's float16 scale(s) lie, by type (the rest of its bytes random): the K-quants' d (and dmin) and the
+# 32-blocks' d (and m)
+_SCALE_AT = {
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_1": (0, 2),
+    "Q5_1": (0, 2),
+}
+
+
+def _random_blocks(name: str, n: int, k: int) -> torch.Tensor:
+    """n rows of random blocks of type ``name``, with float16 scales of a realistic size (speed does not depend on
+    the values)."""
+    import gguf
+
+    elems, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    raw = torch.randint(0, 256, (n, k // elems, size), dtype=torch.uint8)
+    for at in _SCALE_AT.get(name, (0,)):
+        scale = torch.empty(n, k // elems, 1, dtype=torch.float16).uniform_(1e-4, 3e-3)
+        raw[..., at : at + 2] = scale.view(torch.uint8)
+    return raw.view(n, -1)
+
+
+def bench_panels(types: list[str], rows: list[int]) -> None:
+    """GMAC/s of the GGUF panel GEMM (int8 x) for each type, row count and shape: the best of 3 timed runs of about
+    3e9 multiply-adds each (run it from two trees in turn to compare them)."""
+    import gguf
+
+    from pagedllm import kernels
+
+    g = kernels.load().gguf
+    print(f"threads {torch.get_num_threads()}")
+    for name in types:
+        qtype = int(gguf.GGMLQuantizationType[name])
+        for m in rows:
+            rates = []
+            for n, k in PANEL_SHAPES:
+                ptype, w = g.pack(qtype, _random_blocks(name, n, k))
+                x = torch.randn(m, k)
+                g.matmul_a8(ptype, x, w)
+                reps, best = max(1, int(3e9 // (m * n * k))), float("inf")
+                for _ in range(3):
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        g.matmul_a8(ptype, x, w)
+                    best = min(best, (time.perf_counter() - t) / reps)
+                rates.append(f"{n}x{k} {m * n * k / best / 1e9:5.0f}")
+            print(f"{name:6s} {m:4d} rows  " + "  ".join(rates) + "  GMAC/s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["linear", "attention", "prefill", "quant", "gguf"])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512], help="batch rows (linear)")
+    p.add_argument("what", choices=["linear", "attention", "prefill", "quant", "gguf", "panels"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512], help="batch rows (linear, panels)")
+    p.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K"], help="GGUF block types (panels)")
     p.add_argument("--calls", type=int, default=200, help="timed calls per kernel, the median reported (gguf)")
     p.add_argument("--num-decodes", type=int, default=64, help="requests in the decode batch (attention)")
     args = p.parse_args()
@@ -264,6 +324,8 @@ def main() -> None:
         bench_quant(args.rows)
     elif args.what == "gguf":
         bench_gguf(args.calls)
+    elif args.what == "panels":
+        bench_panels(args.types, args.rows)
     elif args.what == "prefill":
         bench_prefill()
     else:
