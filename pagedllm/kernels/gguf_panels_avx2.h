@@ -757,8 +757,8 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
 #define BOTH_ROWS 2
 #endif
 
-/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (Q5_K / Q6_K: their
- * words from ex, expand_panel's / expand_panel's, where xp) */
+/* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (their words, and
+ * Q4_K / Q5_K / Q6_K their scales, from ex where xp: expand_panel's, expand_iq4xs's or expand_k23's) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                               const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                               const float *dx, float *y, int64_t ldy) {
