@@ -151,7 +151,14 @@ def test_dashboard_in_chromium_follows_the_engine_under_load(server, chromium, t
                     timeout=60_000,
                 )
                 page.wait_for_timeout(1000)  # a few snapshots of steady load for the sparklines
-                busy = _page_view(page)
+                # a view read in one go that shows the load: requests sharing the prompt's blocks, others queued (a
+                # loaded machine can catch the engine between two requests: the next snapshot, within a minute)
+                for _ in range(240):
+                    busy = _page_view(page)
+                    c = busy["counts"]
+                    if c["blocks-shared"] > 0 and c["num-running"] >= 2 and c["num-waiting"] >= 1:
+                        break
+                    page.wait_for_timeout(250)
                 live = _state(server)
                 shot = Path(os.environ.get("PAGEDLLM_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
                 page.screenshot(path=str(shot), full_page=True)
