@@ -214,8 +214,8 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
             }
 #endif
         }
-        /* the mins: cs[8 + k] those of groups 2k and 2k + 1 as the two int16 of a lane */
         const __m256 dv = _mm256_castsi256_ps(_mm256_load_si256(cs + 12)), dminv = _mm256_castsi256_ps(_mm256_load_si256(cs + 13));
+        /* the mins: cs[8 + k] those of groups 2k and 2k + 1 as the two int16 of a lane */
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
             __m256 ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(ism + r * 8))), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8));
@@ -273,7 +273,6 @@ static inline __attribute__((always_inline)) void q6k_scales16(const uint8_t *b,
 #endif
 }
 
-
 /* a repacked Q4_K, Q5_K or Q6_K panel's (ptype's) words decoded once, q 0..15, 0..31 or 0..63, for the tiles of many
  * rows of x that each read them: both halves, half hf's super-block sb at ex + (hf * K / 256 + sb) * xp_stride, its 64
  * words in the order half_q4k / q6k_word_at read them (word a * 8 + j: Q4_K's and Q5_K's a = 2cc + hi, Q6_K's
@@ -317,9 +316,9 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
                     for (int r = 0; r < rt; r++) a[r] = dp8(a[r], v, bcast4(qx + r * K + sb * QK + 128 * h + 32 * t + 4 * j));
                 }
                 const int g = 8 * h + 2 * t + jj;
-                const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + g / 4) * 64));
                 const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + 2048) + g)
-                                      : _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 8 * (g % 4)), 24);
+                                      : _mm256_srai_epi32(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(b + (48 + g / 4) * 64)),
+                                                                            24 - 8 * (g % 4)), 24);
                 for (int r = 0; r < rt; r++) {
                     const __m256i t32 = _mm256_sub_epi32(a[r], _mm256_set1_epi32(xs[r * ng + sb * 16 + g]));
                     is[r] = add32(is[r], _mm256_mullo_epi32(t32, sv));
@@ -790,7 +789,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int failed = 0;
 #pragma omp parallel
     {
-    uint8_t *ex = expand_buffer(expands, (size_t)K * (k23 || ptype == P_IQ4_XS || ptype == P_Q6_K || ptype == P_Q4_K || ptype == P_Q5_K ? 24 : 16), &failed);
+    uint8_t *ex = expand_buffer(expands, (size_t)K * 24, &failed);  /* every expansion's bytes: at most 24 a column */
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NP) {
         if (expands && !ex) continue;
