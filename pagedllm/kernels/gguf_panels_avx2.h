@@ -623,7 +623,7 @@ static inline __attribute__((always_inline)) __m256i q3k_scale8(const __m256i s0
 
 static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int rt, int64_t K, const uint8_t *pb, int hf0, int nh,
                                                            const uint8_t *ex, const int8_t *qx, const int32_t *xs,
-                                                           const float *dx, float *y, int64_t ldy) {
+                                                           const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
     const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m4 = _mm256_set1_epi32(15);
@@ -650,8 +650,8 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
             const __m256i sm = q3 || xp ? zero : _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (g / 4) * 64)), 8 * (g % 4));
             const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + (size_t)K * 16 + (sb * 16 + g) * 64 + 32 * hf))
                                   : q3 ? q3k_scale8(s0, s1, s2, g) : _mm256_and_si256(sm, m4);
-            const __m256i mv = xp ? (q3 ? zero : _mm256_load_si256((const __m256i *)(ex + (size_t)K * 20 + (sb * 16 + g) * 64 + 32 * hf)))
-                                  : _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
+            const __m256i mv = xp ? zero : _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
+            const __m256i sv16 = q3 && !xp ? _mm256_and_si256(sv, _mm256_set1_epi32(0xFFFF)) : sv;  /* Q3_K's may be < 0 */
             __m256i a[RTA];
             for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
             for (int w = 0; w < 4; w++) {
@@ -675,12 +675,29 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
                 }
             }
             for (int r = 0; r < rt; r++) {
+                if (xp) {  /* times the scale by one vpmaddwd (expand_k23's form); the offset's part after the groups */
+                    is[r] = add32(is[r], _mm256_madd_epi16(a[r], sv));
+                    continue;
+                }
 #ifndef __AVXVNNI__
                 a[r] = _mm256_madd_epi16(a[r], _mm256_set1_epi16(1));
 #endif
+                /* each int32 here fits in its low int16 (at most 16 * 7 * 127 + 4 * 16 * 127): vpmaddwd by a factor in
+                 * the low int16 of a lane (the high one 0) is vpmulld's product in one instruction instead of two */
                 const __m256i xsv = _mm256_set1_epi32(xs[r * ng + sb * 16 + g]);
-                is[r] = add32(is[r], _mm256_mullo_epi32(q3 ? _mm256_sub_epi32(a[r], xsv) : a[r], sv));
-                if (!q3) ms[r] = add32(ms[r], _mm256_mullo_epi32(xsv, mv));
+                is[r] = add32(is[r], _mm256_madd_epi16(q3 ? _mm256_sub_epi32(a[r], xsv) : a[r], sv16));
+                if (!q3) ms[r] = add32(ms[r], _mm256_madd_epi16(xsv, mv));
+            }
+        }
+        if (xp) {  /* Q2_K's mins, or Q3_K's scales for its offset of 4, times x's sums per 16: two groups a vpmaddwd */
+            const uint8_t *pairs = ex + (size_t)K * 20 + sb * 8 * 64 + 32 * hf;
+            for (int r = 0; r < rt; r++) {
+                __m256i t = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++)
+                    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(pairs + k * 64)),
+                                                              _mm256_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k])));
+                if (q3) is[r] = _mm256_sub_epi32(is[r], _mm256_slli_epi32(t, 2));
+                else ms[r] = t;
             }
         }
         const __m256i w20 = q3 ? zero : _mm256_loadu_si256((const __m256i *)(b + 20 * 64));
@@ -734,8 +751,21 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
                 const int h = g / 8, j = (g % 8) / 2, half = g % 2;
                 const __m256i sm = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (q3 ? 0 : g / 4) * 64)), 8 * (g % 4));
                 uint8_t *e = ex + (sb * 16 + g) * 64 + 32 * hf;
-                _mm256_store_si256((__m256i *)(e + (size_t)K * 16), q3 ? q3k_scale8(s0, s1, s2, g) : _mm256_and_si256(sm, m4));
-                _mm256_store_si256((__m256i *)(e + (size_t)K * 20), _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4));
+                const __m256i sv = q3 ? q3k_scale8(s0, s1, s2, g) : _mm256_and_si256(sm, m4);
+                /* the pairs' word: Q2_K's min, or Q3_K's scale, of group g as int16 g % 2 of word g / 2 */
+                const __m256i pv = q3 ? sv : _mm256_and_si256(_mm256_srli_epi32(sm, 4), m4);
+                __m256i *pair = (__m256i *)(ex + (size_t)K * 20 + (sb * 8 + g / 2) * 64 + 32 * hf);
+                if (g % 2 == 0) _mm256_store_si256(pair, _mm256_and_si256(pv, _mm256_set1_epi32(0xFFFF)));
+                else _mm256_store_si256(pair, _mm256_or_si256(_mm256_load_si256(pair), _mm256_slli_epi32(pv, 16)));
+                /* the scale for vpmaddwd: with VNNI a group's int32 sum fits in its low int16 (at most 16 * 7 * 127),
+                 * so the scale is that int16's and the high one's is 0; without, in both int16 of the lane (the
+                 * int16 pairs of vpmaddubsw) */
+                const __m256i lo16 = _mm256_and_si256(sv, _mm256_set1_epi32(0xFFFF));
+#ifdef __AVXVNNI__
+                _mm256_store_si256((__m256i *)(e + (size_t)K * 16), lo16);
+#else
+                _mm256_store_si256((__m256i *)(e + (size_t)K * 16), _mm256_or_si256(lo16, _mm256_slli_epi32(sv, 16)));
+#endif
                 for (int w = 0; w < 4; w++) {
                     const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
                     __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
@@ -766,7 +796,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, nh, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, nh, qx, xs, xs2, dx, y, ldy);
         else if (type == P_IQ4_XS) half_iq4xs(xp, rt, K, pb, hf, nh, ex, qx, xs, dx, y, ldy);
-        else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, xp, rt, K, pb, hf, nh, ex, qx, xs, dx, y, ldy);
+        else if (type == P_Q3_K || type == P_Q2_K) half_k23(type == P_Q3_K, xp, rt, K, pb, hf, nh, ex, qx, xs, xs2, dx, y, ldy);
         else half_q32(base_type(type), rt, K, pb, hf, nh, qx, xs, dx, y, ldy);
     }
 }

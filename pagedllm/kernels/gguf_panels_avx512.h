@@ -642,10 +642,14 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int
                 }
                 for (int r = 0; r < rt; r++) a[r] = dpbusd_b(a[r], u, xc + r * K + 4 * w);
             }
+            /* each int32 here fits in its low int16 (at most 16 * 7 * 127 + 4 * 16 * 127): vpmaddwd by a factor in the
+             * low int16 of a lane (the high one 0: Q3_K's scales masked, Q2_K's and the mins are 0..15) is vpmulld's
+             * product in one instruction instead of two */
+            const __m512i sv16 = q3 ? _mm512_and_si512(sv, _mm512_set1_epi32(0xFFFF)) : sv;
             for (int r = 0; r < rt; r++) {
                 const __m512i xsv = _mm512_set1_epi32(xs[r * ng + sb * 16 + g]);
-                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(q3 ? _mm512_sub_epi32(a[r], xsv) : a[r], sv));
-                if (!q3) ms[r] = _mm512_add_epi32(ms[r], _mm512_mullo_epi32(xsv, mv));
+                is[r] = _mm512_add_epi32(is[r], _mm512_madd_epi16(q3 ? _mm512_sub_epi32(a[r], xsv) : a[r], sv16));
+                if (!q3) ms[r] = _mm512_add_epi32(ms[r], _mm512_madd_epi16(xsv, mv));
             }
         }
         const __m512i w20 = q3 ? zero : _mm512_loadu_si512(b + 20 * 64);  /* Q2_K's d | dmin */
