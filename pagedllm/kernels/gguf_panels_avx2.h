@@ -645,7 +645,7 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
         for (int g = 0; g < 16; g++) {
             const int h = g / 8, j = (g % 8) / 2, half = g % 2;
             const int8_t *xc = qx + sb * QK + 16 * g;
-            /* where xp, from expand_k23's layout (ex): this group's words, scale and min, this half's lanes */
+            /* where xp, from expand_k23's layout (ex): this group's words and scale, this half's lanes */
             const uint8_t *eg = ex + (sb * 16 + g) * 4 * 64 + 32 * hf;
             const __m256i sm = q3 || xp ? zero : _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + (g / 4) * 64)), 8 * (g % 4));
             const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + (size_t)K * 16 + (sb * 16 + g) * 64 + 32 * hf))
@@ -737,7 +737,8 @@ static void expand_iq4xs(const uint8_t *pb, int64_t K, uint8_t *ex) {
         }
 }
 
-/* expand_k23 of AVX-512 on 256-bit registers (Q3_K's words, scales and mins into ex, K * 24 bytes, both halves) */
+/* a Q3_K's or Q2_K's words into ex as AVX-512's expand_k23 lays them (K * 16 bytes, both halves), then the groups'
+ * scales in vpmaddwd's form (K * 4) and pairs of groups' Q2_K mins or Q3_K scales as two int16 (K * 2) */
 static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
     const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m4 = _mm256_set1_epi32(15);
