@@ -668,7 +668,8 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int
 /* a repacked Q3_K (q3) or Q2_K panel's words, scales and mins as packed_k23 decodes them, into ex (K * 24 bytes,
  * 64-aligned), once for every tile of rows of a large call: the same bits. Taken for Q3_K (a [8960, 1536] weight,
  * medians of 8 calls alternated in one process: 367 GMAC/s at 40 rows in place, 446 at 48 and 581 at 512 expanded);
- * not for Q2_K, whose words cost two instructions to decode (369 / 378 / 408 expanded, 341 / 359 / 373 in place) */
+ * and for Q2_K since its scales and mins take vpmaddwd (one thread, 1536 x 1536: 97 -> 114 GMAC/s at 64 rows, 88 ->
+ * 105 at 512) */
 static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
     const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(15);
@@ -723,7 +724,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int failed = 0;
     const int k23 = ptype == P_Q3_K || ptype == P_Q2_K, direct_only = ptype == P_IQ4_XS || k23;  /* no panel_t form */
     if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || direct_only)) {  /* repacked: each panel's words in place */
-        const int expands = ptype == P_Q3_K && M > PACKED_DIRECT_ROWS;  /* Q3_K: its words decoded once a panel */
+        const int expands = k23 && M > PACKED_DIRECT_ROWS;  /* Q3_K's and Q2_K's words decoded once a panel */
 #pragma omp parallel
         {
         uint8_t *ex = expand_buffer(expands, (size_t)K * 24, &failed);
@@ -749,7 +750,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
                     case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;  \
                     default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break; \
                 }
-                BY_PANEL_TYPE(ptype, ex, XP_Q3_K);
+                BY_PANEL_TYPE(ptype, ex, XP_Q3_K | XP_Q2_K);
 #undef PACKED
             }
         }
