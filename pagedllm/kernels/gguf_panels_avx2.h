@@ -45,6 +45,24 @@ static inline __attribute__((always_inline)) __m256i add32(__m256i acc, __m256i 
     return acc;
 }
 
+/* acc + vpmaddwd(a, b): with AVX-VNNI one vpdpwssd, else the two instructions kept a chain (add32) */
+static inline __attribute__((always_inline)) __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+#ifdef __AVXVNNI__
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return add32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* sum over k < n of pairs k (stride bytes apart: two groups' int16 factors a lane) times x's sums of those two
+ * groups (xs2[k]): Q4_K's mins, Q6_K's offset, Q2_K's mins and Q3_K's offset, two groups a vpmaddwd */
+static inline __attribute__((always_inline)) __m256i pairs_dot(const void *pairs, int stride, const int32_t *xs2, int n) {
+    __m256i t = _mm256_setzero_si256();
+    for (int k = 0; k < n; k++)
+        t = madd_acc(t, _mm256_load_si256((const __m256i *)((const uint8_t *)pairs + k * stride)), _mm256_set1_epi32(xs2[k]));
+    return t;
+}
+
 static inline __attribute__((always_inline)) __m256i bcast4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -219,8 +237,7 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
             __m256 ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(ism + r * 8))), _mm256_mul_ps(dv, dxv), _mm256_load_ps(accm + r * 8));
-            __m256i ms = _mm256_setzero_si256();
-            for (int k = 0; k < 4; k++) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(_mm256_load_si256(cs + 8 + k), _mm256_set1_epi32(xs2[r * npair + sb * 4 + k])));
+            const __m256i ms = pairs_dot(cs + 8, 32, xs2 + r * npair + sb * 4, 4);
             ar = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dminv, dxv), ar);
             _mm256_store_ps(accm + r * 8, ar);
         }
@@ -341,9 +358,8 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
     else q6k_scales16(b, scb);
     __asm__("" ::"r"(scb) : "memory");  /* in memory: the registers hold the sums (one load a vpmaddwd) */
     for (int r = 0; r < rt; r++) {
-        __m256i off = _mm256_setzero_si256();
-        for (int k = 0; k < 8; k++)  /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
-            off = _mm256_add_epi32(off, _mm256_madd_epi16(_mm256_load_si256(pairs + k), _mm256_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k])));
+        /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
+        const __m256i off = pairs_dot(pairs, 32, xs2 + r * (ng / 2) + sb * 8, 8);
         is[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
     }
     const int8_t *xb = qx + sb * QK;
@@ -363,7 +379,7 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
                             const __m256i v = q6k_word_at(1, b, ex, h, t, j);
                             for (int r = 0; r < rt; r++) p[r] = add_maddubs(p[r], v, xb + r * K + 128 * h + 32 * t + 4 * j);
                         }
-                        for (int r = 0; r < rt; r++) is[r] = add32(is[r], _mm256_madd_epi16(p[r], sc16[8 * h + 2 * t + jj]));
+                        for (int r = 0; r < rt; r++) is[r] = madd_acc(is[r], p[r], sc16[8 * h + 2 * t + jj]);
                     }
         return;
     }
@@ -392,7 +408,7 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
                     }
                     #pragma GCC unroll 8
                     for (int t = 0; t < 4; t++)
-                        for (int r = 0; r < rt; r++) is[r] = add32(is[r], _mm256_madd_epi16(p[t][r], sc16[8 * h + 2 * t + jj]));
+                        for (int r = 0; r < rt; r++) is[r] = madd_acc(is[r], p[t][r], sc16[8 * h + 2 * t + jj]);
                 }
         return;
     }
@@ -417,8 +433,8 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
                         }
                     }
                     for (int r = 0; r < rt; r++) {
-                        is[r] = add32(is[r], _mm256_madd_epi16(p[0][r], sc16[8 * h + 2 * t + jj]));
-                        is[r] = add32(is[r], _mm256_madd_epi16(p[1][r], sc16[8 * h + 2 * (t + 2) + jj]));
+                        is[r] = madd_acc(is[r], p[0][r], sc16[8 * h + 2 * t + jj]);
+                        is[r] = madd_acc(is[r], p[1][r], sc16[8 * h + 2 * (t + 2) + jj]);
                     }
                 }
 }
@@ -676,7 +692,7 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
             }
             for (int r = 0; r < rt; r++) {
                 if (xp) {  /* times the scale by one vpmaddwd (expand_k23's form); the offset's part after the groups */
-                    is[r] = add32(is[r], _mm256_madd_epi16(a[r], sv));
+                    is[r] = madd_acc(is[r], a[r], sv);
                     continue;
                 }
 #ifndef __AVXVNNI__
@@ -685,17 +701,14 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
                 /* each int32 here fits in its low int16 (at most 16 * 7 * 127 + 4 * 16 * 127): vpmaddwd by a factor in
                  * the low int16 of a lane (the high one 0) is vpmulld's product in one instruction instead of two */
                 const __m256i xsv = _mm256_set1_epi32(xs[r * ng + sb * 16 + g]);
-                is[r] = add32(is[r], _mm256_madd_epi16(q3 ? _mm256_sub_epi32(a[r], xsv) : a[r], sv16));
-                if (!q3) ms[r] = add32(ms[r], _mm256_madd_epi16(xsv, mv));
+                is[r] = madd_acc(is[r], q3 ? _mm256_sub_epi32(a[r], xsv) : a[r], sv16);
+                if (!q3) ms[r] = madd_acc(ms[r], xsv, mv);
             }
         }
         if (xp) {  /* Q2_K's mins, or Q3_K's scales for its offset of 4, times x's sums per 16: two groups a vpmaddwd */
             const uint8_t *pairs = ex + (size_t)K * 20 + sb * 8 * 64 + 32 * hf;
             for (int r = 0; r < rt; r++) {
-                __m256i t = _mm256_setzero_si256();
-                for (int k = 0; k < 8; k++)
-                    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(pairs + k * 64)),
-                                                              _mm256_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k])));
+                const __m256i t = pairs_dot(pairs, 64, xs2 + r * (ng / 2) + sb * 8, 8);
                 if (q3) is[r] = _mm256_sub_epi32(is[r], _mm256_slli_epi32(t, 2));
                 else ms[r] = t;
             }

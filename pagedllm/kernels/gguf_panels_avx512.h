@@ -538,6 +538,14 @@ static inline __attribute__((always_inline)) void packed_q32(int type, int rt, i
 #define PACKED_DIRECT_ROWS 40
 #endif
 
+/* more rows of x than this decode each Q3_K / Q2_K panel's words, scales and pairs once (expand_k23) for all the
+ * tiles: one thread, 1536 x 1536, in place against expanded: Q2_K 99 / 120 GMAC/s at 9 rows, 111 / 145 at 16, 112 /
+ * 165 at 40; Q3_K 77 / 98, 100 / 125, 100 / 155. Two threads, 1536 x 8960: Q2_K 191 / 189 at 9 rows, 213 / 231 at
+ * 16; Q3_K 148 / 159 and 190 / 220 */
+#ifndef K23_EXPAND_ROWS
+#define K23_EXPAND_ROWS 8
+#endif
+
 /* the same for a repacked IQ4_XS panel, at every row count (no expanded form): per super-block, word 0 (d | scales_h)
  * and word 1 (scales_l), then sub-block s's nibbles in words 2 + 4s .. 5 + 4s (repack_panel's layout); each nibble's
  * value + 128 looked up (vpshufb), each sub-block's dot less 128 sum(q_x) times its ls - 32, summed in int32, then
@@ -597,12 +605,13 @@ static inline __attribute__((always_inline)) __m512i q3k_scale16(const __m512i s
     return _mm512_sub_epi32(sc, _mm512_set1_epi32(32));
 }
 
-/* where xp, the weights' words (q + 4 / q), scales and mins come from ex instead, decoded once for all the row tiles
- * (expand_k23's layout: word w of group g of super-block sb at vector (16 sb + g) 4 + w, then the scales' and the
- * mins' int32 vectors, one a group) */
+/* where xp, the weights' words (q + 4 / q) and scales come from ex instead, decoded once for all the row tiles
+ * (expand_k23's layout: word w of group g of super-block sb at vector (16 sb + g) 4 + w, then the scales, one vector
+ * a group, then the pairs: Q2_K's mins or Q3_K's scales of groups 2k and 2k + 1 as the two int16 of a lane, which
+ * multiply x's sums per 16 (xs2) two groups a vpdpwssd once a super-block's groups are done) */
 static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int rt, int64_t K, const uint8_t *pb,
                                                              const uint8_t *ex, const int8_t *qx, const int32_t *xs,
-                                                             const float *dx, float *y, int64_t ldy) {
+                                                             const int32_t *xs2, const float *dx, float *y, int64_t ldy) {
     const int64_t nsb = K / QK, ng = K / 16;
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;  /* Q3_K: 1,760 bytes a super-block, every other one off a line */
     const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(15);
@@ -625,8 +634,7 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int
             const __m512i sm = q3 || xp ? zero : _mm512_srli_epi32(_mm512_loadu_si512(b + (g / 4) * 64), 8 * (g % 4));
             const __m512i sv = xp ? _mm512_load_si512(ex + (size_t)K * 16 + (sb * 16 + g) * 64)
                                   : q3 ? q3k_scale16(s0, s1, s2, g) : _mm512_and_si512(sm, m4);
-            const __m512i mv = xp ? (q3 ? zero : _mm512_load_si512(ex + (size_t)K * 20 + (sb * 16 + g) * 64))
-                                  : _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4);
+            const __m512i mv = xp ? zero : _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4);
             __m512i a[RT];
             for (int r = 0; r < rt; r++) a[r] = _mm512_setzero_si512();
             for (int w = 0; w < 4; w++) {
@@ -642,14 +650,31 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int
                 }
                 for (int r = 0; r < rt; r++) a[r] = dpbusd_b(a[r], u, xc + r * K + 4 * w);
             }
-            /* each int32 here fits in its low int16 (at most 16 * 7 * 127 + 4 * 16 * 127): vpmaddwd by a factor in the
-             * low int16 of a lane (the high one 0: Q3_K's scales masked, Q2_K's and the mins are 0..15) is vpmulld's
-             * product in one instruction instead of two */
-            const __m512i sv16 = q3 ? _mm512_and_si512(sv, _mm512_set1_epi32(0xFFFF)) : sv;
+            /* each int32 here fits in its low int16 (at most 16 * 7 * 127 + 4 * 16 * 127): vpdpwssd by a factor in
+             * the low int16 of a lane (the high one 0: Q3_K's scales masked, Q2_K's and the mins are 0..15; ex holds
+             * them so) adds vpmulld's product in one instruction instead of three */
+            const __m512i sv16 = q3 && !xp ? _mm512_and_si512(sv, _mm512_set1_epi32(0xFFFF)) : sv;
             for (int r = 0; r < rt; r++) {
+                if (xp) {  /* Q3_K's offset and Q2_K's mins after the groups, by pairs */
+                    is[r] = _mm512_dpwssd_epi32(is[r], a[r], sv16);
+                    continue;
+                }
                 const __m512i xsv = _mm512_set1_epi32(xs[r * ng + sb * 16 + g]);
-                is[r] = _mm512_add_epi32(is[r], _mm512_madd_epi16(q3 ? _mm512_sub_epi32(a[r], xsv) : a[r], sv16));
-                if (!q3) ms[r] = _mm512_add_epi32(ms[r], _mm512_madd_epi16(xsv, mv));
+                is[r] = _mm512_dpwssd_epi32(is[r], q3 ? _mm512_sub_epi32(a[r], xsv) : a[r], sv16);
+                if (!q3) ms[r] = _mm512_dpwssd_epi32(ms[r], xsv, mv);
+            }
+        }
+        if (xp) {  /* Q2_K's mins, or Q3_K's scales for its offset of 4, times x's sums per 16: two groups a vpdpwssd */
+            const uint8_t *pairs = ex + (size_t)K * 20 + sb * 8 * 64;
+            __m512i t[RT];
+            for (int r = 0; r < rt; r++) t[r] = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                const __m512i pv = _mm512_load_si512(pairs + k * 64);
+                for (int r = 0; r < rt; r++) t[r] = _mm512_dpwssd_epi32(t[r], pv, _mm512_set1_epi32(xs2[r * (ng / 2) + sb * 8 + k]));
+            }
+            for (int r = 0; r < rt; r++) {
+                if (q3) is[r] = _mm512_sub_epi32(is[r], _mm512_slli_epi32(t[r], 2));
+                else ms[r] = t[r];
             }
         }
         const __m512i w20 = q3 ? zero : _mm512_loadu_si512(b + 20 * 64);  /* Q2_K's d | dmin */
@@ -665,11 +690,10 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int
     for (int r = 0; r < rt; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-/* a repacked Q3_K (q3) or Q2_K panel's words, scales and mins as packed_k23 decodes them, into ex (K * 24 bytes,
- * 64-aligned), once for every tile of rows of a large call: the same bits. Taken for Q3_K (a [8960, 1536] weight,
- * medians of 8 calls alternated in one process: 367 GMAC/s at 40 rows in place, 446 at 48 and 581 at 512 expanded);
- * and for Q2_K since its scales and mins take vpmaddwd (one thread, 1536 x 1536: 97 -> 114 GMAC/s at 64 rows, 88 ->
- * 105 at 512) */
+/* a repacked Q3_K (q3) or Q2_K panel's words, scales and pairs as packed_k23 takes them, into ex (K * 24 bytes,
+ * 64-aligned; AVX2's expand_k23 lays them the same way), once for every tile of rows of a large call: the same bits.
+ * With the scales by vpdpwssd and the mins / Q3_K's offset by pairs, one thread, 1536 x 1536 at 512 rows: Q2_K 106
+ * -> 161 GMAC/s, Q3_K 148 -> 166 */
 static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
     const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(15);
@@ -680,8 +704,13 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
         for (int g = 0; g < 16; g++) {
             const int h = g / 8, j = (g % 8) / 2, half = g % 2;
             const __m512i sm = _mm512_srli_epi32(_mm512_loadu_si512(b + (q3 ? 0 : g / 4) * 64), 8 * (g % 4));
-            _mm512_store_si512(ex + (size_t)K * 16 + (sb * 16 + g) * 64, q3 ? q3k_scale16(s0, s1, s2, g) : _mm512_and_si512(sm, m4));
-            _mm512_store_si512(ex + (size_t)K * 20 + (sb * 16 + g) * 64, _mm512_and_si512(_mm512_srli_epi32(sm, 4), m4));
+            const __m512i sv = q3 ? q3k_scale16(s0, s1, s2, g) : _mm512_and_si512(sm, m4);
+            /* the scale in the low int16 of its lane (vpdpwssd's form); the pairs' word: Q2_K's min, or Q3_K's scale,
+             * of group g as int16 g % 2 of word g / 2 */
+            _mm512_store_si512(ex + (size_t)K * 16 + (sb * 16 + g) * 64, _mm512_and_si512(sv, _mm512_set1_epi32(0xFFFF)));
+            const __m512i pv = _mm512_and_si512(q3 ? sv : _mm512_srli_epi32(sm, 4), _mm512_set1_epi32(q3 ? 0xFFFF : 15));
+            uint8_t *pair = ex + (size_t)K * 20 + (sb * 8 + g / 2) * 64;
+            _mm512_store_si512(pair, g % 2 ? _mm512_or_si512(_mm512_load_si512(pair), _mm512_slli_epi32(pv, 16)) : pv);
             for (int w = 0; w < 4; w++) {
                 __m512i u = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + (qw + 8 * h + 4 * half + w) * 64), 2 * j), m2);
                 if (q3) {
@@ -702,7 +731,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
     if (type == P_Q4_K || type == P_Q5_K) packed_q4k(type == P_Q5_K, rt, K, pb, qx, xs2, dx, y, ldy);
     else if (type == P_Q6_K) packed_q6k(rt, K, pb, qx, xs, dx, y, ldy);
     else if (type == P_IQ4_XS) packed_iq4xs(rt, K, pb, qx, xs, dx, y, ldy);
-    else if (type == P_Q3_K || type == P_Q2_K) packed_k23(type == P_Q3_K, xp, rt, K, pb, ex, qx, xs, dx, y, ldy);
+    else if (type == P_Q3_K || type == P_Q2_K) packed_k23(type == P_Q3_K, xp, rt, K, pb, ex, qx, xs, xs2, dx, y, ldy);
     else packed_q32(base_type(type), rt, K, pb, qx, xs, dx, y, ldy);
 }
 
@@ -724,7 +753,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int failed = 0;
     const int k23 = ptype == P_Q3_K || ptype == P_Q2_K, direct_only = ptype == P_IQ4_XS || k23;  /* no panel_t form */
     if (ptype > PANEL && (M <= PACKED_DIRECT_ROWS || direct_only)) {  /* repacked: each panel's words in place */
-        const int expands = k23 && M > PACKED_DIRECT_ROWS;  /* Q3_K's and Q2_K's words decoded once a panel */
+        const int expands = k23 && M > K23_EXPAND_ROWS;  /* Q3_K's and Q2_K's words decoded once a panel */
 #pragma omp parallel
         {
         uint8_t *ex = expand_buffer(expands, (size_t)K * 24, &failed);
