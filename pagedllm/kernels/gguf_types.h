@@ -126,7 +126,8 @@ static int base_type(int type) { return type > PANEL ? type - PANEL : type; }
 /* PACKED(T, XP) (defined where this is used) with T the repacked type ptype as a constant, XP 1 where ex holds its
  * words expanded for every tile of rows; xps: the types whose words a level expands (XP_*, a constant: the other
  * types' expanded kernels are not compiled) */
-enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16, XP_Q4_K = 32 };
+enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16, XP_Q4_K = 32, XP_Q4_0 = 64, XP_Q4_1 = 128,
+       XP_Q5_0 = 256, XP_Q5_1 = 512, XP_IQ4_NL = 1024 };
 #define BY_PANEL_TYPE(ptype, ex, xps)                                                              \
     do {                                                                                           \
         if ((ptype) == P_Q4_K && ((xps) & XP_Q4_K) && (ex)) { PACKED(P_Q4_K, 1) }                  \
@@ -136,9 +137,13 @@ enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16, XP_Q4
         else if ((ptype) == P_Q6_K && ((xps) & XP_Q6_K) && (ex)) { PACKED(P_Q6_K, 1) }             \
         else if ((ptype) == P_Q6_K) { PACKED(P_Q6_K, 0) }                                          \
         else if ((ptype) == P_Q8_0) { PACKED(P_Q8_0, 0) }                                          \
+        else if ((ptype) == P_Q4_0 && ((xps) & XP_Q4_0) && (ex)) { PACKED(P_Q4_0, 1) }             \
         else if ((ptype) == P_Q4_0) { PACKED(P_Q4_0, 0) }                                          \
+        else if ((ptype) == P_Q4_1 && ((xps) & XP_Q4_1) && (ex)) { PACKED(P_Q4_1, 1) }             \
         else if ((ptype) == P_Q4_1) { PACKED(P_Q4_1, 0) }                                          \
+        else if ((ptype) == P_Q5_1 && ((xps) & XP_Q5_1) && (ex)) { PACKED(P_Q5_1, 1) }             \
         else if ((ptype) == P_Q5_1) { PACKED(P_Q5_1, 0) }                                          \
+        else if ((ptype) == P_IQ4_NL && ((xps) & XP_IQ4_NL) && (ex)) { PACKED(P_IQ4_NL, 1) }       \
         else if ((ptype) == P_IQ4_NL) { PACKED(P_IQ4_NL, 0) }                                      \
         else if ((ptype) == P_IQ4_XS && ((xps) & XP_IQ4_XS) && (ex)) { PACKED(P_IQ4_XS, 1) }       \
         else if ((ptype) == P_IQ4_XS) { PACKED(P_IQ4_XS, 0) }                                      \
@@ -146,6 +151,7 @@ enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16, XP_Q4
         else if ((ptype) == P_Q3_K) { PACKED(P_Q3_K, 0) }                                          \
         else if ((ptype) == P_Q2_K && ((xps) & XP_Q2_K) && (ex)) { PACKED(P_Q2_K, 1) }             \
         else if ((ptype) == P_Q2_K) { PACKED(P_Q2_K, 0) }                                          \
+        else if (((xps) & XP_Q5_0) && (ex)) { PACKED(P_Q5_0, 1) }                                  \
         else { PACKED(P_Q5_0, 0) }                                                                 \
     } while (0)
 
