@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) __m256i madd_acc(__m256i acc, __m25
 }
 
 /* sum over k < n of pairs k (stride bytes apart: two groups' int16 factors a lane) times x's sums of those two
- * groups (xs2[k]): Q4_K's mins, Q6_K's offset, Q2_K's mins and Q3_K's offset, two groups a vpmaddwd */
+ * groups (xs2[k]): Q4_K's mins, Q6_K's offset, Q2_K's mins and Q3_K's offset, two groups a madd_acc */
 static inline __attribute__((always_inline)) __m256i pairs_dot(const void *pairs, int stride, const int32_t *xs2, int n) {
     __m256i t = _mm256_setzero_si256();
     for (int k = 0; k < n; k++)
@@ -709,7 +709,7 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
                 }
             }
             for (int r = 0; r < rt; r++) {
-                if (xp) {  /* times the scale by one vpmaddwd (expand_k23's form); the offset's part after the groups */
+                if (xp) {  /* times the scale by one madd_acc (expand_k23's form); the offset's part after the groups */
                     is[r] = madd_acc(is[r], a[r], sv);
                     continue;
                 }
@@ -717,13 +717,14 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
                 a[r] = _mm256_madd_epi16(a[r], _mm256_set1_epi16(1));
 #endif
                 /* each int32 here fits in its low int16 (at most 16 * 7 * 127 + 4 * 16 * 127): vpmaddwd by a factor in
-                 * the low int16 of a lane (the high one 0) is vpmulld's product in one instruction instead of two */
+                 * the low int16 of a lane (the high one 0) is vpmulld's product; with the add, madd_acc (one vpdpwssd
+                 * with AVX-VNNI) */
                 const __m256i xsv = _mm256_set1_epi32(xs[r * ng + sb * 16 + g]);
                 is[r] = madd_acc(is[r], q3 ? _mm256_sub_epi32(a[r], xsv) : a[r], sv16);
                 if (!q3) ms[r] = madd_acc(ms[r], xsv, mv);
             }
         }
-        if (xp) {  /* Q2_K's mins, or Q3_K's scales for its offset of 4, times x's sums per 16: two groups a vpmaddwd */
+        if (xp) {  /* Q2_K's mins, or Q3_K's scales for its offset of 4, times x's sums per 16: two groups a madd_acc */
             const uint8_t *pairs = ex + (size_t)K * 20 + sb * 8 * 64 + 32 * hf;
             for (int r = 0; r < rt; r++) {
                 const __m256i t = pairs_dot(pairs, 64, xs2 + r * (ng / 2) + sb * 8, 8);
@@ -819,7 +820,8 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
 #endif
 
 /* rows 0 .. rt - 1 of y (16 columns) against repacked panel pb (a repacked type): its two halves (their words, and
- * Q4_K / Q5_K / Q6_K their scales, from ex where xp: expand_panel's, expand_iq4xs's or expand_k23's) */
+ * the K-quants' and IQ4_XS's scales, from ex where xp: expand_panel's, expand_iq4xs's, expand_k23's or
+ * expand_q32's) */
 static inline __attribute__((always_inline)) void packed_rows(int type, int xp, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
                                                               const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                               const float *dx, float *y, int64_t ldy) {
@@ -833,8 +835,8 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
     }
 }
 
-/* more rows of x than this decode each Q4_K / Q5_K / Q6_K panel's words once (expand_panel; IQ4_XS's, Q3_K's and
- * Q2_K's their own way) for all their tiles: the same bits */
+/* more rows of x than this decode each Q4_K / Q5_K / Q6_K panel's words once (expand_panel; IQ4_XS's, Q3_K's,
+ * Q2_K's, Q5_0's and Q5_1's their own way) for all their tiles: the same bits */
 #ifndef EXPAND_ROWS
 #define EXPAND_ROWS 8
 #endif

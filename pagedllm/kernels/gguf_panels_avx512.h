@@ -535,7 +535,7 @@ static inline __attribute__((always_inline)) void packed_q32(int type, int rt, i
  * The same where AMX multiplies the expanded panels (the 1.5B's four linear shapes, an Intel Xeon with AMX, in place
  * against AMX: 0.83-0.89x the time at 16 and 24 rows, 0.85-1.18x at 32, 0.94-1.14x at 40) */
 #ifndef PACKED_DIRECT_ROWS
-#define PACKED_DIRECT_ROWS 40
+#define PACKED_DIRECT_ROWS 40  /* Q3_K's and Q2_K's panels, read in place or expanded: K23_EXPAND_ROWS */
 #endif
 
 /* more rows of x than this decode each Q3_K / Q2_K panel's words, scales and pairs once (expand_k23) for all the
@@ -691,7 +691,7 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int
 }
 
 /* a repacked Q3_K (q3) or Q2_K panel's words, scales and pairs as packed_k23 takes them, into ex (K * 24 bytes,
- * 64-aligned; AVX2's expand_k23 lays them the same way), once for every tile of rows of a large call: the same bits.
+ * 64-aligned; AVX2's expand_k23 lays them the same way, its scales in both int16 of a lane without VNNI), once for every tile of rows of a large call: the same bits.
  * With the scales by vpdpwssd and the mins / Q3_K's offset by pairs, one thread, 1536 x 1536 at 512 rows: Q2_K 106
  * -> 161 GMAC/s, Q3_K 148 -> 166 */
 static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {

@@ -151,7 +151,7 @@ enum { XP_Q5_K = 1, XP_Q6_K = 2, XP_IQ4_XS = 4, XP_Q3_K = 8, XP_Q2_K = 16, XP_Q4
         else if ((ptype) == P_Q3_K) { PACKED(P_Q3_K, 0) }                                          \
         else if ((ptype) == P_Q2_K && ((xps) & XP_Q2_K) && (ex)) { PACKED(P_Q2_K, 1) }             \
         else if ((ptype) == P_Q2_K) { PACKED(P_Q2_K, 0) }                                          \
-        else if (((xps) & XP_Q5_0) && (ex)) { PACKED(P_Q5_0, 1) }                                  \
+        else if ((ptype) == P_Q5_0 && ((xps) & XP_Q5_0) && (ex)) { PACKED(P_Q5_0, 1) }             \
         else { PACKED(P_Q5_0, 0) }                                                                 \
     } while (0)
 
