@@ -160,4 +160,27 @@ static uint8_t *expand_buffer(int wanted, size_t bytes, int *failed) {
     }
     return b;
 }
+/* tiles_T_XP: one panel's columns of y (y + the panel's first column) for all M rows of x, in tiles of TILE rows, for
+ * the repacked type T (XP 1 where ex holds its words expanded), a function each: inlined into one function, every
+ * type's kernels made GCC compile some of them slower (AVX2's Q3_K at avx2-vnni 98 -> 76 GMAC/s, one thread, 512 x
+ * 8960 x 1536, when the paired types' expanded kernels joined them). A level defines TILE and TILE_CASES(T, XP),
+ * its cases of rows above 1 (TILE_ROWS(T, XP, R) each), then DEFINE_TILES for each (T, XP) BY_PANEL_TYPE names */
+#define TILE_ROWS(T, XP, R) \
+    case R: packed_rows(T, XP, R, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;
+#define DEFINE_TILES(T, XP)                                                                                          \
+    static __attribute__((noinline)) void tiles_##T##_##XP(int64_t M, int64_t K, const uint8_t *pb, const uint8_t *ex, \
+                                                          const int8_t *qx, const int32_t *xs, const int32_t *xs2,     \
+                                                          const float *dx, float *y, int64_t ldy) {                    \
+        const int64_t ng = K / group_elems(base_type(T)), ndx = K / act_block(T);                                       \
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {                                                                     \
+            const int8_t *q = qx + m0 * K;                                                                             \
+            const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);                                            \
+            const float *dxr = dx + m0 * ndx;                                                                          \
+            float *yr = y + m0 * ldy;                                                                                  \
+            switch (M - m0 < TILE ? (int)(M - m0) : TILE) {                                                            \
+                TILE_CASES(T, XP)                                                                                      \
+                default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                          \
+            }                                                                                                          \
+        }                                                                                                              \
+    }
 #endif

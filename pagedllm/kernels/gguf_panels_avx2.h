@@ -849,35 +849,17 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
 #define Q32_EXPAND_ROWS 32
 #endif
 
-/* one panel's columns of y (y + the panel's first column) for all M rows of x, in tiles of RTA rows: a function for
- * each repacked type T and XP (1 where ex holds its words expanded). Inlined into one function, the kernels of every
- * type made GCC compile some of them slower: Q3_K at avx2-vnni went from 98 to 76 GMAC/s (one thread, 512 x 8960 x
- * 1536) when the paired types' expanded kernels joined them */
-#define DEFINE_TILES(T, XP)                                                                                          \
-    static __attribute__((noinline)) void tiles_##T##_##XP(int64_t M, int64_t K, const uint8_t *pb, const uint8_t *ex, \
-                                                          const int8_t *qx, const int32_t *xs, const int32_t *xs2,     \
-                                                          const float *dx, float *y, int64_t ldy) {                    \
-        const int64_t ng = K / group_elems(base_type(T)), ndx = K / act_block(T);                                       \
-        for (int64_t m0 = 0; m0 < M; m0 += RTA) {                                                                      \
-            const int8_t *q = qx + m0 * K;                                                                             \
-            const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);                                            \
-            const float *dxr = dx + m0 * ndx;                                                                          \
-            float *yr = y + m0 * ldy;                                                                                  \
-            switch (M - m0 < RTA ? (int)(M - m0) : RTA) {                                                              \
-                case 4: packed_rows(T, XP, 4, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 3: packed_rows(T, XP, 3, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                          \
-            }                                                                                                          \
-        }                                                                                                              \
-    }
+/* tiles_T_XP (gguf_panels.h) for every type and XP here: tiles of RTA rows */
+#define TILE RTA
+#define TILE_CASES(T, XP) TILE_ROWS(T, XP, 4) TILE_ROWS(T, XP, 3) TILE_ROWS(T, XP, 2)
 DEFINE_TILES(P_Q4_K, 0) DEFINE_TILES(P_Q4_K, 1) DEFINE_TILES(P_Q5_K, 0) DEFINE_TILES(P_Q5_K, 1)
 DEFINE_TILES(P_Q6_K, 0) DEFINE_TILES(P_Q6_K, 1) DEFINE_TILES(P_Q8_0, 0) DEFINE_TILES(P_Q4_0, 0)
 DEFINE_TILES(P_Q4_0, 1) DEFINE_TILES(P_Q4_1, 0) DEFINE_TILES(P_Q4_1, 1) DEFINE_TILES(P_Q5_0, 0)
 DEFINE_TILES(P_Q5_0, 1) DEFINE_TILES(P_Q5_1, 0) DEFINE_TILES(P_Q5_1, 1) DEFINE_TILES(P_IQ4_NL, 0)
 DEFINE_TILES(P_IQ4_NL, 1) DEFINE_TILES(P_IQ4_XS, 0) DEFINE_TILES(P_IQ4_XS, 1) DEFINE_TILES(P_Q3_K, 0)
 DEFINE_TILES(P_Q3_K, 1) DEFINE_TILES(P_Q2_K, 0) DEFINE_TILES(P_Q2_K, 1)
-#undef DEFINE_TILES
+#undef TILE_CASES
+#undef TILE
 
 /* y = x . W^T for a repacked W (ptype), every row count: tiles of RTA rows of x against each panel */
 static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int16_t *bsums, const uint8_t *raw,

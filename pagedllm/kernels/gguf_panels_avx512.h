@@ -743,35 +743,17 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
 int gguf_use_amx = 1;
 #endif
 
-/* one panel's columns of y (y + the panel's first column) for all M rows of x, read in place (Q3_K's and Q2_K's
- * from ex where XP), in tiles of RT rows: a function for each repacked type, as AVX2's (tiles_T_XP there) */
-#define DEFINE_TILES(T, XP)                                                                                          \
-    static __attribute__((noinline)) void tiles_##T##_##XP(int64_t M, int64_t K, const uint8_t *pb, const uint8_t *ex, \
-                                                          const int8_t *qx, const int32_t *xs, const int32_t *xs2,     \
-                                                          const float *dx, float *y, int64_t ldy) {                    \
-        const int64_t ng = K / group_elems(base_type(T)), ndx = K / act_block(T);                                       \
-        for (int64_t m0 = 0; m0 < M; m0 += RT) {                                                                       \
-            const int8_t *q = qx + m0 * K;                                                                             \
-            const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);                                            \
-            const float *dxr = dx + m0 * ndx;                                                                          \
-            float *yr = y + m0 * ldy;                                                                                  \
-            switch (M - m0 < RT ? (int)(M - m0) : RT) {                                                                \
-                case 8: packed_rows(T, XP, 8, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 7: packed_rows(T, XP, 7, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 6: packed_rows(T, XP, 6, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 5: packed_rows(T, XP, 5, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 4: packed_rows(T, XP, 4, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 3: packed_rows(T, XP, 3, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                case 2: packed_rows(T, XP, 2, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                           \
-                default: packed_rows(T, XP, 1, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;                          \
-            }                                                                                                          \
-        }                                                                                                              \
-    }
+/* tiles_T_XP (gguf_panels.h) for the types read in place here (Q3_K's and Q2_K's also expanded): tiles of RT rows */
+#define TILE RT
+#define TILE_CASES(T, XP)                                                                                      \
+    TILE_ROWS(T, XP, 8) TILE_ROWS(T, XP, 7) TILE_ROWS(T, XP, 6) TILE_ROWS(T, XP, 5) TILE_ROWS(T, XP, 4) \
+    TILE_ROWS(T, XP, 3) TILE_ROWS(T, XP, 2)
 DEFINE_TILES(P_Q4_K, 0) DEFINE_TILES(P_Q5_K, 0) DEFINE_TILES(P_Q6_K, 0) DEFINE_TILES(P_Q8_0, 0)
 DEFINE_TILES(P_Q4_0, 0) DEFINE_TILES(P_Q4_1, 0) DEFINE_TILES(P_Q5_0, 0) DEFINE_TILES(P_Q5_1, 0)
 DEFINE_TILES(P_IQ4_NL, 0) DEFINE_TILES(P_IQ4_XS, 0) DEFINE_TILES(P_Q3_K, 0) DEFINE_TILES(P_Q3_K, 1)
 DEFINE_TILES(P_Q2_K, 0) DEFINE_TILES(P_Q2_K, 1)
-#undef DEFINE_TILES
+#undef TILE_CASES
+#undef TILE
 /* the types expanded at AVX2 only: BY_PANEL_TYPE names them, never taken here (XP_Q3_K | XP_Q2_K) */
 #define tiles_P_Q4_K_1 tiles_P_Q4_K_0
 #define tiles_P_Q5_K_1 tiles_P_Q5_K_0
