@@ -691,9 +691,9 @@ static inline __attribute__((always_inline)) void packed_k23(int q3, int xp, int
 }
 
 /* a repacked Q3_K (q3) or Q2_K panel's words, scales and pairs as packed_k23 takes them, into ex (K * 24 bytes,
- * 64-aligned; AVX2's expand_k23 lays them the same way, its scales in both int16 of a lane without VNNI), once for every tile of rows of a large call: the same bits.
- * With the scales by vpdpwssd and the mins / Q3_K's offset by pairs, one thread, 1536 x 1536 at 512 rows: Q2_K 106
- * -> 161 GMAC/s, Q3_K 148 -> 166 */
+ * 64-aligned; AVX2's expand_k23 lays them the same way, its scales in both int16 of a lane without VNNI), once for
+ * every tile of rows of a large call: the same bits. With the scales by vpdpwssd and the mins / Q3_K's offset by
+ * pairs, one thread, 1536 x 1536 at 512 rows: Q2_K 106 -> 161 GMAC/s, Q3_K 148 -> 166 */
 static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
     const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
     const __m512i m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(15);
