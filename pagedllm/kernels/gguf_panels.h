@@ -160,19 +160,33 @@ static uint8_t *expand_buffer(int wanted, size_t bytes, int *failed) {
     }
     return b;
 }
+/* slice i of `tiles` of the `bytes` at next (a panel a thread multiplies next) into L2, a slice as each tile of this
+ * panel starts: where a panel's words are expanded (or packed) once for all its tiles, that expansion is the only
+ * reader of the weight's bytes from memory, and without this it waits on them (a Q6_K file's 512-token prefill at
+ * avx2: 5 % of its time in expand_panel's loads). Nothing where next is NULL */
+static inline __attribute__((always_inline)) void prefetch_slice(const uint8_t *next, int64_t bytes, int64_t tiles,
+                                                                 int64_t i) {
+    if (!next) return;
+    const int64_t per = ((bytes + tiles - 1) / tiles + 63) / 64 * 64, end = (i + 1) * per < bytes ? (i + 1) * per : bytes;
+    for (int64_t o = i * per; o < end; o += 64) __builtin_prefetch(next + o, 0, 2);
+}
+
 /* tiles_T_XP: one panel's columns of y (y + the panel's first column) for all M rows of x, in tiles of TILE rows, for
  * the repacked type T (XP 1 where ex holds its words expanded), a function each: inlined into one function, every
  * type's kernels made GCC compile some of them slower (AVX2's Q3_K at avx2-vnni 98 -> 76 GMAC/s, one thread, 512 x
  * 8960 x 1536, when the paired types' expanded kernels joined them). A level defines TILE and TILE_CASES(T, XP),
- * its cases of rows above 1 (TILE_ROWS(T, XP, R) each), then DEFINE_TILES for each (T, XP) BY_PANEL_TYPE names */
+ * its cases of rows above 1 (TILE_ROWS(T, XP, R) each), then DEFINE_TILES for each (T, XP) BY_PANEL_TYPE names.
+ * Where XP, the next panel's bytes (next, next_bytes: NULL where none) come into L2 as its tiles run (prefetch_slice) */
 #define TILE_ROWS(T, XP, R) \
     case R: packed_rows(T, XP, R, K, pb, ex, q, xsr, xs2r, dxr, yr, ldy); break;
 #define DEFINE_TILES(T, XP)                                                                                          \
     static __attribute__((noinline)) void tiles_##T##_##XP(int64_t M, int64_t K, const uint8_t *pb, const uint8_t *ex, \
                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2,     \
-                                                          const float *dx, float *y, int64_t ldy) {                    \
-        const int64_t ng = K / group_elems(base_type(T)), ndx = K / act_block(T);                                       \
+                                                          const float *dx, float *y, int64_t ldy, const uint8_t *next, \
+                                                          int64_t next_bytes) {                                        \
+        const int64_t ng = K / group_elems(base_type(T)), ndx = K / act_block(T), nt = (M + TILE - 1) / TILE;          \
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {                                                                     \
+            if (XP) prefetch_slice(next, next_bytes, nt, m0 / TILE);                                                   \
             const int8_t *q = qx + m0 * K;                                                                             \
             const int32_t *xsr = xs + m0 * ng, *xs2r = xs2 + m0 * (ng / 2);                                            \
             const float *dxr = dx + m0 * ndx;                                                                          \

@@ -884,8 +884,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         else if (ex && ptype == P_IQ4_XS) expand_iq4xs(raw + n0 * row_bytes, K, ex);
         else if (ex && q32) expand_q32(type, raw + n0 * row_bytes, K, ex);
         else if (ex) expand_panel(ptype, raw + n0 * row_bytes, K, ex);
-        const uint8_t *pb = raw + n0 * row_bytes;
-#define PACKED(T, XP) tiles_##T##_##XP(M, K, pb, ex, qx, xs, xs2, dx, y + n0, ldy);
+        const uint8_t *pb = raw + n0 * row_bytes, *next = n0 + NP < N ? pb + NP * row_bytes : NULL;
+#define PACKED(T, XP) tiles_##T##_##XP(M, K, pb, ex, qx, xs, xs2, dx, y + n0, ldy, next, NP * row_bytes);
         BY_PANEL_TYPE(ptype, ex, XP_Q4_K | XP_Q5_K | XP_Q6_K | XP_IQ4_XS | XP_Q3_K | XP_Q2_K | XP_Q4_0 | XP_Q4_1 | XP_Q5_0 |
                                  XP_Q5_1 | XP_IQ4_NL);
 #undef PACKED

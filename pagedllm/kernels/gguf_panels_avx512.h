@@ -783,8 +783,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         for (int64_t n0 = 0; n0 < N; n0 += NP) {
             if (expands && !ex) continue;
             if (ex) expand_k23(ptype == P_Q3_K, raw + n0 * row_bytes, K, ex);
-            const uint8_t *pb = raw + n0 * row_bytes;
-#define PACKED(T, XP) tiles_##T##_##XP(M, K, pb, ex, qx, xs, xs2, dx, y + n0, ldy);
+            const uint8_t *pb = raw + n0 * row_bytes, *next = n0 + NP < N ? pb + NP * row_bytes : NULL;
+#define PACKED(T, XP) tiles_##T##_##XP(M, K, pb, ex, qx, xs, xs2, dx, y + n0, ldy, next, NP * row_bytes);
             BY_PANEL_TYPE(ptype, ex, XP_Q3_K | XP_Q2_K);
 #undef PACKED
         }
@@ -850,7 +850,14 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 #endif
             }
             const int tile = np == 2 ? RT2 : RT;
+            /* the next two panels' bytes into L2 as this pair's tiles run (prefetch_slice): packing them waits less */
+            const int64_t left = N - n0 - 2 * NP, nn = M > PACKED_DIRECT_ROWS && left > 0 ? (left < 2 * NP ? left : 2 * NP) : 0;
+            int64_t step = tile;
+#ifdef GB_AMX
+            if (amx) step = AMX_ROWS;
+#endif
             for (int64_t m0 = 0, rt; m0 < M; m0 += rt) {
+                prefetch_slice(nn ? raw + (n0 + 2 * NP) * row_bytes : NULL, nn * row_bytes, (M + step - 1) / step, m0 / step);
 #ifdef GB_AMX
                 if (amx) {  /* 16 rows on AMX, a panel at a time (the last tile padded): the same bits */
                     rt = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
