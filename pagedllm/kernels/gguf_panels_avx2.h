@@ -581,6 +581,18 @@ static inline __attribute__((always_inline)) __m256i iq4_table8(void) {
 #endif
 }
 
+/* an IQ4_XS sub-block's scale (its low 4 and high 2 bits, lo4 and hi2) less 32: with AVX-VNNI as int32 (vpmulld of
+ * the sub-block's sum), else in both int16 of each lane, the factor of the vpmaddwd that sums each word's pairs (a
+ * lane at most 2 * 2 * 127 * 127 * 32: the same integer as the sub-block's sum times the scale, one vpmulld fewer) */
+static inline __attribute__((always_inline)) __m256i iq4xs_scale8(__m256i lo4, __m256i hi2) {
+    const __m256i sv = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+#ifdef __AVXVNNI__
+    return sv;
+#else
+    return _mm256_or_si256(_mm256_and_si256(sv, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sv, 16));
+#endif
+}
+
 /* where xp, the words' values and the sub-blocks' scales come from ex (expand_iq4xs: word j of sub-block s of
  * super-block sb, low then high nibbles, at vectors ((8 sb + s) 4 + j) 2 + 0 / 1, then the scales' int32 vectors) */
 static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int64_t K, const uint8_t *pb, int hf0, int nh,
@@ -605,10 +617,12 @@ static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int
             const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * s), _mm256_set1_epi32(15));
             const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(w0, 16 + 2 * s), _mm256_set1_epi32(3));
             const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + (size_t)K * 16 + (sb * 8 + s) * 64 + 32 * hf))
-                                  : _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+                                  : iq4xs_scale8(lo4, hi2);
             const int8_t *xc = qx + sb * QK + 32 * s;
+#ifdef __AVXVNNI__
             __m256i a[2][RTA];
             for (int r = 0; r < rt; r++) a[0][r] = a[1][r] = _mm256_setzero_si256();
+#endif
             for (int j = 0; j < 4; j++) {
                 __m256i lo, hi;
                 if (xp) {
@@ -623,19 +637,18 @@ static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int
 #ifdef __AVXVNNI__
                     a[0][r] = dp8(a[0][r], lo, bcast4(xc + r * K + 4 * j));
                     a[1][r] = dp8(a[1][r], hi, bcast4(xc + r * K + 16 + 4 * j));
-#else
-                    a[0][r] = dp8(a[0][r], _mm256_abs_epi8(lo), _mm256_sign_epi8(bcast4(xc + r * K + 4 * j), lo));
-                    a[1][r] = dp8(a[1][r], _mm256_abs_epi8(hi), _mm256_sign_epi8(bcast4(xc + r * K + 16 + 4 * j), hi));
+#else  /* each word's pairs times the scale (sv: in both int16 of a lane) by the vpmaddwd that sums them */
+                    is[r] = madd_acc(is[r], _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(bcast4(xc + r * K + 4 * j), lo)), sv);
+                    is[r] = madd_acc(is[r], _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(bcast4(xc + r * K + 16 + 4 * j), hi)), sv);
 #endif
                 }
             }
-            for (int r = 0; r < rt; r++) {
-                __m256i t = _mm256_add_epi32(a[0][r], a[1][r]);
 #ifdef __AVXVNNI__
-                t = _mm256_sub_epi32(t, _mm256_set1_epi32(xs[r * ng + sb * 8 + s]));
-#endif
+            for (int r = 0; r < rt; r++) {
+                const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(a[0][r], a[1][r]), _mm256_set1_epi32(xs[r * ng + sb * 8 + s]));
                 is[r] = add32(is[r], _mm256_mullo_epi32(t, sv));
             }
+#endif
         }
         const __m256 dv = f16_lanes(w0, 0);
         for (int r = 0; r < rt; r++)
@@ -757,8 +770,7 @@ static void expand_iq4xs(const uint8_t *pb, int64_t K, uint8_t *ex) {
             for (int s = 0; s < 8; s++) {
                 const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * s), _mm256_set1_epi32(15));
                 const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(w0, 16 + 2 * s), _mm256_set1_epi32(3));
-                const __m256i sv = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
-                _mm256_store_si256((__m256i *)(ex + (size_t)K * 16 + (sb * 8 + s) * 64 + 32 * hf), sv);
+                _mm256_store_si256((__m256i *)(ex + (size_t)K * 16 + (sb * 8 + s) * 64 + 32 * hf), iq4xs_scale8(lo4, hi2));
                 for (int j = 0; j < 4; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (2 + 4 * s + j) * 64));
                     uint8_t *e = ex + (((sb * 8 + s) * 4 + j) * 2) * 64 + 32 * hf;
