@@ -227,6 +227,28 @@ def test_repacked_panels_give_a_row_the_same_bits_at_every_row_count(gemm_from, 
             blocks.in_features(ptype, odd)
 
 
+@pytest.mark.parametrize("q6", [0, 63])
+def test_q6k_panels_at_the_ends_of_their_int16_sums(gemm_from, q6):
+    """AVX2's expanded Q6_K tiles (above 8 rows, no AVX-VNNI) sum a group's four words of (q - 32) . x in int16,
+    starting from -32 sum(x), where 4 words of q . x alone would overflow: with every q at 0 and x at +-127 a lane
+    holds -32,512 throughout; with every q at 63 it climbs from -32,512 to 31,496. A row's bits are those of the row
+    alone (read in place), at every level, and its values gguf's."""
+    blocks = gemm_from(0)
+    n, k, m = 32, 512, 24
+    raw_np = random_blocks(T.Q6_K, n, k, seed=7)
+    raw_np.reshape(n, -1, 210)[..., :192] = 0 if q6 == 0 else 0xFF  # ql and qh: every q at q6
+    x = torch.ones(m, k)
+    x[1::3] = -1  # +-127 once rounded
+    x[2::3] = torch.randn(m // 3, k)
+    ptype, packed = blocks.pack(int(T.Q6_K), torch.from_numpy(raw_np))
+    if not blocks.has_panels:
+        pytest.skip("no panels below AVX2")
+    want = torch.cat([blocks.matmul_a8(ptype, x[i : i + 1], packed) for i in range(m)])
+    assert_matches(want, reference_rounding(x, 256), reference_weights(T.Q6_K, raw_np))
+    for rows in (9, 16, 24):
+        assert torch.equal(blocks.matmul_a8(ptype, x[:rows], packed), want[:rows]), rows
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, *PAIRED_TYPES], ids=lambda t: t.name)
 def test_amx_tiles_give_each_row_the_bits_of_avx512_vnni(qtype):
     """At the amx level (where the OS grants tile data) the panel GEMM's tiles of 16 rows of x multiply on AMX for

@@ -343,45 +343,46 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
             }
 }
 #else
-/* the same integers without vpdpbusd: sum_g sc_g * (q_w . q_x)_g less 32 sum_g sc_g * sum(q_x)_g. The products
- * are summed two words at a time in int16 (at most 2 * 2 * 63 * 127 = 32004), then times the group's scale (in
- * both int16 of a lane) by vpmaddwd; the offset's part comes from pairs of scales by pairs of x's sums (xs2), 8
- * vpmaddwd a super-block; no vpmulld. Up to two rows, each word's four outputs at once (fewer loads and decodes a
- * product). */
+/* the same integers without vpdpbusd: sum_g sc_g * (q_w . q_x)_g less 32 sum_g sc_g * sum(q_x)_g. Read in place,
+ * the products are summed two words at a time in int16 (at most 2 * 2 * 63 * 127 = 32004), then times the group's
+ * scale (in both int16 of a lane) by vpmaddwd; the offset's part comes from pairs of scales by pairs of x's sums
+ * (xs2), 8 vpmaddwd a super-block; no vpmulld. Up to two rows, each word's four outputs at once (fewer loads and
+ * decodes a product). Expanded (xp), a group's int16 sums start from -32 times x's (xs: q6k_offsets'), so they
+ * end at (q - 32) . x, all four words of it: one vpmaddwd a group, and none for the offset. Each partial sum is 8
+ * terms of (q - 32) x or -32 x, at most 32 * 127 each: within int16 (32,512) at every step. */
 static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64_t K, const uint8_t *b, const uint8_t *ex, int64_t sb,
                                                            const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is) {
     const int64_t ng = K / 16;
-    (void)xs;
     __m256i scb[24] __attribute__((aligned(32)));
     const __m256i *sc16 = scb, *pairs = scb + 16;  /* q6k_scales16's: from ex's where xp */
     if (xp) sc16 = (const __m256i *)(ex + 2048), pairs = sc16 + 16;
     else q6k_scales16(b, scb);
     __asm__("" ::"r"(scb) : "memory");  /* in memory: the registers hold the sums (one load a vpmaddwd) */
-    for (int r = 0; r < rt; r++) {
-        /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
-        const __m256i off = pairs_dot(pairs, 32, xs2 + r * (ng / 2) + sb * 8, 8);
-        is[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
-    }
     const int8_t *xb = qx + sb * QK;
     if (xp) {  /* the words decoded already: each a load */
         __m256i p[RTA];
+        for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
         #pragma GCC unroll 8
         for (int h = 0; h < 2; h++)
             #pragma GCC unroll 8
             for (int t = 0; t < 4; t++)
                 #pragma GCC unroll 8
-                for (int jj = 0; jj < 2; jj++)
+                for (int jj = 0; jj < 2; jj++) {  /* group 8h + 2t + jj: words 4jj .. 4jj + 3 */
+                    const int g = 8 * h + 2 * t + jj;
+                    for (int r = 0; r < rt; r++) p[r] = _mm256_set1_epi32(xs[r * ng + sb * 16 + g]);
                     #pragma GCC unroll 8
-                    for (int e = 0; e < 2; e++) {
-                        for (int r = 0; r < rt; r++) p[r] = _mm256_setzero_si256();
-                        #pragma GCC unroll 8
-                        for (int j = 4 * jj + 2 * e; j < 4 * jj + 2 * e + 2; j++) {
-                            const __m256i v = q6k_word_at(1, b, ex, h, t, j);
-                            for (int r = 0; r < rt; r++) p[r] = add_maddubs(p[r], v, xb + r * K + 128 * h + 32 * t + 4 * j);
-                        }
-                        for (int r = 0; r < rt; r++) is[r] = madd_acc(is[r], p[r], sc16[8 * h + 2 * t + jj]);
+                    for (int j = 4 * jj; j < 4 * jj + 4; j++) {
+                        const __m256i v = q6k_word_at(1, b, ex, h, t, j);
+                        for (int r = 0; r < rt; r++) p[r] = add_maddubs(p[r], v, xb + r * K + 128 * h + 32 * t + 4 * j);
                     }
+                    for (int r = 0; r < rt; r++) is[r] = madd_acc(is[r], p[r], sc16[g]);
+                }
         return;
+    }
+    for (int r = 0; r < rt; r++) {
+        /* scales 2k, 2k + 1 as the two int16 of a lane, by x's sums of the two */
+        const __m256i off = pairs_dot(pairs, 32, xs2 + r * (ng / 2) + sb * 8, 8);
+        is[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
     }
     if (rt <= 2) {
         #pragma GCC unroll 8
@@ -824,6 +825,24 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
         }
 }
 
+#ifndef __AVXVNNI__
+/* for expanded Q6_K panels without AVX-VNNI (q6k_sums): for each row of x and group of 16, -32 times x's sums of
+ * the group's elements 4w and 4w + 1 (w < 4) as the low int16 of an int32, of 4w + 2 and 4w + 3 as the high one,
+ * [M, K / 16] as group_sums' xs (each at most 32 * 8 * 127 in magnitude); NULL when memory ran out */
+static int32_t *q6k_offsets(const int8_t *qx, int64_t M, int64_t K) {
+    int32_t *xc = malloc(M * K / 16 * sizeof(int32_t) + 64);
+    if (!xc) return NULL;
+    for (int64_t i = 0; i < M * K / 32; i++) {  /* two groups a vector (rows are whole groups) */
+        const __m256i v = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)(qx + 32 * i)));
+        __m256i t = _mm256_add_epi16(v, _mm256_shuffle_epi32(v, 0x4E));
+        t = _mm256_add_epi16(t, _mm256_shuffle_epi32(t, 0xB1));  /* lane 0 of each 128 bits: its 4 lanes' sums */
+        t = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(t, 5));
+        xc[2 * i] = _mm256_extract_epi32(t, 0), xc[2 * i + 1] = _mm256_extract_epi32(t, 4);
+    }
+    return xc;
+}
+#endif
+
 /* rows of x up to this take a panel's two halves in one pass (a decode step, a verification of one draft token):
  * the panel is read once from memory instead of a second time from L2. Each half's lanes take the same operations
  * in the same order either way (the same bits). */
@@ -886,6 +905,15 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     const int q32 = paired(type) && type != Q8_0 && M > (has_fifth(type) ? EXPAND_ROWS : Q32_EXPAND_ROWS);
     const int expands = (ptype == P_Q4_K || ptype == P_Q5_K || ptype == P_Q6_K || ptype == P_IQ4_XS || k23 || q32) && M > EXPAND_ROWS;
     int failed = 0;
+    const int32_t *xsa = xs;  /* what the tiles take as xs */
+#ifndef __AVXVNNI__
+    int32_t *xc = ptype == P_Q6_K && expands ? q6k_offsets(qx, M, K) : NULL;
+    if (ptype == P_Q6_K && expands && !xc) {
+        free(xs), free(xs2);
+        return -2;
+    }
+    if (xc) xsa = xc;
+#endif
 #pragma omp parallel
     {
     uint8_t *ex = expand_buffer(expands, (size_t)K * 24, &failed);  /* every expansion's bytes: at most 24 a column */
@@ -897,7 +925,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
         else if (ex && q32) expand_q32(type, raw + n0 * row_bytes, K, ex);
         else if (ex) expand_panel(ptype, raw + n0 * row_bytes, K, ex);
         const uint8_t *pb = raw + n0 * row_bytes, *next = n0 + NP < N ? pb + NP * row_bytes : NULL;
-#define PACKED(T, XP) tiles_##T##_##XP(M, K, pb, ex, qx, xs, xs2, dx, y + n0, ldy, next, NP * row_bytes);
+#define PACKED(T, XP) tiles_##T##_##XP(M, K, pb, ex, qx, xsa, xs2, dx, y + n0, ldy, next, NP * row_bytes);
         BY_PANEL_TYPE(ptype, ex, XP_Q4_K | XP_Q5_K | XP_Q6_K | XP_IQ4_XS | XP_Q3_K | XP_Q2_K | XP_Q4_0 | XP_Q4_1 | XP_Q5_0 |
                                  XP_Q5_1 | XP_IQ4_NL);
 #undef PACKED
@@ -905,6 +933,9 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     free(ex);
     }
     free(xs), free(xs2);
+#ifndef __AVXVNNI__
+    free(xc);
+#endif
     return failed ? -2 : 0;
 }
 #endif
