@@ -115,8 +115,8 @@ static int group_elems(int type) { return type == Q6_K || type == Q3_K || type =
  * K / G] those per group of G (group_elems) times the offset of the weights' unsigned bytes (Q6_K 32, Q8_0 and
  * the i-quants 128, Q5_0 16, Q4_0 8, Q3_K 4; Q4_K, Q2_K, Q4_1 and Q5_1 none: the plain sums, which their mins
  * multiply), and *xs2 [M, K / G / 2] the plain sums of groups 2k and 2k + 1 as the two int16 of word k
- * (for Q4_K's mins, AVX2's Q6_K and the expanded Q2_K / Q3_K: at most 32 * 127 in magnitude). NULL when memory
- * ran out; free both. */
+ * (for Q4_K's mins, AVX2's Q6_K read in place and the expanded Q2_K / Q3_K: at most 32 * 127 in magnitude). NULL
+ * when memory ran out; free both. */
 static int32_t *group_sums(int type, const int16_t *bsums, int64_t M, int64_t K, int32_t **xs2_out) {
     const int G = group_elems(type);
     const int64_t ng = K / G;

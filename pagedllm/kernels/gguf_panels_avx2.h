@@ -4,7 +4,8 @@
  * What it reads: a weight repacked by gguf_pack_panels, panels of 16 rows (NP), each a run of the rows' blocks
  * with word w (4 bytes) of the 16 rows' block as one 64-byte vector (lane c: row c), and for the types of 32-blocks
  * pairs of blocks (repack_panel_q32's layout, described in gguf_panels.h). Per row of x: the int8 activations qx (K
- * bytes), their scales dx (per 256 or per 32) and their sums per group (group_sums: xs, xs2).
+ * bytes), their scales dx (per 256 or per 32) and their sums per group (group_sums: xs, xs2; for Q6_K's expanded
+ * tiles without AVX-VNNI, q6k_offsets' table in xs's place).
  *
  * What it computes: y's 16 columns of a panel, for tiles of up to RTA rows of x, as gguf_gemm_q8 of the AVX-512
  * section does (bit for bit: tests/test_gguf_kernels.py compares the levels), at every row count. */
@@ -23,7 +24,8 @@
 
 /* bytes from one (half, super-block)'s expanded words to the next (expand_panel): its 64 words of 32 bytes, then
  * what the kernels would decode from the block for each tile besides (Q4_K's / Q5_K's q4k_consts, 14 vectors;
- * Q6_K's q6k_scales16, 24), so a panel's tiles take them with a load */
+ * Q6_K's q6k_scales16, 24: its pairs of scales, 16-23, read by the kernels in place only), so a panel's tiles take
+ * them with a load */
 #define XP_STRIDE_Q4_K (2048 + 14 * 32)
 static inline int64_t xp_stride(int ptype) { return ptype == P_Q6_K ? 2048 + 24 * 32 : XP_STRIDE_Q4_K; }
 
@@ -270,7 +272,7 @@ static inline __attribute__((always_inline)) __m256i q4k_word(const uint8_t *b, 
 
 /* a Q6_K super-block's 16 scales (half b of a repacked panel, 8 rows) as q6k_sums takes them: with AVX-VNNI each
  * sign-extended to int32 (out 0-15, for vpmulld); else each in both int16 of its lanes (out 0-15), then scales 2k
- * and 2k + 1 as the two int16 of a lane (out 16-23), for vpmaddwd */
+ * and 2k + 1 as the two int16 of a lane (out 16-23), for the offset's vpmaddwd of the kernels read in place */
 static inline __attribute__((always_inline)) void q6k_scales16(const uint8_t *b, __m256i *out) {
     #pragma GCC unroll 8
     for (int q = 0; q < 4; q++) {
@@ -595,7 +597,8 @@ static inline __attribute__((always_inline)) __m256i iq4xs_scale8(__m256i lo4, _
 }
 
 /* where xp, the words' values and the sub-blocks' scales come from ex (expand_iq4xs: word j of sub-block s of
- * super-block sb, low then high nibbles, at vectors ((8 sb + s) 4 + j) 2 + 0 / 1, then the scales' int32 vectors) */
+ * super-block sb, low then high nibbles, at vectors ((8 sb + s) 4 + j) 2 + 0 / 1, then the scales as iq4xs_scale8
+ * gives them) */
 static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int64_t K, const uint8_t *pb, int hf0, int nh,
                                                              const uint8_t *ex, const int8_t *qx, const int32_t *xs,
                                                              const float *dx, float *y, int64_t ldy) {
@@ -828,7 +831,8 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
 #ifndef __AVXVNNI__
 /* for expanded Q6_K panels without AVX-VNNI (q6k_sums): for each row of x and group of 16, -32 times x's sums of
  * the group's elements 4w and 4w + 1 (w < 4) as the low int16 of an int32, of 4w + 2 and 4w + 3 as the high one,
- * [M, K / 16] as group_sums' xs (each at most 32 * 8 * 127 in magnitude); NULL when memory ran out */
+ * [M, K / 16] as group_sums' xs (each at most 32 * 8 * 127 in magnitude: x's bytes are within +-127, as the
+ * quantizer writes them; a -128 would wrap); NULL when memory ran out */
 static int32_t *q6k_offsets(const int8_t *qx, int64_t M, int64_t K) {
     int32_t *xc = malloc(M * K / 16 * sizeof(int32_t) + 64);
     if (!xc) return NULL;

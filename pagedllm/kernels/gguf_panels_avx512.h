@@ -852,7 +852,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
 #endif
             }
             const int tile = np == 2 ? RT2 : RT;
-            /* the next two panels' bytes into L2 as this pair's tiles run (prefetch_slice): packing them waits less */
+            /* above PACKED_DIRECT_ROWS, the next two panels' bytes into L2 as this pair's tiles run (prefetch_slice):
+             * packing them waits less */
             const int64_t left = N - n0 - 2 * NP, nn = M > PACKED_DIRECT_ROWS && left > 0 ? (left < 2 * NP ? left : 2 * NP) : 0;
             int64_t step = tile;
 #ifdef GB_AMX
