@@ -24,10 +24,10 @@
 
 /* bytes from one (half, super-block)'s expanded words to the next (expand_panel): its 64 words of 32 bytes, then
  * what the kernels would decode from the block for each tile besides (Q4_K's / Q5_K's q4k_consts, 14 vectors;
- * Q6_K's q6k_scales16, 24: its pairs of scales, 16-23, read by the kernels in place only), so a panel's tiles take
- * them with a load */
+ * Q6_K's 16 scales from q6k_scales16, without the pairs that only the kernels read in place take), so a panel's
+ * tiles take them with a load */
 #define XP_STRIDE_Q4_K (2048 + 14 * 32)
-static inline int64_t xp_stride(int ptype) { return ptype == P_Q6_K ? 2048 + 24 * 32 : XP_STRIDE_Q4_K; }
+static inline int64_t xp_stride(int ptype) { return ptype == P_Q6_K ? 2048 + 16 * 32 : XP_STRIDE_Q4_K; }
 
 static inline __attribute__((always_inline)) __m256i dp8(__m256i acc, __m256i u, __m256i s) {
 #ifdef __AVXVNNI__
@@ -271,9 +271,10 @@ static inline __attribute__((always_inline)) __m256i q4k_word(const uint8_t *b, 
 }
 
 /* a Q6_K super-block's 16 scales (half b of a repacked panel, 8 rows) as q6k_sums takes them: with AVX-VNNI each
- * sign-extended to int32 (out 0-15, for vpmulld); else each in both int16 of its lanes (out 0-15), then scales 2k
- * and 2k + 1 as the two int16 of a lane (out 16-23), for the offset's vpmaddwd of the kernels read in place */
-static inline __attribute__((always_inline)) void q6k_scales16(const uint8_t *b, __m256i *out) {
+ * sign-extended to int32 (out 0-15, for vpmulld); else each in both int16 of its lanes (out 0-15), then where pairs
+ * scales 2k and 2k + 1 as the two int16 of a lane (out 16-23), for the offset's vpmaddwd of the kernels read in
+ * place (the expanded ones start their sums from the offset instead) */
+static inline __attribute__((always_inline)) void q6k_scales16(const uint8_t *b, __m256i *out, int pairs) {
     #pragma GCC unroll 8
     for (int q = 0; q < 4; q++) {
         const __m256i sw = _mm256_loadu_si256((const __m256i *)(b + (48 + q) * 64));
@@ -288,7 +289,9 @@ static inline __attribute__((always_inline)) void q6k_scales16(const uint8_t *b,
         }
     }
 #ifndef __AVXVNNI__
-    for (int k = 0; k < 8; k++) out[16 + k] = _mm256_blend_epi16(out[2 * k], out[2 * k + 1], 0xAA);
+    for (int k = 0; k < 8 && pairs; k++) out[16 + k] = _mm256_blend_epi16(out[2 * k], out[2 * k + 1], 0xAA);
+#else
+    (void)pairs;
 #endif
 }
 
@@ -302,7 +305,7 @@ static void expand_panel(int ptype, const uint8_t *pb, int64_t K, uint8_t *ex) {
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
             uint8_t *o = ex + (hf * nsb + sb) * xp_stride(ptype);
-            if (ptype == P_Q6_K) q6k_scales16(b, (__m256i *)(o + 2048));
+            if (ptype == P_Q6_K) q6k_scales16(b, (__m256i *)(o + 2048), 0);
             else q4k_consts(b, (__m256i *)(o + 2048));
             for (int a = 0; a < 8; a++)
                 for (int j = 0; j < 8; j++)
@@ -356,9 +359,9 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
                                                            const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is) {
     const int64_t ng = K / 16;
     __m256i scb[24] __attribute__((aligned(32)));
-    const __m256i *sc16 = scb, *pairs = scb + 16;  /* q6k_scales16's: from ex's where xp */
-    if (xp) sc16 = (const __m256i *)(ex + 2048), pairs = sc16 + 16;
-    else q6k_scales16(b, scb);
+    const __m256i *sc16 = scb, *pairs = scb + 16;  /* q6k_scales16's: the scales from ex's where xp */
+    if (xp) sc16 = (const __m256i *)(ex + 2048);
+    else q6k_scales16(b, scb, 1);
     __asm__("" ::"r"(scb) : "memory");  /* in memory: the registers hold the sums (one load a vpmaddwd) */
     const int8_t *xb = qx + sb * QK;
     if (xp) {  /* the words decoded already: each a load */
@@ -911,12 +914,13 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int failed = 0;
     const int32_t *xsa = xs;  /* what the tiles take as xs */
 #ifndef __AVXVNNI__
-    int32_t *xc = ptype == P_Q6_K && expands ? q6k_offsets(qx, M, K) : NULL;
-    if (ptype == P_Q6_K && expands && !xc) {
+    const int offsets = ptype == P_Q6_K && expands;  /* q6k_sums' expanded tiles take q6k_offsets' table as xs */
+    int32_t *xc = offsets ? q6k_offsets(qx, M, K) : NULL;
+    if (offsets && !xc) {
         free(xs), free(xs2);
         return -2;
     }
-    if (xc) xsa = xc;
+    if (offsets) xsa = xc;
 #endif
 #pragma omp parallel
     {
