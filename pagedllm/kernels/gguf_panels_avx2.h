@@ -167,7 +167,6 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
         float *accm = accms[hh];
         const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
         const uint8_t *eb = xp ? ex + (hf * nsb + sb) * XP_STRIDE_Q4_K : NULL;
-        if (!hf && !xp) PREFETCH_AHEAD(b, NP * bytes);
         __m256i cb[14];
         const __m256i *cs = cb;  /* q4k_consts' */
         if (xp) cs = (const __m256i *)(eb + 2048);
@@ -175,6 +174,7 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
         int32_t ism[RTA * 8] __attribute__((aligned(32)));
         for (int r = 0; r < rt; r++) _mm256_store_si256((__m256i *)(ism + r * 8), _mm256_setzero_si256());
         for (int cc = 0; cc < 4; cc++) {  /* chunk cc: sub-blocks 2cc (low nibbles) and 2cc + 1 (high) */
+            if (!hf0 && !xp) prefetch_part(pb + sb * NP * bytes, NP * bytes, 4 * hh + cc, 4 * nh);
             const uint8_t *q = b + (q5 ? 12 : 4) * 64 + cc * 8 * 64;
             const uint8_t *xc = (const uint8_t *)qx + sb * QK + 64 * cc;
 #ifndef __AVXVNNI__
@@ -320,7 +320,8 @@ static void expand_panel(int ptype, const uint8_t *pb, int64_t K, uint8_t *ex) {
 /* is[r] = super-block sb's integer sum for row r of x, sum_g sc_g * ((q_w . q_x)_g - 32 sum(q_x)_g), of half b of
  * a repacked Q6_K panel: AVX-512's integers and order, vpdpbusd on 8 lanes */
 static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64_t K, const uint8_t *b, const uint8_t *ex, int64_t sb,
-                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is) {
+                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is,
+                                                           const uint8_t *pf, int pfi, int pfn) {
     const int64_t ng = K / 16;
     __m256i a[RTA];
     (void)xs2;
@@ -331,6 +332,7 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
         for (int t = 0; t < 4; t++)  /* elements 128h + 32t + 4j of word j: groups 8h + 2t and 8h + 2t + 1 */
             #pragma GCC unroll 8
             for (int jj = 0; jj < 2; jj++) {
+                if (pf) prefetch_part(pf, NP * 210, 16 * pfi + 4 * h + 2 * t + jj, 16 * pfn);
                 for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
                 #pragma GCC unroll 8
                 for (int j = 4 * jj; j < 4 * jj + 4; j++) {
@@ -356,7 +358,8 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
  * end at (q - 32) . x, all four words of it: one vpmaddwd a group, and none for the offset. Each partial sum is 8
  * terms of (q - 32) x or -32 x, at most 32 * 127 each: within int16 (32,512) at every step. */
 static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64_t K, const uint8_t *b, const uint8_t *ex, int64_t sb,
-                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is) {
+                                                           const int8_t *qx, const int32_t *xs, const int32_t *xs2, __m256i *is,
+                                                           const uint8_t *pf, int pfi, int pfn) {
     const int64_t ng = K / 16;
     __m256i scb[24] __attribute__((aligned(32)));
     const __m256i *sc16 = scb, *pairs = scb + 16;  /* q6k_scales16's: the scales from ex's where xp */
@@ -396,6 +399,7 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
             for (int jj = 0; jj < 2; jj++)
                 #pragma GCC unroll 8
                 for (int e = 0; e < 2; e++) {  /* words j = 4jj + 2e and the next of groups 8h + 2t + jj */
+                    if (pf) prefetch_part(pf, NP * 210, 8 * pfi + 4 * h + 2 * jj + e, 8 * pfn);
                     __m256i p[4][2];
                     #pragma GCC unroll 8
                     for (int t = 0; t < 4; t++)
@@ -427,6 +431,7 @@ static inline __attribute__((always_inline)) void q6k_sums(int xp, int rt, int64
             for (int jj = 0; jj < 2; jj++)
                 #pragma GCC unroll 8
                 for (int e = 0; e < 2; e++) {
+                    if (pf) prefetch_part(pf, NP * 210, 16 * pfi + 8 * h + 4 * t + 2 * jj + e, 16 * pfn);
                     for (int r = 0; r < rt; r++) p[0][r] = p[1][r] = _mm256_setzero_si256();
                     #pragma GCC unroll 8
                     for (int j = 4 * jj + 2 * e; j < 4 * jj + 2 * e + 2; j++) {
@@ -462,8 +467,8 @@ static inline __attribute__((always_inline)) void half_q6k(int xp, int rt, int64
         float *accm = accms[hh];
         /* vectors 0-31: ql's words (half h: 16h ..), 32-47 qh's (half h: 32 + 8h ..), 48-51 the scales; then d */
         const uint8_t *b = pb + sb * NP * 210;
-        if (!hf && !xp) PREFETCH_AHEAD(b, NP * 210);
-        q6k_sums(xp, rt, K, b + 32 * hf, xp ? ex + (hf * nsb + sb) * xp_stride(P_Q6_K) : NULL, sb, qx, xs, xs2, is);
+        q6k_sums(xp, rt, K, b + 32 * hf, xp ? ex + (hf * nsb + sb) * xp_stride(P_Q6_K) : NULL, sb, qx, xs, xs2, is,
+                 !hf0 && !xp ? b : NULL, hh, nh);
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 52 * 64 + 16 * hf)));
         for (int r = 0; r < rt; r++) {
             const __m256 dxv = _mm256_set1_ps(dx[r * nsb + sb]);
@@ -526,10 +531,10 @@ static inline __attribute__((always_inline)) void half_q32(int type, int xp, int
         for (int r = 0; r < rt; r++) accs[hh][r] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < nb; g0 += 2) {
         const uint8_t *pair = pb + (g0 / 2) * pair_bytes;
-        if (!hf0 && !xp) PREFETCH_AHEAD(pair, pair_bytes);
         for (int h = 0; h < 2; h++)
         for (int hh = 0; hh < nh; hh++) {
             const int hf = hf0 + hh;
+            if (!hf0 && !xp) prefetch_part(pair, pair_bytes, nh * h + hh, 2 * nh);
             __m256 *acc = accs[hh];
             const int64_t g = g0 + h;
             const int split = rt <= 2 ? 2 : 1;
@@ -616,11 +621,11 @@ static inline __attribute__((always_inline)) void half_iq4xs(int xp, int rt, int
         const int hf = hf0 + hh;
         __m256 *acc = accs[hh];
         const uint8_t *b = pb + sb * NP * 136 + 32 * hf;
-        if (!hf && !xp) PREFETCH_AHEAD(b, NP * 136);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)b), w1 = _mm256_loadu_si256((const __m256i *)(b + 64));
         __m256i is[RTA];
         for (int r = 0; r < rt; r++) is[r] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
+            if (!hf0 && !xp) prefetch_part(b - 32 * hf, NP * 136, 8 * hh + s, 8 * nh);
             const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * s), _mm256_set1_epi32(15));
             const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(w0, 16 + 2 * s), _mm256_set1_epi32(3));
             const __m256i sv = xp ? _mm256_load_si256((const __m256i *)(ex + (size_t)K * 16 + (sb * 8 + s) * 64 + 32 * hf))
@@ -690,13 +695,13 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
         const int hf = hf0 + hh;
         __m256 *acc = accs[hh];
         const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
-        if (!hf && !xp) PREFETCH_AHEAD(b, NP * bytes);
         const __m256i s0 = q3 && !xp ? _mm256_loadu_si256((const __m256i *)(b + 24 * 64)) : zero;
         const __m256i s1 = q3 && !xp ? _mm256_loadu_si256((const __m256i *)(b + 25 * 64)) : zero;
         const __m256i s2 = q3 && !xp ? _mm256_loadu_si256((const __m256i *)(b + 26 * 64)) : zero;
         __m256i is[RTA], ms[RTA];
         for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm256_setzero_si256();
         for (int g = 0; g < 16; g++) {
+            if (!hf0 && !xp) prefetch_part(b - 32 * hf, NP * bytes, 16 * hh + g, 16 * nh);
             const int h = g / 8, j = (g % 8) / 2, half = g % 2;
             const int8_t *xc = qx + sb * QK + 16 * g;
             /* where xp, from expand_k23's layout (ex): this group's words and scale, this half's lanes */
