@@ -762,7 +762,7 @@ static inline __attribute__((always_inline)) void half_k23(int q3, int xp, int r
         __m256i is[RTA], ms[RTA];
         for (int r = 0; r < rt; r++) is[r] = ms[r] = _mm256_setzero_si256();
         if (rt <= 2 && !xp) {  /* a decode step: the groups unrolled, their shifts constants (Q2_K's 1.5B at one row:
-                                 * 0.87x the time); for more rows, or expanded, the loop (1.2-1.5x the time unrolled) */
+                                 * 0.9x the time); for more rows, or expanded, the loop (1.2-1.5x the time unrolled) */
             #pragma GCC unroll 16
             for (int g = 0; g < 16; g++) k23_group(q3, xp, rt, g, K, sb, hf, hh, hf0, nh, b, ex, qx, xs, s0, s1, s2, is, ms);
         } else {
