@@ -680,6 +680,20 @@ static inline __attribute__((always_inline)) __m256i q3k_scale8(const __m256i s0
     return _mm256_sub_epi32(sc, _mm256_set1_epi32(32));
 }
 
+/* word w of group g's half (half) of a Q3_K (q3) or Q2_K super-block's half b (8 rows), its values 0-7 (0-3): the two
+ * low bits at bit 2j of qw's word, and Q3_K's high bit (bit 4h + j of each byte of hv) moved to bit 2 of its byte by
+ * one shift; h = g / 8, j = (g % 8) / 2, half = g % 2 (k23_group reads it in place, expand_k23 once a panel) */
+static inline __attribute__((always_inline)) __m256i k23_word8(int q3, const uint8_t *b, int h, int j, int half, int w) {
+    const int qw = q3 ? 8 : 4;
+    const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
+    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), _mm256_set1_epi8(3));
+    if (!q3) return u;
+    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
+    const int at = 4 * h + j;
+    const __m256i hb = at >= 2 ? _mm256_srli_epi16(hv, at - 2) : _mm256_slli_epi16(hv, 2 - at);
+    return _mm256_or_si256(u, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
+}
+
 /* group g (16 elements) of super-block sb of half_k23's half hf (b: its bytes; s0-s2 Q3_K's scales): into is[r] its
  * integer sum times its scale, and Q2_K's mins' part into ms[r] (read in place) */
 static inline __attribute__((always_inline)) void k23_group(int q3, int xp, int rt, int g, int64_t K, int64_t sb, int hf, int hh,
@@ -687,9 +701,8 @@ static inline __attribute__((always_inline)) void k23_group(int q3, int xp, int 
                                                             const int32_t *xs, __m256i s0, __m256i s1, __m256i s2, __m256i *is,
                                                             __m256i *ms) {
     const int64_t ng = K / 16;
-    const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
-    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi32(15);
-    const __m256i zero = _mm256_setzero_si256();
+    const int bytes = q3 ? 110 : 84;
+    const __m256i m4 = _mm256_set1_epi32(15), zero = _mm256_setzero_si256();
     if (!hf0 && !xp) prefetch_part(b - 32 * hf, NP * bytes, 16 * hh + g, 16 * nh);
     const int h = g / 8, j = (g % 8) / 2, half = g % 2;
     const int8_t *xc = qx + sb * QK + 16 * g;
@@ -703,20 +716,7 @@ static inline __attribute__((always_inline)) void k23_group(int q3, int xp, int 
     __m256i a[RTA];
     for (int r = 0; r < rt; r++) a[r] = _mm256_setzero_si256();
     for (int w = 0; w < 4; w++) {
-        __m256i u;
-        if (xp) {
-            u = _mm256_load_si256((const __m256i *)(eg + w * 64));
-        } else {
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
-            u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
-            if (q3) {
-                /* the high bit (bit 4h + j of each byte of hv) moved to bit 2 of its byte by one shift */
-                const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
-                const int at = 4 * h + j;
-                const __m256i hb = at >= 2 ? _mm256_srli_epi16(hv, at - 2) : _mm256_slli_epi16(hv, 2 - at);
-                u = _mm256_or_si256(u, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
-            }
-        }
+        const __m256i u = xp ? _mm256_load_si256((const __m256i *)(eg + w * 64)) : k23_word8(q3, b, h, j, half, w);
         for (int r = 0; r < rt; r++) {
 #ifdef __AVXVNNI__
             a[r] = dp8(a[r], u, bcast4(xc + r * K + 4 * w));
@@ -815,8 +815,8 @@ static void expand_iq4xs(const uint8_t *pb, int64_t K, uint8_t *ex) {
 /* a Q3_K's or Q2_K's words into ex as AVX-512's expand_k23 lays them (K * 16 bytes, both halves), then the groups'
  * scales in vpmaddwd's form (K * 4) and pairs of groups' Q2_K mins or Q3_K scales as two int16 (K * 2) */
 static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
-    const int bytes = q3 ? 110 : 84, qw = q3 ? 8 : 4;
-    const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m4 = _mm256_set1_epi32(15);
+    const int bytes = q3 ? 110 : 84;
+    const __m256i m4 = _mm256_set1_epi32(15);
     for (int64_t sb = 0; sb < K / QK; sb++)
         for (int hf = 0; hf < 2; hf++) {
             const uint8_t *b = pb + sb * NP * bytes + 32 * hf;
@@ -842,15 +842,8 @@ static void expand_k23(int q3, const uint8_t *pb, int64_t K, uint8_t *ex) {
 #else
                 _mm256_store_si256((__m256i *)(e + (size_t)K * 16), _mm256_or_si256(lo16, _mm256_slli_epi32(sv, 16)));
 #endif
-                for (int w = 0; w < 4; w++) {
-                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (qw + 8 * h + 4 * half + w) * 64));
-                    __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m2);
-                    if (q3) {
-                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + (4 * half + w) * 64));
-                        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4 * h + j), m1), 2));
-                    }
-                    _mm256_store_si256((__m256i *)(ex + ((sb * 16 + g) * 4 + w) * 64 + 32 * hf), u);
-                }
+                for (int w = 0; w < 4; w++)
+                    _mm256_store_si256((__m256i *)(ex + ((sb * 16 + g) * 4 + w) * 64 + 32 * hf), k23_word8(q3, b, h, j, half, w));
             }
         }
 }
