@@ -82,14 +82,9 @@ static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -1
 #ifndef PF_AHEAD
 #define PF_AHEAD 3072
 #endif
-#define PREFETCH_AHEAD(b, bytes)                                              \
-    do {                                                                      \
-        for (int pf_ = 0; PF_AHEAD && pf_ < (bytes); pf_ += 64)               \
-            __builtin_prefetch((const char *)(b) + PF_AHEAD + pf_, 0, 3);     \
-    } while (0)
-/* part i of n of PREFETCH_AHEAD(b, bytes): c lines from line i * c (c = bytes / n, in lines, rounded up; the last
- * parts may reach past the block, into the next one's lines), for a kernel that asks for a block's lines a few at a
- * time through its loop over the block. Asked for all at the block's start, the requests beyond the core's miss
+/* part i of n of the lines PF_AHEAD bytes on from a block at b (bytes long): c lines from line i * c (c = bytes / n,
+ * in lines, rounded up; the last parts may reach past the block, into the next one's lines), for a kernel that asks
+ * for a block's lines a few at a time through its loop over the block. Asked for all at the block's start, the requests beyond the core's miss
  * buffers wait, and the kernel with them. On an AMD EPYC (Zen 3, AVX2 only; 2026-12-01), all of the 1.5B's linears
  * at one row, two threads, spread against at once (the AVX2 panels read in place; medians of 16, alternated in one
  * process): Q6_K 0.77x the time, Q5_K_M 0.83x, Q4_K_M 0.84x, IQ4_XS 0.85x, Q3_K_M 0.94x, Q4_0 and Q2_K 0.96-0.97x,
@@ -99,6 +94,8 @@ static inline __attribute__((always_inline)) void prefetch_part(const void *b, i
     const int c = (bytes + 64 * n - 1) / (64 * n);  /* lines a part: a constant, so i may vary at no cost */
     for (int l = 0; PF_AHEAD && l < c; l++) __builtin_prefetch((const char *)b + PF_AHEAD + (i * c + l) * 64, 0, 3);
 }
+/* the lines of a block's bytes PF_AHEAD on, all at once: its one part */
+#define PREFETCH_AHEAD(b, bytes) prefetch_part((b), (int)(bytes), 0, 1)
 #define MR 6     /* rows of x sharing each decoded super-block */
 
 /* elements and bytes of a block of the eight types gguf_to_groups converts (0: another type) */
