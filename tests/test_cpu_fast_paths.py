@@ -305,7 +305,9 @@ def test_fused_decode_loop_leaves_other_models_to_python(tiny_model_factory, nam
     assert llm.llm_engine.core.runner.model.fused_decode.steps == 0
 
 
-@pytest.mark.parametrize("heads", [6, 16])  # 3 and 8 query heads a kv head: one pass of the decode's rows, then two
+# 3, 7 and 8 query heads a kv head: one pass of the decode's rows, then two; AVX2's weighted V takes a token's rows
+# 3 or 2 at a time (7: 2 + 3 + 2, 8: 3 + 3 + 2)
+@pytest.mark.parametrize("heads", [6, 14, 16])
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_query_row_gets_the_same_attention_bits_however_its_prompt_was_cut(window, kv_dtype, heads):

@@ -35,6 +35,9 @@
 #if defined(__AVX512F__)
 #define SCORE_ROWS 8
 #define ROWS_8_TO_5(CALL) case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break;
+#elif defined(PAGEDLLM_AVX2)  /* 6 rows x 2 registers of sums, the tile's 2 and a broadcast: 15 of 16 */
+#define SCORE_ROWS 6
+#define ROWS_8_TO_5(CALL) case 6: CALL(6); break; case 5: CALL(5); break;
 #else
 #define SCORE_ROWS 4
 #define ROWS_8_TO_5(CALL)
@@ -204,6 +207,43 @@ static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *
 #undef ACC
     }
 }
+#elif defined(PAGEDLLM_AVX2)
+#define V_ROWS 3  /* AVX2: 3 rows x 4 registers of sums, 3 broadcasts and a V register: all 16 */
+/* accumulate() on elements [0, D) (D a multiple of 32) for rows i0 .. i0 + nr - 1 at once (acc rows lda apart,
+ * their weights p rows PF_KEYS apart, the same keys [lo, hi)), float32 V rows: each read once for all of them,
+ * the same multiply-adds in the same order per row */
+static inline __attribute__((always_inline)) void accumulate_nr(int nr, int i0, float *acc, int64_t lda, const float *p,
+                                                                 const float *const *vrows, int64_t lo, int64_t hi,
+                                                                 int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m256 a[V_ROWS][4];
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) a[i][c] = _mm256_loadu_ps(acc + (i0 + i) * lda + d0 + 8 * c);
+        for (int64_t t = lo; t < hi; t++) {
+            __m256 pt[V_ROWS];
+            for (int i = 0; i < nr; i++) pt[i] = _mm256_set1_ps(p[(i0 + i) * PF_KEYS + t]);
+            for (int c = 0; c < 4; c++) {
+                __m256 vt = _mm256_loadu_ps(vrows[t] + d0 + 8 * c);
+                __asm__("" : "+x"(vt));  /* one load for the rows, not one each folded into their multiply-adds */
+                for (int i = 0; i < nr; i++) a[i][c] = _mm256_fmadd_ps(pt[i], vt, a[i][c]);
+            }
+        }
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + (i0 + i) * lda + d0 + 8 * c, a[i][c]);
+    }
+}
+
+static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *p, const void *const *vrows, int kind,
+                                   const float *vs, int64_t lo, int64_t hi, int64_t D) {
+    (void)kind, (void)vs;  /* float32 rows only */
+    for (int i0 = 0, nr; i0 < n; i0 += nr) {
+        /* rows 3 at a time, or 2 where 3 would leave one row alone (4 multiply-add chains: half the FMA units) */
+        nr = n - i0 <= V_ROWS ? n - i0 : (n - i0) % 3 == 1 ? 2 : V_ROWS;
+#define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, (const float *const *)vrows, lo, hi, D)
+        switch (nr) { case 3: ACC(3); break; case 2: ACC(2); break; default: ACC(1); break; }
+#undef ACC
+    }
+}
 #endif
 
 /* acc += sum over t in [lo, hi) of p[t] * v_t. */
@@ -240,6 +280,14 @@ static inline void fold_weights(float *s, int64_t lo, int64_t hi, int64_t D, flo
 #if defined(__AVX512F__)
     if (hi - lo == 16) {
         const float tmax = _mm512_reduce_max_ps(_mm512_loadu_ps(s + lo));
+        bmax = tmax > bmax ? tmax : bmax;
+    } else
+#elif defined(PAGEDLLM_AVX2)
+    if (hi - lo == 16) {
+        const __m256 m8 = _mm256_max_ps(_mm256_loadu_ps(s + lo), _mm256_loadu_ps(s + lo + 8));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float tmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         bmax = tmax > bmax ? tmax : bmax;
     } else
 #endif
@@ -280,12 +328,13 @@ static inline __attribute__((always_inline)) void scores_rows(int mr, const floa
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(s[i], a[i]);
 #elif defined(PAGEDLLM_AVX2)
-    __m256 a[4][2];
-    for (int i = 0; i < mr; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    __m256 a[SCORE_ROWS][2];
+    const float *qr[SCORE_ROWS];
+    for (int i = 0; i < mr; i++) a[i][0] = a[i][1] = _mm256_setzero_ps(), qr[i] = q + i * D;
     for (int64_t d = 0; d < D; d++) {
         const __m256 k0 = _mm256_loadu_ps(kt + d * PF_KEYS), k1 = _mm256_loadu_ps(kt + d * PF_KEYS + 8);
         for (int i = 0; i < mr; i++) {
-            const __m256 qb = _mm256_set1_ps(q[i * D + d]);
+            const __m256 qb = _mm256_set1_ps(qr[i][d]);
             a[i][0] = _mm256_fmadd_ps(qb, k0, a[i][0]);
             a[i][1] = _mm256_fmadd_ps(qb, k1, a[i][1]);
         }
@@ -323,6 +372,14 @@ static inline void keys_tile(const float *const *krows, int64_t nk, int64_t D, f
         transpose16(r);
         for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (d0 + i) * PF_KEYS, r[i]);
     }
+#elif defined(PAGEDLLM_AVX2)
+    for (; d0 + 8 <= D; d0 += 8)  /* 8 x 8 at a time, each half of the keys */
+        for (int64_t j0 = 0; j0 < PF_KEYS; j0 += 8) {
+            __m256 r[8];
+            for (int64_t j = 0; j < 8; j++) r[j] = j0 + j < nk ? _mm256_loadu_ps(krows[j0 + j] + d0) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (d0 + i) * PF_KEYS + j0, r[i]);
+        }
 #endif
     for (int64_t d = d0; d < D; d++)
         for (int64_t j = 0; j < PF_KEYS; j++) kt[d * PF_KEYS + j] = j < nk ? krows[j][d] : 0.f;
@@ -699,7 +756,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *k, con
  * head and a tile of PF_TOKENS queries, i.e. PF_TOKENS * group rows that share every K / V row it
  * reads. It walks the blocks its tile can see (causal and window skips: blocks past its last query or
  * before its first query's window are never read), 16 keys at a time: the keys are transposed once, a
- * register-blocked product scores 8 rows (AVX2: 4) x 16 keys, scores past a row's own position or window become
+ * register-blocked product scores 8 rows (AVX2: 6) x 16 keys, scores past a row's own position or window become
  * -inf, and each row folds them into its running max, sum and weighted V (online softmax). */
 
 /* k, v: the cache's halves, token rows k_stride / v_stride elements apart (KVH * D, int8's KVH * (D + 4)); or a chunk's own fresh
@@ -803,7 +860,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *k, co
 #define SCORES(MR, R0, S)                                                                        \
     (kv_dtype == 3 ? tile_scores_q8(MR, qi + (R0) * D, qscale + (R0), qsum + (R0), k8, ks, D, S) \
                    : tile_scores(MR, qt + (R0) * D, kt, D, S))
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PAGEDLLM_AVX2)
                 if (D % 64 == 0) {  /* a token's rows (its query heads) share their keys: V read once for them */
                     for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS)
                         SCORES(rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS, r0, sbuf + r0);

@@ -44,6 +44,25 @@ DEFINE_EXP(exp8, 256, _mm256_round_ps)
 static inline __m256 bf16x8_to_f32(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+
+/* r[i] holds 8 floats of row i; after, r[j] holds element j of every row (lane i: row i's) */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 8; g += 4) {  /* s[g + e], 128-bit lane k: rows g .. g + 3 at element 4k + e */
+        s[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+        s[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xEE);
+        s[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+        s[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; e++) {  /* then the 2 x 2 transpose of 128-bit lanes */
+        r[e] = _mm256_permute2f128_ps(s[e], s[4 + e], 0x20);
+        r[4 + e] = _mm256_permute2f128_ps(s[e], s[4 + e], 0x31);
+    }
+}
 #endif
 
 #if defined(__AVX512F__)
