@@ -84,12 +84,13 @@ static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -1
 #endif
 /* part i of n of the lines PF_AHEAD bytes on from a block at b (bytes long): c lines from line i * c (c = bytes / n,
  * in lines, rounded up; the last parts may reach past the block, into the next one's lines), for a kernel that asks
- * for a block's lines a few at a time through its loop over the block. Asked for all at the block's start, the requests beyond the core's miss
- * buffers wait, and the kernel with them. On an AMD EPYC (Zen 3, AVX2 only; 2026-12-01), all of the 1.5B's linears
- * at one row, two threads, spread against at once (the AVX2 panels read in place; medians of 16, alternated in one
- * process): Q6_K 0.77x the time, Q5_K_M 0.83x, Q4_K_M 0.84x, IQ4_XS 0.85x, Q3_K_M 0.94x, Q4_0 and Q2_K 0.96-0.97x,
- * Q8_0 and IQ4_NL 1.0x; without any software prefetch Q6_K took 1.8x. The bounds of each part computed from i took
- * IQ4_NL to 1.24x and Q3_K_M to 1.04-1.15x where GCC keeps the loop (i not a constant) */
+ * for a block's lines a few at a time through its loop over the block. Asked for all at the block's start, the
+ * requests beyond the core's miss buffers wait, and the kernel with them. On an AMD EPYC (Zen 3, AVX2 only;
+ * 2026-12-01), all of the 1.5B's linears at one row, two threads, spread against at once (the AVX2 panels read in
+ * place; medians of 16, alternated in one process): Q6_K 0.77x the time, Q5_K_M 0.83x, Q4_K_M 0.84x, IQ4_XS 0.85x,
+ * Q3_K_M 0.94x, Q4_0 and Q2_K 0.96-0.97x, Q8_0 and IQ4_NL 1.0x; without any software prefetch Q6_K took 1.8x. The
+ * bounds of each part computed from i took IQ4_NL to 1.24x and Q3_K_M to 1.04-1.15x where GCC keeps the loop (i not
+ * a constant) */
 static inline __attribute__((always_inline)) void prefetch_part(const void *b, int bytes, int i, int n) {
     const int c = (bytes + 64 * n - 1) / (64 * n);  /* lines a part: a constant, so i may vary at no cost */
     for (int l = 0; PF_AHEAD && l < c; l++) __builtin_prefetch((const char *)b + PF_AHEAD + (i * c + l) * 64, 0, 3);

@@ -238,7 +238,7 @@ static inline void accumulate_rows(int n, float *acc, int64_t lda, const float *
     (void)kind, (void)vs;  /* float32 rows only */
     for (int i0 = 0, nr; i0 < n; i0 += nr) {
         /* rows 3 at a time, or 2 where 3 would leave one row alone (4 multiply-add chains: half the FMA units) */
-        nr = n - i0 <= V_ROWS ? n - i0 : (n - i0) % 3 == 1 ? 2 : V_ROWS;
+        nr = n - i0 <= V_ROWS ? n - i0 : (n - i0) % V_ROWS == 1 ? 2 : V_ROWS;
 #define ACC(NR) accumulate_nr(NR, i0, acc, lda, p, (const float *const *)vrows, lo, hi, D)
         switch (nr) { case 3: ACC(3); break; case 2: ACC(2); break; default: ACC(1); break; }
 #undef ACC
