@@ -11,7 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from utils import check_greedy_close, hf_greedy
+from utils import assert_fast_gguf_config_is_transformers_own, check_greedy_close, hf_greedy
 
 TOPK = 5
 # the float32 function of the file's blocks, so the reference is transformers' on the same file
@@ -109,10 +109,8 @@ def test_gemma3_config_read_fast_is_transformers_own(gemma_gguf, tmp_path):
     config is on a cache miss, give what transformers' legacy reader gives: it parses every vocabulary string first
     (17 s on this file's 262,144)."""
     import gguf
-    from transformers.integrations.gguf import read_gguf_metadata
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from pagedllm.model_loader.gguf_loader import gguf_config_dict, read_gguf_header
+    from pagedllm.model_loader.gguf_loader import read_gguf_header
 
     header = read_gguf_header(gemma_gguf)
     small = tmp_path / "gemma3-config.gguf"
@@ -134,8 +132,7 @@ def test_gemma3_config_read_fast_is_transformers_own(gemma_gguf, tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    fast = gguf_config_dict(*read_gguf_metadata(str(small)))
-    assert fast == load_gguf_checkpoint(str(small))["config"]
+    fast = assert_fast_gguf_config_is_transformers_own(small)
     assert fast["model_type"] == "gemma3_text" and fast["sliding_window"] == 512 and fast["vocab_size"] == 300
 
 

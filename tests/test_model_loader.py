@@ -30,7 +30,7 @@ from pagedllm.model_loader import (
 )
 from pagedllm.model_loader.gguf_loader import read_gguf_header
 
-from utils import make_tiny_model
+from utils import assert_fast_gguf_config_is_transformers_own, make_tiny_model
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -243,18 +243,8 @@ def test_gguf_config_matches_transformers_and_is_cached(default_src: ModelSource
     assert first.to_dict() == second.to_dict()
 
 
-def _assert_fast_config_dict_is_transformers_own(path: str) -> None:
-    """Our reading of the config metadata equals transformers' legacy (full-parse) reading."""
-    from transformers.integrations.gguf import read_gguf_metadata
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from pagedllm.model_loader.gguf_loader import gguf_config_dict
-
-    assert gguf_config_dict(*read_gguf_metadata(path)) == load_gguf_checkpoint(path)["config"]
-
-
 def test_default_gguf_fast_config_dict_is_transformers_own(default_src: ModelSource) -> None:
-    _assert_fast_config_dict_is_transformers_own(default_src.path)
+    assert_fast_gguf_config_is_transformers_own(default_src.path)
 
 
 def test_fast_gguf_weights_equal_gguf_dequantize(default_src: ModelSource) -> None:
@@ -368,7 +358,7 @@ def test_gguf_round_trip_restores_hf_weights(tmp_path: Path, kind: str, tie: boo
     config = load_config(src)
     assert config.model_type == kind
     assert config.tie_word_embeddings is tie
-    _assert_fast_config_dict_is_transformers_own(str(path))
+    assert_fast_gguf_config_is_transformers_own(str(path))
     for key in (
         "hidden_size",
         "num_hidden_layers",

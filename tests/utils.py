@@ -682,3 +682,16 @@ def kernels_at(level: str):
         finally:
             kernels.load.cache_clear(), kernels.try_load.cache_clear()
     assert kernels.load().level != level
+
+
+def assert_fast_gguf_config_is_transformers_own(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Our reading of a GGUF's config metadata (gguf_config_dict) equals transformers' legacy (full-parse) reading;
+    returns it."""
+    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from pagedllm.model_loader.gguf_loader import gguf_config_dict
+
+    fast = gguf_config_dict(*read_gguf_metadata(str(path)))
+    assert fast == load_gguf_checkpoint(str(path))["config"]
+    return fast
