@@ -186,11 +186,27 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
             for (int j0 = 0; j0 < 8; j0 += run) {
                 __m256i pl[RTA], ph[RTA];
                 for (int r = 0; r < rt; r++) pl[r] = ph[r] = _mm256_setzero_si256();
+                if (xp) {
+                    /* expanded: the run's low words against every row, then its high words. Each word is loaded once
+                     * and the registers hold a tile's sums of one kind; both words of a step at once, GCC ran out of
+                     * registers and loaded each word again for every row (Q5_K: 60 loads a run of 4 words at 4 rows,
+                     * 40 now). The same sums, each in the same order */
+#pragma GCC unroll 8
+                    for (int j = j0; j < j0 + run; j++) {
+                        const __m256i lo = q5k_word_at(1, b, eb, cc, 0, j);
+                        for (int r = 0; r < rt; r++) pl[r] = add_maddubs(pl[r], lo, xc + r * K + 4 * j);
+                    }
+#pragma GCC unroll 8
+                    for (int j = j0; j < j0 + run; j++) {
+                        const __m256i hi = q5k_word_at(1, b, eb, cc, 1, j);
+                        for (int r = 0; r < rt; r++) ph[r] = add_maddubs(ph[r], hi, xc + r * K + 32 + 4 * j);
+                    }
+                } else
 #pragma GCC unroll 8
                 for (int j = j0; j < j0 + run; j++) {
                     __m256i lo, hi;
-                    if (q5 || xp) {  /* xp: a load, Q4_K's too */
-                        lo = q5k_word_at(xp, b, eb, cc, 0, j), hi = q5k_word_at(xp, b, eb, cc, 1, j);
+                    if (q5) {  /* read in place */
+                        lo = q5k_word_at(0, b, eb, cc, 0, j), hi = q5k_word_at(0, b, eb, cc, 1, j);
                     } else {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
                         lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
