@@ -201,19 +201,20 @@ static inline __attribute__((always_inline)) void half_q4k(int q5, int xp, int r
                         const __m256i hi = q5k_word_at(1, b, eb, cc, 1, j);
                         for (int r = 0; r < rt; r++) ph[r] = add_maddubs(ph[r], hi, xc + r * K + 32 + 4 * j);
                     }
-                } else
+                } else {  /* read in place: both words of a step, decoded from the same bytes */
 #pragma GCC unroll 8
-                for (int j = j0; j < j0 + run; j++) {
-                    __m256i lo, hi;
-                    if (q5) {  /* read in place */
-                        lo = q5k_word_at(0, b, eb, cc, 0, j), hi = q5k_word_at(0, b, eb, cc, 1, j);
-                    } else {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
-                        lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    }
-                    for (int r = 0; r < rt; r++) {
-                        pl[r] = add_maddubs(pl[r], lo, xc + r * K + 4 * j);
-                        ph[r] = add_maddubs(ph[r], hi, xc + r * K + 32 + 4 * j);
+                    for (int j = j0; j < j0 + run; j++) {
+                        __m256i lo, hi;
+                        if (q5) {
+                            lo = q5k_word_at(0, b, eb, cc, 0, j), hi = q5k_word_at(0, b, eb, cc, 1, j);
+                        } else {
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                            lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        }
+                        for (int r = 0; r < rt; r++) {
+                            pl[r] = add_maddubs(pl[r], lo, xc + r * K + 4 * j);
+                            ph[r] = add_maddubs(ph[r], hi, xc + r * K + 32 + 4 * j);
+                        }
                     }
                 }
                 for (int r = 0; r < rt; r++) {
