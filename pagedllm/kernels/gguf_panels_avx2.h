@@ -598,6 +598,65 @@ static inline __attribute__((always_inline)) void half_q32(int type, int xp, int
         for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * (hf0 + hh), accs[hh][r]);
 }
 
+#ifndef __AVXVNNI__
+/* half_q32's sums for Q4_0's, Q4_1's, Q5_0's and Q5_1's expanded words (expand_q32) without AVX-VNNI, both halves
+ * of the panel in one pass: each broadcast of x's 4 bytes meets the 16 columns (two vpmaddubsw), where a pass a half
+ * broadcast it twice (a broadcast is a vector operation on Zen 3, and these tiles are held by the count of vector
+ * operations: about 4 a vpmaddubsw, llvm-mca's four FP pipes full). A block's words are summed in int16, all 8 for
+ * the nibbles (at most 16 * 15 * 127 = 30480 a lane), 4 at a time with the fifth bit (31496), so the nibbles take
+ * one vpmaddwd a block where half_q32 takes two. The float sums stay in memory (the registers hold the 2 * rt int16
+ * sums); each takes the same integer and the same float operations in the same order as in half_q32: the same bits */
+static inline __attribute__((always_inline)) void both_q32(int type, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
+                                                           const int8_t *qx, const int32_t *xs, const float *dx, float *y,
+                                                           int64_t ldy) {
+    const int64_t nb = K / 32;
+    const int pair_bytes = 32 * block_bytes_any(type), run = has_fifth(type) ? 4 : 8;
+    float accs[2][RTA * 8] __attribute__((aligned(32)));
+    for (int hf = 0; hf < 2; hf++)
+        for (int r = 0; r < rt; r++) _mm256_store_ps(accs[hf] + r * 8, _mm256_setzero_ps());
+    __asm__("" ::"r"(accs) : "memory");  /* in memory: the registers hold the int16 sums */
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *pair = pb + (g / 2) * pair_bytes;
+        const int h = g % 2;
+        __m256i a[2][RTA];
+        for (int w0 = 0; w0 < 8; w0 += run) {
+            __m256i p[2][RTA];
+            for (int hf = 0; hf < 2; hf++)
+                for (int r = 0; r < rt; r++) p[hf][r] = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int j = w0; j < w0 + run; j++) {
+                const __m256i v0 = _mm256_load_si256((const __m256i *)(ex + (8 * g + j) * 64));
+                const __m256i v1 = _mm256_load_si256((const __m256i *)(ex + (8 * g + j) * 64 + 32));
+                for (int r = 0; r < rt; r++) {
+                    const __m256i x = bcast4(qx + r * K + g * 32 + 4 * j);
+                    p[0][r] = _mm256_add_epi16(p[0][r], _mm256_maddubs_epi16(v0, x));
+                    p[1][r] = _mm256_add_epi16(p[1][r], _mm256_maddubs_epi16(v1, x));
+                    __asm__("" : "+x"(p[0][r]), "+x"(p[1][r]));  /* chains (add_maddubs) */
+                }
+            }
+            for (int hf = 0; hf < 2; hf++)
+                for (int r = 0; r < rt; r++) {
+                    const __m256i s = _mm256_madd_epi16(p[hf][r], _mm256_set1_epi16(1));
+                    a[hf][r] = w0 ? add32(a[hf][r], s) : s;
+                }
+        }
+        for (int hf = 0; hf < 2; hf++) {
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 32 * h + 16 * hf)));
+            const __m256 mv = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 64 + 32 * h + 16 * hf))) : dv;
+            for (int r = 0; r < rt; r++) {
+                const __m256i t = has_min(type) ? a[hf][r] : _mm256_sub_epi32(a[hf][r], _mm256_set1_epi32(xs[r * nb + g]));
+                __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nb + g])),
+                                             _mm256_load_ps(accs[hf] + r * 8));
+                if (has_min(type)) acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(dx[r * nb + g] * (float)xs[r * nb + g]), acc);
+                _mm256_store_ps(accs[hf] + r * 8, acc);
+            }
+        }
+    }
+    for (int hf = 0; hf < 2; hf++)
+        for (int r = 0; r < rt; r++) _mm256_storeu_ps(y + r * ldy + 8 * hf, _mm256_load_ps(accs[hf] + r * 8));
+}
+#endif
+
 /* half hf of a repacked IQ4_XS panel as packed_iq4xs of AVX-512 computes it. With AVX-VNNI the values + 128 (vpdpbusd)
  * less 128 sum(q_x); without, the signed values with their signs moved onto x (vpmaddubsw pairs of at most
  * 2 * 127 * 127): the same integer per sub-block */
@@ -898,6 +957,12 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
                                                               const int8_t *qx, const int32_t *xs, const int32_t *xs2,
                                                               const float *dx, float *y, int64_t ldy) {
     const int nh = rt <= BOTH_ROWS && !xp ? 2 : 1;  /* halves a pass: both in one, or one each */
+#ifndef __AVXVNNI__
+    if (xp && (type == P_Q4_0 || type == P_Q4_1 || type == P_Q5_0 || type == P_Q5_1)) {
+        both_q32(base_type(type), rt, K, pb, ex, qx, xs, dx, y, ldy);
+        return;
+    }
+#endif
     for (int hf = 0; hf < 2; hf += nh) {
         if (type == P_Q4_K || type == P_Q5_K) half_q4k(type == P_Q5_K, xp, rt, K, pb, ex, hf, nh, qx, xs2, dx, y, ldy);
         else if (type == P_Q6_K) half_q6k(xp, rt, K, pb, ex, hf, nh, qx, xs, xs2, dx, y, ldy);
@@ -921,6 +986,22 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
 #define Q32_EXPAND_ROWS 32
 #endif
 
+/* without AVX-VNNI, Q4_0's and Q4_1's expanded tiles are both_q32's, which pay from fewer rows: all the 1.5B's
+ * linears of a Q4_0 file, expanded against in place, alternated (2026-12-01, Zen 3): in place 0.91x the time at 9
+ * and 12 rows, 1.10x at 16, 1.14x at 24, 1.20x at 32 */
+#ifndef Q4_EXPAND_ROWS
+#define Q4_EXPAND_ROWS 12
+#endif
+
+/* rows of x above which a paired type's panels are expanded (expand_q32): Q8_0's never (its words are bytes) */
+static inline int q32_expand_rows(int type) {
+    if (has_fifth(type)) return EXPAND_ROWS;
+#ifndef __AVXVNNI__
+    if (type == Q4_0 || type == Q4_1) return Q4_EXPAND_ROWS;
+#endif
+    return Q32_EXPAND_ROWS;
+}
+
 /* tiles_T_XP (gguf_panels.h) for every type and XP here: tiles of RTA rows */
 #define TILE RTA
 #define TILE_CASES(T, XP) TILE_ROWS(T, XP, 4) TILE_ROWS(T, XP, 3) TILE_ROWS(T, XP, 2)
@@ -943,7 +1024,7 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     const int k23 = ptype == P_Q3_K || ptype == P_Q2_K;
     /* Q8_0's words are bytes already; Q4_0's, Q4_1's and IQ4_NL's cost two or three instructions each, so their
      * expansion pays from more rows than Q5_0's and Q5_1's (fifth bits) */
-    const int q32 = paired(type) && type != Q8_0 && M > (has_fifth(type) ? EXPAND_ROWS : Q32_EXPAND_ROWS);
+    const int q32 = paired(type) && type != Q8_0 && M > q32_expand_rows(type);
     const int expands = (ptype == P_Q4_K || ptype == P_Q5_K || ptype == P_Q6_K || ptype == P_IQ4_XS || k23 || q32) && M > EXPAND_ROWS;
     int failed = 0;
     const int32_t *xsa = xs;  /* what the tiles take as xs */
