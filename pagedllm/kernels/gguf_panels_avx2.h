@@ -599,52 +599,72 @@ static inline __attribute__((always_inline)) void half_q32(int type, int xp, int
 }
 
 #ifndef __AVXVNNI__
-/* half_q32's sums for Q4_0's, Q4_1's, Q5_0's and Q5_1's expanded words (expand_q32) without AVX-VNNI, both halves
- * of the panel in one pass: each broadcast of x's 4 bytes meets the 16 columns (two vpmaddubsw), where a pass a half
- * broadcast it twice (a broadcast is a vector operation on Zen 3, and these tiles are held by the count of vector
- * operations: about 4 a vpmaddubsw, llvm-mca's four FP pipes full). A block's words are summed in int16, all 8 for
- * the nibbles (at most 16 * 15 * 127 = 30480 a lane), 4 at a time with the fifth bit (31496), so the nibbles take
- * one vpmaddwd a block where half_q32 takes two. The float sums stay in memory (the registers hold the 2 * rt int16
- * sums); each takes the same integer and the same float operations in the same order as in half_q32: the same bits */
-static inline __attribute__((always_inline)) void both_q32(int type, int rt, int64_t K, const uint8_t *pb, const uint8_t *ex,
-                                                           const int8_t *qx, const int32_t *xs, const float *dx, float *y,
-                                                           int64_t ldy) {
+/* half_q32's sums without AVX-VNNI for the paired types' expanded words (expand_q32: Q4_0, Q4_1, Q5_0, Q5_1,
+ * IQ4_NL), both halves of the panel in one pass: each broadcast of x's 4 bytes meets
+ * the 16 columns, where a pass a half broadcast it twice (a broadcast is a vector operation on Zen 3, and these
+ * tiles are held by the count of vector operations: about 4 a vpmaddubsw, llvm-mca's four FP pipes full). The
+ * unsigned values' words are summed in int16, all 8 of a block for the nibbles (at most 16 * 15 * 127 = 30480 a
+ * lane), 4 at a time with the fifth bit (31496), so the nibbles take one vpmaddwd a block where half_q32 takes two;
+ * IQ4_NL's signed values take a vpmaddwd a word (|q| . sign(x, q), as half_q32). (Q8_0's words, read in place,
+ * took 1.04x the time this way at 128 rows: not used.) The float sums stay in
+ * memory (the registers hold the 2 * rt integer sums); each takes the same integer and the same float operations
+ * in the same order as in half_q32: the same bits */
+static inline __attribute__((always_inline)) void both_q32(int type, int rt, int64_t K, const uint8_t *pb,
+                                                           const uint8_t *ex, const int8_t *qx, const int32_t *xs,
+                                                           const float *dx, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
     const int pair_bytes = 32 * block_bytes_any(type), run = has_fifth(type) ? 4 : 8;
+    const int signs = type == IQ4_NL;
     float accs[2][RTA * 8] __attribute__((aligned(32)));
     for (int hf = 0; hf < 2; hf++)
         for (int r = 0; r < rt; r++) _mm256_store_ps(accs[hf] + r * 8, _mm256_setzero_ps());
-    __asm__("" ::"r"(accs) : "memory");  /* in memory: the registers hold the int16 sums */
+    __asm__("" ::"r"(accs) : "memory");  /* in memory: the registers hold the integer sums */
     for (int64_t g = 0; g < nb; g++) {
         const uint8_t *pair = pb + (g / 2) * pair_bytes;
         const int h = g % 2;
         __m256i a[2][RTA];
-        for (int w0 = 0; w0 < 8; w0 += run) {
-            __m256i p[2][RTA];
+        if (signs) {
             for (int hf = 0; hf < 2; hf++)
-                for (int r = 0; r < rt; r++) p[hf][r] = _mm256_setzero_si256();
+                for (int r = 0; r < rt; r++) a[hf][r] = _mm256_setzero_si256();
             #pragma GCC unroll 8
-            for (int j = w0; j < w0 + run; j++) {
-                const __m256i v0 = _mm256_load_si256((const __m256i *)(ex + (8 * g + j) * 64));
-                const __m256i v1 = _mm256_load_si256((const __m256i *)(ex + (8 * g + j) * 64 + 32));
+            for (int j = 0; j < 8; j++) {
+                const __m256i q0 = _mm256_xor_si256(q32_word_at(type, 1, pair, ex, g, 0, h, j), _mm256_set1_epi8((char)0x80));
+                const __m256i q1 = _mm256_xor_si256(q32_word_at(type, 1, pair, ex, g, 1, h, j), _mm256_set1_epi8((char)0x80));
+                const __m256i u0 = _mm256_abs_epi8(q0), u1 = _mm256_abs_epi8(q1);
                 for (int r = 0; r < rt; r++) {
                     const __m256i x = bcast4(qx + r * K + g * 32 + 4 * j);
-                    p[0][r] = _mm256_add_epi16(p[0][r], _mm256_maddubs_epi16(v0, x));
-                    p[1][r] = _mm256_add_epi16(p[1][r], _mm256_maddubs_epi16(v1, x));
-                    __asm__("" : "+x"(p[0][r]), "+x"(p[1][r]));  /* chains (add_maddubs) */
+                    a[0][r] = dp8(a[0][r], u0, _mm256_sign_epi8(x, q0));
+                    a[1][r] = dp8(a[1][r], u1, _mm256_sign_epi8(x, q1));
                 }
             }
-            for (int hf = 0; hf < 2; hf++)
-                for (int r = 0; r < rt; r++) {
-                    const __m256i s = _mm256_madd_epi16(p[hf][r], _mm256_set1_epi16(1));
-                    a[hf][r] = w0 ? add32(a[hf][r], s) : s;
+        } else {
+            for (int w0 = 0; w0 < 8; w0 += run) {
+                __m256i p[2][RTA];
+                for (int hf = 0; hf < 2; hf++)
+                    for (int r = 0; r < rt; r++) p[hf][r] = _mm256_setzero_si256();
+                #pragma GCC unroll 8
+                for (int j = w0; j < w0 + run; j++) {
+                    const __m256i v0 = q32_word_at(type, 1, pair, ex, g, 0, h, j);
+                    const __m256i v1 = q32_word_at(type, 1, pair, ex, g, 1, h, j);
+                    for (int r = 0; r < rt; r++) {
+                        const __m256i x = bcast4(qx + r * K + g * 32 + 4 * j);
+                        p[0][r] = _mm256_add_epi16(p[0][r], _mm256_maddubs_epi16(v0, x));
+                        p[1][r] = _mm256_add_epi16(p[1][r], _mm256_maddubs_epi16(v1, x));
+                        __asm__("" : "+x"(p[0][r]), "+x"(p[1][r]));  /* chains (add_maddubs) */
+                    }
                 }
+                for (int hf = 0; hf < 2; hf++)
+                    for (int r = 0; r < rt; r++) {
+                        const __m256i s = _mm256_madd_epi16(p[hf][r], _mm256_set1_epi16(1));
+                        a[hf][r] = w0 ? add32(a[hf][r], s) : s;
+                    }
+            }
         }
         for (int hf = 0; hf < 2; hf++) {
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 32 * h + 16 * hf)));
             const __m256 mv = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pair + 64 + 32 * h + 16 * hf))) : dv;
             for (int r = 0; r < rt; r++) {
-                const __m256i t = has_min(type) ? a[hf][r] : _mm256_sub_epi32(a[hf][r], _mm256_set1_epi32(xs[r * nb + g]));
+                const __m256i t = signs || has_min(type) ? a[hf][r] : _mm256_sub_epi32(a[hf][r], _mm256_set1_epi32(xs[r * nb + g]));
                 __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * nb + g])),
                                              _mm256_load_ps(accs[hf] + r * 8));
                 if (has_min(type)) acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(dx[r * nb + g] * (float)xs[r * nb + g]), acc);
@@ -958,7 +978,7 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
                                                               const float *dx, float *y, int64_t ldy) {
     const int nh = rt <= BOTH_ROWS && !xp ? 2 : 1;  /* halves a pass: both in one, or one each */
 #ifndef __AVXVNNI__
-    if (xp && (type == P_Q4_0 || type == P_Q4_1 || type == P_Q5_0 || type == P_Q5_1)) {
+    if (xp && (type == P_Q4_0 || type == P_Q4_1 || type == P_Q5_0 || type == P_Q5_1 || type == P_IQ4_NL)) {
         both_q32(base_type(type), rt, K, pb, ex, qx, xs, dx, y, ldy);
         return;
     }
@@ -978,28 +998,28 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
 #define EXPAND_ROWS 8
 #endif
 
-/* the same for Q4_0's, Q4_1's and IQ4_NL's panels (expand_q32). Two threads, 1536 x 8960, in place against expanded,
- * avx2 / avx2-vnni: Q4_0 155 / 116 and 182 / 138 GMAC/s at 9 rows, 145 / 141 and 183 / 180 at 24, 145 / 145 and 178
+/* the same for Q4_0's, Q4_1's and IQ4_NL's panels (expand_q32) with AVX-VNNI (without it: below). Measured before
+ * both_q32, two threads, 1536 x 8960, in place against expanded, avx2 / avx2-vnni: Q4_0 155 / 116 and 182 / 138 GMAC/s at 9 rows, 145 / 141 and 183 / 180 at 24, 145 / 145 and 178
  * / 181 at 32, 139 / 149 and 183 / 195 at 48; IQ4_NL about even to 24 rows, 169 / 188 at 32 with VNNI. Q5_0 and
  * Q5_1 gain from 9 rows: Q5_0 80 / 107 and 115 / 119 at 9, 85 / 131 and 130 / 161 at 16 */
 #ifndef Q32_EXPAND_ROWS
 #define Q32_EXPAND_ROWS 32
 #endif
 
-/* without AVX-VNNI, Q4_0's and Q4_1's expanded tiles are both_q32's, which pay from fewer rows: all the 1.5B's
- * linears of a Q4_0 file, expanded against in place, alternated (2026-12-01, Zen 3): in place 0.91x the time at 9
- * and 12 rows, 1.10x at 16, 1.14x at 24, 1.20x at 32 */
+/* without AVX-VNNI the expanded tiles are both_q32's, which pay from fewer rows. All the 1.5B's linears, in place
+ * against expanded, alternated (2026-12-01, Zen 3): a Q4_0 file's 0.91x the time at 9 and 12 rows, 1.10x at 16, 1.14x
+ * at 24, 1.20x at 32; an IQ4_NL file's 1.11x at 9, 1.34x at 12, 1.46x at 24, 1.52x at 32 (EXPAND_ROWS) */
 #ifndef Q4_EXPAND_ROWS
 #define Q4_EXPAND_ROWS 12
 #endif
 
 /* rows of x above which a paired type's panels are expanded (expand_q32): Q8_0's never (its words are bytes) */
 static inline int q32_expand_rows(int type) {
-    if (has_fifth(type)) return EXPAND_ROWS;
 #ifndef __AVXVNNI__
     if (type == Q4_0 || type == Q4_1) return Q4_EXPAND_ROWS;
+    if (type == IQ4_NL) return EXPAND_ROWS;
 #endif
-    return Q32_EXPAND_ROWS;
+    return has_fifth(type) ? EXPAND_ROWS : Q32_EXPAND_ROWS;
 }
 
 /* tiles_T_XP (gguf_panels.h) for every type and XP here: tiles of RTA rows */
@@ -1022,8 +1042,8 @@ static int gguf_gemm_q8(int ptype, const int8_t *qx, const float *dx, const int1
     int32_t *xs2, *xs = group_sums(type, bsums, M, K, &xs2);
     if (!xs) return -2;
     const int k23 = ptype == P_Q3_K || ptype == P_Q2_K;
-    /* Q8_0's words are bytes already; Q4_0's, Q4_1's and IQ4_NL's cost two or three instructions each, so their
-     * expansion pays from more rows than Q5_0's and Q5_1's (fifth bits) */
+    /* Q8_0's words are bytes already; Q4_0's, Q4_1's and IQ4_NL's cost two or three instructions each, so with
+     * AVX-VNNI their expansion pays from more rows than Q5_0's and Q5_1's (fifth bits): q32_expand_rows */
     const int q32 = paired(type) && type != Q8_0 && M > q32_expand_rows(type);
     const int expands = (ptype == P_Q4_K || ptype == P_Q5_K || ptype == P_Q6_K || ptype == P_IQ4_XS || k23 || q32) && M > EXPAND_ROWS;
     int failed = 0;
