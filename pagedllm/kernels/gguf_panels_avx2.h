@@ -600,15 +600,14 @@ static inline __attribute__((always_inline)) void half_q32(int type, int xp, int
 
 #ifndef __AVXVNNI__
 /* half_q32's sums without AVX-VNNI for the paired types' expanded words (expand_q32: Q4_0, Q4_1, Q5_0, Q5_1,
- * IQ4_NL), both halves of the panel in one pass: each broadcast of x's 4 bytes meets
- * the 16 columns, where a pass a half broadcast it twice (a broadcast is a vector operation on Zen 3, and these
- * tiles are held by the count of vector operations: about 4 a vpmaddubsw, llvm-mca's four FP pipes full). The
- * unsigned values' words are summed in int16, all 8 of a block for the nibbles (at most 16 * 15 * 127 = 30480 a
- * lane), 4 at a time with the fifth bit (31496), so the nibbles take one vpmaddwd a block where half_q32 takes two;
- * IQ4_NL's signed values take a vpmaddwd a word (|q| . sign(x, q), as half_q32). (Q8_0's words, read in place,
- * took 1.04x the time this way at 128 rows: not used.) The float sums stay in
- * memory (the registers hold the 2 * rt integer sums); each takes the same integer and the same float operations
- * in the same order as in half_q32: the same bits */
+ * IQ4_NL), both halves of the panel in one pass: each broadcast of x's 4 bytes meets the 16 columns, where a pass a
+ * half broadcast it twice (a broadcast is a vector operation on Zen 3, and these tiles are held by the count of
+ * vector operations: about 4 a vpmaddubsw, llvm-mca's four FP pipes full). The unsigned values' words are summed in
+ * int16, all 8 of a block for the nibbles (at most 16 * 15 * 127 = 30480 a lane), 4 at a time with the fifth bit
+ * (31496), so the nibbles take one vpmaddwd a block where half_q32 takes two; IQ4_NL's signed values take a vpmaddwd
+ * a word (|q| . sign(x, q), as half_q32). (Q8_0's words, read in place, took 1.04x the time this way at 128 rows:
+ * not used.) The float sums stay in memory (the registers hold the 2 * rt integer sums); each takes the same integer
+ * and the same float operations in the same order as in half_q32: the same bits */
 static inline __attribute__((always_inline)) void both_q32(int type, int rt, int64_t K, const uint8_t *pb,
                                                            const uint8_t *ex, const int8_t *qx, const int32_t *xs,
                                                            const float *dx, float *y, int64_t ldy) {
@@ -999,16 +998,18 @@ static inline __attribute__((always_inline)) void packed_rows(int type, int xp, 
 #endif
 
 /* the same for Q4_0's, Q4_1's and IQ4_NL's panels (expand_q32) with AVX-VNNI (without it: below). Measured before
- * both_q32, two threads, 1536 x 8960, in place against expanded, avx2 / avx2-vnni: Q4_0 155 / 116 and 182 / 138 GMAC/s at 9 rows, 145 / 141 and 183 / 180 at 24, 145 / 145 and 178
- * / 181 at 32, 139 / 149 and 183 / 195 at 48; IQ4_NL about even to 24 rows, 169 / 188 at 32 with VNNI. Q5_0 and
- * Q5_1 gain from 9 rows: Q5_0 80 / 107 and 115 / 119 at 9, 85 / 131 and 130 / 161 at 16 */
+ * both_q32, two threads, 1536 x 8960, in place against expanded, avx2 / avx2-vnni: Q4_0 155 / 116 and 182 / 138
+ * GMAC/s at 9 rows, 145 / 141 and 183 / 180 at 24, 145 / 145 and 178 / 181 at 32, 139 / 149 and 183 / 195 at 48;
+ * IQ4_NL about even to 24 rows, 169 / 188 at 32 with VNNI. Q5_0 and Q5_1 gain from 9 rows: Q5_0 80 / 107 and
+ * 115 / 119 at 9, 85 / 131 and 130 / 161 at 16 */
 #ifndef Q32_EXPAND_ROWS
 #define Q32_EXPAND_ROWS 32
 #endif
 
-/* without AVX-VNNI the expanded tiles are both_q32's, which pay from fewer rows. All the 1.5B's linears, in place
- * against expanded, alternated (2026-12-01, Zen 3): a Q4_0 file's 0.91x the time at 9 and 12 rows, 1.10x at 16, 1.14x
- * at 24, 1.20x at 32; an IQ4_NL file's 1.11x at 9, 1.34x at 12, 1.46x at 24, 1.52x at 32 (EXPAND_ROWS) */
+/* without AVX-VNNI the expanded tiles are both_q32's, which pay from fewer rows. All the 1.5B's linears read in
+ * place took, against expanded (alternated, 2026-12-01, Zen 3): a Q4_0 file's 0.91x the time at 9 and 12 rows, 1.10x
+ * at 16, 1.14x at 24, 1.20x at 32; an IQ4_NL file's 1.11x at 9, 1.34x at 12, 1.46x at 24, 1.52x at 32 (so
+ * EXPAND_ROWS) */
 #ifndef Q4_EXPAND_ROWS
 #define Q4_EXPAND_ROWS 12
 #endif
