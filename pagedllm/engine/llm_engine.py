@@ -19,6 +19,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.warmup import WARMUP_BLOCKS, warm_up
 from pagedllm.errors import InvalidParameterError
+from pagedllm.malloc_arena import share_main_arena
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -93,6 +94,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from pagedllm.model_loader import load_config, load_tokenizer, resolve_model
 
+        # before the threads below start (the kernels' build, the tokenizer's load, heartbeats): each would take an
+        # arena of its own, and keep what it freed there resident. The tokenizer's load left 70 of its arena's
+        # 106 MiB free and resident (the heap's trim threshold is 1 GiB: keep_activations_in_heap), which
+        # malloc_trim does not return from a thread's arena: the 1.5B's IQ4_XS and Q2_K files' peak RSS 30 and 66
+        # MiB lower. `pagedllm serve` and the CLI did this already (AsyncLLM: the engine thread's own arena)
+        share_main_arena()
         t0 = time.perf_counter()
         self.config = config
         self.startup_stages: dict[str, float] = {}  # seconds per start-up stage, in order
