@@ -426,9 +426,12 @@ def test_the_mlp_takes_a_long_chunk_in_runs_of_rows_and_its_tokens_are_unchanged
 ):
     """A prefill chunk's MLP runs ``MLP_ROWS`` rows at a time, so its intermediate activations (gate|up and the
     activation: 210 MiB for 2,048 rows of Qwen2.5-1.5B) are those of 256 rows at most. In the 'gguf' mode each row's
-    output is computed alone, so a 600-token prompt's logprobs are the same bits whole as in runs of 256 or 100."""
+    output is computed alone, so a 600-token prompt's logprobs are the same bits whole as in runs of 256 or 100. There,
+    gate|up and the activation are written into one buffer per thread (mlp._scratch, reused by every layer and
+    step): the same bits as in tensors of their own."""
     from pagedllm import kernels
     from pagedllm.layers import mlp
+    from pagedllm.layers.gguf_linear import GGUFLinear, StackedLinear
 
     if not kernels.load().gguf.has_panels:
         pytest.skip("one kernel at every row count needs the panels (AVX2 and up)")
@@ -440,6 +443,14 @@ def test_the_mlp_takes_a_long_chunk_in_runs_of_rows_and_its_tokens_are_unchanged
     monkeypatch.setattr(mlp.GatedMLP, "_local", lambda self, x: rows.append(x.shape[0]) or local(self, x))
     tok = str(smollm2_tokenizer_dir)
     llm = LLM(str(path), tokenizer=tok, max_model_len=1024, quantization="gguf", enable_prefix_caching=False)
+    buffers: list[int] = []  # the address of the buffer each call of the MLP was given
+
+    def scratch(rows, intermediate, scratch=mlp._scratch):
+        gate_up, act = scratch(rows, intermediate)
+        buffers.append(gate_up.untyped_storage().data_ptr())
+        return gate_up, act
+
+    monkeypatch.setattr(mlp, "_scratch", scratch)
     got = {}
     for run in (10**9, 256, 100):
         monkeypatch.setattr(mlp, "MLP_ROWS", run)
@@ -448,6 +459,13 @@ def test_the_mlp_takes_a_long_chunk_in_runs_of_rows_and_its_tokens_are_unchanged
         got[run] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         assert max(rows) == min(run, 940)  # the three prompts' 940 tokens in one step, or in runs
     assert got[256] == got[10**9] and got[100] == got[10**9]
+    # one buffer (grown to the 940 rows of the first step), reused by every layer and step of the three runs
+    assert len(buffers) >= 3 * 4 and len(set(buffers[len(buffers) // 3 :])) == 1, set(buffers)
+    for cls in (GGUFLinear, StackedLinear):  # gate|up and the activation in tensors of their own
+        monkeypatch.setattr(cls, "forward_into", None)
+    buffers.clear()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert not buffers and [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == got[10**9]
 
 
 @pytest.fixture(params=[level for level in isa.machine_levels() if level != "portable"])

@@ -293,10 +293,11 @@ class Kernels:
         )
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: [T, 2 I] float32 contiguous; returns silu(gate) * up, [T, I]."""
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """gate_up: [T, 2 I] float32 contiguous; returns silu(gate) * up, [T, I] (written into ``out`` where given:
+        float32 [T, I], contiguous)."""
         t, two_i = gate_up.shape
-        out = gate_up.new_empty(t, two_i // 2)
+        out = _output(out, gate_up, t, two_i // 2)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
         return out
 
@@ -637,13 +638,19 @@ class GGUFBlocks:
         _check_type(self._to_groups(qtype, src, n, k, q.data_ptr(), scales.data_ptr(), mins.data_ptr()), qtype)
         return kind, (q, scales, mins)
 
-    def matmul_a8(self, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous, rounded per activation_block(qtype), @ W^T: [M, N]; meant for few rows."""
-        return self._gemv(self._matmul_a8, qtype, x, raw)
+    def matmul_a8(
+        self, qtype: int, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] float32 contiguous, rounded per activation_block(qtype), @ W^T: [M, N] (into ``out`` where given:
+        float32 [M, N], contiguous); meant for few rows, or for any where W is in panels."""
+        return self._gemv(self._matmul_a8, qtype, x, raw, out)
 
-    def matmul_a8_parts(self, qtypes: list[int], x: torch.Tensor, raws: list[torch.Tensor]) -> torch.Tensor:
+    def matmul_a8_parts(
+        self, qtypes: list[int], x: torch.Tensor, raws: list[torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [M, K] float32 contiguous @ [W_0; W_1; ...]^T: [M, sum of N_p], part p's columns matmul_a8(qtypes[p],
-        x, raws[p]) bit for bit, with x rounded once per block size (a fused projection's shards, one call)."""
+        x, raws[p]) bit for bit, with x rounded once per block size (a fused projection's shards, one call); into
+        ``out`` where given, as matmul_a8."""
         for q in qtypes:  # the file's layout of a type read only in panels (Q4_0, Q4_1, Q5_K) is not multiplied either
             if q not in GGUF_BLOCKS and q not in GGUF_PANELS:
                 _check_type(-1, q)
@@ -654,7 +661,7 @@ class GGUFBlocks:
         types = (ctypes.c_int * n)(*qtypes)
         ptrs = (ctypes.c_void_p * n)(*(r.data_ptr() for r in raws))
         ns = (ctypes.c_int64 * n)(*(r.shape[0] for r in raws))
-        y = x.new_empty(x.shape[0], sum(r.shape[0] for r in raws))
+        y = _output(out, x, x.shape[0], sum(r.shape[0] for r in raws))
         rc = self._matmul_a8_parts(n, types, ptrs, ns, x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1])
         _check_type(rc, qtypes[0])  # only -2 (out of memory) is left: every type was checked above
         return y
@@ -673,11 +680,13 @@ class GGUFBlocks:
         _check_type(self._matmul_q8(qtype, *ptrs, m, n, k), qtype)
         return y
 
-    def _gemv(self, fn, qtype: int, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    def _gemv(
+        self, fn, qtype: int, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         k = self.in_features(qtype, raw)
         if x.shape[1] != k:
             raise ValueError(f"x has {x.shape[1]} features, the weight's rows {k}")
-        y = x.new_empty(x.shape[0], raw.shape[0])
+        y = _output(out, x, x.shape[0], raw.shape[0])
         _check_type(fn(qtype, x.data_ptr(), raw.data_ptr(), y.data_ptr(), x.shape[0], raw.shape[0], k), qtype)
         return y
 
@@ -734,6 +743,16 @@ class GGUFBlocks:
         w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[: n * k].view(n, k)
         _check_type(self._dequantize(qtype, raw.data_ptr(), w.data_ptr(), n, k), qtype)
         return w
+
+
+def _output(out: torch.Tensor | None, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A kernel's output [rows, cols] float32: ``out`` where given (checked: the kernel writes it by pointer), else
+    a new tensor on ``like``'s device."""
+    if out is None:
+        return like.new_empty(rows, cols)
+    if out.shape != (rows, cols) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{rows}, {cols}], got {out.dtype} {list(out.shape)}")
+    return out
 
 
 def _check_type(rc: int, qtype: int) -> None:

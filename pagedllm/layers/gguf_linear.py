@@ -114,6 +114,15 @@ class GGUFLinear(nn.Module):
         whole weight (other layouts past a few rows widen the weight at every call)."""
         return bool(self.activation_bits) and self.qtype in GGUF_PANELS and not self.lookup_only
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """forward(x) written into ``out`` (float32 [rows of x, out_features], contiguous), bit for bit; where
+        rows_alone and without a bias (GatedMLP's gate|up in a buffer it reuses)."""
+        if not self.rows_alone or self.bias is not None:
+            raise ValueError(
+                f"forward_into needs a weight in panels, int8 activations and no bias: {self.extra_repr()}"
+            )
+        return self._kernels.matmul_a8(self.qtype, x.contiguous(), self.raw, out=out)
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(W float32 [N, K], gguf's values bit for bit; the bias)."""
         return self._kernels.dequantize(self.qtype, self.raw), self.bias
@@ -248,6 +257,14 @@ class StackedLinear(nn.Module):
         else:
             y = torch.cat([p(x) for p in parts], dim=-1)
         return y if self.bias is None else y.add_(self.bias)
+
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """GGUFLinear.forward_into of the fused projection: every shard rows_alone, no bias."""
+        parts = cast(list[GGUFLinear], list(self.parts))
+        if not self.rows_alone or self.bias is not None or any(p.bias is not None for p in parts):
+            raise ValueError("forward_into needs every shard in panels with int8 activations, and no bias")
+        k = parts[0]._kernels
+        return k.matmul_a8_parts([p.qtype for p in parts], x.contiguous(), [p.raw for p in parts], out=out)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return torch.cat([cast(GGUFLinear, p).dequantized()[0] for p in self.parts]), self.bias
