@@ -76,15 +76,9 @@ class GatedMLP(nn.Module):
     def _local(self, x):
         """This rank's share of the block's output for rows x (before the all-reduce)."""
         into = getattr(self.gate_up_proj, "forward_into", None)
-        if (
-            into is not None
-            and x.dim() == 2
-            and x.dtype == torch.float32
-            and self.gate_up_proj.rows_alone
-            and self.gate_up_proj.bias is None
-        ):  # gate|up and the activation in this thread's buffer (_SCRATCH), the same bits
-            k = kernels.for_tensor(x)
-            assert k is not None  # GGUF panels run on the CPU kernels
+        k = kernels.for_tensor(x) if into is not None and x.dim() == 2 else None
+        if k is not None and self.gate_up_proj.rows_alone and self.gate_up_proj.bias is None:
+            # gate|up and the activation in this thread's buffer (_SCRATCH), the same bits
             gate_up, act = _scratch(x.shape[0], self.intermediate)
             into(x, gate_up)
             return self.down_proj(k.silu_mul(gate_up, out=act))
