@@ -97,8 +97,8 @@ class LLMEngine:
         # before the threads below start (the kernels' build, the tokenizer's load, heartbeats): each would take an
         # arena of its own, and keep what it freed there resident. The tokenizer's load left 70 of its arena's
         # 106 MiB free and resident (the heap's trim threshold is 1 GiB: keep_activations_in_heap), which
-        # malloc_trim does not return from a thread's arena: the 1.5B's IQ4_XS and Q2_K files' peak RSS 30 and 66
-        # MiB lower. `pagedllm serve` and the CLI did this already (AsyncLLM: the engine thread's own arena)
+        # malloc_trim does not return from a thread's arena: loaded, the 1.5B's IQ4_XS and Q2_K files now hold 43
+        # and 57 MiB less. `pagedllm serve` and the CLI did this already (AsyncLLM: the engine thread's own arena)
         share_main_arena()
         t0 = time.perf_counter()
         self.config = config
