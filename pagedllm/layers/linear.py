@@ -130,14 +130,21 @@ SMALL_BATCH = 8  # rows at most for the quantized linears' direct kernels; above
 _SCRATCH = threading.local()
 
 
+def thread_buffer(store: threading.local, numel: int) -> torch.Tensor:
+    """``store``'s float32 buffer for this thread, at least ``numel`` long: grown to the largest asked for, the
+    old one freed before the new one is made."""
+    buf = getattr(store, "buf", None)
+    if buf is None or buf.numel() < numel:
+        store.buf = None
+        buf = store.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
 def quantized_scratch(numel: int) -> torch.Tensor:
     """One float32 buffer per thread shared by every quantized linear's batched path, grown to the
     largest weight: a fresh allocation each call costs a page fault per 4 KiB on first touch, which
     for the head (113 MB) took longer than the unpacking itself."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
+    return thread_buffer(_SCRATCH, numel)
 
 
 def float_bias(bias: torch.Tensor | None) -> nn.Parameter | None:

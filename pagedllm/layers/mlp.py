@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm import kernels
 from pagedllm.distributed import ParallelState
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.layers.linear import thread_buffer
 
 # rows of x at a time through gate|up, the activation and down where both compute each row alone (GGUF panels): a
 # 512-token prefill chunk of Qwen2.5-1.5B holds 53 MiB of intermediate activations at once (gate|up 35, the
@@ -22,7 +23,8 @@ from pagedllm.errors import UnsupportedModelError
 MLP_ROWS = 256
 
 # gate|up and the activation of GatedMLP._local where gate|up computes each row alone (GGUF panels), per thread: one
-# float32 buffer grown to the largest call (a 256-row run of Qwen2.5-1.5B: 26 MiB), reused by every layer and step.
+# float32 buffer grown to the largest call (a 256-row run of Qwen2.5-1.5B: 26 MiB), reused by every layer and step;
+# not quantized_scratch's, which a down projection outside the panels widens its weight into while it reads this.
 # Allocated afresh at each call, the two (17.5 and 8.8 MiB) left holes in the C heap that the next ones did not fit:
 # a 512-token prefill of that model's Q2_K file grew the heap by 70 MiB where 16 more were in use after it
 _SCRATCH = threading.local()
@@ -32,10 +34,7 @@ def _scratch(rows: int, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate|up [rows, 2 intermediate], activation [rows, intermediate]): float32 views of this thread's buffer,
     valid until its next call."""
     need = 3 * rows * intermediate
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < need:
-        _SCRATCH.buf = None  # the old one freed before the new one is made
-        buf = _SCRATCH.buf = torch.empty(need, dtype=torch.float32)
+    buf = thread_buffer(_SCRATCH, need)
     split = 2 * rows * intermediate
     return buf[:split].view(rows, 2 * intermediate), buf[split:need].view(rows, intermediate)
 
