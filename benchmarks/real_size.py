@@ -2,7 +2,7 @@
 ``llama-bench`` (and optionally transformers) on the same file and the same threads.
 
     python benchmarks/real_size.py [--model qwen2.5-coder-1.5b-instruct-q4_k_m | FILE.gguf]
-        [--llama-bench PATH] [--modes gguf,gguf-exact] [--transformers] [--threads 2] [--level avx2]
+        [--llama-bench PATH] [--modes gguf,gguf-exact] [--transformers] [--threads 2] [--level avx2] [--rounds 1]
 
 Each engine runs in a process of its own, so its peak RSS (the kernel's ``ru_maxrss`` of that process) is its
 own. pagedllm's figures: the start (process start to engine ready, and to the first token of a one-token
@@ -23,6 +23,11 @@ it, and its AMX kernels crashed on one that grants it: ``--llama-args "--repack 
     cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
         -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF  (add -DGGML_AVX_VNNI=ON for avx2-vnni)
 
+``--rounds N`` runs llama.cpp and each mode N times in turn (llama.cpp, the modes, llama.cpp, the modes, ...) and
+reports each figure's median over the rounds and each ratio's median over the rounds' ratios: a machine whose speed
+drifts from one minute to the next (a shared host) then slows both sides of most ratios, where a single round can
+catch llama.cpp in a fast stretch and pagedllm in a slow one.
+
 Prints a table and JSON. Models named as in ``benchmarks/real_models.py`` are fetched (and checked) first.
 """
 
@@ -32,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -133,6 +139,31 @@ def _llama_bench(binary: str, model: str, threads: int, iters: int, extra: list[
     return got, rss
 
 
+FIGURES = ("ttft_128_ms", "ttft_512_ms", "decode_tok_s", "peak_rss_gib", "ready_s", "first_token_s")
+RATIOS = FIGURES[:4]  # against llama.cpp's, which has no start-up figures
+
+
+def summary(
+    rounds: list[dict[str, dict[str, float]]],
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[float]]]]:
+    """The rounds' results (engine -> figure -> value, one dict a round) as each engine's median of each figure,
+    and each engine's ratios to llama.cpp's figures of the same round (figure -> one ratio a round that had both)."""
+    medians: dict[str, dict[str, float]] = {}
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for name in dict.fromkeys(n for r in rounds for n in r):  # first seen, first listed
+        runs = [r[name] for r in rounds if name in r]
+        medians[name] = {}
+        for c in FIGURES:
+            if values := [run[c] for run in runs if c in run]:
+                medians[name][c] = statistics.median(values)
+        if name == "llama.cpp":
+            continue
+        pairs = [(r[name], r["llama.cpp"]) for r in rounds if name in r and "llama.cpp" in r]
+        if pairs:
+            ratios[name] = {c: [got[c] / ref[c] for got, ref in pairs if c in got and c in ref] for c in RATIOS}
+    return medians, ratios
+
+
 # what torch's own kernels (ATen) and oneDNN's GEMM may use at a pagedllm level below AVX-512 (each dispatches
 # to the best the CPU has otherwise: a float32 GEMM ran AVX-512 under --level avx2, 1.8x the AVX2 speed here)
 TORCH_ISA = {
@@ -155,6 +186,7 @@ def main() -> None:
     p.add_argument("--transformers", action="store_true", help="also transformers (float32, dequantized)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="each engine this many times, in turn; medians (see above)")
     p.add_argument("--level", default=None, help="pagedllm's kernel level ($PAGEDLLM_CPU_LEVEL); default the best")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="default", help=argparse.SUPPRESS)
@@ -178,45 +210,52 @@ def main() -> None:
         os.environ[isa.ENV] = args.level
         isa.chosen_level()  # a level this machine cannot run fails here, before anything is fetched
         os.environ.update(TORCH_ISA.get(args.level, {}))  # torch's own kernels, oneDNN's GEMM, at that level too
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     model = resolve(args.model)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    results: dict[str, dict[str, float]] = {}
+    rounds: list[dict[str, dict[str, float]]] = []
 
     def done(name: str, got: dict[str, float]) -> None:  # at once: an engine after it that fails cannot lose it
-        results[name] = got
-        print(f"{name}: {json.dumps(got)}", file=sys.stderr, flush=True)
+        rounds[-1][name] = got
+        tag = f"round {len(rounds)}: " if args.rounds > 1 else ""
+        print(f"{tag}{name}: {json.dumps(got)}", file=sys.stderr, flush=True)
 
-    if llama_bench:
-        got, rss = _llama_bench(llama_bench, model, args.threads, args.iters, shlex.split(args.llama_args))
-        done("llama.cpp", {**got, "peak_rss_gib": rss / 2**30})
     # the kernels compiled for the level (if not cached) in a process of its own: a build inside a measured one would
     # count the compiler's memory in its peak RSS (wait4's counts reaped children) and its seconds in ready_s
     subprocess.run([sys.executable, "-c", "from pagedllm import kernels; kernels.load()"], env=env, check=True)
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--child", "pagedllm", "--mode", mode, "--model", model]
-        out, rss = _run([*cmd, "--iters", str(args.iters)], env)
-        done(f"pagedllm {mode}", {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30})
-    if args.transformers:
-        cmd = [sys.executable, __file__, "--child", "transformers", "--model", model, "--iters", str(args.iters)]
-        out, rss = _run(cmd, env)
-        done("transformers", {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30})
-    cols = ("ttft_128_ms", "ttft_512_ms", "decode_tok_s", "peak_rss_gib", "ready_s", "first_token_s")
+    for k in range(args.rounds):
+        rounds.append({})
+        if llama_bench:
+            got, rss = _llama_bench(llama_bench, model, args.threads, args.iters, shlex.split(args.llama_args))
+            done("llama.cpp", {**got, "peak_rss_gib": rss / 2**30})
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--child", "pagedllm", "--mode", mode, "--model", model]
+            out, rss = _run([*cmd, "--iters", str(args.iters)], env)
+            done(f"pagedllm {mode}", {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30})
+        if args.transformers and not k:  # its float32 run is minutes, and far from every ratio that is close
+            cmd = [sys.executable, __file__, "--child", "transformers", "--model", model, "--iters", str(args.iters)]
+            out, rss = _run(cmd, env)
+            done("transformers", {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": rss / 2**30})
+    results, ratios = summary(rounds)
     level = f", pagedllm's kernels at the {args.level} level" if args.level else ""
-    print(f"{os.path.basename(model)}, {args.threads} threads{level}")
-    print("| engine | " + " | ".join(cols) + " |")
-    print("|---" * (len(cols) + 1) + "|")
+    medians = f", medians of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"{os.path.basename(model)}, {args.threads} threads{level}{medians}")
+    print("| engine | " + " | ".join(FIGURES) + " |")
+    print("|---" * (len(FIGURES) + 1) + "|")
     for name, r in results.items():
-        print(f"| {name} | " + " | ".join(f"{r[c]:.2f}" if c in r else "–" for c in cols) + " |")
-    if "llama.cpp" in results:
-        ref = results["llama.cpp"]
-        for name, r in results.items():
-            if name != "llama.cpp":
-                ratio = {c: r[c] / ref[c] for c in cols[:4]}
-                print(
-                    f"{name}: decode {ratio['decode_tok_s']:.2f}x llama.cpp, TTFT 128 {ratio['ttft_128_ms']:.2f}x, "
-                    f"TTFT 512 {ratio['ttft_512_ms']:.2f}x, peak RSS {ratio['peak_rss_gib']:.2f}x"
-                )
-    print(json.dumps({"model": model, "threads": args.threads, "results": results}, indent=1))
+        print(f"| {name} | " + " | ".join(f"{r[c]:.2f}" if c in r else "–" for c in FIGURES) + " |")
+    for name, by in ratios.items():
+        ratio = {c: statistics.median(v) if v else float("nan") for c, v in by.items()}
+        print(
+            f"{name}: decode {ratio['decode_tok_s']:.2f}x llama.cpp, TTFT 128 {ratio['ttft_128_ms']:.2f}x, "
+            f"TTFT 512 {ratio['ttft_512_ms']:.2f}x, peak RSS {ratio['peak_rss_gib']:.2f}x"
+            + (" (medians of the rounds' ratios)" if args.rounds > 1 else "")
+        )
+        if args.rounds > 1:
+            for c, v in by.items():
+                print(f"  {c}: " + " ".join(f"{x:.2f}" for x in v))
+    print(json.dumps({"model": model, "threads": args.threads, "results": results, "rounds": rounds}, indent=1))
 
 
 if __name__ == "__main__":
