@@ -8,7 +8,7 @@ weights, saved as ordinary Hugging Face directories with transformers' own class
 
 No small vision-language model with trained weights installs here (no package on PyPI ships a vision tower's
 weights), so the checkpoints are built the way transformers' own tests build theirs. ``llava`` joins
-SmolLM2-135M-Instruct (the embedded GGUF, dequantized by transformers) to a small CLIP or SigLIP tower: the
+SmolLM2-135M-Instruct (the embedded GGUF, dequantized as transformers does) to a small CLIP or SigLIP tower: the
 whole image path (processing, tower, projector, merging into the text, decoding) can be compared with
 transformers' class on the same directory. ``qwen2_vl`` joins SmolLM2 (as a Qwen2-VL text model: its q/k/v biases
 zero) or Qwen2.5-Coder-0.5B-Instruct (``benchmarks/real_models.py fetch``) to a small Qwen2-VL tower and patch
@@ -19,7 +19,7 @@ SigLIP tower and Gemma 3's pooling projector. An answer cannot describe the imag
 from __future__ import annotations
 
 import argparse
-import os
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +84,26 @@ def _load_language_model(model: Any, text_model: Any, zero_missing_biases: bool 
 
 
 def smollm2_text_model() -> Any:
-    """SmolLM2-135M-Instruct from the embedded GGUF, as transformers loads it (float32)."""
+    """SmolLM2-135M-Instruct from the embedded GGUF as transformers' ``LlamaForCausalLM`` (float32): the config
+    ``AutoConfig(gguf_file=...)`` gives it and the weights pagedllm's reader dequantizes, which are transformers' own
+    load of the file tensor for tensor (``tests/test_model_loader.py`` checks both). That load parses the file's
+    metadata twice and maps its tensor names one by one: about 40 s on a slow CPU, where this takes a few."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedllm.model_loader import default_model_path
+    from pagedllm.model_loader import iter_weights, load_config, resolve_model
 
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    src = resolve_model(None)
+    fields = load_config(src).to_dict()
+    fields.pop("_name_or_path", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(dict(iter_weights(src)), strict=False)
+    tied = model.config.tie_word_embeddings
+    if unexpected or set(missing) != ({"lm_head.weight"} if tied else set()):
+        raise RuntimeError(f"SmolLM2's GGUF against {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+    if tied:
+        model.tie_weights()
+    return model.eval()
 
 
 def build_llava(out: Path, text_model: Any = None, vision: str = "clip", seed: int = 0, image_size: int = 64) -> Path:
@@ -134,7 +144,7 @@ def build_llava(out: Path, text_model: Any = None, vision: str = "clip", seed: i
         strategy, extra = "full", 0
     else:
         raise ValueError(f"vision={vision!r}: clip or siglip")
-    text_config = text_model.config
+    text_config = copy.deepcopy(text_model.config)  # LlavaConfig keeps it: the caller's model stays as it was
     for noise in ("quantization_config", "_name_or_path", "_model_name_or_path"):  # the GGUF's, not this model's
         if hasattr(text_config, noise):
             delattr(text_config, noise)

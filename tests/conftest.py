@@ -264,6 +264,16 @@ def smollm2_hf_model() -> Any:
 
 
 @pytest.fixture(scope="session")
+def smollm2_text_model() -> Any:
+    """SmolLM2 as transformers' class with the same weights as ``smollm2_hf_model``, built in a few seconds
+    (``benchmarks/vision_models.py``'s builder: pagedllm's reader, checked against transformers' own load in
+    test_model_loader.py): for tests that need the weights in that form, not transformers' load as a reference."""
+    from utils import benchmark_module
+
+    return benchmark_module("vision_models").smollm2_text_model()
+
+
+@pytest.fixture(scope="session")
 def qwen_0_5b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2.5-Coder-0.5B-Instruct's GGUF: the file the test command fetched (found through PAGEDLLM_MODELS_DIR),
     checked by sha256, or a fresh fetch into this session's temp folder."""

@@ -216,6 +216,24 @@ def test_gguf_weights_equal_transformers_gguf_state_dict(
     assert gguf_weights["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
 
 
+def test_the_vision_builders_smollm2_is_transformers_own_load(smollm2_text_model, smollm2_hf_model) -> None:
+    """benchmarks/vision_models.py builds SmolLM2 from pagedllm's config and weights (seconds, where transformers'
+    load of the GGUF takes up to 40): the same class, config, tensors (the tied head shared) and logits."""
+    got, want = smollm2_text_model, smollm2_hf_model
+    assert type(got) is type(want)
+    noise = {"quantization_config", "_name_or_path"}  # the GGUF's, which the builders drop
+    g, w = got.config.to_dict(), want.config.to_dict()
+    assert {k: v for k, v in g.items() if k not in noise} == {k: v for k, v in w.items() if k not in noise}
+    gs, ws = got.state_dict(), want.state_dict()
+    assert sorted(gs) == sorted(ws)
+    for name, tensor in ws.items():
+        assert torch.equal(gs[name], tensor), name
+    assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[1, 504, 3458, 314, 4649, 42]])
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
 def test_gguf_config_matches_transformers_and_is_cached(default_src: ModelSource) -> None:
     from transformers import AutoConfig
 

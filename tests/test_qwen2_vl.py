@@ -50,9 +50,9 @@ INPUTS = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, i
 
 
 @pytest.fixture(scope="module")
-def qwen2_vl_dir(module_tmp: Any, smollm2_hf_model: Any) -> str:
+def qwen2_vl_dir(module_tmp: Any, smollm2_text_model: Any) -> str:
     vm = benchmark_module("vision_models")
-    return str(vm.build_qwen2_vl(module_tmp("qwen2_vl"), text_model=smollm2_hf_model))
+    return str(vm.build_qwen2_vl(module_tmp("qwen2_vl"), text_model=smollm2_text_model))
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +100,11 @@ def test_qwen2_vl_greedy_matches_transformers_with_m_rope_on_images_of_every_siz
     _matches_transformers(qwen2_vl_dir, reference[0])
 
 
-def test_qwen2_5_vl_windowed_tower_matches_transformers_also_in_chunks(tmp_path: Path, smollm2_hf_model: Any) -> None:
+def test_qwen2_5_vl_windowed_tower_matches_transformers_also_in_chunks(tmp_path: Path, smollm2_text_model: Any) -> None:
     """Qwen2.5-VL's tower: RMSNorm and gated-MLP blocks, two of four attending within windows of 2x2 merged
     tokens (every image here spans several, the edge ones cut short); the text side is Qwen2-VL's."""
     vm = benchmark_module("vision_models")
-    path = str(vm.build_qwen2_vl(tmp_path / "qwen2_5_vl", text_model=smollm2_hf_model, version="2.5"))
+    path = str(vm.build_qwen2_vl(tmp_path / "qwen2_5_vl", text_model=smollm2_text_model, version="2.5"))
     llm = LLM(path, max_model_len=1024, enable_prefix_caching=False, enable_chunked_prefill=False)
     outs = llm.generate(INPUTS, GREEDY, use_tqdm=False)
     _matches_transformers(path, outs)

@@ -45,9 +45,9 @@ def _data_url(image: Any, fmt: str = "PNG") -> str:
 
 
 @pytest.fixture(scope="module")
-def llava_dir(module_tmp: Any, smollm2_hf_model: Any) -> str:
+def llava_dir(module_tmp: Any, smollm2_text_model: Any) -> str:
     vm = benchmark_module("vision_models")
-    return str(vm.build_llava(module_tmp("llava"), text_model=smollm2_hf_model))
+    return str(vm.build_llava(module_tmp("llava"), text_model=smollm2_text_model))
 
 
 @pytest.fixture(scope="module")
