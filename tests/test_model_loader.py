@@ -224,10 +224,7 @@ def test_the_vision_builders_smollm2_is_transformers_own_load(smollm2_text_model
     noise = {"quantization_config", "_name_or_path"}  # the GGUF's, which the builders drop
     g, w = got.config.to_dict(), want.config.to_dict()
     assert {k: v for k, v in g.items() if k not in noise} == {k: v for k, v in w.items() if k not in noise}
-    gs, ws = got.state_dict(), want.state_dict()
-    assert sorted(gs) == sorted(ws)
-    for name, tensor in ws.items():
-        assert torch.equal(gs[name], tensor), name
+    _assert_same_tensors(got.state_dict(), want.state_dict())
     assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
     ids = torch.tensor([[1, 504, 3458, 314, 4649, 42]])
     with torch.no_grad():
